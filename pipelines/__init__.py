@@ -1,0 +1,1 @@
+"""Entry points and shared contracts (config, tracking, data) of the training pipelines."""

@@ -1,0 +1,161 @@
+"""Config: Hydra composes `conf/`, dataclass schemas validate it, before Ray or MLflow is touched.
+
+Every error is a `ConfigError` whose message starts with the offending key; the CLI prints it on one
+line and exits with code 2.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the key."""
+
+
+@dataclass
+class TrainerConfig:
+    backend: str = "ddp"
+    num_workers: int = 2
+    threads_per_worker: int = 1
+    use_gpu: bool = False
+    batch_size: int = 128
+    lr: float = 1e-3
+    optimizer: str = "adam"
+    epochs: int = 2
+
+
+@dataclass
+class DataConfig:
+    name: str = "mnist"
+    path: str = "data/mnist/parquet"
+    cache_in_worker: bool = True
+
+
+@dataclass
+class MLPConfig:
+    name: str = "mlp"
+    hidden: list[int] = field(default_factory=lambda: [512, 256])
+    dropout: float = 0.1
+
+
+@dataclass
+class CNNConfig:
+    name: str = "cnn"
+    channels: list[int] = field(default_factory=lambda: [32, 64])
+    hidden: int = 128
+    dropout: float = 0.25
+
+
+@dataclass
+class RunSection:
+    experiment: str = "ray-train-pipelines"
+    name: Optional[str] = None
+    seed: int = 0
+    storage_path: str = "outputs/ray"
+    dump_params_dir: Optional[str] = None
+
+
+@dataclass
+class FaultConfig:
+    max_failures: int = 1
+    inject_at_epoch: Optional[int] = None
+    inject_marker: Optional[str] = None
+
+
+MODEL_SCHEMAS: dict[str, type] = {"mlp": MLPConfig, "cnn": CNNConfig}
+DATA_NAMES = ("mnist",)
+OPTIMIZERS = ("adam", "sgd")
+POSITIVE = ("trainer.num_workers", "trainer.threads_per_worker", "trainer.batch_size", "trainer.lr",
+            "trainer.epochs")
+
+
+def _schema_for(cfg: DictConfig) -> DictConfig:
+    model_name = OmegaConf.select(cfg, "model.name")
+    if model_name not in MODEL_SCHEMAS:
+        raise ConfigError(f"model.name: unknown model '{model_name}' (choices: {sorted(MODEL_SCHEMAS)})")
+    return OmegaConf.create({
+        "trainer": OmegaConf.structured(TrainerConfig),
+        "data": OmegaConf.structured(DataConfig),
+        "model": OmegaConf.structured(MODEL_SCHEMAS[model_name]),
+        "run": OmegaConf.structured(RunSection),
+        "fault": OmegaConf.structured(FaultConfig),
+    })
+
+
+def _compose(overrides: list[str]) -> DictConfig:
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return compose(config_name="config", overrides=overrides)
+    except HydraException as err:
+        first_line = str(err).strip().splitlines()[0]
+        raise ConfigError(f"overrides: {first_line}") from err
+
+
+def _check_values(cfg: DictConfig) -> None:
+    from trainers import BACKENDS  # light import: the registry names modules, it does not import them
+
+    for key in POSITIVE:
+        if OmegaConf.select(cfg, key) <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {OmegaConf.select(cfg, key)}")
+    if cfg.trainer.backend not in BACKENDS:
+        raise ConfigError(f"trainer.backend: unknown backend '{cfg.trainer.backend}' (choices: {sorted(BACKENDS)})")
+    if cfg.trainer.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"trainer.optimizer: unknown optimizer '{cfg.trainer.optimizer}' (choices: {OPTIMIZERS})")
+    if cfg.data.name not in DATA_NAMES:
+        raise ConfigError(f"data.name: unknown dataset '{cfg.data.name}' (choices: {DATA_NAMES})")
+    if cfg.fault.max_failures < 0:
+        raise ConfigError(f"fault.max_failures: must be >= 0, got {cfg.fault.max_failures}")
+    if not 0 <= cfg.model.dropout < 1:
+        raise ConfigError(f"model.dropout: must be in [0, 1), got {cfg.model.dropout}")
+    if not (Path(cfg.data.path) / "manifest.json").is_file():
+        raise ConfigError(f"data.path: no prepared dataset at '{cfg.data.path}' (missing manifest.json); "
+                          f"run `python -m pipelines.prepare {cfg.data.name} --out {cfg.data.path}`")
+
+
+def _absolutise_paths(cfg: DictConfig) -> None:
+    # The job may run from a copy of the repo (ray job --working-dir): pin paths to where they were given.
+    cfg.data.path = str(Path(cfg.data.path).expanduser().resolve())
+    cfg.run.storage_path = str(Path(cfg.run.storage_path).expanduser().resolve())
+    if cfg.run.dump_params_dir:
+        cfg.run.dump_params_dir = str(Path(cfg.run.dump_params_dir).expanduser().resolve())
+
+
+def load_config(overrides: list[str]) -> DictConfig:
+    """Compose `conf/` with Hydra-style overrides and validate; returns a resolved, read-only config."""
+    raw = _compose(overrides)
+    try:
+        cfg = OmegaConf.merge(_schema_for(raw), raw)
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "config"
+        message = str(err).strip().splitlines()[0]
+        raise ConfigError(f"{key}: {message}") from err
+    _check_values(cfg)
+    _absolutise_paths(cfg)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def flatten(cfg: DictConfig) -> dict[str, Any]:
+    """`{"trainer.lr": 0.001, ...}` for MLflow params."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{prefix}.{key}" if prefix else str(key))
+        else:
+            out[prefix] = node
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return out

@@ -1,0 +1,1 @@
+"""Raw dataset formats -> Parquet shards -> Ray Data datasets."""

@@ -1,0 +1,39 @@
+"""MNIST classifiers. Inputs are normalised float images, either [B, 784] or [B, 1, 28, 28]."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: list[int], dropout: float = 0.0, in_features: int = 784, classes: int = 10):
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = in_features
+        for size in hidden:
+            layers += [nn.Linear(width, size), nn.ReLU(), nn.Dropout(dropout)]
+            width = size
+        layers.append(nn.Linear(width, classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.flatten(1))  # (B, 784) -> (B, classes)
+
+
+class CNN(nn.Module):
+    """Two conv-relu-pool blocks then a dense head; small enough to train on CPUs."""
+
+    def __init__(self, channels: list[int], hidden: int = 128, dropout: float = 0.25, classes: int = 10):
+        super().__init__()
+        c1, c2 = channels
+        self.features = nn.Sequential(
+            nn.Conv2d(1, c1, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),   # (B, c1, 14, 14)
+            nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # (B, c2, 7, 7)
+        )
+        self.head = nn.Sequential(
+            nn.Flatten(), nn.Dropout(dropout), nn.Linear(c2 * 7 * 7, hidden), nn.ReLU(),
+            nn.Dropout(dropout), nn.Linear(hidden, classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x.reshape(-1, 1, 28, 28)))

@@ -1,0 +1,81 @@
+"""PyTorch DistributedDataParallel on Ray Train (`TorchTrainer`): gloo on CPU, NCCL on GPU."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from trainers.models import build_model
+from trainers import torch_common as tc
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    import ray.train
+    import ray.train.torch
+
+    from pipelines.tracking import EpochLogger
+
+    cfg = OmegaConf.create(config["cfg"])
+    torch.set_num_threads(cfg.trainer.threads_per_worker)
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    torch.manual_seed(cfg.run.seed)  # same initial weights on every rank (DDP also broadcasts them)
+
+    model = build_model(cfg.model)
+    optimizer = tc.make_optimizer(model, cfg.trainer.optimizer, cfg.trainer.lr)
+    start_epoch = 1
+    state = tc.load_checkpoint(ray.train.get_checkpoint())
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start_epoch = state["epoch"] + 1
+    model = ray.train.torch.prepare_model(model)  # wraps in DDP when world_size > 1
+    device = ray.train.torch.get_device()
+
+    seed = cfg.run.seed + 1000 * rank
+    train = tc.ShardBatches(ray.train.get_dataset_shard("train"), cfg.trainer.batch_size,
+                            cfg.data.cache_in_worker, seed)
+    test = tc.ShardBatches(ray.train.get_dataset_shard("test"), 1024, cfg.data.cache_in_worker, seed)
+    logger = EpochLogger(config["tracking_uri"], config["run_id"]) if rank == 0 else None
+    if logger is not None and state is not None:
+        logger.log(state["epoch"], state["metrics"])  # in case the failure hit between report and log
+
+    for epoch in range(start_epoch, cfg.trainer.epochs + 1):
+        tc.maybe_inject_failure(cfg.fault, epoch, rank, world_size)
+        stats = tc.train_epoch(model, optimizer, train.epoch(epoch), device)
+        correct, total = tc.count_correct(model, test.epoch(epoch, shuffle=False), device)
+        metrics = tc.epoch_metrics(stats, correct, total)
+        if epoch == start_epoch:
+            metrics["data_load_s"] = train.load_s + test.load_s
+        tc.report_epoch(metrics, model, optimizer, epoch, rank)
+        if logger is not None:
+            logger.log(epoch, metrics)
+    tc.dump_params(cfg.run.dump_params_dir, model, rank)
+
+
+def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    use_gpu = cfg.trainer.use_gpu
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"cfg": OmegaConf.to_container(cfg, resolve=True), "run_id": run_id,
+                           "tracking_uri": tracking_uri},
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=cfg.trainer.num_workers, use_gpu=use_gpu,
+                                     resources_per_worker={"CPU": cfg.trainer.threads_per_worker}),
+        run_config=RunConfig(name=f"run-{run_id}", storage_path=cfg.run.storage_path,
+                             failure_config=FailureConfig(max_failures=cfg.fault.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
+        datasets=datasets,
+    )
+
+
+def load_final_model(cfg: DictConfig, checkpoint: Any) -> tuple[torch.nn.Module, Any]:
+    """The trained model from the final checkpoint, and an input example for MLflow's signature."""
+    model = build_model(cfg.model)
+    model.load_state_dict(tc.load_checkpoint(checkpoint)["model"])
+    return model.eval(), np.zeros((2, 784), dtype=np.float32)
