@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Start or stop a one-node Ray head on loopback, with its own temp dir and ports, so that it can live
+# beside other Ray clusters on the same machine (we never run `ray stop`: it stops every cluster).
+#
+#   ray-local.sh start STATE_DIR [NUM_CPUS]   writes STATE_DIR/ray.env (RAY_ADDRESS, RAY_DASHBOARD_ADDRESS, ...)
+#   ray-local.sh stop STATE_DIR               stops exactly the processes of that head, removes its temp dir
+#
+# Ports: RAY_BASE_PORT (default 26000) and the next 9 ports, plus worker ports BASE+100..BASE+199.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export PATH="$PWD/.venv/bin:$PATH"
+# Ray 2.60 turns on token auth when ~/.ray/auth_token exists; a loopback-only dev head does without.
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+
+action=${1:?usage: ray-local.sh start|stop STATE_DIR [NUM_CPUS]}
+state_dir=${2:?usage: ray-local.sh start|stop STATE_DIR [NUM_CPUS]}
+mkdir -p "$state_dir"
+state_dir=$(cd "$state_dir" && pwd)
+
+start() {
+  local cpus=${1:-4} base=${RAY_BASE_PORT:-26000}
+  # Short path: Ray's unix sockets live under the temp dir and their paths are limited to 107 bytes.
+  local temp_dir
+  temp_dir=$(mktemp -d /tmp/ray-XXXXXX)
+  echo "$temp_dir" > "$state_dir/temp_dir"
+  # setsid: the head and every process it spawns share one new session, which `stop` ends.
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} setsid bash -c 'echo $$ > "$0"; exec "$@"' "$state_dir/sid" \
+    ray start --head --disable-usage-stats \
+    --node-ip-address 127.0.0.1 --dashboard-host 127.0.0.1 --temp-dir "$temp_dir" --num-cpus "$cpus" \
+    --port "$base" --dashboard-port $((base + 1)) --ray-client-server-port $((base + 2)) \
+    --node-manager-port $((base + 3)) --object-manager-port $((base + 4)) \
+    --metrics-export-port $((base + 5)) --dashboard-agent-grpc-port $((base + 6)) \
+    --dashboard-agent-listen-port $((base + 7)) --runtime-env-agent-port $((base + 8)) \
+    --min-worker-port $((base + 100)) --max-worker-port $((base + 199)) > "$state_dir/ray-start.log" 2>&1 \
+    || { cat "$state_dir/ray-start.log" >&2; stop; exit 1; }
+  cat > "$state_dir/ray.env" <<ENV
+export RAY_ADDRESS=127.0.0.1:$base
+export RAY_DASHBOARD_ADDRESS=http://127.0.0.1:$((base + 1))
+export RAY_TEMP_DIR=$temp_dir
+export RAY_AUTH_MODE=$RAY_AUTH_MODE
+ENV
+  echo "ray head up: RAY_ADDRESS=127.0.0.1:$base dashboard http://127.0.0.1:$((base + 1)) (state: $state_dir)"
+}
+
+alive_in_session() {  # any process of session $1 that is not a zombie?
+  ps -eo sid=,stat= | awk -v sid="$1" '$1 == sid && $2 !~ /^Z/ {found = 1} END {exit !found}'
+}
+
+stop() {
+  [ -f "$state_dir/sid" ] || return 0
+  local sid temp_dir
+  sid=$(cat "$state_dir/sid")
+  temp_dir=$(cat "$state_dir/temp_dir" 2>/dev/null || true)
+  pkill -TERM -s "$sid" 2>/dev/null || true
+  for _ in $(seq 1 15); do  # 3 s of grace; gcs_server and raylet often need SIGKILL anyway
+    alive_in_session "$sid" || break
+    sleep 0.2
+  done
+  pkill -KILL -s "$sid" 2>/dev/null || true
+  [ -n "$temp_dir" ] && rm -rf "$temp_dir"
+  rm -f "$state_dir/sid" "$state_dir/temp_dir" "$state_dir/ray.env"
+  echo "ray head stopped ($temp_dir)"
+}
+
+case "$action" in
+  start) start "${3:-}" ;;
+  stop) stop ;;
+  *) echo "unknown action '$action' (start|stop)" >&2; exit 2 ;;
+esac
