@@ -119,6 +119,11 @@ class EpochLogger:
     def logged_epochs(self, metric: str = "train_loss") -> set[int]:
         return {m.step for m in self.client.get_metric_history(self.run_id, metric)}
 
+    def resumed_from(self, epoch: int) -> None:
+        """Record a restart from the checkpoint of `epoch` (tag `resumed_from_epoch`, comma-separated)."""
+        previous = self.client.get_run(self.run_id).data.tags.get("resumed_from_epoch")
+        self.client.set_tag(self.run_id, "resumed_from_epoch", f"{previous},{epoch}" if previous else str(epoch))
+
     def log(self, epoch: int, metrics: Mapping[str, float]) -> None:
         from mlflow.entities import Metric
 

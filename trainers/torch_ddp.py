@@ -40,6 +40,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     test = tc.ShardBatches(ray.train.get_dataset_shard("test"), 1024, cfg.data.cache_in_worker, seed)
     logger = EpochLogger(config["tracking_uri"], config["run_id"]) if rank == 0 else None
     if logger is not None and state is not None:
+        logger.resumed_from(state["epoch"])
         logger.log(state["epoch"], state["metrics"])  # in case the failure hit between report and log
 
     for epoch in range(start_epoch, cfg.trainer.epochs + 1):

@@ -1,0 +1,130 @@
+"""Shared fixtures: small generated MNIST-format data, a real MLflow server, a real Ray head."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipelines.data.idx import write_idx
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def free_port_block(size: int = 200) -> int:
+    """A base port whose whole block [base, base+size) is free right now."""
+    rng = np.random.default_rng()
+    for _ in range(50):
+        base = int(rng.integers(20000, 40000))
+        try:
+            for port in range(base, base + size, 7):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port block")
+
+
+def make_mnist_like(folder: Path, n_train: int, n_test: int, seed: int = 0) -> Path:
+    """IDX files of learnable fake digits: one random template per class plus noise."""
+    rng = np.random.default_rng(seed)
+    templates = rng.integers(0, 256, size=(10, 28, 28))
+    folder.mkdir(parents=True, exist_ok=True)
+    for prefix, count in (("train", n_train), ("t10k", n_test)):
+        labels = rng.integers(0, 10, size=count)
+        noise = rng.normal(0, 40, size=(count, 28, 28))
+        images = np.clip(templates[labels] + noise, 0, 255)
+        write_idx(folder / f"{prefix}-images-idx3-ubyte.gz", images)
+        write_idx(folder / f"{prefix}-labels-idx1-ubyte.gz", labels)
+    return folder
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    """Poll a condition (bounded); used to wait for servers to answer, never as a fixed sleep."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.25)
+    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+@pytest.fixture(scope="session")
+def tiny_mnist(tmp_path_factory) -> Path:
+    """Prepared Parquet shards (2 per split) of 1024 train / 256 test generated images."""
+    base = tmp_path_factory.mktemp("tiny_mnist")
+    raw = make_mnist_like(base / "raw", 1024, 256)
+    from pipelines.prepare import main as prepare_main
+
+    assert prepare_main(["mnist", "--source", str(raw), "--out", str(base / "parquet"), "--shards", "2"]) == 0
+    return base / "parquet"
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory) -> str:
+    """A real `mlflow server` on loopback (sqlite backend, proxied artifact store)."""
+    base = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    log = open(base / "server.log", "w")
+    proc = subprocess.Popen(
+        [str(VENV_BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{base}/mlflow.db", "--artifacts-destination", str(base / "artifacts")],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _http_ok(uri + "/health") or proc.poll() is not None, 120, "mlflow server")
+        assert proc.poll() is None, (base / "server.log").read_text()
+        yield uri
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory) -> dict[str, str]:
+    """A real Ray head started by the project's own script (own temp dir and ports); env to reach it."""
+    state = tmp_path_factory.mktemp("ray_state")
+    script = ROOT / "cluster" / "local" / "ray-local.sh"
+    env = {**os.environ, "RAY_BASE_PORT": str(free_port_block())}
+    subprocess.run(["bash", str(script), "start", str(state), "4"], env=env, check=True, timeout=120)
+    try:
+        values = {}
+        for line in (state / "ray.env").read_text().splitlines():
+            key, value = line.removeprefix("export ").split("=", 1)
+            values[key] = value
+        yield values
+    finally:
+        subprocess.run(["bash", str(script), "stop", str(state)], env=env, timeout=120)
+
+
+def pipeline_env(tracking_uri: str, ray_env: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri, "OMP_NUM_THREADS": "1",
+           "RAY_TRAIN_ENABLE_PROGRESS_BAR": "0", "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
+           "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}
+    env.pop("RAY_ADDRESS", None)
+    if ray_env:
+        env.update(ray_env)
+    return env
