@@ -28,13 +28,14 @@ class TrainerConfig:
     batch_size: int = 128
     lr: float = 1e-3
     optimizer: str = "adam"
-    epochs: int = 2
+    epochs: int = 5
 
 
 @dataclass
 class DataConfig:
     name: str = "mnist"
     path: str = "data/mnist/parquet"
+    eval_split: str = "test"
     cache_in_worker: bool = True
 
 
@@ -54,6 +55,16 @@ class CNNConfig:
 
 
 @dataclass
+class BertModelConfig:
+    name: str = "bert"
+    flavour: str = "tiny"           # tiny | small | base | large (trainers/models/bert.py)
+    dropout: float = 0.1
+    hidden: Optional[int] = None    # optional overrides of the flavour
+    layers: Optional[int] = None
+    heads: Optional[int] = None
+
+
+@dataclass
 class RunSection:
     experiment: str = "ray-train-pipelines"
     name: Optional[str] = None
@@ -69,8 +80,8 @@ class FaultConfig:
     inject_marker: Optional[str] = None
 
 
-MODEL_SCHEMAS: dict[str, type] = {"mlp": MLPConfig, "cnn": CNNConfig}
-DATA_NAMES = ("mnist",)
+MODEL_SCHEMAS: dict[str, type] = {"mlp": MLPConfig, "cnn": CNNConfig, "bert": BertModelConfig}
+DATA_MODELS = {"mnist": ("mlp", "cnn"), "imdb": ("bert",)}  # which models fit which data
 OPTIMIZERS = ("adam", "sgd")
 POSITIVE = ("trainer.num_workers", "trainer.threads_per_worker", "trainer.batch_size", "trainer.lr",
             "trainer.epochs")
@@ -111,8 +122,12 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.backend: unknown backend '{cfg.trainer.backend}' (choices: {sorted(BACKENDS)})")
     if cfg.trainer.optimizer not in OPTIMIZERS:
         raise ConfigError(f"trainer.optimizer: unknown optimizer '{cfg.trainer.optimizer}' (choices: {OPTIMIZERS})")
-    if cfg.data.name not in DATA_NAMES:
-        raise ConfigError(f"data.name: unknown dataset '{cfg.data.name}' (choices: {DATA_NAMES})")
+    if cfg.data.name not in DATA_MODELS:
+        raise ConfigError(f"data.name: unknown dataset '{cfg.data.name}' (choices: {sorted(DATA_MODELS)})")
+    if cfg.model.name not in DATA_MODELS[cfg.data.name]:
+        raise ConfigError(f"model.name: model '{cfg.model.name}' does not fit data '{cfg.data.name}' "
+                          f"(choices: {DATA_MODELS[cfg.data.name]})")
+    _check_model(cfg.model)
     if cfg.fault.max_failures < 0:
         raise ConfigError(f"fault.max_failures: must be >= 0, got {cfg.fault.max_failures}")
     if not 0 <= cfg.model.dropout < 1:
@@ -120,6 +135,23 @@ def _check_values(cfg: DictConfig) -> None:
     if not (Path(cfg.data.path) / "manifest.json").is_file():
         raise ConfigError(f"data.path: no prepared dataset at '{cfg.data.path}' (missing manifest.json); "
                           f"run `python -m pipelines.prepare {cfg.data.name} --out {cfg.data.path}`")
+
+
+def _check_model(model: DictConfig) -> None:
+    if model.name == "cnn" and len(model.channels) != 2:
+        raise ConfigError(f"model.channels: the CNN has 2 conv blocks, got {list(model.channels)}")
+    if model.name in ("mlp", "cnn"):
+        sizes = list(model.hidden) if model.name == "mlp" else [model.hidden, *model.channels]
+        if any(size <= 0 for size in sizes):
+            raise ConfigError(f"model.hidden: layer sizes must be > 0, got {sizes}")
+    if model.name == "bert":
+        from trainers.models.bert import BERT_FLAVOURS
+
+        if model.flavour not in BERT_FLAVOURS:
+            raise ConfigError(f"model.flavour: unknown flavour '{model.flavour}' (choices: {sorted(BERT_FLAVOURS)})")
+        for key in ("hidden", "layers", "heads"):
+            if model[key] is not None and model[key] <= 0:
+                raise ConfigError(f"model.{key}: must be > 0, got {model[key]}")
 
 
 def _absolutise_paths(cfg: DictConfig) -> None:

@@ -1,4 +1,8 @@
-"""Prepare a dataset as Parquet shards: `python -m pipelines.prepare mnist [--source DIR | --download]`.
+"""Prepare a dataset as Parquet shards + manifest.
+
+    python -m pipelines.prepare mnist [--source DIR | --download] [--out DIR] [--shards N]
+    python -m pipelines.prepare imdb --source ARCHIVE|FOLDER|FILE [--download] [--out DIR] [--vocab-size V] ...
+
 
 Exit codes: 0 ok, 2 bad input (the message names the file).
 """
@@ -22,7 +26,44 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="fetch the canonical files into --source first (SHA-256 verified)")
     mn.add_argument("--out", type=Path, default=Path("data/mnist/parquet"))
     mn.add_argument("--shards", type=int, default=4, help="Parquet files per split")
+    im = sub.add_parser("imdb", help="aclImdb reviews -> WordPiece tokens in Parquet shards (Ray Data)")
+    im.add_argument("--source", type=Path, default=Path("data/imdb/aclImdb_v1.tar.gz"),
+                    help="aclImdb .tar.gz, its extracted folder, or a Parquet/CSV file with text,label")
+    im.add_argument("--download", action="store_true",
+                    help="fetch the official archive into the --source folder first (SHA-256 verified)")
+    im.add_argument("--out", type=Path, default=Path("data/imdb/parquet"))
+    im.add_argument("--shards", type=int, default=4)
+    im.add_argument("--vocab-size", type=int, default=8000)
+    im.add_argument("--max-len", type=int, default=256)
+    im.add_argument("--val-fraction", type=float, default=0.1)
+    im.add_argument("--seed", type=int, default=0, help="seed of the shuffle and validation split")
+    im.add_argument("--tokenizer", type=Path, default=None,
+                    help="reuse this tokenizer.json instead of training one (same ids as an earlier run)")
     return parser.parse_args(argv)
+
+
+def prepare_imdb(args: argparse.Namespace) -> dict:
+    import os
+
+    import ray
+
+    from pipelines.data import imdb
+
+    source = args.source
+    if args.download:
+        source = imdb.download(source.parent if source.suffix == ".gz" else source)
+    if not source.exists():
+        raise DataError(f"{source}: not found (pass --source, or --download when online)")
+    if args.tokenizer is not None and not args.tokenizer.is_file():
+        raise DataError(f"{args.tokenizer}: tokenizer file not found")
+    if not 0 < args.val_fraction < 1 or args.vocab_size < 16 or args.max_len < 4:
+        raise DataError("--val-fraction must be in (0, 1), --vocab-size >= 16, --max-len >= 4")
+    ray.init(address=os.environ.get("RAY_ADDRESS", "local"), include_dashboard=False, log_to_driver=False)
+    try:
+        return imdb.prepare(source, args.out.resolve(), args.shards, args.vocab_size, args.max_len,
+                            args.val_fraction, args.seed, args.tokenizer)
+    finally:
+        ray.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,14 +72,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --shards must be >= 1, got {args.shards}", file=sys.stderr)
         return 2
     try:
-        if args.download:
-            mnist.download(args.source)
-        manifest = mnist.prepare(args.source, args.out.resolve(), args.shards)
+        if args.dataset == "imdb":
+            manifest = prepare_imdb(args)
+        else:
+            if args.download:
+                mnist.download(args.source)
+            manifest = mnist.prepare(args.source, args.out.resolve(), args.shards)
     except DataError as err:
         print(f"data error: {err}", file=sys.stderr)
         return 2
     rows = ", ".join(f"{s}={info['rows']}" for s, info in manifest["splits"].items())
     print(f"wrote {args.shards} shards per split ({rows}) to {args.out.resolve()}")
+    for split, info in manifest.get("skipped", {}).items():
+        if info["counts"]:
+            print(f"skipped in {split}: {info['counts']} (examples in manifest.json)")
     return 0
 
 

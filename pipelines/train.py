@@ -15,16 +15,18 @@ from omegaconf import DictConfig, OmegaConf
 from pipelines import tracking
 from pipelines.config import ConfigError, flatten, load_config
 from pipelines.data.idx import DataError
-from pipelines.data.shards import read_manifest
+from pipelines.data.shards import read_manifest, shard_paths
 
 
-def validate(argv: list[str]) -> tuple[DictConfig, str]:
+def validate(argv: list[str]) -> tuple[DictConfig, dict, str]:
     """Everything that can be checked before taking cluster resources."""
     cfg = load_config(argv)
-    read_manifest(cfg.data.path)  # every shard present, readable and of the manifest's size
+    manifest = read_manifest(cfg.data.path)  # every shard present, readable and of the manifest's size
+    for split in ("train", cfg.data.eval_split):
+        shard_paths(cfg.data.path, manifest, split)
     uri = tracking.tracking_uri()
     tracking.check_reachable(uri)
-    return cfg, uri
+    return cfg, manifest, uri
 
 
 def init_ray(cfg: DictConfig) -> None:
@@ -38,10 +40,10 @@ def init_ray(cfg: DictConfig) -> None:
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False)
 
 
-def run_training(cfg: DictConfig, uri: str, run_id: str) -> None:
+def run_training(cfg: DictConfig, manifest: dict, uri: str, run_id: str) -> None:
     import ray
 
-    from pipelines.data.readers import parquet_datasets
+    from pipelines.data.readers import model_inputs, parquet_datasets
     from trainers import get_backend
 
     init_ray(cfg)
@@ -51,11 +53,12 @@ def run_training(cfg: DictConfig, uri: str, run_id: str) -> None:
                                           "cluster.gpus": resources.get("GPU", 0),
                                           "cluster.nodes": len(ray.nodes())})
         backend = get_backend(cfg.trainer.backend)
-        trainer = backend.build_trainer(cfg, parquet_datasets(cfg.data.path), run_id, uri)
-        result = trainer.fit()
+        datasets = parquet_datasets(cfg.data.path, {"train": "train", "eval": cfg.data.eval_split})
+        inputs = model_inputs(manifest)
+        result = backend.build_trainer(cfg, datasets, run_id, uri, inputs).fit()
         if result.checkpoint is None:
             raise RuntimeError("training ended without a checkpoint")
-        model, example = backend.load_final_model(cfg, result.checkpoint)
+        model, example = backend.load_final_model(cfg, result.checkpoint, inputs)
         tracking.log_torch_model(uri, run_id, model, example)
     finally:
         ray.shutdown()
@@ -64,7 +67,7 @@ def run_training(cfg: DictConfig, uri: str, run_id: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        cfg, uri = validate(argv)
+        cfg, manifest, uri = validate(argv)
     except (ConfigError, DataError, tracking.TrackingUnavailable) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -76,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                                 OmegaConf.to_yaml(cfg))
     print(f"MLflow run {run_id} ({uri})", flush=True)
     try:
-        run_training(cfg, uri, run_id)
+        run_training(cfg, manifest, uri, run_id)
     except BaseException as err:  # KeyboardInterrupt too: the run must not stay RUNNING
         tracking.end_run(uri, run_id, error=f"{type(err).__name__}: {err}\n\n{traceback.format_exc()}")
         print(f"error: training failed: {type(err).__name__}: {err}", file=sys.stderr)

@@ -17,42 +17,61 @@ from pipelines.data.mnist import MEAN, STD
 LOAD_BATCH = 8192  # rows per Ray Data batch when pulling a shard into memory
 
 
-class ShardBatches:
-    """Batches of (normalised images, labels) from this worker's Ray Data shard.
+Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor, int]  # (model inputs, labels, tokens in batch)
 
-    cache=True pulls the shard through Ray Data once and keeps it in memory as uint8 (MNIST's 60k rows
-    are 47 MB): streaming `read_parquet` gave only 2-9k rows/s per worker here, slower than a small
-    MLP trains, so re-streaming every epoch would make ingest the bottleneck. cache=False streams
-    from Ray Data every epoch (for data that does not fit in memory).
+
+def image_batch(columns: dict[str, torch.Tensor]) -> Batch:
+    return (normalise(columns["image"]),), columns["label"].long(), 0
+
+
+def text_batch(columns: dict[str, torch.Tensor]) -> Batch:
+    ids, lengths = columns["input_ids"].long(), columns["length"]
+    mask = torch.arange(ids.shape[1]) < lengths[:, None]  # (B, T), True = real token
+    return (ids, mask), columns["label"].long(), int(lengths.sum())
+
+
+# dataset name -> (columns a worker keeps, how a batch of them becomes model inputs)
+DATA_ADAPTERS = {"mnist": (("image", "label"), image_batch),
+                 "imdb": (("input_ids", "length", "label"), text_batch)}
+
+
+class ShardBatches:
+    """Batches from this worker's Ray Data shard, as (model inputs, labels, tokens).
+
+    cache=True pulls the shard through Ray Data once and keeps it in memory in its stored dtypes
+    (MNIST's 60k rows are 47 MB as uint8, IMDb's 22.5k x 256 tokens 23 MB as int32): streaming
+    `read_parquet` gave only 2-9k rows/s per worker here, slower than a small MLP trains, so
+    re-streaming every epoch would make ingest the bottleneck. cache=False streams from Ray Data every
+    epoch (for data that does not fit in memory), in shard order.
     """
 
-    def __init__(self, shard: Any, batch_size: int, cache: bool, seed: int):
+    def __init__(self, shard: Any, dataset: str, batch_size: int, cache: bool, seed: int):
+        self.columns, self.adapt = DATA_ADAPTERS[dataset]
         self.shard, self.batch_size, self.seed = shard, batch_size, seed
-        self.images: torch.Tensor | None = None
-        self.labels: torch.Tensor | None = None
+        self.cached: dict[str, torch.Tensor] | None = None
         self.load_s = 0.0
         if cache:
             start = time.perf_counter()
-            images, labels = [], []
+            parts: dict[str, list[torch.Tensor]] = {c: [] for c in self.columns}
             for batch in shard.iter_torch_batches(batch_size=LOAD_BATCH):
-                images.append(batch["image"])
-                labels.append(batch["label"])
-            self.images, self.labels = torch.cat(images), torch.cat(labels).long()
+                for column in self.columns:
+                    parts[column].append(batch[column])
+            self.cached = {c: torch.cat(p) for c, p in parts.items()}
             self.load_s = time.perf_counter() - start
 
-    def epoch(self, epoch: int, shuffle: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if self.images is None:
+    def epoch(self, epoch: int, shuffle: bool = True) -> Iterator[Batch]:
+        if self.cached is None:
             for batch in self.shard.iter_torch_batches(batch_size=self.batch_size):
-                yield normalise(batch["image"]), batch["label"].long()
+                yield self.adapt(batch)
             return
-        rows = len(self.labels)
+        rows = len(self.cached["label"])
         if shuffle:
             order = torch.randperm(rows, generator=torch.Generator().manual_seed(self.seed + epoch))
         else:
             order = torch.arange(rows)
         for start in range(0, rows, self.batch_size):
             idx = order[start:start + self.batch_size]
-            yield normalise(self.images[idx]), self.labels[idx]
+            yield self.adapt({c: t[idx] for c, t in self.cached.items()})
 
 
 def normalise(images: torch.Tensor) -> torch.Tensor:
@@ -66,6 +85,7 @@ class EpochStats:
     steps: int = 0
     data_wait_s: float = 0.0
     train_s: float = 0.0
+    tokens: int = 0
 
 
 def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator, device: torch.device
@@ -81,14 +101,15 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Ite
         stats.data_wait_s += time.perf_counter() - wait_start
         if batch is None:
             break
-        images, labels = batch[0].to(device), batch[1].to(device)
+        inputs, labels = tuple(x.to(device) for x in batch[0]), batch[1].to(device)
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(images), labels)
+        loss = loss_fn(model(*inputs), labels)
         loss.backward()
         optimizer.step()
         stats.loss_sum += loss.item() * len(labels)
         stats.samples += len(labels)
         stats.steps += 1
+        stats.tokens += batch[2]
     stats.train_s = time.perf_counter() - start
     return stats
 
@@ -97,8 +118,8 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Ite
 def count_correct(model: nn.Module, batches: Iterator, device: torch.device) -> tuple[int, int]:
     model.eval()
     correct = total = 0
-    for images, labels in batches:
-        predictions = model(images.to(device)).argmax(dim=1)
+    for inputs, labels, _ in batches:
+        predictions = model(*(x.to(device) for x in inputs)).argmax(dim=1)
         correct += int((predictions == labels.to(device)).sum())
         total += len(labels)
     return correct, total
@@ -113,12 +134,13 @@ def _all_reduce(values: list[float], op: dist.ReduceOp) -> list[float]:
 
 
 def epoch_metrics(stats: EpochStats, correct: int, total: int) -> dict[str, float]:
-    """The shared metric names, reduced over all workers (sums, and the slowest worker's time)."""
-    loss_sum, samples, steps, wait_s, train_s, correct_all, total_all = _all_reduce(
-        [stats.loss_sum, stats.samples, stats.steps, stats.data_wait_s, stats.train_s, correct, total],
-        dist.ReduceOp.SUM)
+    """The shared metric names, reduced over all workers (sums, and the slowest worker's time).
+    `test_accuracy` is measured on the dataset's evaluation split (`data.eval_split`)."""
+    loss_sum, samples, steps, wait_s, train_s, tokens, correct_all, total_all = _all_reduce(
+        [stats.loss_sum, stats.samples, stats.steps, stats.data_wait_s, stats.train_s, stats.tokens, correct,
+         total], dist.ReduceOp.SUM)
     (slowest_s,) = _all_reduce([stats.train_s], dist.ReduceOp.MAX)
-    return {
+    metrics = {
         "train_loss": loss_sum / max(samples, 1),
         "test_accuracy": correct_all / max(total_all, 1),
         "samples_per_s": samples / max(slowest_s, 1e-9),
@@ -126,6 +148,9 @@ def epoch_metrics(stats: EpochStats, correct: int, total: int) -> dict[str, floa
         "data_wait_fraction": wait_s / max(train_s, 1e-9),
         "epoch_time_s": slowest_s,
     }
+    if tokens:
+        metrics["tokens_per_s"] = tokens / max(slowest_s, 1e-9)
+    return metrics
 
 
 def make_optimizer(model: nn.Module, name: str, lr: float) -> torch.optim.Optimizer:

@@ -23,7 +23,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     rank, world_size = context.get_world_rank(), context.get_world_size()
     torch.manual_seed(cfg.run.seed)  # same initial weights on every rank (DDP also broadcasts them)
 
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, config["model_inputs"])
     optimizer = tc.make_optimizer(model, cfg.trainer.optimizer, cfg.trainer.lr)
     start_epoch = 1
     state = tc.load_checkpoint(ray.train.get_checkpoint())
@@ -35,9 +35,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     device = ray.train.torch.get_device()
 
     seed = cfg.run.seed + 1000 * rank
-    train = tc.ShardBatches(ray.train.get_dataset_shard("train"), cfg.trainer.batch_size,
+    train = tc.ShardBatches(ray.train.get_dataset_shard("train"), cfg.data.name, cfg.trainer.batch_size,
                             cfg.data.cache_in_worker, seed)
-    test = tc.ShardBatches(ray.train.get_dataset_shard("test"), 1024, cfg.data.cache_in_worker, seed)
+    test = tc.ShardBatches(ray.train.get_dataset_shard("eval"), cfg.data.name, 256, cfg.data.cache_in_worker,
+                           seed)
     logger = EpochLogger(config["tracking_uri"], config["run_id"]) if rank == 0 else None
     if logger is not None and state is not None:
         logger.resumed_from(state["epoch"])
@@ -56,7 +57,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     tc.dump_params(cfg.run.dump_params_dir, model, rank)
 
 
-def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str):
+def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -64,7 +65,7 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": OmegaConf.to_container(cfg, resolve=True), "run_id": run_id,
-                           "tracking_uri": tracking_uri},
+                           "tracking_uri": tracking_uri, "model_inputs": model_inputs},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=cfg.trainer.num_workers, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": cfg.trainer.threads_per_worker}),
@@ -75,8 +76,14 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
     )
 
 
-def load_final_model(cfg: DictConfig, checkpoint: Any) -> tuple[torch.nn.Module, Any]:
+def load_final_model(cfg: DictConfig, checkpoint: Any, model_inputs: dict) -> tuple[torch.nn.Module, Any]:
     """The trained model from the final checkpoint, and an input example for MLflow's signature."""
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, model_inputs)
     model.load_state_dict(tc.load_checkpoint(checkpoint)["model"])
-    return model.eval(), np.zeros((2, 784), dtype=np.float32)
+    return model.eval(), example_input(cfg.data.name, model_inputs)
+
+
+def example_input(dataset: str, model_inputs: dict) -> Any:
+    if dataset == "imdb":
+        return np.ones((2, model_inputs["max_len"]), dtype=np.int64)  # token ids; no mask = all tokens
+    return np.zeros((2, 784), dtype=np.float32)

@@ -6,11 +6,19 @@ from typing import Any
 from torch import nn
 
 
-def build_model(model_cfg: Any) -> nn.Module:
+def build_model(model_cfg: Any, model_inputs: dict | None = None) -> nn.Module:
+    """`model_inputs`: what the data dictates (vocab_size, max_len for text; see the dataset manifest)."""
     from trainers.models.mnist import CNN, MLP
 
     if model_cfg.name == "mlp":
         return MLP(hidden=list(model_cfg.hidden), dropout=model_cfg.dropout)
     if model_cfg.name == "cnn":
         return CNN(channels=list(model_cfg.channels), hidden=model_cfg.hidden, dropout=model_cfg.dropout)
+    if model_cfg.name == "bert":
+        from trainers.models.bert import BertClassifier, bert_config
+
+        overrides = {k: model_cfg[k] for k in ("hidden", "layers", "heads") if model_cfg[k] is not None}
+        config = bert_config(model_cfg.flavour, vocab_size=model_inputs["vocab_size"],
+                             max_len=model_inputs["max_len"], dropout=model_cfg.dropout, **overrides)
+        return BertClassifier(config)
     raise ValueError(f"unknown model {model_cfg.name}")
