@@ -102,6 +102,16 @@ def start_run(uri: str, experiment: str, run_name: str, params: Mapping[str, Any
     return run_id
 
 
+def log_data_files(uri: str, run_id: str, data_dir: str, manifest: Mapping[str, Any]) -> None:
+    """The dataset's manifest (lineage: sources, checksums, skips) and its tokenizer, if it has one."""
+    import json
+
+    client = _client(uri)
+    client.log_text(run_id, json.dumps(manifest, indent=2, sort_keys=True), "data_manifest.json")
+    if manifest.get("tokenizer"):
+        client.log_artifact(run_id, str(Path(data_dir) / manifest["tokenizer"]))
+
+
 def log_params(uri: str, run_id: str, params: Mapping[str, Any]) -> None:
     from mlflow.entities import Param
 

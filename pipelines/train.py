@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     run_name = cfg.run.name or f"{cfg.trainer.backend}-{cfg.data.name}-{cfg.model.name}"
     run_id = tracking.start_run(uri, cfg.run.experiment, run_name, {**flatten(cfg), **parallel},
                                 OmegaConf.to_yaml(cfg))
+    tracking.log_data_files(uri, run_id, cfg.data.path, manifest)
     print(f"MLflow run {run_id} ({uri})", flush=True)
     try:
         run_training(cfg, manifest, uri, run_id)
