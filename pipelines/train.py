@@ -37,7 +37,8 @@ def init_ray(cfg: DictConfig) -> None:
         return
     # Never attach to some other cluster on this machine by accident: start our own.
     needed = cfg.trainer.num_workers * cfg.trainer.threads_per_worker + 2  # +2: Ray Data readers
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False)
+    # The dashboard hosts the State API that Ray Train's placement-group cleaner polls; keep it on.
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), dashboard_host="127.0.0.1")
 
 
 def run_training(cfg: DictConfig, manifest: dict, uri: str, run_id: str) -> None:

@@ -1,0 +1,17 @@
+"""`run_ranks(fn, world_size, *args)`: run a module-level test function on gloo CPU ranks (see dist_utils)."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.parallel.dist_utils import RankPools
+
+
+@pytest.fixture(scope="session")
+def run_ranks() -> Iterator[RankPools]:
+    pools = RankPools()
+    try:
+        yield pools
+    finally:
+        pools.close()
