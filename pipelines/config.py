@@ -29,6 +29,10 @@ class TrainerConfig:
     lr: float = 1e-3
     optimizer: str = "adam"
     epochs: int = 5
+    log_every_n_steps: int = 0          # rank 0 logs `step_loss` every n steps (0: off)
+    tp: int = 1                         # tensor-parallel degree (backend tp)
+    dp: Optional[int] = None            # data-parallel degree; default num_workers // tp
+    tp_impl: str = "megatron"           # megatron | dtensor
 
 
 @dataclass
@@ -128,6 +132,7 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"model.name: model '{cfg.model.name}' does not fit data '{cfg.data.name}' "
                           f"(choices: {DATA_MODELS[cfg.data.name]})")
     _check_model(cfg.model)
+    _check_parallelism(cfg)
     if cfg.fault.max_failures < 0:
         raise ConfigError(f"fault.max_failures: must be >= 0, got {cfg.fault.max_failures}")
     if not 0 <= cfg.model.dropout < 1:
@@ -135,6 +140,33 @@ def _check_values(cfg: DictConfig) -> None:
     if not (Path(cfg.data.path) / "manifest.json").is_file():
         raise ConfigError(f"data.path: no prepared dataset at '{cfg.data.path}' (missing manifest.json); "
                           f"run `python -m pipelines.prepare {cfg.data.name} --out {cfg.data.path}`")
+
+
+def _check_parallelism(cfg: DictConfig) -> None:
+    """Impossible layouts fail here, before any worker starts."""
+    trainer = cfg.trainer
+    if trainer.tp < 1 or (trainer.dp is not None and trainer.dp < 1):
+        raise ConfigError(f"trainer.tp: tp and dp must be >= 1, got tp={trainer.tp} dp={trainer.dp}")
+    if trainer.backend != "tp" and trainer.tp != 1:
+        raise ConfigError(f"trainer.tp: backend '{trainer.backend}' is data-parallel only; use trainer=tp for tp > 1")
+    if trainer.num_workers % trainer.tp:
+        raise ConfigError(f"trainer.tp: tp={trainer.tp} does not divide num_workers={trainer.num_workers}")
+    dp = trainer.dp if trainer.dp is not None else trainer.num_workers // trainer.tp
+    if dp * trainer.tp != trainer.num_workers:
+        raise ConfigError(f"trainer.dp: tp*dp={trainer.tp}*{dp}={trainer.tp * dp} != num_workers={trainer.num_workers}")
+    if trainer.tp_impl not in ("megatron", "dtensor"):
+        raise ConfigError(f"trainer.tp_impl: unknown '{trainer.tp_impl}' (choices: megatron, dtensor)")
+    if trainer.backend == "tp":
+        if cfg.model.name != "bert":
+            raise ConfigError(f"model.name: tensor parallelism needs the bert model, got '{cfg.model.name}'")
+        from trainers.models.bert import BERT_FLAVOURS
+
+        layers, hidden, heads = BERT_FLAVOURS[cfg.model.flavour]
+        hidden, heads = cfg.model.hidden or hidden, cfg.model.heads or heads
+        if heads % trainer.tp:
+            raise ConfigError(f"trainer.tp: tp={trainer.tp} does not divide the model's heads={heads}")
+        if hidden % heads:
+            raise ConfigError(f"model.hidden: hidden={hidden} is not a multiple of heads={heads}")
 
 
 def _check_model(model: DictConfig) -> None:
@@ -174,6 +206,8 @@ def load_config(overrides: list[str]) -> DictConfig:
         raise ConfigError(f"{key}: {message}") from err
     _check_values(cfg)
     _absolutise_paths(cfg)
+    if cfg.trainer.dp is None:
+        cfg.trainer.dp = cfg.trainer.num_workers // cfg.trainer.tp
     OmegaConf.set_readonly(cfg, True)
     return cfg
 

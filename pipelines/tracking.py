@@ -129,10 +129,22 @@ class EpochLogger:
     def logged_epochs(self, metric: str = "train_loss") -> set[int]:
         return {m.step for m in self.client.get_metric_history(self.run_id, metric)}
 
+    def log_step_loss(self, step: int, loss: float) -> None:
+        from mlflow.entities import Metric
+
+        self.client.log_batch(self.run_id, metrics=[Metric("step_loss", loss, int(time.time() * 1000), step)])
+
     def resumed_from(self, epoch: int) -> None:
         """Record a restart from the checkpoint of `epoch` (tag `resumed_from_epoch`, comma-separated)."""
         previous = self.client.get_run(self.run_id).data.tags.get("resumed_from_epoch")
         self.client.set_tag(self.run_id, "resumed_from_epoch", f"{previous},{epoch}" if previous else str(epoch))
+
+    def log_extra(self, epoch: int, metrics: Mapping[str, float]) -> None:
+        """Per-epoch diagnostics (per-rank stats) logged as they come, without the once-per-epoch check."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, epoch) for k, v in metrics.items()])
 
     def log(self, epoch: int, metrics: Mapping[str, float]) -> None:
         from mlflow.entities import Metric

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
-    parallel = {"world_size": cfg.trainer.num_workers, "dp": cfg.trainer.num_workers, "tp": 1,
+    parallel = {"world_size": cfg.trainer.num_workers, "dp": cfg.trainer.dp, "tp": cfg.trainer.tp,
                 "backend": cfg.trainer.backend}
     run_name = cfg.run.name or f"{cfg.trainer.backend}-{cfg.data.name}-{cfg.model.name}"
     run_id = tracking.start_run(uri, cfg.run.experiment, run_name, {**flatten(cfg), **parallel},

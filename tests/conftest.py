@@ -74,6 +74,20 @@ def tiny_mnist(tmp_path_factory) -> Path:
     return base / "parquet"
 
 
+@pytest.fixture(scope="session")
+def tiny_imdb(tmp_path_factory) -> Path:
+    """Prepared IMDb-format shards: 320 generated reviews -> 256 train / 64 validation, max_len 48."""
+    from tests.imdb_fixtures import make_aclimdb
+
+    base = tmp_path_factory.mktemp("tiny_imdb")
+    root = make_aclimdb(base / "src", per_label=160, bad_files=False)
+    cmd = [sys.executable, "-m", "pipelines.prepare", "imdb", "--source", str(root), "--out", str(base / "out"),
+           "--shards", "2", "--vocab-size", "300", "--max-len", "48", "--val-fraction", "0.2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=pipeline_env("unused"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return base / "out"
+
+
 def _http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
@@ -109,7 +123,8 @@ def ray_head(tmp_path_factory) -> dict[str, str]:
     state = tmp_path_factory.mktemp("ray_state")
     script = ROOT / "cluster" / "local" / "ray-local.sh"
     env = {**os.environ, "RAY_BASE_PORT": str(free_port_block())}
-    subprocess.run(["bash", str(script), "start", str(state), "4"], env=env, check=True, timeout=120)
+    # 6 logical CPUs on 2 cores: 4 one-thread workers of the 2D test plus room for Ray Data tasks.
+    subprocess.run(["bash", str(script), "start", str(state), "6"], env=env, check=True, timeout=120)
     try:
         values = {}
         for line in (state / "ray.env").read_text().splitlines():

@@ -9,6 +9,7 @@ from types import ModuleType
 
 BACKENDS: dict[str, str] = {
     "ddp": "trainers.torch_ddp",
+    "tp": "trainers.torch_tp",
 }
 
 

@@ -6,7 +6,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ def text_batch(columns: dict[str, torch.Tensor]) -> Batch:
 
 # dataset name -> (columns a worker keeps, how a batch of them becomes model inputs)
 DATA_ADAPTERS = {"mnist": (("image", "label"), image_batch),
-                 "imdb": (("input_ids", "length", "label"), text_batch)}
+                 "imdb": (("input_ids", "length", "label", "id"), text_batch)}
 
 
 class ShardBatches:
@@ -58,6 +58,10 @@ class ShardBatches:
                     parts[column].append(batch[column])
             self.cached = {c: torch.cat(p) for c, p in parts.items()}
             self.load_s = time.perf_counter() - start
+
+    def steps(self) -> int:
+        """Batches per epoch (known once cached; 0 when streaming)."""
+        return 0 if self.cached is None else -(-len(self.cached["label"]) // self.batch_size)
 
     def epoch(self, epoch: int, shuffle: bool = True) -> Iterator[Batch]:
         if self.cached is None:
@@ -88,9 +92,12 @@ class EpochStats:
     tokens: int = 0
 
 
-def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator, device: torch.device
-                ) -> EpochStats:
-    """One pass over `batches`; times the wait for each batch separately from the whole step."""
+def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator, device: torch.device,
+                after_backward: Callable[[], None] | None = None,
+                on_step: Callable[[float], None] | None = None) -> EpochStats:
+    """One pass over `batches`; times the wait for each batch separately from the whole step.
+    `after_backward` runs between backward and the optimizer step (e.g. a data-parallel gradient sync);
+    `on_step` gets each step's loss."""
     model.train()
     stats = EpochStats()
     loss_fn = nn.CrossEntropyLoss()
@@ -105,7 +112,11 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Ite
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(model(*inputs), labels)
         loss.backward()
+        if after_backward is not None:
+            after_backward()
         optimizer.step()
+        if on_step is not None:
+            on_step(loss.item())
         stats.loss_sum += loss.item() * len(labels)
         stats.samples += len(labels)
         stats.steps += 1
@@ -133,9 +144,10 @@ def _all_reduce(values: list[float], op: dist.ReduceOp) -> list[float]:
     return tensor.tolist()
 
 
-def epoch_metrics(stats: EpochStats, correct: int, total: int) -> dict[str, float]:
+def epoch_metrics(stats: EpochStats, correct: int, total: int, replicas: int = 1) -> dict[str, float]:
     """The shared metric names, reduced over all workers (sums, and the slowest worker's time).
-    `test_accuracy` is measured on the dataset's evaluation split (`data.eval_split`)."""
+    `test_accuracy` is measured on the dataset's evaluation split (`data.eval_split`). `replicas`: how many
+    ranks process each sample (the TP degree), so throughput counts every sample once."""
     loss_sum, samples, steps, wait_s, train_s, tokens, correct_all, total_all = _all_reduce(
         [stats.loss_sum, stats.samples, stats.steps, stats.data_wait_s, stats.train_s, stats.tokens, correct,
          total], dist.ReduceOp.SUM)
@@ -143,13 +155,13 @@ def epoch_metrics(stats: EpochStats, correct: int, total: int) -> dict[str, floa
     metrics = {
         "train_loss": loss_sum / max(samples, 1),
         "test_accuracy": correct_all / max(total_all, 1),
-        "samples_per_s": samples / max(slowest_s, 1e-9),
+        "samples_per_s": samples / replicas / max(slowest_s, 1e-9),
         "step_time_ms": 1000.0 * train_s / max(steps, 1),
         "data_wait_fraction": wait_s / max(train_s, 1e-9),
         "epoch_time_s": slowest_s,
     }
     if tokens:
-        metrics["tokens_per_s"] = tokens / max(slowest_s, 1e-9)
+        metrics["tokens_per_s"] = tokens / replicas / max(slowest_s, 1e-9)
     return metrics
 
 
@@ -159,10 +171,10 @@ def make_optimizer(model: nn.Module, name: str, lr: float) -> torch.optim.Optimi
     return torch.optim.Adam(model.parameters(), lr=lr)
 
 
-def save_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int,
-                    metrics: dict[str, float]) -> None:
-    state = {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
-             "metrics": metrics}
+def save_checkpoint(directory: str, model_state: dict[str, torch.Tensor], optimizer_state: dict | None,
+                    epoch: int, metrics: dict[str, float]) -> None:
+    """`model_state` is always the dense (unsharded) state dict, so any parallel layout can load it."""
+    state = {"model": model_state, "optimizer": optimizer_state, "epoch": epoch, "metrics": metrics}
     torch.save(state, os.path.join(directory, "state.pt"))
 
 
@@ -178,7 +190,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") else model
 
 
-def report_epoch(metrics: dict[str, float], model: nn.Module, optimizer: torch.optim.Optimizer,
+def report_epoch(metrics: dict[str, float], model_state: dict[str, torch.Tensor], optimizer_state: dict | None,
                  epoch: int, rank: int) -> None:
     """`ray.train.report` with a checkpoint written by rank 0 (others report metrics only)."""
     import ray.train
@@ -187,8 +199,22 @@ def report_epoch(metrics: dict[str, float], model: nn.Module, optimizer: torch.o
         ray.train.report(metrics, checkpoint=None)
         return
     with tempfile.TemporaryDirectory() as directory:
-        save_checkpoint(directory, model, optimizer, epoch, metrics)
+        save_checkpoint(directory, model_state, optimizer_state, epoch, metrics)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+
+
+def step_loss_logger(logger: Any, every: int, epoch: int, steps_per_epoch: int) -> Callable[[float], None] | None:
+    """`on_step` for `train_epoch` that logs `step_loss` every `every` global steps (rank 0 only)."""
+    if logger is None or every <= 0:
+        return None
+    step = (epoch - 1) * steps_per_epoch
+
+    def on_step(loss: float) -> None:
+        nonlocal step
+        step += 1
+        if step % every == 0:
+            logger.log_step_loss(step, loss)
+    return on_step
 
 
 def maybe_inject_failure(fault: Any, epoch: int, rank: int, world_size: int) -> None:
@@ -202,7 +228,14 @@ def maybe_inject_failure(fault: Any, epoch: int, rank: int, world_size: int) -> 
     raise RuntimeError(f"injected failure at epoch {epoch} (rank {rank})")
 
 
-def dump_params(directory: str | None, model: nn.Module, rank: int) -> None:
-    if directory:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        torch.save(unwrap(model).state_dict(), Path(directory) / f"rank{rank}.pt")
+def dump_state(directory: str | None, model_state: dict[str, torch.Tensor], rank: int,
+               train: ShardBatches | None = None) -> None:
+    """Debugging aid (`run.dump_params_dir`): this rank's final parameters and, when cached, the row keys of
+    its training shard (for text: id * 2 + label, unique per review)."""
+    if not directory:
+        return
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    torch.save(model_state, Path(directory) / f"rank{rank}.pt")
+    if train is not None and train.cached is not None and "id" in train.cached:
+        keys = train.cached["id"].long() * 2 + train.cached["label"].long()
+        torch.save(keys.sort().values, Path(directory) / f"rank{rank}_rows.pt")

@@ -29,7 +29,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     state = tc.load_checkpoint(ray.train.get_checkpoint())
     if state is not None:
         model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        if state["optimizer"] is not None:
+            optimizer.load_state_dict(state["optimizer"])
         start_epoch = state["epoch"] + 1
     model = ray.train.torch.prepare_model(model)  # wraps in DDP when world_size > 1
     device = ray.train.torch.get_device()
@@ -46,15 +47,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     for epoch in range(start_epoch, cfg.trainer.epochs + 1):
         tc.maybe_inject_failure(cfg.fault, epoch, rank, world_size)
-        stats = tc.train_epoch(model, optimizer, train.epoch(epoch), device)
+        on_step = tc.step_loss_logger(logger, cfg.trainer.log_every_n_steps, epoch, train.steps())
+        stats = tc.train_epoch(model, optimizer, train.epoch(epoch), device, on_step=on_step)
         correct, total = tc.count_correct(model, test.epoch(epoch, shuffle=False), device)
         metrics = tc.epoch_metrics(stats, correct, total)
         if epoch == start_epoch:
             metrics["data_load_s"] = train.load_s + test.load_s
-        tc.report_epoch(metrics, model, optimizer, epoch, rank)
+        tc.report_epoch(metrics, tc.unwrap(model).state_dict(), optimizer.state_dict(), epoch, rank)
         if logger is not None:
             logger.log(epoch, metrics)
-    tc.dump_params(cfg.run.dump_params_dir, model, rank)
+    tc.dump_state(cfg.run.dump_params_dir, tc.unwrap(model).state_dict(), rank, train)
 
 
 def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict):

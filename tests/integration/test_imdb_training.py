@@ -9,20 +9,8 @@ from mlflow.tracking import MlflowClient
 
 from pipelines.tracking import EPOCH_METRICS
 from tests.conftest import ROOT, pipeline_env
-from tests.imdb_fixtures import make_aclimdb
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def tiny_imdb(tmp_path_factory):
-    base = tmp_path_factory.mktemp("imdb_train")
-    root = make_aclimdb(base / "src", per_label=160, bad_files=False)
-    cmd = [sys.executable, "-m", "pipelines.prepare", "imdb", "--source", str(root), "--out", str(base / "out"),
-           "--shards", "2", "--vocab-size", "300", "--max-len", "48", "--val-fraction", "0.2"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=pipeline_env("unused"), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return base / "out"
 
 
 def test_bert_tiny_ddp_learns_and_logs(tmp_path, tiny_imdb, mlflow_server, ray_head):

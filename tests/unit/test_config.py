@@ -57,3 +57,28 @@ def test_unreachable_mlflow_is_a_clear_error_before_ray(tmp_path, data_override)
                           env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 2
     assert "is unreachable" in proc.stderr and "mlflow_run_id" not in proc.stdout
+
+
+@pytest.fixture()
+def fake_imdb(tmp_path) -> str:
+    (tmp_path / "manifest.json").write_text("{}")  # config checks only that a prepared dataset is there
+    return f"data.path={tmp_path}"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.tp=3", "trainer.num_workers=3"], r"^trainer\.tp: tp=3 does not divide the model's heads=2"),
+    (["trainer.tp=2", "trainer.num_workers=3"], r"^trainer\.tp: tp=2 does not divide num_workers=3"),
+    (["trainer.tp=2", "trainer.dp=2", "trainer.num_workers=2"], r"^trainer\.dp: tp\*dp=2\*2=4 != num_workers=2"),
+    (["trainer.tp_impl=fsdp"], r"^trainer\.tp_impl: unknown 'fsdp'"),
+    (["model.hidden=30", "model.heads=4", "trainer.tp=4", "trainer.num_workers=4"], r"^model\.hidden: hidden=30"),
+])
+def test_impossible_parallelism_is_rejected(fake_imdb, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(["trainer=tp", "data=imdb", "model=bert_tiny", fake_imdb, *overrides])
+
+
+def test_tp_needs_bert_and_ddp_refuses_tp(data_override, fake_imdb):
+    with pytest.raises(ConfigError, match=r"^trainer\.tp: backend 'ddp' is data-parallel only"):
+        load_config([data_override, "trainer.tp=2"])
+    cfg = load_config(["trainer=tp", "data=imdb", "model=bert_tiny", fake_imdb, "trainer.num_workers=4"])
+    assert (cfg.trainer.dp, cfg.trainer.tp) == (2, 2)
