@@ -30,6 +30,7 @@ class TrainerConfig:
     optimizer: str = "adam"
     epochs: int = 5
     log_every_n_steps: int = 0          # rank 0 logs `step_loss` every n steps (0: off)
+    max_steps_per_epoch: Optional[int] = None  # cut epochs short (benchmarks, smoke runs)
     tp: int = 1                         # tensor-parallel degree (backend tp)
     dp: Optional[int] = None            # data-parallel degree; default num_workers // tp
     tp_impl: str = "megatron"           # megatron | dtensor
@@ -145,6 +146,8 @@ def _check_values(cfg: DictConfig) -> None:
 def _check_parallelism(cfg: DictConfig) -> None:
     """Impossible layouts fail here, before any worker starts."""
     trainer = cfg.trainer
+    if trainer.max_steps_per_epoch is not None and trainer.max_steps_per_epoch < 1:
+        raise ConfigError(f"trainer.max_steps_per_epoch: must be >= 1, got {trainer.max_steps_per_epoch}")
     if trainer.tp < 1 or (trainer.dp is not None and trainer.dp < 1):
         raise ConfigError(f"trainer.tp: tp and dp must be >= 1, got tp={trainer.tp} dp={trainer.dp}")
     if trainer.backend != "tp" and trainer.tp != 1:

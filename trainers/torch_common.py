@@ -1,6 +1,7 @@
 """Pieces every PyTorch backend's worker loop uses: shard ingest, epochs, metrics, checkpoints."""
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 import time
@@ -59,11 +60,15 @@ class ShardBatches:
             self.cached = {c: torch.cat(p) for c, p in parts.items()}
             self.load_s = time.perf_counter() - start
 
-    def steps(self) -> int:
+    def steps(self, max_steps: int | None = None) -> int:
         """Batches per epoch (known once cached; 0 when streaming)."""
-        return 0 if self.cached is None else -(-len(self.cached["label"]) // self.batch_size)
+        steps = 0 if self.cached is None else -(-len(self.cached["label"]) // self.batch_size)  # ceil
+        return min(steps, max_steps) if max_steps else steps
 
-    def epoch(self, epoch: int, shuffle: bool = True) -> Iterator[Batch]:
+    def epoch(self, epoch: int, shuffle: bool = True, max_steps: int | None = None) -> Iterator[Batch]:
+        return itertools.islice(self._epoch(epoch, shuffle), max_steps)
+
+    def _epoch(self, epoch: int, shuffle: bool) -> Iterator[Batch]:
         if self.cached is None:
             for batch in self.shard.iter_torch_batches(batch_size=self.batch_size):
                 yield self.adapt(batch)

@@ -47,8 +47,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     for epoch in range(start_epoch, cfg.trainer.epochs + 1):
         tc.maybe_inject_failure(cfg.fault, epoch, rank, world_size)
-        on_step = tc.step_loss_logger(logger, cfg.trainer.log_every_n_steps, epoch, train.steps())
-        stats = tc.train_epoch(model, optimizer, train.epoch(epoch), device, on_step=on_step)
+        max_steps = cfg.trainer.max_steps_per_epoch
+        on_step = tc.step_loss_logger(logger, cfg.trainer.log_every_n_steps, epoch, train.steps(max_steps))
+        stats = tc.train_epoch(model, optimizer, train.epoch(epoch, max_steps=max_steps), device, on_step=on_step)
         correct, total = tc.count_correct(model, test.epoch(epoch, shuffle=False), device)
         metrics = tc.epoch_metrics(stats, correct, total)
         if epoch == start_epoch:

@@ -115,11 +115,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     timer = CollectiveTimer()
     for epoch in range(start_epoch, cfg.trainer.epochs + 1):
         tc.maybe_inject_failure(cfg.fault, epoch, rank, world_size)
-        on_step = tc.step_loss_logger(logger, cfg.trainer.log_every_n_steps, epoch, train.steps())
-        with timer.patch():
-            stats = tc.train_epoch(model, optimizer, train.epoch(epoch), device,
+        max_steps = cfg.trainer.max_steps_per_epoch
+        on_step = tc.step_loss_logger(logger, cfg.trainer.log_every_n_steps, epoch, train.steps(max_steps))
+        with timer.patch():  # training steps only, so collective time compares with train time
+            stats = tc.train_epoch(model, optimizer, train.epoch(epoch, max_steps=max_steps), device,
                                    after_backward=lambda: average_gradients(model, dp_group), on_step=on_step)
-            correct, total = tc.count_correct(model, test.epoch(epoch, shuffle=False), device)
+        correct, total = tc.count_correct(model, test.epoch(epoch, shuffle=False), device)
         metrics = tc.epoch_metrics(stats, correct, total, replicas=dims.tp)
         if epoch == start_epoch:
             metrics["data_load_s"] = train.load_s + test.load_s

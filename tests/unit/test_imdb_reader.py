@@ -51,3 +51,22 @@ def test_validation_split_is_deterministic_and_disjoint(tmp_path):
     keys = lambda t: set(zip(t.column("id").to_pylist(), t.column("label").to_pylist()))
     assert not keys(train_a) & keys(val_a) and len(keys(train_a) | keys(val_a)) == 40
     assert not shuffle_split(table, 0.25, seed=4)[1].equals(val_a)
+
+
+def test_parquet_and_csv_sources_with_counted_skips(tmp_path):
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    from pipelines.data.imdb import read_table_file
+
+    table = pa.table({"text": ["Great<br />film", "", "awful", "meh"], "label": ["pos", "neg", "neg", "7"]})
+    pq.write_table(table, tmp_path / "r.parquet")
+    pacsv.write_csv(table, tmp_path / "r.csv")
+    for path in (tmp_path / "r.parquet", tmp_path / "r.csv"):
+        reviews = read_table_file(path)
+        assert reviews.texts == ["Great film", "awful"] and reviews.labels == [1, 0]
+        assert dict(reviews.skipped) == {"empty review": 1, "label not 0/1/neg/pos": 1}
+    pq.write_table(pa.table({"review": ["x"]}), tmp_path / "bad.parquet")
+    with pytest.raises(DataError, match="bad.parquet: no 'text' column"):
+        read_table_file(tmp_path / "bad.parquet")
