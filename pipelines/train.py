@@ -59,8 +59,7 @@ def run_training(cfg: DictConfig, manifest: dict, uri: str, run_id: str) -> None
         result = backend.build_trainer(cfg, datasets, run_id, uri, inputs).fit()
         if result.checkpoint is None:
             raise RuntimeError("training ended without a checkpoint")
-        model, example = backend.load_final_model(cfg, result.checkpoint, inputs)
-        tracking.log_torch_model(uri, run_id, model, example)
+        backend.log_final_model(uri, run_id, cfg, result.checkpoint, inputs)
     finally:
         ray.shutdown()
 

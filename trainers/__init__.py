@@ -1,4 +1,7 @@
-"""Backends: one module each, exposing `build_trainer(cfg, datasets, run_id)` and `train_loop_per_worker(config)`.
+"""Backends: one module each, exposing
+    build_trainer(cfg, datasets, run_id, tracking_uri, model_inputs) -> a Ray Train trainer
+    log_final_model(tracking_uri, run_id, cfg, checkpoint, model_inputs) -> None (MLflow flavour of the backend)
+    train_loop_per_worker(config) -> None (what every worker runs)
 
 Modules are imported on demand so that config validation never imports torch, TensorFlow or Ray.
 """

@@ -83,6 +83,31 @@ class ShardBatches:
             yield self.adapt({c: t[idx] for c, t in self.cached.items()})
 
 
+def worker_data(cfg: Any, seed: int) -> tuple[ShardBatches, ShardBatches]:
+    """This worker's train and eval batches (Ray Train dataset shards "train" and "eval")."""
+    import ray.train
+
+    train = ShardBatches(ray.train.get_dataset_shard("train"), cfg.data.name, cfg.trainer.batch_size,
+                         cfg.data.cache_in_worker, seed)
+    evaluation = ShardBatches(ray.train.get_dataset_shard("eval"), cfg.data.name, 256, cfg.data.cache_in_worker,
+                              seed)
+    return train, evaluation
+
+
+def rank0_logger(config: dict, rank: int, state: dict | None) -> Any:
+    """Rank 0's MLflow epoch logger (None elsewhere). After a restart it records where the run resumed and
+    re-logs the checkpoint's epoch, in case the failure hit between the report and the log."""
+    from pipelines.tracking import EpochLogger
+
+    if rank != 0:
+        return None
+    logger = EpochLogger(config["tracking_uri"], config["run_id"])
+    if state is not None:
+        logger.resumed_from(state["epoch"])
+        logger.log(state["epoch"], state["metrics"])
+    return logger
+
+
 def normalise(images: torch.Tensor) -> torch.Tensor:
     return (images.float() / 255.0 - MEAN) / STD
 
@@ -244,3 +269,27 @@ def dump_state(directory: str | None, model_state: dict[str, torch.Tensor], rank
     if train is not None and train.cached is not None and "id" in train.cached:
         keys = train.cached["id"].long() * 2 + train.cached["label"].long()
         torch.save(keys.sort().values, Path(directory) / f"rank{rank}_rows.pt")
+
+
+def torch_trainer(loop: Callable[[dict], None], cfg: Any, datasets: dict, run_id: str, tracking_uri: str,
+                  model_inputs: dict, dataset_config: Any = None) -> Any:
+    """The `TorchTrainer` every PyTorch backend uses: gloo on CPU / NCCL on GPU, one CPU per worker thread,
+    a run named after the MLflow run, restarts from checkpoints up to `fault.max_failures`."""
+    from omegaconf import OmegaConf
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    use_gpu = cfg.trainer.use_gpu
+    return TorchTrainer(
+        loop,
+        train_loop_config={"cfg": OmegaConf.to_container(cfg, resolve=True), "run_id": run_id,
+                           "tracking_uri": tracking_uri, "model_inputs": model_inputs},
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=cfg.trainer.num_workers, use_gpu=use_gpu,
+                                     resources_per_worker={"CPU": cfg.trainer.threads_per_worker}),
+        run_config=RunConfig(name=f"run-{run_id}", storage_path=cfg.run.storage_path,
+                             failure_config=FailureConfig(max_failures=cfg.fault.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
+        datasets=datasets,
+        dataset_config=dataset_config or DataConfig(),
+    )

@@ -15,8 +15,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
-    from pipelines.tracking import EpochLogger
-
     cfg = OmegaConf.create(config["cfg"])
     torch.set_num_threads(cfg.trainer.threads_per_worker)
     context = ray.train.get_context()
@@ -35,15 +33,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     model = ray.train.torch.prepare_model(model)  # wraps in DDP when world_size > 1
     device = ray.train.torch.get_device()
 
-    seed = cfg.run.seed + 1000 * rank
-    train = tc.ShardBatches(ray.train.get_dataset_shard("train"), cfg.data.name, cfg.trainer.batch_size,
-                            cfg.data.cache_in_worker, seed)
-    test = tc.ShardBatches(ray.train.get_dataset_shard("eval"), cfg.data.name, 256, cfg.data.cache_in_worker,
-                           seed)
-    logger = EpochLogger(config["tracking_uri"], config["run_id"]) if rank == 0 else None
-    if logger is not None and state is not None:
-        logger.resumed_from(state["epoch"])
-        logger.log(state["epoch"], state["metrics"])  # in case the failure hit between report and log
+    train, test = tc.worker_data(cfg, seed=cfg.run.seed + 1000 * rank)
+    logger = tc.rank0_logger(config, rank, state)
 
     for epoch in range(start_epoch, cfg.trainer.epochs + 1):
         tc.maybe_inject_failure(cfg.fault, epoch, rank, world_size)
@@ -61,29 +52,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
 
 def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict):
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    use_gpu = cfg.trainer.use_gpu
-    return TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={"cfg": OmegaConf.to_container(cfg, resolve=True), "run_id": run_id,
-                           "tracking_uri": tracking_uri, "model_inputs": model_inputs},
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=cfg.trainer.num_workers, use_gpu=use_gpu,
-                                     resources_per_worker={"CPU": cfg.trainer.threads_per_worker}),
-        run_config=RunConfig(name=f"run-{run_id}", storage_path=cfg.run.storage_path,
-                             failure_config=FailureConfig(max_failures=cfg.fault.max_failures),
-                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
-        datasets=datasets,
-    )
+    return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, model_inputs)
 
 
-def load_final_model(cfg: DictConfig, checkpoint: Any, model_inputs: dict) -> tuple[torch.nn.Module, Any]:
-    """The trained model from the final checkpoint, and an input example for MLflow's signature."""
+def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, model_inputs: dict) -> None:
+    """Log the trained (dense) model of the final checkpoint to the MLflow run (PyTorch flavour)."""
+    from pipelines.tracking import log_torch_model
+
     model = build_model(cfg.model, model_inputs)
     model.load_state_dict(tc.load_checkpoint(checkpoint)["model"])
-    return model.eval(), example_input(cfg.data.name, model_inputs)
+    log_torch_model(uri, run_id, model.eval(), example_input(cfg.data.name, model_inputs))
 
 
 def example_input(dataset: str, model_inputs: dict) -> Any:

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainers import torch_common as tc
 from trainers.models import build_model
-from trainers.torch_ddp import load_final_model  # noqa: F401  (re-exported: checkpoints hold the dense model)
+from trainers.torch_ddp import log_final_model  # noqa: F401  (re-exported: checkpoints hold the dense model)
 
 
 class CollectiveTimer:
@@ -75,7 +75,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
-    from pipelines.tracking import EpochLogger
     from trainers.parallel.data_parallel import average_gradients
     from trainers.parallel.mesh import ParallelDims, build_mesh, rank_coords
     from trainers.parallel.plans import parallelize_bert, unshard_state_dict
@@ -102,15 +101,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     optimizer = tc.make_optimizer(model, cfg.trainer.optimizer, cfg.trainer.lr)
     dp_group = mesh.get_group("dp")
 
-    seed = cfg.run.seed + 1000 * dp_rank  # same shuffle within a TP group
-    train = tc.ShardBatches(ray.train.get_dataset_shard("train"), cfg.data.name, cfg.trainer.batch_size,
-                            cfg.data.cache_in_worker, seed)
-    test = tc.ShardBatches(ray.train.get_dataset_shard("eval"), cfg.data.name, 256, cfg.data.cache_in_worker,
-                           seed)
-    logger = EpochLogger(config["tracking_uri"], config["run_id"]) if rank == 0 else None
-    if logger is not None and state is not None:
-        logger.resumed_from(state["epoch"])
-        logger.log(state["epoch"], state["metrics"])
+    train, test = tc.worker_data(cfg, seed=cfg.run.seed + 1000 * dp_rank)  # same shuffle in a TP group
+    logger = tc.rank0_logger(config, rank, state)
 
     timer = CollectiveTimer()
     for epoch in range(start_epoch, cfg.trainer.epochs + 1):
@@ -135,22 +127,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
 
 def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict):
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
     from trainers.tp_data import TPGroupDataConfig
 
-    use_gpu = cfg.trainer.use_gpu
-    return TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={"cfg": OmegaConf.to_container(cfg, resolve=True), "run_id": run_id,
-                           "tracking_uri": tracking_uri, "model_inputs": model_inputs},
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=cfg.trainer.num_workers, use_gpu=use_gpu,
-                                     resources_per_worker={"CPU": cfg.trainer.threads_per_worker}),
-        run_config=RunConfig(name=f"run-{run_id}", storage_path=cfg.run.storage_path,
-                             failure_config=FailureConfig(max_failures=cfg.fault.max_failures),
-                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
-        datasets=datasets,
-        dataset_config=TPGroupDataConfig(dp=cfg.trainer.dp, tp=cfg.trainer.tp),
-    )
+    return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, model_inputs,
+                            dataset_config=TPGroupDataConfig(dp=cfg.trainer.dp, tp=cfg.trainer.tp))

@@ -1,7 +1,6 @@
 """`python -m pipelines.prepare imdb` end to end (local Ray for tokenisation) on generated archives."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path

@@ -1,9 +1,6 @@
 """IDX parsing and Parquet sharding on generated MNIST-format files."""
 from __future__ import annotations
 
-import gzip
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
