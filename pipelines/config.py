@@ -34,6 +34,8 @@ class TrainerConfig:
     tp: int = 1                         # tensor-parallel degree (backend tp)
     dp: Optional[int] = None            # data-parallel degree; default num_workers // tp
     tp_impl: str = "megatron"           # megatron | dtensor
+    tf_loop: str = "fit"                # tf_mwms: fit (tf-keras model.fit) | custom (strategy.run loop)
+    tf_communication: str = "auto"      # tf_mwms collectives: auto | ring | nccl (nccl needs use_gpu)
 
 
 @dataclass
@@ -88,6 +90,8 @@ class FaultConfig:
 MODEL_SCHEMAS: dict[str, type] = {"mlp": MLPConfig, "cnn": CNNConfig, "bert": BertModelConfig}
 DATA_MODELS = {"mnist": ("mlp", "cnn"), "imdb": ("bert",)}  # which models fit which data
 OPTIMIZERS = ("adam", "sgd")
+TF_LOOPS = ("fit", "custom")
+TF_COMMUNICATIONS = ("auto", "ring", "nccl")
 POSITIVE = ("trainer.num_workers", "trainer.threads_per_worker", "trainer.batch_size", "trainer.lr",
             "trainer.epochs")
 
@@ -134,6 +138,7 @@ def _check_values(cfg: DictConfig) -> None:
                           f"(choices: {DATA_MODELS[cfg.data.name]})")
     _check_model(cfg.model)
     _check_parallelism(cfg)
+    _check_tensorflow(cfg)
     if cfg.fault.max_failures < 0:
         raise ConfigError(f"fault.max_failures: must be >= 0, got {cfg.fault.max_failures}")
     if not 0 <= cfg.model.dropout < 1:
@@ -170,6 +175,21 @@ def _check_parallelism(cfg: DictConfig) -> None:
             raise ConfigError(f"trainer.tp: tp={trainer.tp} does not divide the model's heads={heads}")
         if hidden % heads:
             raise ConfigError(f"model.hidden: hidden={hidden} is not a multiple of heads={heads}")
+
+
+def _check_tensorflow(cfg: DictConfig) -> None:
+    trainer = cfg.trainer
+    if trainer.tf_loop not in TF_LOOPS:
+        raise ConfigError(f"trainer.tf_loop: unknown '{trainer.tf_loop}' (choices: {TF_LOOPS})")
+    if trainer.tf_communication not in TF_COMMUNICATIONS:
+        raise ConfigError(f"trainer.tf_communication: unknown '{trainer.tf_communication}' "
+                          f"(choices: {TF_COMMUNICATIONS})")
+    if trainer.backend != "tf_mwms":
+        return
+    if trainer.tf_communication == "nccl" and not trainer.use_gpu:
+        raise ConfigError("trainer.tf_communication: nccl needs GPUs; set trainer.use_gpu=true or use ring/auto")
+    if cfg.model.name not in ("mlp", "cnn"):
+        raise ConfigError(f"model.name: backend tf_mwms has Keras models for mlp and cnn only, got '{cfg.model.name}'")
 
 
 def _check_model(model: DictConfig) -> None:

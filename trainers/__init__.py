@@ -13,6 +13,7 @@ from types import ModuleType
 BACKENDS: dict[str, str] = {
     "ddp": "trainers.torch_ddp",
     "tp": "trainers.torch_tp",
+    "tf_mwms": "trainers.tf_mwms",
 }
 
 

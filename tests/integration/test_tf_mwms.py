@@ -1,0 +1,119 @@
+"""TensorFlow MultiWorkerMirroredStrategy backend end to end: a real Ray head, a real MLflow server, 2 CPU
+workers over RING collectives, for both loops (tf-keras `fit` and the custom `strategy.run` loop)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from mlflow.tracking import MlflowClient
+
+from pipelines.tracking import EPOCH_METRICS
+from tests.conftest import ROOT, pipeline_env
+
+pytestmark = pytest.mark.slow
+TINY = ["trainer=tf_mwms", "trainer.tf_communication=ring", "trainer.batch_size=32", "model.hidden=[32]",
+        "trainer.threads_per_worker=1", "trainer.epochs=3"]
+
+
+def train(args: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, str]:
+    proc = subprocess.run([sys.executable, "-m", "pipelines.train", *TINY, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("mlflow_run_id=")]
+    return proc, lines[-1].split("=", 1)[1]
+
+
+def check_run(client: MlflowClient, run_id: str, epochs: int = 3) -> str:
+    """FINISHED, every epoch metric once per epoch, loss going down, a Keras model logged."""
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["backend"] == "tf_mwms"
+    for name in EPOCH_METRICS:
+        assert sorted(m.step for m in client.get_metric_history(run_id, name)) == list(range(1, epochs + 1)), name
+    assert len(client.get_metric_history(run_id, "data_load_s")) >= 1
+    losses = [m.value for m in sorted(client.get_metric_history(run_id, "train_loss"), key=lambda m: m.step)]
+    assert losses[-1] < losses[0], losses
+    import mlflow
+
+    mlflow.set_tracking_uri(client.tracking_uri)
+    models = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id],
+                                         filter_string=f"source_run_id = '{run_id}'", output_format="list")
+    assert len(models) == 1
+    return models[0].model_uri
+
+
+def check_replicas_identical(params_dir) -> list[np.ndarray]:
+    """The all-reduce keeps replicas in step. Exact equality: both workers apply the same summed gradient
+    to the same weights with the same ops, so their float32 results are bitwise identical."""
+    rank0, rank1 = (np.load(params_dir / f"rank{r}.npz") for r in (0, 1))
+    assert rank0.files == rank1.files and rank0.files
+    for key in rank0.files:
+        np.testing.assert_array_equal(rank0[key], rank1[key])
+    return [rank0[key] for key in rank0.files]
+
+
+def test_fit_loop_syncs_trains_and_logs(tmp_path, tiny_mnist, mlflow_server, ray_head):
+    proc, run_id = train([f"data.path={tiny_mnist}", "trainer.tf_loop=fit", "fault.max_failures=0",
+                          f"run.storage_path={tmp_path / 'ray'}",
+                          f"run.dump_params_dir={tmp_path / 'params'}"], pipeline_env(mlflow_server, ray_head))
+    model_uri = check_run(MlflowClient(mlflow_server), run_id)
+    weights = check_replicas_identical(tmp_path / "params")
+    # The logged model loads (tf-keras: with TF_USE_LEGACY_KERAS=1) and holds the trained weights.
+    np.savez(tmp_path / "expected.npz", *weights)
+    code = ("import sys, numpy as np, mlflow; mlflow.set_tracking_uri(sys.argv[1]);"
+            "import mlflow.tensorflow as mt;"
+            "m = mt.load_model(sys.argv[2]); e = np.load(sys.argv[3]);"
+            "w = m.get_weights(); assert len(w) == len(e.files);"
+            "assert all(np.array_equal(a, e[k]) for a, k in zip(w, e.files));"
+            "assert m.predict(np.zeros((4, 784), np.float32), verbose=0).shape == (4, 10); print('ok')")
+    env = {**pipeline_env(mlflow_server), "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    load = subprocess.run([sys.executable, "-c", code, mlflow_server, model_uri, str(tmp_path / "expected.npz")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert load.returncode == 0 and load.stdout.strip().endswith("ok"), load.stderr[-3000:]
+
+
+def test_custom_loop_resumes_after_failure(tmp_path, tiny_mnist, mlflow_server, ray_head):
+    """The custom loop, with one worker failing at epoch 2: the run resumes from epoch 1's checkpoint
+    (weights, optimizer state, epoch) and the MLflow run still holds each epoch once."""
+    marker = tmp_path / "failed-once"
+    proc, run_id = train([f"data.path={tiny_mnist}", "trainer.tf_loop=custom",
+                          f"run.storage_path={tmp_path / 'ray'}", f"run.dump_params_dir={tmp_path / 'params'}",
+                          "fault.max_failures=1", "fault.inject_at_epoch=2", f"fault.inject_marker={marker}"],
+                         pipeline_env(mlflow_server, ray_head))
+    assert marker.read_text().startswith("failed at epoch 2 in rank 1")
+    client = MlflowClient(mlflow_server)
+    check_run(client, run_id)
+    assert client.get_run(run_id).data.tags["resumed_from_epoch"] == "1"
+    check_replicas_identical(tmp_path / "params")
+
+
+def test_checkpoint_round_trip_restores_weights_and_optimizer(tmp_path):
+    """What a resumed worker loads: the weights, every optimizer variable (Adam moments, iteration count)
+    and the epoch, bit for bit. In a subprocess: tf-keras wants TF_USE_LEGACY_KERAS=1 before TF is imported."""
+    code = """
+import sys, numpy as np, tensorflow as tf, tf_keras as keras
+from omegaconf import OmegaConf
+from ray.train import Checkpoint
+from trainers.tf_mwms import build_compiled_model, restore_checkpoint, save_checkpoint
+cfg = OmegaConf.create({"model": {"name": "mlp", "hidden": [8], "dropout": 0.0},
+                        "trainer": {"lr": 0.01, "optimizer": "adam"}})
+strategy = tf.distribute.get_strategy()
+model = build_compiled_model(keras, cfg)
+x, y = np.random.default_rng(0).normal(size=(64, 784)).astype("float32"), np.arange(64) % 10
+model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+save_checkpoint(sys.argv[1], model, 4, {"train_loss": 1.0})
+fresh = build_compiled_model(keras, cfg)
+state = restore_checkpoint(Checkpoint.from_directory(sys.argv[1]), fresh, strategy)
+assert state == {"epoch": 4, "metrics": {"train_loss": 1.0}}, state
+assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), fresh.get_weights()))
+old, new = [v.numpy() for v in model.optimizer.variables], [v.numpy() for v in fresh.optimizer.variables]
+assert len(old) == len(new) == 1 + 2 * len(model.trainable_variables), (len(old), len(new))
+assert all(np.array_equal(a, b) for a, b in zip(old, new)) and int(new[0]) == 4
+print("ok")
+"""
+    env = {**pipeline_env("unused"), "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

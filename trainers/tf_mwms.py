@@ -1,0 +1,320 @@
+"""TensorFlow `MultiWorkerMirroredStrategy` on Ray Train (`TensorflowTrainer`, which sets `TF_CONFIG`).
+
+Two loops, same metrics (`trainer.tf_loop`): Keras `model.fit` with a callback that reports each epoch, or a
+custom loop (`strategy.run` of a `tf.function` step with `GradientTape`).
+
+Which Keras: tf-keras (Keras 2), for both loops. Keras 3 `model.fit` under MWMS with 2 workers crashes
+(`Attempt to convert a value (PerReplica:...)`, keras-team/keras#20585, tensorflow#72388, open upstream);
+tf-keras is the maintained Keras 2 package released with every TF version, and its `fit` works under MWMS
+unpatched, which beats monkeypatching Keras 3 internals. One Keras for both loops keeps one checkpoint
+format and one logged-model flavour. tf-keras only
+takes over `tf.keras` (and TF's distribute code paths) when `TF_USE_LEGACY_KERAS=1` is in the environment
+before the process imports TensorFlow, so the trainer passes it through `RunConfig(worker_runtime_env=...)`:
+Ray starts the worker processes with it. Setting it inside the loop is too late.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from pipelines.data.mnist import MEAN, STD
+from trainers.torch_common import maybe_inject_failure  # framework-free
+
+LEGACY_KERAS_ENV = {"TF_USE_LEGACY_KERAS": "1"}
+LOAD_BATCH = 8192
+EVAL_BATCH = 256
+WEIGHTS, OPTIMIZER, STATE = "model.weights.h5", "optimizer.npz", "state.json"
+
+
+def make_strategy(tf: Any, trainer: DictConfig) -> Any:
+    """Threads, then the strategy: it must exist before any other TF op ("Collective ops must be configured
+    at program startup"). Inter-op threads >= 2: a precaution (not measured) so that an op blocked in a
+    collective cannot starve the others."""
+    tf.config.threading.set_intra_op_parallelism_threads(trainer.threads_per_worker)
+    tf.config.threading.set_inter_op_parallelism_threads(trainer.threads_per_worker + 1)
+    impl = {"auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+            "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+            "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL}[trainer.tf_communication]
+    options = tf.distribute.experimental.CommunicationOptions(implementation=impl)
+    return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+
+
+class ShardArrays:
+    """This worker's Ray Data shard, pulled once into memory as uint8/int64 numpy (same reason as
+    `torch_common.ShardBatches`: re-streaming Parquet every epoch is slower than the model trains)."""
+
+    def __init__(self, shard: Any):
+        start = time.perf_counter()
+        images, labels = [], []
+        for batch in shard.iter_batches(batch_size=LOAD_BATCH, batch_format="numpy"):
+            image = batch["image"]  # fixed_size_list<uint8>[784]: [B, 784], or B arrays of 784
+            images.append((np.stack(image) if image.dtype == object else image).astype(np.uint8).reshape(-1, 784))
+            labels.append(np.asarray(batch["label"], dtype=np.int64))
+        self.images, self.labels = np.concatenate(images), np.concatenate(labels)
+        self.load_s = time.perf_counter() - start
+
+    def steps(self, batch_size: int, max_steps: int | None) -> int:
+        # Every worker must run the same number of steps (each is a collective): Ray's DataConfig splits
+        # with equal=True (same rows per worker), and only full batches are used.
+        steps = len(self.labels) // batch_size
+        return min(steps, max_steps) if max_steps else steps
+
+    def dataset(self, tf: Any, batch_size: int, seed: int | None = None, steps: int | None = None) -> Any:
+        """One epoch as a `tf.data.Dataset` of (normalised images [B, 784], labels [B]); shuffled with
+        `seed` (per epoch) when given. TF's auto-sharding is off: Ray already gave each worker its shard."""
+        order = np.arange(len(self.labels)) if seed is None else np.random.default_rng(seed).permutation(
+            len(self.labels))
+        ds = tf.data.Dataset.from_tensor_slices((self.images[order], self.labels[order]))
+        ds = ds.batch(batch_size, drop_remainder=steps is not None)
+        if steps is not None:
+            ds = ds.take(steps)
+        ds = ds.map(lambda x, y: ((tf.cast(x, tf.float32) / 255.0 - MEAN) / STD, y))
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        return ds.with_options(options).prefetch(2)
+
+
+def build_compiled_model(keras: Any, cfg: DictConfig) -> Any:
+    from trainers.models.keras_models import build_keras_model
+
+    model = build_keras_model(cfg.model, keras)
+    optimizer = (keras.optimizers.SGD(cfg.trainer.lr, momentum=0.9) if cfg.trainer.optimizer == "sgd"
+                 else keras.optimizers.Adam(cfg.trainer.lr))
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def save_checkpoint(directory: str, model: Any, epoch: int, metrics: dict) -> None:
+    """Native Keras weights file + the optimizer's variables (Keras' own `save_own_variables` store)."""
+    model.save_weights(os.path.join(directory, WEIGHTS))
+    store: dict[str, np.ndarray] = {}
+    model.optimizer.save_own_variables(store)
+    np.savez(os.path.join(directory, OPTIMIZER), **store)
+    Path(directory, STATE).write_text(json.dumps({"epoch": epoch, "metrics": metrics}))
+
+
+def restore_checkpoint(checkpoint: Any, model: Any, strategy: Any) -> dict | None:
+    """Weights, optimizer state and epoch from a checkpoint written by `save_checkpoint` (or None)."""
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as directory:
+        model.load_weights(os.path.join(directory, WEIGHTS))
+        with np.load(os.path.join(directory, OPTIMIZER)) as store, strategy.scope():
+            model.optimizer.build(model.trainable_variables)  # creates the slots, mirrored
+            model.optimizer.set_weights([store[str(i)] for i in range(len(store.files))])
+        return json.loads(Path(directory, STATE).read_text())
+
+
+class Epochs:
+    """Per-epoch bookkeeping shared by both loops: evaluation, cross-worker metrics, checkpoint, MLflow."""
+
+    def __init__(self, tf: Any, strategy: Any, model: Any, cfg: DictConfig, config: dict, state: dict | None,
+                 train: ShardArrays, test: ShardArrays):
+        import ray.train
+
+        self.tf, self.strategy, self.model, self.cfg = tf, strategy, model, cfg
+        context = ray.train.get_context()
+        self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
+        self.start_epoch = 1 if state is None else state["epoch"] + 1
+        self.train, self.test = train, test
+        self.logger = None
+        if self.rank == 0:
+            from pipelines.tracking import EpochLogger
+
+            self.logger = EpochLogger(config["tracking_uri"], config["run_id"])
+            if state is not None:  # the failure may have hit between the report and the log
+                self.logger.resumed_from(state["epoch"])
+                self.logger.log(state["epoch"], state["metrics"])
+
+    def begin(self, epoch: int) -> None:
+        maybe_inject_failure(self.cfg.fault, epoch, self.rank, self.world_size)
+
+    def _gather(self, values: list[float]) -> np.ndarray:
+        """[world_size, len(values)]: every worker's values (an all-gather across workers)."""
+        local = self.tf.constant([values], dtype=self.tf.float32)
+        return self.strategy.gather(self.strategy.run(lambda: local), axis=0).numpy()
+
+    def count_correct(self) -> tuple[int, int]:
+        correct = 0
+        for images, labels in self.test.dataset(self.tf, EVAL_BATCH):
+            logits = self.model(images, training=False)  # local replica's (synchronised) weights
+            correct += int(np.sum(np.argmax(logits.numpy(), axis=1) == labels.numpy()))
+        return correct, len(self.test.labels)
+
+    def end(self, epoch: int, train_loss: float, samples: int, steps: int, wait_s: float, train_s: float) -> None:
+        correct, total = self.count_correct()
+        rows = self._gather([samples, steps, wait_s, train_s, correct, total])
+        samples_all, steps_all, wait_all, train_all, correct_all, total_all = rows.sum(axis=0)
+        slowest_s = float(rows[:, 3].max())
+        metrics = {"train_loss": float(train_loss), "test_accuracy": correct_all / max(total_all, 1),
+                   "samples_per_s": samples_all / max(slowest_s, 1e-9),
+                   "step_time_ms": 1000.0 * train_all / max(steps_all, 1),
+                   "data_wait_fraction": wait_all / max(train_all, 1e-9), "epoch_time_s": slowest_s}
+        if epoch == self.start_epoch:
+            metrics["data_load_s"] = self.train.load_s + self.test.load_s
+        self.report(epoch, {k: float(v) for k, v in metrics.items()})  # numpy scalars -> JSON-able floats
+
+    def report(self, epoch: int, metrics: dict) -> None:
+        """Every worker writes its checkpoint (saving must not be rank-dependent under a strategy); rank 0's
+        is the one reported."""
+        import ray.train
+
+        with tempfile.TemporaryDirectory() as directory:
+            save_checkpoint(directory, self.model, epoch, metrics)
+            checkpoint = ray.train.Checkpoint.from_directory(directory) if self.rank == 0 else None
+            ray.train.report(metrics, checkpoint=checkpoint)
+        if self.logger is not None:
+            self.logger.log(epoch, metrics)
+
+
+def fit_loop(keras: Any, epochs: Epochs, batch: int, steps: int, seed: int) -> None:
+    """tf-keras `model.fit` over all remaining epochs; a callback times, reports and checkpoints each."""
+    tf, cfg = epochs.tf, epochs.cfg
+
+    class ReportEachEpoch(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):  # Keras counts epochs from 0
+            epochs.begin(epoch + 1)
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            # tf.data prefetches inside fit's step function: data waits are not separable here (reported 0).
+            epochs.end(epoch + 1, logs["loss"], steps * batch, steps, 0.0, time.perf_counter() - self.start)
+
+    def all_epochs(_):  # one dataset per epoch, each with its own shuffle seed, chained
+        chained = None
+        for epoch in range(epochs.start_epoch, cfg.trainer.epochs + 1):
+            ds = epochs.train.dataset(tf, batch, seed=seed + epoch, steps=steps)
+            chained = ds if chained is None else chained.concatenate(ds)
+        return chained
+
+    # From a function: its batches are per replica (not re-batched by the strategy).
+    distributed = epochs.strategy.distribute_datasets_from_function(all_epochs)
+    epochs.model.fit(distributed, epochs=cfg.trainer.epochs, initial_epoch=epochs.start_epoch - 1,
+                     steps_per_epoch=steps, callbacks=[ReportEachEpoch()], verbose=0)
+
+
+def custom_loop(keras: Any, epochs: Epochs, batch: int, steps: int, seed: int) -> None:
+    """`strategy.run` of a `tf.function` step with `GradientTape`; the per-example loss is averaged over the
+    GLOBAL batch (per-replica batch x replicas): the all-reduce sums gradients, so this gives the mean."""
+    tf, strategy, model = epochs.tf, epochs.strategy, epochs.model
+    global_batch = batch * strategy.num_replicas_in_sync
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=keras.losses.Reduction.NONE)
+
+    @tf.function
+    def step(iterator):
+        def replica_step(images, labels):
+            with tf.GradientTape() as tape:
+                per_example = loss_fn(labels, model(images, training=True))
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
+            grads = tape.gradient(loss, model.trainable_variables)
+            model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica_step, args=next(iterator)),
+                               axis=None)  # the global batch's mean loss
+
+    for epoch in range(epochs.start_epoch, epochs.cfg.trainer.epochs + 1):
+        epochs.begin(epoch)
+        iterator = iter(strategy.distribute_datasets_from_function(
+            lambda _, e=epoch: epochs.train.dataset(tf, batch, seed=seed + e, steps=steps)))
+        loss_sum, start = 0.0, time.perf_counter()
+        for _ in range(steps):
+            loss_sum += float(step(iterator))
+        train_s = time.perf_counter() - start
+        # `next(iterator)` runs inside the compiled step (prefetched): data waits are not separable (0).
+        epochs.end(epoch, loss_sum / max(steps, 1), steps * batch, steps, 0.0, train_s)
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    if os.environ.get("TF_USE_LEGACY_KERAS") != "1":
+        raise RuntimeError("TF_USE_LEGACY_KERAS=1 must be in the worker's environment from process start "
+                           "(build the trainer with trainers.tf_mwms.build_trainer)")
+    import ray.train
+    import tensorflow as tf
+
+    cfg = OmegaConf.create(config["cfg"])
+    strategy = make_strategy(tf, cfg.trainer)  # first: before any other TF op
+    import tf_keras as keras
+
+    rank = ray.train.get_context().get_world_rank()
+    keras.utils.set_random_seed(cfg.run.seed)  # same initial weights everywhere (MWMS also broadcasts them)
+    with strategy.scope():
+        model = build_compiled_model(keras, cfg)
+    state = restore_checkpoint(ray.train.get_checkpoint(), model, strategy)
+    train = ShardArrays(ray.train.get_dataset_shard("train"))
+    test = ShardArrays(ray.train.get_dataset_shard("eval"))
+    epochs = Epochs(tf, strategy, model, cfg, config, state, train, test)
+    batch, seed = cfg.trainer.batch_size, cfg.run.seed + 1000 * rank
+    steps = train.steps(batch, cfg.trainer.max_steps_per_epoch)
+    if epochs.start_epoch <= cfg.trainer.epochs:
+        if cfg.trainer.tf_loop == "fit":
+            fit_loop(keras, epochs, batch, steps, seed)
+        else:
+            custom_loop(keras, epochs, batch, steps, seed)
+    dump_weights(cfg.run.dump_params_dir, model, rank)
+
+
+def dump_weights(directory: str | None, model: Any, rank: int) -> None:
+    """`run.dump_params_dir`: this rank's final weights as `rank<r>.npz` (arrays in `model.get_weights()` order)."""
+    if directory:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        np.savez(Path(directory) / f"rank{rank}.npz", *model.get_weights())
+
+
+def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict):
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.tensorflow import TensorflowTrainer
+
+    return TensorflowTrainer(
+        train_loop_per_worker,
+        train_loop_config={"cfg": OmegaConf.to_container(cfg, resolve=True), "run_id": run_id,
+                           "tracking_uri": tracking_uri, "model_inputs": model_inputs},
+        scaling_config=ScalingConfig(num_workers=cfg.trainer.num_workers, use_gpu=cfg.trainer.use_gpu,
+                                     resources_per_worker={"CPU": cfg.trainer.threads_per_worker}),
+        run_config=RunConfig(name=f"run-{run_id}", storage_path=cfg.run.storage_path,
+                             failure_config=FailureConfig(max_failures=cfg.fault.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2),
+                             # tf-keras must own `tf.keras` from process start (module docstring); Ray
+                             # starts the worker processes with these env vars (merged with the job's).
+                             worker_runtime_env={"env_vars": {**LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}}),
+        datasets=datasets,
+        dataset_config=DataConfig(),
+    )
+
+
+def _log_model_task(uri: str, run_id: str, cfg_dict: dict, checkpoint: Any) -> None:
+    import mlflow
+    import tensorflow as tf
+    import tf_keras as keras
+
+    cfg = OmegaConf.create(cfg_dict)
+    model = build_compiled_model(keras, cfg)
+    with checkpoint.as_directory() as directory:
+        model.load_weights(os.path.join(directory, WEIGHTS))
+    mlflow.set_tracking_uri(uri)
+    mlflow.start_run(run_id=run_id, log_system_metrics=False)
+    try:
+        # Explicit requirements: MLflow's inference imports and scans modules, seconds for nothing here.
+        mlflow.tensorflow.log_model(model, name="model", input_example=np.zeros((2, 784), dtype=np.float32),
+                                    keras_model_kwargs={"save_format": "keras"},
+                                    pip_requirements=[f"tensorflow=={tf.__version__}",
+                                                      f"tf-keras=={keras.__version__}"])
+    finally:
+        mlflow.end_run()
+
+
+def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, model_inputs: dict) -> None:
+    """The final checkpoint's model, MLflow tensorflow (Keras) flavour. MLflow recognises Keras models via
+    `tensorflow.keras`, which is tf-keras only with TF_USE_LEGACY_KERAS=1 from process start: so the model
+    is logged from a Ray task started with that env var rather than from this (driver) process."""
+    import ray
+
+    task = ray.remote(num_cpus=1, runtime_env={"env_vars": {**LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}})(
+        _log_model_task)
+    ray.get(task.remote(uri, run_id, OmegaConf.to_container(cfg, resolve=True), checkpoint))
