@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "mnist" / "parquet"
 
 
-def bare_keras(model: str, batch: int, epochs: int) -> list[float]:
+def bare_keras(model: str, batch: int, epochs: int, steps_per_execution: int) -> list[float]:
     """Plain tf-keras fit in this process (needs TF_USE_LEGACY_KERAS=1 before TF is imported)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -43,7 +43,8 @@ def bare_keras(model: str, batch: int, epochs: int) -> list[float]:
           .batch(batch).map(lambda x, y: ((tf.cast(x, tf.float32) / 255.0 - MEAN) / STD, y)).prefetch(2))
     net = build_keras_model(cfg.model, keras)
     net.compile(optimizer=keras.optimizers.Adam(cfg.trainer.lr),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                steps_per_execution=steps_per_execution)
     rates: list[float] = []
 
     class Timer(keras.callbacks.Callback):
@@ -57,7 +58,7 @@ def bare_keras(model: str, batch: int, epochs: int) -> list[float]:
     return rates
 
 
-def ray_pipeline(model: str, batch: int, epochs: int, workers: int, loop: str) -> list[float]:
+def ray_pipeline(model: str, batch: int, epochs: int, workers: int, loop: str, spe: int) -> list[float]:
     from mlflow.tracking import MlflowClient
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -67,7 +68,8 @@ def ray_pipeline(model: str, batch: int, epochs: int, workers: int, loop: str) -
         env.pop("RAY_ADDRESS", None)
         cmd = [sys.executable, "-m", "pipelines.train", "trainer=tf_mwms", f"model={model}",
                f"data.path={DATA}", f"trainer.epochs={epochs}", f"trainer.num_workers={workers}",
-               f"trainer.batch_size={batch}", f"trainer.tf_loop={loop}", f"run.storage_path={tmp}/ray"]
+               f"trainer.batch_size={batch}", f"trainer.tf_loop={loop}", f"trainer.tf_steps_per_execution={spe}",
+               f"run.storage_path={tmp}/ray"]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"pipeline failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -82,23 +84,27 @@ def main() -> int:
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--loop", default="fit", choices=["fit", "custom"])
+    parser.add_argument("--steps-per-execution", type=int, default=8, help="for both sides")
     parser.add_argument("--bare-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.bare_only:  # the child process: print the per-epoch rates as JSON
-        print(json.dumps(bare_keras(args.model, args.batch, args.epochs)))
+        print(json.dumps(bare_keras(args.model, args.batch, args.epochs, args.steps_per_execution)))
         return 0
     if not (DATA / "manifest.json").is_file():
         subprocess.run([sys.executable, "-m", "pipelines.prepare", "mnist", "--out", str(DATA)], check=True)
     # tf-keras must be selected before TensorFlow is imported: run the bare loop in its own process.
     child = subprocess.run([sys.executable, "-m", "benchmarks.tf_vs_bare", "--bare-only", f"--model={args.model}",
-                            f"--batch={args.batch}", f"--epochs={args.epochs}"], cwd=ROOT, capture_output=True,
+                            f"--batch={args.batch}", f"--epochs={args.epochs}",
+                            f"--steps-per-execution={args.steps_per_execution}"], cwd=ROOT, capture_output=True,
                            text=True, env={**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
                                            "OMP_NUM_THREADS": "1"}, check=True)
     bare = json.loads(child.stdout.strip().splitlines()[-1])
-    one = ray_pipeline(args.model, args.batch, args.epochs, 1, args.loop)
-    two = ray_pipeline(args.model, args.batch, args.epochs, 2, args.loop)
+    spe = args.steps_per_execution
+    one = ray_pipeline(args.model, args.batch, args.epochs, 1, args.loop, spe)
+    two = ray_pipeline(args.model, args.batch, args.epochs, 2, args.loop, spe)
     bare_rate, one_rate, two_rate = (float(np.mean(r[1:])) for r in (bare, one, two))
-    print(f"model={args.model} batch={args.batch} per replica, loop={args.loop}, mean of epochs 2..{args.epochs}")
+    print(f"model={args.model} batch={args.batch} per replica, loop={args.loop}, steps_per_execution={spe}, "
+          f"mean of epochs 2..{args.epochs}")
     print(f"bare tf-keras fit, 1 thread:          {bare_rate:9.0f} samples/s")
     print(f"Ray TensorflowTrainer + MWMS, 1 worker: {one_rate:9.0f} samples/s")
     print(f"Ray TensorflowTrainer + MWMS, 2 workers: {two_rate:8.0f} samples/s global ({two_rate / one_rate:.2f}x)")

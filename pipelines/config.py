@@ -36,6 +36,7 @@ class TrainerConfig:
     tp_impl: str = "megatron"           # megatron | dtensor
     tf_loop: str = "fit"                # tf_mwms: fit (tf-keras model.fit) | custom (strategy.run loop)
     tf_communication: str = "auto"      # tf_mwms collectives: auto | ring | nccl (nccl needs use_gpu)
+    tf_steps_per_execution: int = 8     # tf_mwms fit: training steps per compiled call
 
 
 @dataclass
@@ -93,7 +94,7 @@ OPTIMIZERS = ("adam", "sgd")
 TF_LOOPS = ("fit", "custom")
 TF_COMMUNICATIONS = ("auto", "ring", "nccl")
 POSITIVE = ("trainer.num_workers", "trainer.threads_per_worker", "trainer.batch_size", "trainer.lr",
-            "trainer.epochs")
+            "trainer.epochs", "trainer.tf_steps_per_execution")
 
 
 def _schema_for(cfg: DictConfig) -> DictConfig:

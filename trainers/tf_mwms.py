@@ -87,7 +87,9 @@ def build_compiled_model(keras: Any, cfg: DictConfig) -> Any:
     model = build_keras_model(cfg.model, keras)
     optimizer = (keras.optimizers.SGD(cfg.trainer.lr, momentum=0.9) if cfg.trainer.optimizer == "sgd"
                  else keras.optimizers.Adam(cfg.trainer.lr))
-    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  # Several steps per tf.function call: cuts the per-step host overhead of the strategy.
+                  steps_per_execution=cfg.trainer.tf_steps_per_execution)
     return model
 
 

@@ -98,7 +98,7 @@ from omegaconf import OmegaConf
 from ray.train import Checkpoint
 from trainers.tf_mwms import build_compiled_model, restore_checkpoint, save_checkpoint
 cfg = OmegaConf.create({"model": {"name": "mlp", "hidden": [8], "dropout": 0.0},
-                        "trainer": {"lr": 0.01, "optimizer": "adam"}})
+                        "trainer": {"lr": 0.01, "optimizer": "adam", "tf_steps_per_execution": 1}})
 strategy = tf.distribute.get_strategy()
 model = build_compiled_model(keras, cfg)
 x, y = np.random.default_rng(0).normal(size=(64, 784)).astype("float32"), np.arange(64) % 10
