@@ -25,7 +25,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from pipelines.data.mnist import MEAN, STD
-from trainers.torch_common import maybe_inject_failure  # framework-free
+from trainers.torch_common import maybe_inject_failure, rank0_logger  # framework-free
 
 LEGACY_KERAS_ENV = {"TF_USE_LEGACY_KERAS": "1"}
 LOAD_BATCH = 8192
@@ -126,14 +126,7 @@ class Epochs:
         self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
         self.start_epoch = 1 if state is None else state["epoch"] + 1
         self.train, self.test = train, test
-        self.logger = None
-        if self.rank == 0:
-            from pipelines.tracking import EpochLogger
-
-            self.logger = EpochLogger(config["tracking_uri"], config["run_id"])
-            if state is not None:  # the failure may have hit between the report and the log
-                self.logger.resumed_from(state["epoch"])
-                self.logger.log(state["epoch"], state["metrics"])
+        self.logger = rank0_logger(config, self.rank, state)
 
     def begin(self, epoch: int) -> None:
         maybe_inject_failure(self.cfg.fault, epoch, self.rank, self.world_size)

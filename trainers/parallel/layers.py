@@ -73,6 +73,14 @@ class TPLayer(nn.Module):
             param.copy_(self.local_shard(name, getattr(dense, name)))
 
 
+def _linear_from_dense(cls: type, dense: nn.Linear, group: ProcessGroup, **kwargs) -> TPLayer:
+    """A column- or row-parallel layer of `dense`'s shape holding this rank's shard of its weights."""
+    layer = cls(dense.in_features, dense.out_features, group, bias=dense.bias is not None,
+                dtype=dense.weight.dtype, device=dense.weight.device, **kwargs)
+    layer.load_dense(dense)
+    return layer
+
+
 class ColumnParallelLinear(TPLayer):
     shard_dims = {"weight": 0, "bias": 0}
 
@@ -97,10 +105,7 @@ class ColumnParallelLinear(TPLayer):
 
     @classmethod
     def from_dense(cls, dense: nn.Linear, group: ProcessGroup, **kwargs) -> ColumnParallelLinear:
-        layer = cls(dense.in_features, dense.out_features, group, bias=dense.bias is not None,
-                    dtype=dense.weight.dtype, device=dense.weight.device, **kwargs)
-        layer.load_dense(dense)
-        return layer
+        return _linear_from_dense(cls, dense, group, **kwargs)
 
 
 class RowParallelLinear(TPLayer):
@@ -126,10 +131,7 @@ class RowParallelLinear(TPLayer):
 
     @classmethod
     def from_dense(cls, dense: nn.Linear, group: ProcessGroup, **kwargs) -> RowParallelLinear:
-        layer = cls(dense.in_features, dense.out_features, group, bias=dense.bias is not None,
-                    dtype=dense.weight.dtype, device=dense.weight.device, **kwargs)
-        layer.load_dense(dense)
-        return layer
+        return _linear_from_dense(cls, dense, group, **kwargs)
 
 
 class VocabParallelEmbedding(TPLayer):
