@@ -37,6 +37,7 @@ class TrainerConfig:
     tf_loop: str = "fit"                # tf_mwms: fit (tf-keras model.fit) | custom (strategy.run loop)
     tf_communication: str = "auto"      # tf_mwms collectives: auto | ring | nccl (nccl needs use_gpu)
     tf_steps_per_execution: int = 8     # tf_mwms fit: training steps per compiled call
+    placement_strategy: str = "PACK"    # Ray placement of the workers: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
 
 
 @dataclass
@@ -79,6 +80,7 @@ class RunSection:
     seed: int = 0
     storage_path: str = "outputs/ray"
     dump_params_dir: Optional[str] = None
+    resume_dir: Optional[str] = None  # stop-and-resume folder (preemption); see pipelines/preemption.py
 
 
 @dataclass
@@ -93,6 +95,7 @@ DATA_MODELS = {"mnist": ("mlp", "cnn"), "imdb": ("bert",)}  # which models fit w
 OPTIMIZERS = ("adam", "sgd")
 TF_LOOPS = ("fit", "custom")
 TF_COMMUNICATIONS = ("auto", "ring", "nccl")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 POSITIVE = ("trainer.num_workers", "trainer.threads_per_worker", "trainer.batch_size", "trainer.lr",
             "trainer.epochs", "trainer.tf_steps_per_execution")
 
@@ -132,6 +135,9 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.backend: unknown backend '{cfg.trainer.backend}' (choices: {sorted(BACKENDS)})")
     if cfg.trainer.optimizer not in OPTIMIZERS:
         raise ConfigError(f"trainer.optimizer: unknown optimizer '{cfg.trainer.optimizer}' (choices: {OPTIMIZERS})")
+    if cfg.trainer.placement_strategy not in PLACEMENT_STRATEGIES:
+        raise ConfigError(f"trainer.placement_strategy: unknown strategy '{cfg.trainer.placement_strategy}' "
+                          f"(choices: {PLACEMENT_STRATEGIES})")
     if cfg.data.name not in DATA_MODELS:
         raise ConfigError(f"data.name: unknown dataset '{cfg.data.name}' (choices: {sorted(DATA_MODELS)})")
     if cfg.model.name not in DATA_MODELS[cfg.data.name]:
@@ -214,8 +220,9 @@ def _absolutise_paths(cfg: DictConfig) -> None:
     # The job may run from a copy of the repo (ray job --working-dir): pin paths to where they were given.
     cfg.data.path = str(Path(cfg.data.path).expanduser().resolve())
     cfg.run.storage_path = str(Path(cfg.run.storage_path).expanduser().resolve())
-    if cfg.run.dump_params_dir:
-        cfg.run.dump_params_dir = str(Path(cfg.run.dump_params_dir).expanduser().resolve())
+    for key in ("dump_params_dir", "resume_dir"):
+        if cfg.run[key]:
+            cfg.run[key] = str(Path(cfg.run[key]).expanduser().resolve())
 
 
 def load_config(overrides: list[str]) -> DictConfig:

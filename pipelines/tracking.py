@@ -180,3 +180,40 @@ def end_run(uri: str, run_id: str, error: str | None = None) -> None:
     client.set_tag(run_id, "error", error[:5000])
     client.log_text(run_id, error, "error.txt")
     client.set_terminated(run_id, status="FAILED")
+
+
+def reopen_run(uri: str, run_id: str) -> str:
+    """Continue a run stopped by preemption: back to RUNNING, `attempts` tag counted up. Returns the status
+    the run had (a FINISHED run is left alone)."""
+    client = _client(uri)
+    run = client.get_run(run_id)
+    status = run.info.status
+    if status != "FINISHED":
+        attempts = int(run.data.tags.get("attempts", "1")) + 1
+        client.set_tag(run_id, "attempts", str(attempts))
+        client.update_run(run_id, status="RUNNING")
+    return status
+
+
+def mark_preempted(uri: str, run_id: str, stopped_at: str) -> None:
+    """The run stopped on request with a checkpoint and will be continued: KILLED until then (MLflow has no
+    'suspended' state), with the stop point recorded."""
+    client = _client(uri)
+    previous = client.get_run(run_id).data.tags.get("preempted_at")
+    client.set_tag(run_id, "preempted_at", f"{previous},{stopped_at}" if previous else stopped_at)
+    client.set_terminated(run_id, status="KILLED")
+
+
+def log_cluster_startup(uri: str, run_id: str) -> None:
+    """Seconds from the cluster job's start to all Ray nodes joined, when a cluster script measured it
+    (PIPELINE_CLUSTER_STARTUP_S, set by cluster/slurm); one value per attempt of the run."""
+    value = os.environ.get("PIPELINE_CLUSTER_STARTUP_S")
+    if not value:
+        return
+    client = _client(uri)
+    attempt = int(client.get_run(run_id).data.tags.get("attempts", "1"))
+    client.log_metric(run_id, "cluster_startup_s", float(value), step=attempt)
+
+
+def set_tag(uri: str, run_id: str, key: str, value: str) -> None:
+    _client(uri).set_tag(run_id, key, value)

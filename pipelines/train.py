@@ -2,7 +2,8 @@
 
 What `ray job submit` runs. Uses the cluster at RAY_ADDRESS when set, else starts a local Ray.
 Last stdout line: `mlflow_run_id=<id>`. Exit codes: 0 finished, 1 training failed (the MLflow run is
-marked FAILED with the error), 2 bad config, data or tracking server (nothing was started).
+marked FAILED with the error), 2 bad config, data or tracking server (nothing was started), 3 stopped on
+request with a checkpoint (`run.resume_dir`, pipelines/resume.py; the run is KILLED until continued).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import traceback
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines import tracking
+from pipelines import resume, tracking
 from pipelines.config import ConfigError, flatten, load_config
 from pipelines.data.idx import DataError
 from pipelines.data.shards import read_manifest, shard_paths
@@ -41,7 +42,9 @@ def init_ray(cfg: DictConfig) -> None:
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), dashboard_host="127.0.0.1")
 
 
-def run_training(cfg: DictConfig, manifest: dict, uri: str, run_id: str) -> None:
+def run_training(cfg: DictConfig, manifest: dict, uri: str, run_id: str, first_attempt: bool = True) -> bool:
+    """Fit the backend's trainer and log the final model. Returns False when the run stopped early on a
+    stop request (`run.resume_dir`), with a checkpoint to continue from."""
     import ray
 
     from pipelines.data.readers import model_inputs, parquet_datasets
@@ -49,19 +52,41 @@ def run_training(cfg: DictConfig, manifest: dict, uri: str, run_id: str) -> None
 
     init_ray(cfg)
     try:
-        resources = ray.cluster_resources()
-        tracking.log_params(uri, run_id, {"cluster.cpus": resources.get("CPU", 0),
-                                          "cluster.gpus": resources.get("GPU", 0),
-                                          "cluster.nodes": len(ray.nodes())})
+        if first_attempt:  # params are write-once in MLflow; a resumed run may land on another cluster
+            resources = ray.cluster_resources()
+            tracking.log_params(uri, run_id, {"cluster.cpus": resources.get("CPU", 0),
+                                              "cluster.gpus": resources.get("GPU", 0),
+                                              "cluster.nodes": len(ray.nodes())})
         backend = get_backend(cfg.trainer.backend)
         datasets = parquet_datasets(cfg.data.path, {"train": "train", "eval": cfg.data.eval_split})
         inputs = model_inputs(manifest)
         result = backend.build_trainer(cfg, datasets, run_id, uri, inputs).fit()
         if result.checkpoint is None:
             raise RuntimeError("training ended without a checkpoint")
+        if (result.metrics or {}).get("stopped_at_epoch"):
+            tracking.mark_preempted(uri, run_id, f"epoch {result.metrics['stopped_at_epoch']:g} "
+                                                 f"step {result.metrics['stopped_at_step']:g}")
+            return False
         backend.log_final_model(uri, run_id, cfg, result.checkpoint, inputs)
+        return True
     finally:
         ray.shutdown()
+
+
+def open_run(cfg: DictConfig, manifest: dict, uri: str) -> tuple[str, str | None]:
+    """The MLflow run to train into: the one recorded in `run.resume_dir` if there is one, else a new one.
+    Returns (run id, status the run had before, None if new)."""
+    run_id = resume.recorded_run_id(cfg.run.resume_dir)
+    if run_id is not None:
+        return run_id, tracking.reopen_run(uri, run_id)
+    parallel = {"world_size": cfg.trainer.num_workers, "dp": cfg.trainer.dp, "tp": cfg.trainer.tp,
+                "backend": cfg.trainer.backend}
+    run_name = cfg.run.name or f"{cfg.trainer.backend}-{cfg.data.name}-{cfg.model.name}"
+    run_id = tracking.start_run(uri, cfg.run.experiment, run_name, {**flatten(cfg), **parallel},
+                                OmegaConf.to_yaml(cfg))
+    tracking.log_data_files(uri, run_id, cfg.data.path, manifest)
+    resume.record_run_id(cfg.run.resume_dir, run_id)
+    return run_id, None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,20 +97,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
-    parallel = {"world_size": cfg.trainer.num_workers, "dp": cfg.trainer.dp, "tp": cfg.trainer.tp,
-                "backend": cfg.trainer.backend}
-    run_name = cfg.run.name or f"{cfg.trainer.backend}-{cfg.data.name}-{cfg.model.name}"
-    run_id = tracking.start_run(uri, cfg.run.experiment, run_name, {**flatten(cfg), **parallel},
-                                OmegaConf.to_yaml(cfg))
-    tracking.log_data_files(uri, run_id, cfg.data.path, manifest)
-    print(f"MLflow run {run_id} ({uri})", flush=True)
+    run_id, previous_status = open_run(cfg, manifest, uri)
+    if previous_status == "FINISHED":
+        print(f"MLflow run {run_id} recorded in {cfg.run.resume_dir} has already finished; nothing to do")
+        print(f"mlflow_run_id={run_id}", flush=True)
+        return 0
+    print(f"MLflow run {run_id} ({uri}){' continued' if previous_status else ''}", flush=True)
+    if resume.stop_file(cfg.run.resume_dir) is not None:
+        resume.stop_file(cfg.run.resume_dir).unlink(missing_ok=True)  # a stop request is for one attempt
+    tracking.log_cluster_startup(uri, run_id)
     try:
-        run_training(cfg, manifest, uri, run_id)
+        finished = run_training(cfg, manifest, uri, run_id, first_attempt=previous_status is None)
     except BaseException as err:  # KeyboardInterrupt too: the run must not stay RUNNING
         tracking.end_run(uri, run_id, error=f"{type(err).__name__}: {err}\n\n{traceback.format_exc()}")
         print(f"error: training failed: {type(err).__name__}: {err}", file=sys.stderr)
         print(f"mlflow_run_id={run_id}", flush=True)
         return 1
+    if not finished:
+        print(f"stopped on request with a checkpoint; run again with run.resume_dir={cfg.run.resume_dir} "
+              "to continue", file=sys.stderr)
+        print(f"mlflow_run_id={run_id}", flush=True)
+        return resume.EXIT_PREEMPTED
     tracking.end_run(uri, run_id)
     print(f"mlflow_run_id={run_id}", flush=True)
     return 0

@@ -65,8 +65,9 @@ class ShardBatches:
         steps = 0 if self.cached is None else -(-len(self.cached["label"]) // self.batch_size)  # ceil
         return min(steps, max_steps) if max_steps else steps
 
-    def epoch(self, epoch: int, shuffle: bool = True, max_steps: int | None = None) -> Iterator[Batch]:
-        return itertools.islice(self._epoch(epoch, shuffle), max_steps)
+    def epoch(self, epoch: int, shuffle: bool = True, max_steps: int | None = None, skip: int = 0) -> Iterator[Batch]:
+        """The epoch's batches (a fixed order per epoch), without the first `skip` (already trained on)."""
+        return itertools.islice(self._epoch(epoch, shuffle), skip, max_steps)
 
     def _epoch(self, epoch: int, shuffle: bool) -> Iterator[Batch]:
         if self.cached is None:
@@ -104,8 +105,49 @@ def rank0_logger(config: dict, rank: int, state: dict | None) -> Any:
     logger = EpochLogger(config["tracking_uri"], config["run_id"])
     if state is not None:
         logger.resumed_from(state["epoch"])
-        logger.log(state["epoch"], state["metrics"])
+        if state["epoch"] > 0:  # 0: stopped inside the first epoch, nothing finished to log
+            logger.log(state["epoch"], state["metrics"])
     return logger
+
+
+class StopCheck:
+    """`should_stop` for `train_epoch`: True on every rank at the same step once the file STOP appears in
+    `run.resume_dir` (pipelines/resume.py). Every `every` steps the ranks agree through one all-reduce of a
+    flag, so a rank that sees the file late still stops with the others; checking every step would add a
+    collective to each step of a small model."""
+
+    def __init__(self, resume_dir: str | None, every: int = 10):
+        from pipelines.resume import stop_file
+
+        self.path, self.every = stop_file(resume_dir), every
+
+    def __call__(self, steps: int) -> bool:
+        if self.path is None or steps % self.every:
+            return False
+        (flag,) = _all_reduce([float(self.path.exists())], dist.ReduceOp.MAX)
+        return flag > 0
+
+
+def resume_point(state: dict | None) -> tuple[int, dict | None]:
+    """(first epoch to train, totals of a half-done epoch to continue or None) from a checkpoint."""
+    if state is None:
+        return 1, None
+    return state["epoch"] + 1, state.get("partial")
+
+
+def epoch_start(partial: dict | None, epoch: int) -> EpochStats:
+    """The totals `epoch` starts from: those of a half-done epoch being continued, else zeros."""
+    if partial is not None and partial["epoch"] == epoch:
+        return EpochStats(**{**partial["stats"], "stopped": False})
+    return EpochStats()
+
+
+def tag_worker_node(config: dict, rank: int) -> None:
+    """Tag `rank<r>.node` = the IP of the Ray node this worker runs on (where the workers landed)."""
+    import ray.util
+    from pipelines.tracking import set_tag
+
+    set_tag(config["tracking_uri"], config["run_id"], f"rank{rank}.node", ray.util.get_node_ip_address())
 
 
 def normalise(images: torch.Tensor) -> torch.Tensor:
@@ -120,16 +162,20 @@ class EpochStats:
     data_wait_s: float = 0.0
     train_s: float = 0.0
     tokens: int = 0
+    stopped: bool = False  # the epoch ended early on a stop request (StopCheck)
 
 
 def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator, device: torch.device,
                 after_backward: Callable[[], None] | None = None,
-                on_step: Callable[[float], None] | None = None) -> EpochStats:
+                on_step: Callable[[float], None] | None = None,
+                stats: EpochStats | None = None,
+                should_stop: Callable[[int], bool] | None = None) -> EpochStats:
     """One pass over `batches`; times the wait for each batch separately from the whole step.
     `after_backward` runs between backward and the optimizer step (e.g. a data-parallel gradient sync);
-    `on_step` gets each step's loss."""
+    `on_step` gets each step's loss. `stats`: the totals of the epoch so far (a resumed epoch).
+    `should_stop(steps)` is asked after every step; True ends the epoch early with `stats.stopped`."""
     model.train()
-    stats = EpochStats()
+    stats = stats if stats is not None else EpochStats()
     loss_fn = nn.CrossEntropyLoss()
     start = time.perf_counter()
     while True:
@@ -151,7 +197,10 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Ite
         stats.samples += len(labels)
         stats.steps += 1
         stats.tokens += batch[2]
-    stats.train_s = time.perf_counter() - start
+        if should_stop is not None and should_stop(stats.steps):
+            stats.stopped = True
+            break
+    stats.train_s += time.perf_counter() - start
     return stats
 
 
@@ -202,9 +251,11 @@ def make_optimizer(model: nn.Module, name: str, lr: float) -> torch.optim.Optimi
 
 
 def save_checkpoint(directory: str, model_state: dict[str, torch.Tensor], optimizer_state: dict | None,
-                    epoch: int, metrics: dict[str, float]) -> None:
-    """`model_state` is always the dense (unsharded) state dict, so any parallel layout can load it."""
-    state = {"model": model_state, "optimizer": optimizer_state, "epoch": epoch, "metrics": metrics}
+                    epoch: int, metrics: dict[str, float] | None, partial: dict | None = None) -> None:
+    """`model_state` is always the dense (unsharded) state dict, so any parallel layout can load it.
+    `epoch`: the last finished epoch; `partial`: totals of the next one if it stopped half-way."""
+    state = {"model": model_state, "optimizer": optimizer_state, "epoch": epoch, "metrics": metrics,
+             "partial": partial}
     torch.save(state, os.path.join(directory, "state.pt"))
 
 
@@ -233,11 +284,30 @@ def report_epoch(metrics: dict[str, float], model_state: dict[str, torch.Tensor]
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
 
 
-def step_loss_logger(logger: Any, every: int, epoch: int, steps_per_epoch: int) -> Callable[[float], None] | None:
-    """`on_step` for `train_epoch` that logs `step_loss` every `every` global steps (rank 0 only)."""
+def report_stop(stats: EpochStats, epoch: int, last_metrics: dict[str, float] | None,
+                model_state: dict[str, torch.Tensor], optimizer_state: dict | None, rank: int) -> None:
+    """Checkpoint a half-done epoch after a stop request; the driver sees `stopped_at_epoch` in the
+    result's metrics and marks the run as stopped, not finished."""
+    import ray.train
+    from dataclasses import asdict
+
+    metrics = {"stopped_at_epoch": float(epoch), "stopped_at_step": float(stats.steps)}
+    if rank != 0:
+        ray.train.report(metrics, checkpoint=None)
+        return
+    partial = {"epoch": epoch, "stats": asdict(stats)}
+    with tempfile.TemporaryDirectory() as directory:
+        save_checkpoint(directory, model_state, optimizer_state, epoch - 1, last_metrics, partial)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+
+
+def step_loss_logger(logger: Any, every: int, epoch: int, steps_per_epoch: int,
+                     done: int = 0) -> Callable[[float], None] | None:
+    """`on_step` for `train_epoch` that logs `step_loss` every `every` global steps (rank 0 only);
+    `done`: steps of this epoch already trained before a resume."""
     if logger is None or every <= 0:
         return None
-    step = (epoch - 1) * steps_per_epoch
+    step = (epoch - 1) * steps_per_epoch + done
 
     def on_step(loss: float) -> None:
         nonlocal step
@@ -286,7 +356,8 @@ def torch_trainer(loop: Callable[[dict], None], cfg: Any, datasets: dict, run_id
                            "tracking_uri": tracking_uri, "model_inputs": model_inputs},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=cfg.trainer.num_workers, use_gpu=use_gpu,
-                                     resources_per_worker={"CPU": cfg.trainer.threads_per_worker}),
+                                     resources_per_worker={"CPU": cfg.trainer.threads_per_worker},
+                                     placement_strategy=cfg.trainer.placement_strategy),
         run_config=RunConfig(name=f"run-{run_id}", storage_path=cfg.run.storage_path,
                              failure_config=FailureConfig(max_failures=cfg.fault.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=2)),

@@ -23,29 +23,39 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     model = build_model(cfg.model, config["model_inputs"])
     optimizer = tc.make_optimizer(model, cfg.trainer.optimizer, cfg.trainer.lr)
-    start_epoch = 1
     state = tc.load_checkpoint(ray.train.get_checkpoint())
+    start_epoch, partial = tc.resume_point(state)
+    last_metrics = None if state is None else state["metrics"]
     if state is not None:
         model.load_state_dict(state["model"])
         if state["optimizer"] is not None:
             optimizer.load_state_dict(state["optimizer"])
-        start_epoch = state["epoch"] + 1
     model = ray.train.torch.prepare_model(model)  # wraps in DDP when world_size > 1
     device = ray.train.torch.get_device()
 
     train, test = tc.worker_data(cfg, seed=cfg.run.seed + 1000 * rank)
     logger = tc.rank0_logger(config, rank, state)
+    tc.tag_worker_node(config, rank)
+    should_stop = tc.StopCheck(cfg.run.resume_dir)
 
     for epoch in range(start_epoch, cfg.trainer.epochs + 1):
         tc.maybe_inject_failure(cfg.fault, epoch, rank, world_size)
         max_steps = cfg.trainer.max_steps_per_epoch
-        on_step = tc.step_loss_logger(logger, cfg.trainer.log_every_n_steps, epoch, train.steps(max_steps))
-        stats = tc.train_epoch(model, optimizer, train.epoch(epoch, max_steps=max_steps), device, on_step=on_step)
+        stats = tc.epoch_start(partial, epoch)
+        on_step = tc.step_loss_logger(logger, cfg.trainer.log_every_n_steps, epoch, train.steps(max_steps),
+                                      done=stats.steps)
+        batches = train.epoch(epoch, max_steps=max_steps, skip=stats.steps)
+        stats = tc.train_epoch(model, optimizer, batches, device, on_step=on_step, stats=stats,
+                               should_stop=should_stop)
+        if stats.stopped:
+            tc.report_stop(stats, epoch, last_metrics, tc.unwrap(model).state_dict(), optimizer.state_dict(), rank)
+            return
         correct, total = tc.count_correct(model, test.epoch(epoch, shuffle=False), device)
         metrics = tc.epoch_metrics(stats, correct, total)
         if epoch == start_epoch:
             metrics["data_load_s"] = train.load_s + test.load_s
         tc.report_epoch(metrics, tc.unwrap(model).state_dict(), optimizer.state_dict(), epoch, rank)
+        last_metrics = metrics
         if logger is not None:
             logger.log(epoch, metrics)
     tc.dump_state(cfg.run.dump_params_dir, tc.unwrap(model).state_dict(), rank, train)
