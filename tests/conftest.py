@@ -24,7 +24,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def free_port_block(size: int = 200) -> int:
+def free_port_block(size: int = 400) -> int:  # cluster/lib/ray-ports.sh RAY_PORT_BLOCK
     """A base port whose whole block [base, base+size) is free right now."""
     rng = np.random.default_rng()
     for _ in range(50):
@@ -105,7 +105,8 @@ def mlflow_server(tmp_path_factory) -> str:
     proc = subprocess.Popen(
         [str(VENV_BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{base}/mlflow.db", "--artifacts-destination", str(base / "artifacts")],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # no job runner: 7 fewer processes
     uri = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: _http_ok(uri + "/health") or proc.poll() is not None, 120, "mlflow server")

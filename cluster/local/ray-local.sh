@@ -5,9 +5,10 @@
 #   ray-local.sh start STATE_DIR [NUM_CPUS]   writes STATE_DIR/ray.env (RAY_ADDRESS, RAY_DASHBOARD_ADDRESS, ...)
 #   ray-local.sh stop STATE_DIR               stops exactly the processes of that head, removes its temp dir
 #
-# Ports: RAY_BASE_PORT (default 26000) and the next 9 ports, plus worker ports BASE+100..BASE+199.
+# Ports: the block of 400 from RAY_BASE_PORT (default 26000), laid out in cluster/lib/ray-ports.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source cluster/lib/ray-ports.sh
 export PATH="$PWD/.venv/bin:$PATH"
 # Ray 2.60 turns on token auth when ~/.ray/auth_token exists; a loopback-only dev head does without.
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
@@ -27,11 +28,7 @@ start() {
   OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} setsid bash -c 'echo $$ > "$0"; exec "$@"' "$state_dir/sid" \
     ray start --head --disable-usage-stats \
     --node-ip-address 127.0.0.1 --dashboard-host 127.0.0.1 --temp-dir "$temp_dir" --num-cpus "$cpus" \
-    --port "$base" --dashboard-port $((base + 1)) --ray-client-server-port $((base + 2)) \
-    --node-manager-port $((base + 3)) --object-manager-port $((base + 4)) \
-    --metrics-export-port $((base + 5)) --dashboard-agent-grpc-port $((base + 6)) \
-    --dashboard-agent-listen-port $((base + 7)) --runtime-env-agent-port $((base + 8)) \
-    --min-worker-port $((base + 100)) --max-worker-port $((base + 199)) > "$state_dir/ray-start.log" 2>&1 \
+    $(ray_head_port_flags "$base") > "$state_dir/ray-start.log" 2>&1 \
     || { cat "$state_dir/ray-start.log" >&2; stop; exit 1; }
   cat > "$state_dir/ray.env" <<ENV
 export RAY_ADDRESS=127.0.0.1:$base

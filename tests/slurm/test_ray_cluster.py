@@ -1,0 +1,142 @@
+"""cluster/slurm/ray-cluster.sbatch on a real 2-node Slurm (cluster/dev/slurm-local.sh): a DDP run spread
+over both nodes, preemption with requeue and resume, two concurrent jobs, and a node that never joins."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from tests.conftest import wait_until
+from tests.slurm.conftest import elapsed_s, job_info, job_output, ray_leftovers, sbatch, wait_gone, wait_job
+
+pytestmark = pytest.mark.slow
+
+NODE_ADDRS = {"127.0.0.2", "127.0.0.3"}
+EPOCH_METRICS = ("train_loss", "test_accuracy", "samples_per_s")
+
+
+def ddp_command(data: Path, *overrides: str) -> list[str]:
+    # One worker per node (STRICT_SPREAD), one thread each: both Slurm nodes really take part.
+    return ["python", "-m", "pipelines.train", "trainer=ddp", "trainer.num_workers=2",
+            "trainer.placement_strategy=STRICT_SPREAD", f"data.path={data}", "trainer.batch_size=32",
+            "data.cache_in_worker=true", *overrides]
+
+
+def local_store(out_dir: Path) -> mlflow.MlflowClient:
+    """The MLflow store the job's own server wrote (sqlite on the shared folder), read after the job."""
+    return mlflow.MlflowClient(f"sqlite:///{out_dir}/mlflow/mlflow.db")
+
+
+def only_run(client: mlflow.MlflowClient):
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    return runs[0]
+
+
+def assert_each_epoch_once(client: mlflow.MlflowClient, run_id: str, epochs: int) -> None:
+    for metric in EPOCH_METRICS:
+        steps = sorted(m.step for m in client.get_metric_history(run_id, metric))
+        assert steps == list(range(1, epochs + 1)), (metric, steps)
+
+
+def test_ddp_run_spreads_over_both_nodes(slurm, tiny_mnist, tmp_path):
+    out = tmp_path / "slurm"
+    job = sbatch(slurm, out, ddp_command(tiny_mnist, "trainer.epochs=2"))
+    info = wait_job(slurm, job, 900)
+    log = job_output(out, job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
+    assert "all 2 nodes joined" in log
+
+    client = local_store(out)
+    run = only_run(client)
+    assert run.info.status == "FINISHED"
+    assert {run.data.tags["rank0.node"], run.data.tags["rank1.node"]} == NODE_ADDRS  # one worker per node
+    assert run.data.params["cluster.nodes"] == "2"
+    assert [m.value > 0 for m in client.get_metric_history(run.info.run_id, "cluster_startup_s")] == [True]
+    assert_each_epoch_once(client, run.info.run_id, 2)
+    wait_gone(job)  # no stray raylets, temp dirs removed
+    assert not (out / f"job-{job}" / "ray_auth_token").exists()  # the job's secret is gone with it
+
+
+def test_preempted_job_requeues_and_resumes_into_the_same_run(slurm, tiny_mnist, tmp_path):
+    out = tmp_path / "slurm"
+    epochs = 4
+    # 1024 rows / 2 workers / 16 per batch = 32 steps per epoch: the stop check (every 10 steps) lands mid-epoch.
+    job = sbatch(slurm, out, ddp_command(tiny_mnist, f"trainer.epochs={epochs}", "trainer.batch_size=16"))
+    run_id_file = out / f"job-{job}" / "resume" / "mlflow_run_id"
+    wait_until(run_id_file.exists, 600, "the pipeline to open its MLflow run")
+    env_file = out / f"job-{job}" / "cluster.env"
+    uri = next(line.split("=", 1)[1] for line in env_file.read_text().split()
+               if line.startswith("MLFLOW_TRACKING_URI="))
+    live = mlflow.MlflowClient(uri)
+    run_id = run_id_file.read_text().strip()
+    wait_until(lambda: live.get_metric_history(run_id, "train_loss"), 600, "epoch 1 to be logged")
+
+    # What `#SBATCH --signal=B:TERM@...` does before the time limit: TERM to the batch shell only.
+    subprocess.run(["scancel", "--batch", "--signal=TERM", job], env=slurm, check=True)
+    info = wait_job(slurm, job, 900, restarts=1)
+    log = job_output(out, job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
+    assert "requeueing job" in log and "pipeline exit code 0" in log
+
+    client = local_store(out)
+    run = only_run(client)  # one run: the requeued job continued it
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    assert run.data.tags["attempts"] == "2"
+    assert run.data.tags["preempted_at"].startswith("epoch ")
+    assert_each_epoch_once(client, run_id, epochs)
+    assert len(client.get_metric_history(run_id, "cluster_startup_s")) == 2  # one per attempt
+    wait_gone(job)
+
+
+def test_two_concurrent_jobs_do_not_interfere(slurm, tiny_mnist, tmp_path, mlflow_server):
+    # The site's MLflow server (MLFLOW_TRACKING_URI) this time; each job brings its own Ray cluster.
+    out = tmp_path / "slurm"
+    site = {"MLFLOW_TRACKING_URI": mlflow_server}
+    experiment = f"concurrent-{tmp_path.name}"
+    jobs = [sbatch(slurm, out, ddp_command(tiny_mnist, "trainer.epochs=1", f"run.experiment={experiment}",
+                                           f"run.name=job{i}"), extra_env=site) for i in range(2)]
+    infos = [wait_job(slurm, job, 900) for job in jobs]
+    logs = [job_output(out, job) for job in jobs]
+    for info, log in zip(infos, logs):
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
+    ports = [next(line for line in log.splitlines() if "ports " in line).rsplit("ports ", 1)[1] for log in logs]
+    assert ports[0] != ports[1]
+    # They really ran at the same time (each holds 2 of the 4 CPUs per node).
+    assert infos[1]["StartTime"] <= infos[0]["EndTime"] and infos[0]["StartTime"] <= infos[1]["EndTime"]
+
+    client = mlflow.MlflowClient(mlflow_server)
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["job0", "job1"]
+    assert all(r.info.status == "FINISHED" for r in runs)
+    tokens = [(out / f"job-{job}" / "cluster.env").read_text() for job in jobs]
+    assert tokens[0] != tokens[1]  # per-job secrets and addresses
+    for job in jobs:
+        wait_gone(job)
+
+
+def test_node_that_never_joins_fails_fast_and_releases_the_allocation(slurm, tiny_mnist, tmp_path):
+    # A hung node: slurmd of n2 stopped (SIGSTOP). Slurm still allocates it, but the Ray worker step on it
+    # never starts, so the job must give up after its join timeout, name the node, and end.
+    pid = int(Path(os.path.dirname(slurm["SLURM_CONF"]), "slurmd-n2.pid").read_text())
+    out = tmp_path / "slurm"
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        job = sbatch(slurm, out, ddp_command(tiny_mnist), extra_env={"RAY_SLURM_JOIN_TIMEOUT": "20"})
+        wait_until(lambda: "did not join" in job_output(out, job), 300, "the join timeout")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    info = wait_job(slurm, job, 300)
+    log = job_output(out, job)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0", log
+    assert "1 of 2 nodes did not join the Ray cluster within 20 s: n2 (127.0.0.3)" in log
+    assert elapsed_s(info) < 120, info  # failed fast, not after a long default timeout
+    wait_until(lambda: job_info(slurm, job).get("JobState") != "COMPLETING", 120, "the allocation to be released")
+    squeue = subprocess.run(["squeue", "-h", "-j", job], env=slurm, capture_output=True, text=True).stdout
+    assert squeue.strip() == ""
+    wait_gone(job)
+    assert not ray_leftovers(job)
