@@ -4,7 +4,8 @@ The driver records its MLflow run id in the folder. Whoever wants the run to sto
 the scheduler's preemption signal) creates the file STOP there: the workers agree on it at the next step
 boundary, report a checkpoint of the half-done epoch and return, and the driver exits with
 EXIT_PREEMPTED. A later run with the same folder (the requeued job) continues the same MLflow run, and
-Ray Train restores the checkpoint because the Ray Train run is named after the MLflow run.
+Ray Train restores the checkpoint because the Ray Train run is named after the MLflow run. Whoever created
+STOP removes it before continuing (the Slurm script does at job start): a run that finds STOP stops at once.
 """
 from __future__ import annotations
 

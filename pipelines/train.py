@@ -103,8 +103,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mlflow_run_id={run_id}", flush=True)
         return 0
     print(f"MLflow run {run_id} ({uri}){' continued' if previous_status else ''}", flush=True)
-    if resume.stop_file(cfg.run.resume_dir) is not None:
-        resume.stop_file(cfg.run.resume_dir).unlink(missing_ok=True)  # a stop request is for one attempt
     tracking.log_cluster_startup(uri, run_id)
     try:
         finished = run_training(cfg, manifest, uri, run_id, first_attempt=previous_status is None)
@@ -114,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mlflow_run_id={run_id}", flush=True)
         return 1
     if not finished:
-        print(f"stopped on request with a checkpoint; run again with run.resume_dir={cfg.run.resume_dir} "
-              "to continue", file=sys.stderr)
+        print(f"stopped on request with a checkpoint: delete {resume.stop_file(cfg.run.resume_dir)} and run "
+              f"again with run.resume_dir={cfg.run.resume_dir} to continue", file=sys.stderr)
         print(f"mlflow_run_id={run_id}", flush=True)
         return resume.EXIT_PREEMPTED
     tracking.end_run(uri, run_id)

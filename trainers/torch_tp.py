@@ -92,26 +92,35 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     # Same seed everywhere: identical dense weights before sharding, identical dropout masks inside a TP group.
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model, config["model_inputs"])
-    start_epoch = 1
     state = tc.load_checkpoint(ray.train.get_checkpoint())
+    start_epoch, partial = tc.resume_point(state)
+    last_metrics = None if state is None else state["metrics"]
     if state is not None:  # dense weights: whatever tp the checkpoint was written with
         model.load_state_dict(state["model"])
-        start_epoch = state["epoch"] + 1
     model = parallelize_bert(model.to(device), mesh, impl=cfg.trainer.tp_impl)
     optimizer = tc.make_optimizer(model, cfg.trainer.optimizer, cfg.trainer.lr)
     dp_group = mesh.get_group("dp")
 
     train, test = tc.worker_data(cfg, seed=cfg.run.seed + 1000 * dp_rank)  # same shuffle in a TP group
     logger = tc.rank0_logger(config, rank, state)
+    tc.tag_worker_node(config, rank)
+    should_stop = tc.StopCheck(cfg.run.resume_dir)
 
     timer = CollectiveTimer()
     for epoch in range(start_epoch, cfg.trainer.epochs + 1):
         tc.maybe_inject_failure(cfg.fault, epoch, rank, world_size)
         max_steps = cfg.trainer.max_steps_per_epoch
-        on_step = tc.step_loss_logger(logger, cfg.trainer.log_every_n_steps, epoch, train.steps(max_steps))
+        stats = tc.epoch_start(partial, epoch)
+        on_step = tc.step_loss_logger(logger, cfg.trainer.log_every_n_steps, epoch, train.steps(max_steps),
+                                      done=stats.steps)
+        batches = train.epoch(epoch, max_steps=max_steps, skip=stats.steps)
         with timer.patch():  # training steps only, so collective time compares with train time
-            stats = tc.train_epoch(model, optimizer, train.epoch(epoch, max_steps=max_steps), device,
-                                   after_backward=lambda: average_gradients(model, dp_group), on_step=on_step)
+            stats = tc.train_epoch(model, optimizer, batches, device, on_step=on_step, stats=stats,
+                                   after_backward=lambda: average_gradients(model, dp_group),
+                                   should_stop=should_stop)
+        if stats.stopped:
+            tc.report_stop(stats, epoch, last_metrics, unshard_state_dict(model), None, rank)
+            return
         correct, total = tc.count_correct(model, test.epoch(epoch, shuffle=False), device)
         metrics = tc.epoch_metrics(stats, correct, total, replicas=dims.tp)
         if epoch == start_epoch:
@@ -120,6 +129,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         dense = unshard_state_dict(model)  # a collective: every rank takes part, rank 0 saves
         # Optimizer state is sharded like the model; it is not saved, so a resumed run restarts Adam's moments.
         tc.report_epoch(metrics, dense, None, epoch, rank)
+        last_metrics = metrics
         if logger is not None:
             logger.log(epoch, metrics)
     if cfg.run.dump_params_dir:
