@@ -37,6 +37,7 @@ class TrainerConfig:
     tf_loop: str = "fit"                # tf_mwms: fit (tf-keras model.fit) | custom (strategy.run loop)
     tf_communication: str = "auto"      # tf_mwms collectives: auto | ring | nccl (nccl needs use_gpu)
     tf_steps_per_execution: int = 8     # tf_mwms fit: training steps per compiled call
+    tf_devices: int = 1                 # tf_mwms: replicas per worker (GPUs, or logical CPU devices without)
     placement_strategy: str = "PACK"    # Ray placement of the workers: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
 
 
@@ -97,7 +98,7 @@ TF_LOOPS = ("fit", "custom")
 TF_COMMUNICATIONS = ("auto", "ring", "nccl")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 POSITIVE = ("trainer.num_workers", "trainer.threads_per_worker", "trainer.batch_size", "trainer.lr",
-            "trainer.epochs", "trainer.tf_steps_per_execution")
+            "trainer.epochs", "trainer.tf_steps_per_execution", "trainer.tf_devices")
 
 
 def _schema_for(cfg: DictConfig) -> DictConfig:
@@ -192,7 +193,12 @@ def _check_tensorflow(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.tf_communication: unknown '{trainer.tf_communication}' "
                           f"(choices: {TF_COMMUNICATIONS})")
     if trainer.backend != "tf_mwms":
+        if trainer.tf_devices != 1:
+            raise ConfigError(f"trainer.tf_devices: only backend tf_mwms has several replicas per worker")
         return
+    if trainer.tf_devices > 1 and trainer.num_workers > 1 and not trainer.use_gpu:
+        raise ConfigError("trainer.tf_devices: several CPU replicas per worker need num_workers=1 "
+                          "(MirroredStrategy in one process); with several workers each worker has one CPU replica")
     if trainer.tf_communication == "nccl" and not trainer.use_gpu:
         raise ConfigError("trainer.tf_communication: nccl needs GPUs; set trainer.use_gpu=true or use ring/auto")
     if cfg.model.name not in ("mlp", "cnn"):

@@ -1,7 +1,8 @@
 """TensorFlow `MultiWorkerMirroredStrategy` on Ray Train (`TensorflowTrainer`, which sets `TF_CONFIG`).
 
 Two loops, same metrics (`trainer.tf_loop`): Keras `model.fit` with a callback that reports each epoch, or a
-custom loop (`strategy.run` of a `tf.function` step with `GradientTape`).
+custom loop (`strategy.run` of a `tf.function` step with `GradientTape`). `trainer.tf_devices > 1` gives a
+worker several replicas: its GPUs, or logical CPU devices (one worker: `MirroredStrategy`, one machine).
 
 Which Keras: tf-keras (Keras 2), for both loops. Keras 3 `model.fit` under MWMS with 2 workers crashes
 (`Attempt to convert a value (PerReplica:...)`, keras-team/keras#20585, tensorflow#72388, open upstream);
@@ -39,11 +40,25 @@ def make_strategy(tf: Any, trainer: DictConfig) -> Any:
     collective cannot starve the others."""
     tf.config.threading.set_intra_op_parallelism_threads(trainer.threads_per_worker)
     tf.config.threading.set_inter_op_parallelism_threads(trainer.threads_per_worker + 1)
+    if trainer.tf_devices > 1 and trainer.num_workers == 1:
+        return tf.distribute.MirroredStrategy(devices=local_devices(tf, trainer.tf_devices, trainer.use_gpu))
     impl = {"auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
             "ring": tf.distribute.experimental.CommunicationImplementation.RING,
             "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL}[trainer.tf_communication]
     options = tf.distribute.experimental.CommunicationOptions(implementation=impl)
     return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+
+
+def local_devices(tf: Any, count: int, use_gpu: bool) -> list[str]:
+    """`count` local device names: GPUs, or the CPU split into logical devices (tests, GPU-less machines)."""
+    if use_gpu:
+        gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
+        if len(gpus) < count:
+            raise RuntimeError(f"trainer.tf_devices={count} but this worker sees {len(gpus)} GPUs")
+        return gpus[:count]
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+    return [d.name for d in tf.config.list_logical_devices("CPU")][:count]
 
 
 class ShardArrays:
@@ -127,6 +142,25 @@ class Epochs:
         self.start_epoch = 1 if state is None else state["epoch"] + 1
         self.train, self.test = train, test
         self.logger = rank0_logger(config, self.rank, state)
+        # Replicas in this worker (tf_devices under MirroredStrategy, else 1): each takes a batch per step.
+        self.local_replicas = strategy.num_replicas_in_sync // self.world_size
+        self.batch = cfg.trainer.batch_size
+        self.steps = train.steps(self.batch * self.local_replicas, cfg.trainer.max_steps_per_epoch)
+
+    def dataset(self, epoch: int, seed: int) -> Any:
+        """The epoch's per-replica batches for this worker: `steps` for each of its replicas."""
+        return self.train.dataset(self.tf, self.batch, seed=seed + epoch, steps=self.steps * self.local_replicas)
+
+    def step_loss(self, epoch: int, step_in_epoch: int, loss: float, since_step: int | None = None) -> None:
+        """Rank 0 logs `step_loss` when the global step crosses a multiple of `log_every_n_steps` (the loss
+        given is that of the steps since `since_step`, for loops that see the loss only every few steps)."""
+        every = self.cfg.trainer.log_every_n_steps
+        if self.logger is None or every <= 0:
+            return
+        step = (epoch - 1) * self.steps + step_in_epoch
+        previous = step - 1 if since_step is None else (epoch - 1) * self.steps + since_step
+        if step // every > previous // every:
+            self.logger.log_step_loss(step, loss)
 
     def begin(self, epoch: int) -> None:
         maybe_inject_failure(self.cfg.fault, epoch, self.rank, self.world_size)
@@ -134,7 +168,8 @@ class Epochs:
     def _gather(self, values: list[float]) -> np.ndarray:
         """[world_size, len(values)]: every worker's values (an all-gather across workers)."""
         local = self.tf.constant([values], dtype=self.tf.float32)
-        return self.strategy.gather(self.strategy.run(lambda: local), axis=0).numpy()
+        rows = self.strategy.gather(self.strategy.run(lambda: local), axis=0).numpy()
+        return rows[::self.local_replicas]  # one row per replica, replicas grouped by worker
 
     def count_correct(self) -> tuple[int, int]:
         correct = 0
@@ -169,23 +204,33 @@ class Epochs:
             self.logger.log(epoch, metrics)
 
 
-def fit_loop(keras: Any, epochs: Epochs, batch: int, steps: int, seed: int) -> None:
+def fit_loop(keras: Any, epochs: Epochs, seed: int) -> None:
     """tf-keras `model.fit` over all remaining epochs; a callback times, reports and checkpoints each."""
-    tf, cfg = epochs.tf, epochs.cfg
+    tf, cfg, steps = epochs.tf, epochs.cfg, epochs.steps
 
     class ReportEachEpoch(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):  # Keras counts epochs from 0
-            epochs.begin(epoch + 1)
-            self.start = time.perf_counter()
+            self.current_epoch = epoch + 1
+            epochs.begin(self.current_epoch)
+            self.start, self.seen, self.mean = time.perf_counter(), 0, 0.0
+
+        def on_train_batch_end(self, batch, logs=None):
+            # Called every tf_steps_per_execution steps with the epoch's running mean loss: the steps since
+            # the last call had mean (mean_k * k - mean_j * j) / (k - j).
+            done, mean = batch + 1, float(logs["loss"])
+            window = (mean * done - self.mean * self.seen) / (done - self.seen)
+            epochs.step_loss(self.current_epoch, done, window, since_step=self.seen)
+            self.seen, self.mean = done, mean
 
         def on_epoch_end(self, epoch, logs=None):
             # tf.data prefetches inside fit's step function: data waits are not separable here (reported 0).
-            epochs.end(epoch + 1, logs["loss"], steps * batch, steps, 0.0, time.perf_counter() - self.start)
+            epochs.end(epoch + 1, logs["loss"], steps * epochs.batch * epochs.local_replicas, steps, 0.0,
+                       time.perf_counter() - self.start)
 
     def all_epochs(_):  # one dataset per epoch, each with its own shuffle seed, chained
         chained = None
         for epoch in range(epochs.start_epoch, cfg.trainer.epochs + 1):
-            ds = epochs.train.dataset(tf, batch, seed=seed + epoch, steps=steps)
+            ds = epochs.dataset(epoch, seed)
             chained = ds if chained is None else chained.concatenate(ds)
         return chained
 
@@ -195,11 +240,11 @@ def fit_loop(keras: Any, epochs: Epochs, batch: int, steps: int, seed: int) -> N
                      steps_per_epoch=steps, callbacks=[ReportEachEpoch()], verbose=0)
 
 
-def custom_loop(keras: Any, epochs: Epochs, batch: int, steps: int, seed: int) -> None:
+def custom_loop(keras: Any, epochs: Epochs, seed: int) -> None:
     """`strategy.run` of a `tf.function` step with `GradientTape`; the per-example loss is averaged over the
     GLOBAL batch (per-replica batch x replicas): the all-reduce sums gradients, so this gives the mean."""
-    tf, strategy, model = epochs.tf, epochs.strategy, epochs.model
-    global_batch = batch * strategy.num_replicas_in_sync
+    tf, strategy, model, steps = epochs.tf, epochs.strategy, epochs.model, epochs.steps
+    global_batch = epochs.batch * strategy.num_replicas_in_sync
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=keras.losses.Reduction.NONE)
 
     @tf.function
@@ -216,14 +261,16 @@ def custom_loop(keras: Any, epochs: Epochs, batch: int, steps: int, seed: int) -
 
     for epoch in range(epochs.start_epoch, epochs.cfg.trainer.epochs + 1):
         epochs.begin(epoch)
-        iterator = iter(strategy.distribute_datasets_from_function(
-            lambda _, e=epoch: epochs.train.dataset(tf, batch, seed=seed + e, steps=steps)))
+        iterator = iter(strategy.distribute_datasets_from_function(lambda _, e=epoch: epochs.dataset(e, seed)))
         loss_sum, start = 0.0, time.perf_counter()
-        for _ in range(steps):
-            loss_sum += float(step(iterator))
+        for done in range(1, steps + 1):
+            loss = float(step(iterator))
+            loss_sum += loss
+            epochs.step_loss(epoch, done, loss)
         train_s = time.perf_counter() - start
         # `next(iterator)` runs inside the compiled step (prefetched): data waits are not separable (0).
-        epochs.end(epoch, loss_sum / max(steps, 1), steps * batch, steps, 0.0, train_s)
+        epochs.end(epoch, loss_sum / max(steps, 1), steps * epochs.batch * epochs.local_replicas, steps, 0.0,
+                   train_s)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -245,13 +292,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     train = ShardArrays(ray.train.get_dataset_shard("train"))
     test = ShardArrays(ray.train.get_dataset_shard("eval"))
     epochs = Epochs(tf, strategy, model, cfg, config, state, train, test)
-    batch, seed = cfg.trainer.batch_size, cfg.run.seed + 1000 * rank
-    steps = train.steps(batch, cfg.trainer.max_steps_per_epoch)
+    seed = cfg.run.seed + 1000 * rank
     if epochs.start_epoch <= cfg.trainer.epochs:
         if cfg.trainer.tf_loop == "fit":
-            fit_loop(keras, epochs, batch, steps, seed)
+            fit_loop(keras, epochs, seed)
         else:
-            custom_loop(keras, epochs, batch, steps, seed)
+            custom_loop(keras, epochs, seed)
     dump_weights(cfg.run.dump_params_dir, model, rank)
 
 
@@ -260,6 +306,13 @@ def dump_weights(directory: str | None, model: Any, rank: int) -> None:
     if directory:
         Path(directory).mkdir(parents=True, exist_ok=True)
         np.savez(Path(directory) / f"rank{rank}.npz", *model.get_weights())
+
+
+def worker_resources(trainer: DictConfig) -> dict[str, float]:
+    resources = {"CPU": float(trainer.threads_per_worker)}
+    if trainer.use_gpu:
+        resources["GPU"] = float(trainer.tf_devices)  # one GPU per replica
+    return resources
 
 
 def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict):
@@ -271,7 +324,8 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
         train_loop_config={"cfg": OmegaConf.to_container(cfg, resolve=True), "run_id": run_id,
                            "tracking_uri": tracking_uri, "model_inputs": model_inputs},
         scaling_config=ScalingConfig(num_workers=cfg.trainer.num_workers, use_gpu=cfg.trainer.use_gpu,
-                                     resources_per_worker={"CPU": cfg.trainer.threads_per_worker}),
+                                     resources_per_worker=worker_resources(cfg.trainer),
+                                     placement_strategy=cfg.trainer.placement_strategy),
         run_config=RunConfig(name=f"run-{run_id}", storage_path=cfg.run.storage_path,
                              failure_config=FailureConfig(max_failures=cfg.fault.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=2),

@@ -117,3 +117,41 @@ print("ok")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def step_losses(client: MlflowClient, run_id: str) -> tuple[list[int], np.ndarray]:
+    history = sorted(client.get_metric_history(run_id, "step_loss"), key=lambda m: m.step)
+    return [m.step for m in history], np.array([m.value for m in history])
+
+
+def test_one_worker_with_two_devices_equals_one_device_with_the_double_batch(tmp_path, tiny_mnist, mlflow_server,
+                                                                              ray_head):
+    """`trainer.tf_devices=2` (MirroredStrategy over two logical CPU devices in one worker) with 16 rows per
+    replica takes the same steps as one device with 32 rows: same rows per step, gradients averaged over the
+    global batch. Also: step_loss from both loops (fit: the mean over each tf_steps_per_execution window)."""
+    env = pipeline_env(mlflow_server, ray_head)
+    common = [f"data.path={tiny_mnist}", "trainer.num_workers=1", "trainer.epochs=1", "trainer.optimizer=sgd",
+              "trainer.lr=0.05", "model.dropout=0", f"run.storage_path={tmp_path / 'ray'}", "fault.max_failures=0"]
+    runs = {}
+    for name, args in {"one": ["trainer.tf_devices=1", "trainer.batch_size=32", "trainer.tf_loop=custom",
+                               "trainer.log_every_n_steps=1"],
+                       "two": ["trainer.tf_devices=2", "trainer.batch_size=16", "trainer.tf_loop=custom",
+                               "trainer.log_every_n_steps=1"],
+                       "fit": ["trainer.tf_devices=2", "trainer.batch_size=16", "trainer.tf_loop=fit",
+                               "trainer.log_every_n_steps=8", "trainer.tf_steps_per_execution=8"]}.items():
+        _, runs[name] = train([*common, *args, f"run.dump_params_dir={tmp_path / name}"], env)
+    client = MlflowClient(mlflow_server)
+    steps_one, curve_one = step_losses(client, runs["one"])
+    steps_two, curve_two = step_losses(client, runs["two"])
+    assert steps_one == steps_two == list(range(1, 33))  # 1024 rows / 32 per step
+    np.testing.assert_allclose(curve_two, curve_one, rtol=1e-4, atol=1e-5)
+    one, two = (np.load(tmp_path / name / "rank0.npz") for name in ("one", "two"))
+    for key in one.files:
+        np.testing.assert_allclose(two[key], one[key], rtol=1e-4, atol=1e-5)
+    samples = [client.get_metric_history(runs[n], "samples_per_s")[0].value for n in ("one", "two")]
+    assert all(s > 0 for s in samples)
+
+    fit_steps, fit_curve = step_losses(client, runs["fit"])
+    assert fit_steps == [8, 16, 24, 32]
+    # Each logged value is the mean loss of its 8 steps: the custom loop's per-step losses, window by window.
+    np.testing.assert_allclose(fit_curve, curve_two.reshape(4, 8).mean(axis=1), rtol=1e-3, atol=1e-4)
