@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -28,6 +29,7 @@ def test_defaults_compose_and_flatten(data_override):
     ("trainer.lr=-0.1", r"^trainer\.lr: must be > 0"),
     ("trainer.num_workers=0", r"^trainer\.num_workers: must be > 0"),
     ("trainer.backend=nope", r"^trainer\.backend: unknown backend 'nope'"),
+    ("trainer.placement_strategy=ANYWHERE", r"^trainer\.placement_strategy: unknown strategy 'ANYWHERE'"),
     ("trainer=nope", r"^overrides: .*trainer.*nope"),
     ("model.name=resnet", r"^model\.name: unknown model 'resnet'"),
     ("data.path=/does/not/exist", r"^data\.path: no prepared dataset at '/does/not/exist'"),
@@ -82,3 +84,13 @@ def test_tp_needs_bert_and_ddp_refuses_tp(data_override, fake_imdb):
         load_config([data_override, "trainer.tp=2"])
     cfg = load_config(["trainer=tp", "data=imdb", "model=bert_tiny", fake_imdb, "trainer.num_workers=4"])
     assert (cfg.trainer.dp, cfg.trainer.tp) == (2, 2)
+
+
+def test_cluster_scripts_set_storage_and_resume_dir_through_the_environment(data_override, monkeypatch, tmp_path):
+    monkeypatch.setenv("PIPELINE_STORAGE_PATH", str(tmp_path / "results"))
+    monkeypatch.setenv("PIPELINE_RESUME_DIR", str(tmp_path / "resume"))
+    cfg = load_config([data_override])
+    assert (cfg.run.storage_path, cfg.run.resume_dir) == (str(tmp_path / "results"), str(tmp_path / "resume"))
+    assert load_config([data_override, "run.resume_dir=rel"]).run.resume_dir == str(Path.cwd() / "rel")
+    monkeypatch.delenv("PIPELINE_RESUME_DIR")
+    assert load_config([data_override]).run.resume_dir is None
