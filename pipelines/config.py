@@ -75,6 +75,14 @@ class BertModelConfig:
 
 
 @dataclass
+class EmbedPoolConfig:
+    name: str = "embed_pool"
+    embed_dim: int = 64
+    hidden: int = 64
+    dropout: float = 0.1
+
+
+@dataclass
 class RunSection:
     experiment: str = "ray-train-pipelines"
     name: Optional[str] = None
@@ -91,8 +99,10 @@ class FaultConfig:
     inject_marker: Optional[str] = None
 
 
-MODEL_SCHEMAS: dict[str, type] = {"mlp": MLPConfig, "cnn": CNNConfig, "bert": BertModelConfig}
-DATA_MODELS = {"mnist": ("mlp", "cnn"), "imdb": ("bert",)}  # which models fit which data
+MODEL_SCHEMAS: dict[str, type] = {"mlp": MLPConfig, "cnn": CNNConfig, "bert": BertModelConfig,
+                                  "embed_pool": EmbedPoolConfig}
+DATA_MODELS = {"mnist": ("mlp", "cnn"), "imdb": ("bert", "embed_pool")}  # which models fit which data
+KERAS_MODELS = ("mlp", "cnn", "embed_pool")  # trainers/models/keras_models.py
 OPTIMIZERS = ("adam", "sgd")
 TF_LOOPS = ("fit", "custom")
 TF_COMMUNICATIONS = ("auto", "ring", "nccl")
@@ -201,8 +211,9 @@ def _check_tensorflow(cfg: DictConfig) -> None:
                           "(MirroredStrategy in one process); with several workers each worker has one CPU replica")
     if trainer.tf_communication == "nccl" and not trainer.use_gpu:
         raise ConfigError("trainer.tf_communication: nccl needs GPUs; set trainer.use_gpu=true or use ring/auto")
-    if cfg.model.name not in ("mlp", "cnn"):
-        raise ConfigError(f"model.name: backend tf_mwms has Keras models for mlp and cnn only, got '{cfg.model.name}'")
+    if cfg.model.name not in KERAS_MODELS:
+        raise ConfigError(f"model.name: backend tf_mwms has Keras models for {', '.join(KERAS_MODELS)} only, "
+                          f"got '{cfg.model.name}'")
 
 
 def _check_model(model: DictConfig) -> None:
@@ -212,6 +223,8 @@ def _check_model(model: DictConfig) -> None:
         sizes = list(model.hidden) if model.name == "mlp" else [model.hidden, *model.channels]
         if any(size <= 0 for size in sizes):
             raise ConfigError(f"model.hidden: layer sizes must be > 0, got {sizes}")
+    if model.name == "embed_pool" and min(model.embed_dim, model.hidden) <= 0:
+        raise ConfigError(f"model.embed_dim: sizes must be > 0, got embed_dim={model.embed_dim} hidden={model.hidden}")
     if model.name == "bert":
         from trainers.models.bert import BERT_FLAVOURS
 

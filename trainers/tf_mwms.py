@@ -62,17 +62,19 @@ def local_devices(tf: Any, count: int, use_gpu: bool) -> list[str]:
 
 
 class ShardArrays:
-    """This worker's Ray Data shard, pulled once into memory as uint8/int64 numpy (same reason as
-    `torch_common.ShardBatches`: re-streaming Parquet every epoch is slower than the model trains)."""
+    """This worker's Ray Data shard, pulled once into memory as numpy (same reason as
+    `torch_common.ShardBatches`: re-streaming Parquet every epoch is slower than the model trains).
+    Features: MNIST uint8 images [N, 784] (normalised per batch in `dataset`), IMDb int32 token ids [N, T]."""
 
-    def __init__(self, shard: Any):
+    def __init__(self, shard: Any, dataset: str):
         start = time.perf_counter()
-        images, labels = [], []
+        self.column = "image" if dataset == "mnist" else "input_ids"
+        features, labels = [], []
         for batch in shard.iter_batches(batch_size=LOAD_BATCH, batch_format="numpy"):
-            image = batch["image"]  # fixed_size_list<uint8>[784]: [B, 784], or B arrays of 784
-            images.append((np.stack(image) if image.dtype == object else image).astype(np.uint8).reshape(-1, 784))
+            column = batch[self.column]  # fixed-size lists: [B, D], or B arrays of D
+            features.append(np.stack(column) if column.dtype == object else column)
             labels.append(np.asarray(batch["label"], dtype=np.int64))
-        self.images, self.labels = np.concatenate(images), np.concatenate(labels)
+        self.features, self.labels = np.concatenate(features), np.concatenate(labels)
         self.load_s = time.perf_counter() - start
 
     def steps(self, batch_size: int, max_steps: int | None) -> int:
@@ -82,24 +84,34 @@ class ShardArrays:
         return min(steps, max_steps) if max_steps else steps
 
     def dataset(self, tf: Any, batch_size: int, seed: int | None = None, steps: int | None = None) -> Any:
-        """One epoch as a `tf.data.Dataset` of (normalised images [B, 784], labels [B]); shuffled with
-        `seed` (per epoch) when given. TF's auto-sharding is off: Ray already gave each worker its shard."""
+        """One epoch as a `tf.data.Dataset` of (features, labels [B]); shuffled with `seed` (per epoch) when
+        given. TF's auto-sharding is off: Ray already gave each worker its shard."""
         order = np.arange(len(self.labels)) if seed is None else np.random.default_rng(seed).permutation(
             len(self.labels))
-        ds = tf.data.Dataset.from_tensor_slices((self.images[order], self.labels[order]))
+        ds = tf.data.Dataset.from_tensor_slices((self.features[order], self.labels[order]))
         ds = ds.batch(batch_size, drop_remainder=steps is not None)
         if steps is not None:
             ds = ds.take(steps)
-        ds = ds.map(lambda x, y: ((tf.cast(x, tf.float32) / 255.0 - MEAN) / STD, y))
+        if self.column == "image":
+            ds = ds.map(lambda x, y: ((tf.cast(x, tf.float32) / 255.0 - MEAN) / STD, y))
+        else:
+            ds = ds.map(lambda x, y: (tf.cast(x, tf.int32), y))
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         return ds.with_options(options).prefetch(2)
 
 
-def build_compiled_model(keras: Any, cfg: DictConfig) -> Any:
+def input_example(cfg: DictConfig, model_inputs: dict) -> np.ndarray:
+    """Two all-zero inputs of the model's shape (for MLflow's signature)."""
+    if cfg.data.name == "mnist":
+        return np.zeros((2, 784), dtype=np.float32)
+    return np.zeros((2, model_inputs["max_len"]), dtype=np.int32)
+
+
+def build_compiled_model(keras: Any, cfg: DictConfig, model_inputs: dict) -> Any:
     from trainers.models.keras_models import build_keras_model
 
-    model = build_keras_model(cfg.model, keras)
+    model = build_keras_model(cfg.model, keras, model_inputs)
     optimizer = (keras.optimizers.SGD(cfg.trainer.lr, momentum=0.9) if cfg.trainer.optimizer == "sgd"
                  else keras.optimizers.Adam(cfg.trainer.lr))
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -173,8 +185,8 @@ class Epochs:
 
     def count_correct(self) -> tuple[int, int]:
         correct = 0
-        for images, labels in self.test.dataset(self.tf, EVAL_BATCH):
-            logits = self.model(images, training=False)  # local replica's (synchronised) weights
+        for features, labels in self.test.dataset(self.tf, EVAL_BATCH):
+            logits = self.model(features, training=False)  # local replica's (synchronised) weights
             correct += int(np.sum(np.argmax(logits.numpy(), axis=1) == labels.numpy()))
         return correct, len(self.test.labels)
 
@@ -287,10 +299,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     rank = ray.train.get_context().get_world_rank()
     keras.utils.set_random_seed(cfg.run.seed)  # same initial weights everywhere (MWMS also broadcasts them)
     with strategy.scope():
-        model = build_compiled_model(keras, cfg)
+        model = build_compiled_model(keras, cfg, config["model_inputs"])
     state = restore_checkpoint(ray.train.get_checkpoint(), model, strategy)
-    train = ShardArrays(ray.train.get_dataset_shard("train"))
-    test = ShardArrays(ray.train.get_dataset_shard("eval"))
+    train = ShardArrays(ray.train.get_dataset_shard("train"), cfg.data.name)
+    test = ShardArrays(ray.train.get_dataset_shard("eval"), cfg.data.name)
     epochs = Epochs(tf, strategy, model, cfg, config, state, train, test)
     seed = cfg.run.seed + 1000 * rank
     if epochs.start_epoch <= cfg.trainer.epochs:
@@ -337,20 +349,20 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
     )
 
 
-def _log_model_task(uri: str, run_id: str, cfg_dict: dict, checkpoint: Any) -> None:
+def _log_model_task(uri: str, run_id: str, cfg_dict: dict, checkpoint: Any, model_inputs: dict) -> None:
     import mlflow
     import tensorflow as tf
     import tf_keras as keras
 
     cfg = OmegaConf.create(cfg_dict)
-    model = build_compiled_model(keras, cfg)
+    model = build_compiled_model(keras, cfg, model_inputs)
     with checkpoint.as_directory() as directory:
         model.load_weights(os.path.join(directory, WEIGHTS))
     mlflow.set_tracking_uri(uri)
     mlflow.start_run(run_id=run_id, log_system_metrics=False)
     try:
         # Explicit requirements: MLflow's inference imports and scans modules, seconds for nothing here.
-        mlflow.tensorflow.log_model(model, name="model", input_example=np.zeros((2, 784), dtype=np.float32),
+        mlflow.tensorflow.log_model(model, name="model", input_example=input_example(cfg, model_inputs),
                                     keras_model_kwargs={"save_format": "keras"},
                                     pip_requirements=[f"tensorflow=={tf.__version__}",
                                                       f"tf-keras=={keras.__version__}"])
@@ -366,4 +378,4 @@ def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, mod
 
     task = ray.remote(num_cpus=1, runtime_env={"env_vars": {**LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}})(
         _log_model_task)
-    ray.get(task.remote(uri, run_id, OmegaConf.to_container(cfg, resolve=True), checkpoint))
+    ray.get(task.remote(uri, run_id, OmegaConf.to_container(cfg, resolve=True), checkpoint, model_inputs))

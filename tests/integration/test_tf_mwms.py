@@ -2,6 +2,7 @@
 workers over RING collectives, for both loops (tf-keras `fit` and the custom `strategy.run` loop)."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -100,11 +101,11 @@ from trainers.tf_mwms import build_compiled_model, restore_checkpoint, save_chec
 cfg = OmegaConf.create({"model": {"name": "mlp", "hidden": [8], "dropout": 0.0},
                         "trainer": {"lr": 0.01, "optimizer": "adam", "tf_steps_per_execution": 1}})
 strategy = tf.distribute.get_strategy()
-model = build_compiled_model(keras, cfg)
+model = build_compiled_model(keras, cfg, {})
 x, y = np.random.default_rng(0).normal(size=(64, 784)).astype("float32"), np.arange(64) % 10
 model.fit(x, y, batch_size=16, epochs=1, verbose=0)
 save_checkpoint(sys.argv[1], model, 4, {"train_loss": 1.0})
-fresh = build_compiled_model(keras, cfg)
+fresh = build_compiled_model(keras, cfg, {})
 state = restore_checkpoint(Checkpoint.from_directory(sys.argv[1]), fresh, strategy)
 assert state == {"epoch": 4, "metrics": {"train_loss": 1.0}}, state
 assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), fresh.get_weights()))
@@ -155,3 +156,15 @@ def test_one_worker_with_two_devices_equals_one_device_with_the_double_batch(tmp
     assert fit_steps == [8, 16, 24, 32]
     # Each logged value is the mean loss of its 8 steps: the custom loop's per-step losses, window by window.
     np.testing.assert_allclose(fit_curve, curve_two.reshape(4, 8).mean(axis=1), rtol=1e-3, atol=1e-4)
+
+
+def test_imdb_embed_pool_on_two_workers(tmp_path, tiny_imdb, mlflow_server, ray_head):
+    """IMDb token shards through tf.data into the Keras text model (masked mean of embeddings), 2 workers."""
+    _, run_id = train([f"data.path={tiny_imdb}", "data=imdb", "model=embed_pool", "model.embed_dim=16",
+                       "model.hidden=16", "trainer.lr=0.01", "trainer.tf_loop=fit", "fault.max_failures=0",
+                       f"run.storage_path={tmp_path / 'ray'}", f"run.dump_params_dir={tmp_path / 'params'}"],
+                      pipeline_env(mlflow_server, ray_head))
+    check_run(MlflowClient(mlflow_server), run_id)
+    embedding = check_replicas_identical(tmp_path / "params")[0]
+    vocab = json.loads((tiny_imdb / "manifest.json").read_text())["model_inputs"]["vocab_size"]
+    assert embedding.shape == (vocab, 16)  # the tokenizer's vocabulary x embed_dim

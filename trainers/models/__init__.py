@@ -21,4 +21,8 @@ def build_model(model_cfg: Any, model_inputs: dict | None = None) -> nn.Module:
         config = bert_config(model_cfg.flavour, vocab_size=model_inputs["vocab_size"],
                              max_len=model_inputs["max_len"], dropout=model_cfg.dropout, **overrides)
         return BertClassifier(config)
+    if model_cfg.name == "embed_pool":
+        from trainers.models.text import EmbedPool
+
+        return EmbedPool(model_inputs["vocab_size"], model_cfg.embed_dim, model_cfg.hidden, model_cfg.dropout)
     raise ValueError(f"unknown model {model_cfg.name}")

@@ -1,15 +1,26 @@
-"""MNIST classifiers as plain Keras models, from the same `cfg.model` fields as `trainers/models/mnist.py`.
+"""Plain Keras models, from the same `cfg.model` fields as the PyTorch ones (`trainers/models/`).
 
 `keras` is passed in (the tf_mwms backend uses tf-keras, see `trainers/tf_mwms.py`); the code runs unchanged
-on Keras 3. Inputs are normalised float images [B, 784]; outputs are logits [B, 10].
+on Keras 3. MNIST: normalised float images [B, 784] -> logits [B, 10]. IMDb (`embed_pool`): token ids [B, T]
+with [PAD] = 0 -> logits [B, 2]; `mask_zero` keeps padding out of the mean, as `trainers/models/text.py` does.
 """
 from __future__ import annotations
 
 from typing import Any
 
 
-def build_keras_model(model_cfg: Any, keras: Any, classes: int = 10) -> Any:
+def build_keras_model(model_cfg: Any, keras: Any, model_inputs: dict | None = None) -> Any:
     layers = keras.layers
+    if model_cfg.name == "embed_pool":
+        return keras.Sequential([
+            layers.Input(shape=(model_inputs["max_len"],), dtype="int32"),
+            layers.Embedding(model_inputs["vocab_size"], model_cfg.embed_dim, mask_zero=True),
+            layers.GlobalAveragePooling1D(),  # masked mean over real tokens
+            layers.Dropout(model_cfg.dropout),
+            layers.Dense(model_cfg.hidden, activation="relu"), layers.Dropout(model_cfg.dropout),
+            layers.Dense(2),
+        ], name="embed_pool")
+    classes = 10
     if model_cfg.name == "mlp":
         stack = [layers.Input(shape=(784,))]
         for size in model_cfg.hidden:
@@ -26,4 +37,4 @@ def build_keras_model(model_cfg: Any, keras: Any, classes: int = 10) -> Any:
             layers.Dense(model_cfg.hidden, activation="relu"), layers.Dropout(model_cfg.dropout),
             layers.Dense(classes),
         ], name="cnn")
-    raise ValueError(f"no Keras model for '{model_cfg.name}' (choices: mlp, cnn)")
+    raise ValueError(f"no Keras model for '{model_cfg.name}' (choices: mlp, cnn, embed_pool)")

@@ -1,0 +1,21 @@
+"""A small text classifier: mean of the token embeddings (padding excluded), then an MLP. The baseline
+next to BERT for IMDb, and the text model the Keras backends share (`keras_models.py` builds the same
+shape)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class EmbedPool(nn.Module):
+    def __init__(self, vocab_size: int, embed_dim: int, hidden: int, dropout: float, num_classes: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, embed_dim)
+        self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(embed_dim, hidden), nn.ReLU(),
+                                  nn.Dropout(dropout), nn.Linear(hidden, num_classes))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """input_ids (B, T), attention_mask (B, T) with 1/True for real tokens -> logits (B, classes)."""
+        mask = attention_mask.to(self.embed.weight.dtype).unsqueeze(-1)  # (B, T, 1)
+        summed = (self.embed(input_ids) * mask).sum(dim=1)
+        return self.head(summed / mask.sum(dim=1).clamp(min=1.0))
