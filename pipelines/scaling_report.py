@@ -138,12 +138,18 @@ def _by_backend(rows: list[dict[str, Any]], value: str) -> dict[str, list[dict[s
     return out
 
 
-def plot_vs_degree(rows: list[dict[str, Any]], value: str, ylabel: str, path: Path, ideal: float | None = None) -> None:
-    """`value` against the number of workers, one line per backend, each point labelled with its tp x dp."""
+def _pyplot() -> Any:
     import matplotlib
 
-    matplotlib.use("Agg")  # no display on cluster nodes
+    matplotlib.use("Agg")  # files only: no display on cluster nodes
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_vs_degree(rows: list[dict[str, Any]], value: str, ylabel: str, path: Path, ideal: float | None = None) -> None:
+    """`value` against the number of workers, one line per backend, each point labelled with its tp x dp."""
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for backend, points in _by_backend(rows, value).items():
@@ -156,7 +162,7 @@ def plot_vs_degree(rows: list[dict[str, Any]], value: str, ylabel: str, path: Pa
         ax.axhline(ideal, color="grey", linestyle="--", linewidth=1, label="linear scaling")
     ax.set_xlabel("workers (tp x dp)")
     ax.set_ylabel(ylabel)
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -165,10 +171,7 @@ def plot_vs_degree(rows: list[dict[str, Any]], value: str, ylabel: str, path: Pa
 
 
 def plot_losses(trials: list[TrialRecord], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for trial in trials:
@@ -176,7 +179,7 @@ def plot_losses(trials: list[TrialRecord], path: Path) -> None:
         ax.plot(range(1, len(losses) + 1), losses, marker=".", label=trial.name)
     ax.set_xlabel("epoch")
     ax.set_ylabel("train_loss")
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -177,7 +177,8 @@ def reject_unfit(trials: list[Trial], cluster_cpus: float, cluster_gpus: float) 
                             f"{trainer.threads_per_worker} threads + {TRIAL_DRIVER_CPUS} trial driver + "
                             f"{DATA_CPUS} Ray Data), the cluster has {cluster_cpus:g}")
         elif gpus > cluster_gpus:
-            trial.reason = f"cluster: needs {gpus:g} GPUs ({trainer.num_workers} workers), the cluster has {cluster_gpus:g}"
+            trial.reason = (f"cluster: needs {gpus:g} GPUs ({trainer.num_workers} workers), "
+                            f"the cluster has {cluster_gpus:g}")
         if trial.reason:
             trial.cfg = None
 

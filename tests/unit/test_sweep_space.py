@@ -87,7 +87,8 @@ def test_bad_sweep_config_names_the_key(override, message):
 
 
 def test_asha_needs_a_metric_every_epoch_reports():
-    assert load_sweep("smoke", ["sweep.scheduler=asha", "sweep.metric=train_loss", "sweep.mode=min"]).scheduler == "asha"
+    spec = load_sweep("smoke", ["sweep.scheduler=asha", "sweep.metric=train_loss", "sweep.mode=min"])
+    assert (spec.scheduler, spec.metric, spec.mode) == ("asha", "train_loss", "min")
     with pytest.raises(ConfigError, match=r"^sweep\.metric: asha needs a metric every epoch reports"):
         load_sweep("smoke", ["sweep.scheduler=asha", "sweep.metric=efficiency"])
 
