@@ -10,9 +10,9 @@ trial, in a child MLflow run created here (tag `mlflow.parentRunId`), whose func
 backend's Ray Train trainer with `TuneReportCallback` (the Train V2 pattern). The scaling report (Markdown,
 CSV, plots) is built from the child runs at the end and logged to the parent run.
 
-Last stdout line: `mlflow_parent_run_id=<id>`. Exit codes: 0 every trial finished; 1 a trial or the sweep
-failed (the report still covers the trials that ran); 2 bad config, data or tracking server, or no valid trial
-(nothing was started).
+Last stdout line: `mlflow_parent_run_id=<id>`. Exit codes: 0 every trial finished (ASHA's early stops count as
+finished); 1 a trial failed or never completed an epoch, or the sweep failed (the report still covers the trials
+that ran); 2 bad config, data or tracking server, or no valid trial (nothing was started).
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import os
 import sys
 import tempfile
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,11 @@ def init_ray(trials: list[Trial]) -> tuple[float, float]:
     import ray
 
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        # Ray Train's placement-group cleaner (a detached actor) finds its cluster through RAY_ADDRESS or "auto";
+        # with several Ray instances on one machine "auto" fails, and a trial that Tune stops early (ASHA)
+        # would then leave its workers' placement group behind, starving the next trials.
+        address = os.environ["RAY_ADDRESS"]
+        ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": {"RAY_ADDRESS": address}})
     else:  # our own Ray, never someone else's on this machine (see pipelines.train)
         needed = max(cpus_needed(t.cfg) for t in trials if t.cfg is not None)
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(needed)), dashboard_host="127.0.0.1")
@@ -131,6 +136,12 @@ def run_trial(config: dict[str, Any], specs: dict[int, dict[str, Any]]) -> None:
     trainer.fit()
 
 
+@dataclass
+class Outcome:
+    status: str                 # MLflow run status: FINISHED | FAILED | KILLED
+    message: str | None = None
+
+
 def make_scheduler(spec: DictConfig, valid: list[Trial]) -> Any:
     if spec.scheduler != "asha":
         return None  # FIFO: every trial of the grid runs to its last epoch
@@ -141,8 +152,8 @@ def make_scheduler(spec: DictConfig, valid: list[Trial]) -> Any:
 
 
 def run_tune(spec: DictConfig, valid: list[Trial], children: dict[int, str], uri: str, parent_id: str,
-             concurrency: int) -> dict[int, str | None]:
-    """Run every valid trial; returns {trial index: error text or None}."""
+             concurrency: int) -> dict[int, Outcome]:
+    """Run every valid trial; returns {trial index: how it ended}."""
     from ray import tune
 
     specs = {t.index: {"cfg": OmegaConf.to_container(t.cfg, resolve=True), "run_id": children[t.index],
@@ -157,16 +168,26 @@ def run_tune(spec: DictConfig, valid: list[Trial], children: dict[int, str], uri
                                   failure_config=tune.FailureConfig(max_failures=spec.trial_max_failures),
                                   verbose=1),
     )
-    errors: dict[int, str | None] = {t.index: "no result from Tune" for t in valid}
+    outcomes = {t.index: Outcome("KILLED", "not run: the sweep stopped first") for t in valid}
     for result in tuner.fit():
-        error = result.error
-        errors[result.config["trial_index"]] = None if error is None else f"{type(error).__name__}: {error}"
-    return errors
+        index = result.config["trial_index"]
+        if result.error is not None:
+            outcomes[index] = Outcome("FAILED", f"{type(result.error).__name__}: {result.error}")
+        elif not result.metrics or "train_loss" not in result.metrics:
+            outcomes[index] = Outcome("KILLED", "stopped before its first epoch ended")
+        else:  # ran to the end, or stopped early by ASHA after at least one epoch
+            outcomes[index] = Outcome("FINISHED")
+    return outcomes
 
 
-def close_children(uri: str, children: dict[int, str], errors: dict[int, str | None]) -> None:
+def close_children(uri: str, children: dict[int, str], outcomes: dict[int, Outcome]) -> None:
     for index, run_id in children.items():
-        tracking.end_run(uri, run_id, error=errors.get(index, "the sweep stopped before this trial ended"))
+        outcome = outcomes.get(index, Outcome("KILLED", "the sweep stopped before this trial ended"))
+        if outcome.status == "KILLED":
+            _client(uri).set_tag(run_id, "sweep.not_finished", outcome.message)
+            _client(uri).set_terminated(run_id, status="KILLED")
+        else:
+            tracking.end_run(uri, run_id, error=outcome.message if outcome.status == "FAILED" else None)
 
 
 def report(uri: str, spec: DictConfig, parent_id: str) -> str:
@@ -192,7 +213,7 @@ def run_sweep(spec: DictConfig, trials: list[Trial], uri: str) -> tuple[str, int
     cpus, gpus = init_ray(trials)
     parent_id = None
     children: dict[int, str] = {}
-    errors: dict[int, str | None] = {}
+    outcomes: dict[int, Outcome] = {}
     try:
         reject_unfit(trials, cpus, gpus)
         valid = [t for t in trials if t.cfg is not None]
@@ -205,16 +226,16 @@ def run_sweep(spec: DictConfig, trials: list[Trial], uri: str) -> tuple[str, int
         if not valid:
             raise RuntimeError("no trial fits the cluster")
         children = start_children(uri, parent_id, valid)
-        errors = run_tune(spec, valid, children, uri, parent_id, concurrency)
-        close_children(uri, children, errors)
-        failed = sum(e is not None for e in errors.values())
+        outcomes = run_tune(spec, valid, children, uri, parent_id, concurrency)
+        close_children(uri, children, outcomes)
+        failed = sum(o.status != "FINISHED" for o in outcomes.values())
         _client(uri).log_metric(parent_id, "trials_failed", failed)
         print(report(uri, spec, parent_id), flush=True)
         return parent_id, failed
     except BaseException as err:  # KeyboardInterrupt too: no run may stay RUNNING
         if parent_id is None:
             raise
-        close_children(uri, {i: r for i, r in children.items() if i not in errors}, errors)
+        close_children(uri, {i: r for i, r in children.items() if i not in outcomes}, outcomes)
         tracking.end_run(uri, parent_id, error=f"{type(err).__name__}: {err}\n\n{traceback.format_exc()}")
         raise SweepFailed(parent_id, err) from err
     finally:
@@ -241,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mlflow_parent_run_id={err.parent_id}", flush=True)
         return 1
     if failed:
-        tracking.end_run(uri, parent_id, error=f"{failed} trial(s) failed; see the child runs with status FAILED")
-        print(f"error: {failed} trial(s) failed", file=sys.stderr)
+        tracking.end_run(uri, parent_id, error=f"{failed} trial(s) did not finish; see the child runs' status")
+        print(f"error: {failed} trial(s) did not finish", file=sys.stderr)
     else:
         tracking.end_run(uri, parent_id)
     print(f"mlflow_parent_run_id={parent_id}", flush=True)
