@@ -220,6 +220,8 @@ def run_sweep(spec: DictConfig, trials: list[Trial], uri: str) -> tuple[str, int
         concurrency = max_concurrent(valid, cpus, gpus, spec.max_concurrent_trials) if valid else 0
         parent_id = start_parent(uri, spec, trials, {"cpus": cpus, "gpus": gpus, "nodes": len(ray.nodes()),
                                                      "max_concurrent_trials": concurrency})
+        for data_path in {t.cfg.data.path for t in valid}:  # lineage, as a training run logs it
+            tracking.log_data_files(uri, parent_id, data_path, read_manifest(data_path))
         print(f"MLflow parent run {parent_id} ({uri}); {len(valid)} trials, {len(trials) - len(valid)} rejected, "
               f"{concurrency} at a time", flush=True)
         print(rejected_text(trials), flush=True)

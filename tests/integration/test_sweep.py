@@ -51,6 +51,8 @@ def test_smoke_sweep_nests_runs_rejects_points_and_reports(tmp_path, tiny_imdb, 
     metrics = parent.data.metrics
     assert (metrics["trials_valid"], metrics["trials_rejected"], metrics["trials_failed"]) == (4, 8, 0)
     assert parent.data.params["cluster.max_concurrent_trials"] == "1"  # 6 CPUs, 4 for a 2-worker trial
+    assert {"rejected.json", "rejected.csv", "data_manifest.json", "tokenizer.json", "report"} <= {
+        a.path for a in client.list_artifacts(parent_id)}
 
     rejected = json.loads(open(download(mlflow_server, parent_id, "rejected.json", tmp_path)).read())
     reasons = " | ".join(r["reason"] for r in rejected)
