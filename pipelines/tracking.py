@@ -84,13 +84,14 @@ def library_versions() -> dict[str, str]:
 
 
 def start_run(uri: str, experiment: str, run_name: str, params: Mapping[str, Any],
-              config_yaml: str) -> str:
-    """Create the run, log params/tags and the resolved config; return its id. The run stays RUNNING."""
+              config_yaml: str, tags: Mapping[str, str] | None = None) -> str:
+    """Create the run, log params/tags and the resolved config; return its id. The run stays RUNNING.
+    Extra `tags` are added, e.g. `mlflow.parentRunId` to nest a sweep's trial run under the sweep's run."""
     from mlflow.entities import Param, RunTag
 
     client = _client(uri)
     tags = {"mlflow.runName": run_name, "mlflow.source.git.commit": git_commit(),
-            "host": socket.gethostname(), "ray_address": os.environ.get("RAY_ADDRESS", "local")}
+            "host": socket.gethostname(), "ray_address": os.environ.get("RAY_ADDRESS", "local"), **(tags or {})}
     run = client.create_run(_experiment_id(client, experiment, uri), tags=tags, run_name=run_name)
     run_id = run.info.run_id
     all_params = dict(params)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import tempfile
 import time
 from pathlib import Path
@@ -192,13 +193,15 @@ class Epochs:
 
     def end(self, epoch: int, train_loss: float, samples: int, steps: int, wait_s: float, train_s: float) -> None:
         correct, total = self.count_correct()
-        rows = self._gather([samples, steps, wait_s, train_s, correct, total])
-        samples_all, steps_all, wait_all, train_all, correct_all, total_all = rows.sum(axis=0)
+        peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        rows = self._gather([samples, steps, wait_s, train_s, correct, total, peak_rss])
+        samples_all, steps_all, wait_all, train_all, correct_all, total_all = rows[:, :6].sum(axis=0)
         slowest_s = float(rows[:, 3].max())
         metrics = {"train_loss": float(train_loss), "test_accuracy": correct_all / max(total_all, 1),
                    "samples_per_s": samples_all / max(slowest_s, 1e-9),
                    "step_time_ms": 1000.0 * train_all / max(steps_all, 1),
-                   "data_wait_fraction": wait_all / max(train_all, 1e-9), "epoch_time_s": slowest_s}
+                   "data_wait_fraction": wait_all / max(train_all, 1e-9), "epoch_time_s": slowest_s,
+                   "peak_memory_bytes": float(rows[:, 6].max())}  # the largest worker's peak RSS so far
         if epoch == self.start_epoch:
             metrics["data_load_s"] = self.train.load_s + self.test.load_s
         self.report(epoch, {k: float(v) for k, v in metrics.items()})  # numpy scalars -> JSON-able floats
@@ -327,7 +330,8 @@ def worker_resources(trainer: DictConfig) -> dict[str, float]:
     return resources
 
 
-def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict):
+def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict,
+                  callbacks: list | None = None):
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.tensorflow import TensorflowTrainer
 
@@ -341,6 +345,7 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
         run_config=RunConfig(name=f"run-{run_id}", storage_path=cfg.run.storage_path,
                              failure_config=FailureConfig(max_failures=cfg.fault.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=2),
+                             callbacks=list(callbacks or []),  # e.g. Tune's TuneReportCallback in a sweep
                              # tf-keras must own `tf.keras` from process start (module docstring); Ray
                              # starts the worker processes with these env vars (merged with the job's).
                              worker_runtime_env={"env_vars": {**LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}}),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import resource
 import tempfile
 import time
 from dataclasses import dataclass
@@ -230,7 +231,7 @@ def epoch_metrics(stats: EpochStats, correct: int, total: int, replicas: int = 1
     loss_sum, samples, steps, wait_s, train_s, tokens, correct_all, total_all = _all_reduce(
         [stats.loss_sum, stats.samples, stats.steps, stats.data_wait_s, stats.train_s, stats.tokens, correct,
          total], dist.ReduceOp.SUM)
-    (slowest_s,) = _all_reduce([stats.train_s], dist.ReduceOp.MAX)
+    slowest_s, peak_bytes = _all_reduce([stats.train_s, peak_memory_bytes()], dist.ReduceOp.MAX)
     metrics = {
         "train_loss": loss_sum / max(samples, 1),
         "test_accuracy": correct_all / max(total_all, 1),
@@ -238,10 +239,18 @@ def epoch_metrics(stats: EpochStats, correct: int, total: int, replicas: int = 1
         "step_time_ms": 1000.0 * train_s / max(steps, 1),
         "data_wait_fraction": wait_s / max(train_s, 1e-9),
         "epoch_time_s": slowest_s,
+        "peak_memory_bytes": peak_bytes,  # the largest worker's peak so far (sweep scaling reports)
     }
     if tokens:
         metrics["tokens_per_s"] = tokens / replicas / max(slowest_s, 1e-9)
     return metrics
+
+
+def peak_memory_bytes() -> float:
+    """This process's peak memory so far: CUDA allocations on GPU, else the peak RSS (Linux reports KiB)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return float(torch.cuda.max_memory_allocated())
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
 def make_optimizer(model: nn.Module, name: str, lr: float) -> torch.optim.Optimizer:
@@ -342,9 +351,10 @@ def dump_state(directory: str | None, model_state: dict[str, torch.Tensor], rank
 
 
 def torch_trainer(loop: Callable[[dict], None], cfg: Any, datasets: dict, run_id: str, tracking_uri: str,
-                  model_inputs: dict, dataset_config: Any = None) -> Any:
+                  model_inputs: dict, dataset_config: Any = None, callbacks: list | None = None) -> Any:
     """The `TorchTrainer` every PyTorch backend uses: gloo on CPU / NCCL on GPU, one CPU per worker thread,
-    a run named after the MLflow run, restarts from checkpoints up to `fault.max_failures`."""
+    a run named after the MLflow run, restarts from checkpoints up to `fault.max_failures`. `callbacks`: extra
+    Ray Train callbacks (a sweep passes Tune's `TuneReportCallback`)."""
     from omegaconf import OmegaConf
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -360,7 +370,7 @@ def torch_trainer(loop: Callable[[dict], None], cfg: Any, datasets: dict, run_id
                                      placement_strategy=cfg.trainer.placement_strategy),
         run_config=RunConfig(name=f"run-{run_id}", storage_path=cfg.run.storage_path,
                              failure_config=FailureConfig(max_failures=cfg.fault.max_failures),
-                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2), callbacks=list(callbacks or [])),
         datasets=datasets,
         dataset_config=dataset_config or DataConfig(),
     )

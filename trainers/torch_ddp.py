@@ -61,8 +61,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     tc.dump_state(cfg.run.dump_params_dir, tc.unwrap(model).state_dict(), rank, train)
 
 
-def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict):
-    return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, model_inputs)
+def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict,
+                  callbacks: list | None = None):
+    return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, model_inputs,
+                            callbacks=callbacks)
 
 
 def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, model_inputs: dict) -> None:

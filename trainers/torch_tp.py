@@ -136,8 +136,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         tc.dump_state(cfg.run.dump_params_dir, unshard_state_dict(model), rank, train)
 
 
-def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict):
+def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict,
+                  callbacks: list | None = None):
     from trainers.tp_data import TPGroupDataConfig
 
     return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, model_inputs,
-                            dataset_config=TPGroupDataConfig(dp=cfg.trainer.dp, tp=cfg.trainer.tp))
+                            dataset_config=TPGroupDataConfig(dp=cfg.trainer.dp, tp=cfg.trainer.tp),
+                            callbacks=callbacks)

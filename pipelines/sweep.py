@@ -1,0 +1,276 @@
+"""Sweep parallelism degrees with Ray Tune: `python -m pipelines.sweep sweep=parallelism [overrides]`.
+
+Arguments: `sweep=<name>` picks `conf/sweep/<name>.yaml`, `sweep.key=value` overrides it, anything else is a
+training override applied to every trial (e.g. `data.path=...`, `trainer.epochs=2`). What `ray job submit`
+runs; uses the cluster at RAY_ADDRESS when set, else starts a local Ray.
+
+Each grid point is validated like a training run; impossible ones are rejected before launch and logged to the
+parent MLflow run (`rejected.json`, `rejected.csv`, metric `trials_rejected`). Each valid point is one Tune
+trial, in a child MLflow run created here (tag `mlflow.parentRunId`), whose function builds and fits the
+backend's Ray Train trainer with `TuneReportCallback` (the Train V2 pattern). The scaling report (Markdown,
+CSV, plots) is built from the child runs at the end and logged to the parent run.
+
+Last stdout line: `mlflow_parent_run_id=<id>`. Exit codes: 0 every trial finished (ASHA's early stops count as
+finished); 1 a trial failed or never completed an epoch, or the sweep failed (the report still covers the trials
+that ran); 2 bad config, data or tracking server, or no valid trial (nothing was started).
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from pipelines import tracking
+from pipelines.config import ConfigError, flatten
+from pipelines.data.idx import DataError
+from pipelines.data.shards import read_manifest, shard_paths
+from pipelines.sweep_space import (Trial, cpus_needed, load_sweep, max_concurrent, parallel_params, plan_trials,
+                                   reject_unfit, split_argv, trial_name)
+
+
+def _client(uri: str) -> Any:
+    from mlflow.tracking import MlflowClient  # lazy: config errors must come back fast
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def validate(argv: list[str]) -> tuple[DictConfig, list[Trial], str]:
+    """Everything that can be checked before taking cluster resources."""
+    name, sweep_overrides, train_overrides = split_argv(argv)
+    spec = load_sweep(name, sweep_overrides)
+    trials = plan_trials(spec, train_overrides)
+    valid = [t for t in trials if t.cfg is not None]
+    if not valid:
+        raise ConfigError("sweep.grid: no valid trial:\n" + rejected_text(trials))
+    for data_path, split in {(t.cfg.data.path, t.cfg.data.eval_split) for t in valid}:
+        manifest = read_manifest(data_path)
+        for each in ("train", split):
+            shard_paths(data_path, manifest, each)
+    uri = tracking.tracking_uri()
+    tracking.check_reachable(uri)
+    return spec, trials, uri
+
+
+def rejected_text(trials: list[Trial]) -> str:
+    return "\n".join(f"  rejected #{t.index} {t.combo}: {t.reason}" for t in trials if t.cfg is None)
+
+
+def init_ray(trials: list[Trial]) -> tuple[float, float]:
+    """Connect (RAY_ADDRESS) or start a local Ray sized for the largest trial; returns (CPUs, GPUs)."""
+    import ray
+
+    if os.environ.get("RAY_ADDRESS"):
+        # Ray Train's placement-group cleaner (a detached actor) finds its cluster through RAY_ADDRESS or "auto";
+        # with several Ray instances on one machine "auto" fails, and a trial that Tune stops early (ASHA)
+        # would then leave its workers' placement group behind, starving the next trials.
+        address = os.environ["RAY_ADDRESS"]
+        ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": {"RAY_ADDRESS": address}})
+    else:  # our own Ray, never someone else's on this machine (see pipelines.train)
+        needed = max(cpus_needed(t.cfg) for t in trials if t.cfg is not None)
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(needed)), dashboard_host="127.0.0.1")
+    resources = ray.cluster_resources()
+    return resources.get("CPU", 0.0), resources.get("GPU", 0.0)
+
+
+def start_parent(uri: str, spec: DictConfig, trials: list[Trial], cluster: dict[str, Any]) -> str:
+    """The sweep's MLflow run: the sweep config, cluster, concurrency and every rejected point."""
+    base = next(t.cfg for t in trials if t.cfg is not None)
+    params = {f"sweep.{k}": v for k, v in flatten(spec).items()}
+    params.update({f"cluster.{k}": v for k, v in cluster.items()})
+    run_id = tracking.start_run(uri, base.run.experiment, f"sweep-{spec.name}", params, OmegaConf.to_yaml(spec))
+    rejected = [{"index": t.index, "combo": t.combo, "reason": t.reason} for t in trials if t.cfg is None]
+    client = _client(uri)
+    client.log_text(run_id, json.dumps(rejected, indent=2), "rejected.json")
+    client.log_text(run_id, rejected_csv(rejected), "rejected.csv")
+    for key, value in (("trials_total", len(trials)), ("trials_rejected", len(rejected)),
+                       ("trials_valid", len(trials) - len(rejected))):
+        client.log_metric(run_id, key, value)
+    return run_id
+
+
+def rejected_csv(rejected: list[dict[str, Any]]) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(["index", "combo", "reason"])
+    for row in rejected:
+        writer.writerow([row["index"], " ".join(f"{k}={v}" for k, v in row["combo"].items()), row["reason"]])
+    return out.getvalue()
+
+
+def start_children(uri: str, parent_id: str, valid: list[Trial]) -> dict[int, str]:
+    """One child run per valid trial, created before Tune starts: a trial that Tune restarts after a failure
+    gets the same run id again and continues that run (and its Ray Train checkpoints, named after it)."""
+    children = {}
+    for trial in valid:
+        tags = {"mlflow.parentRunId": parent_id, "sweep.trial_index": str(trial.index),
+                "sweep.overrides": " ".join(trial.overrides)}
+        params = {**flatten(trial.cfg), **parallel_params(trial.cfg)}
+        children[trial.index] = tracking.start_run(uri, trial.cfg.run.experiment, trial_name(trial.cfg), params,
+                                                   OmegaConf.to_yaml(trial.cfg), tags=tags)
+    return children
+
+
+def run_trial(config: dict[str, Any], specs: dict[int, dict[str, Any]]) -> None:
+    """One Tune trial (runs in a Tune actor): build this grid point's trainer and fit it. The trainer's
+    `TuneReportCallback` passes each epoch's report on to Tune; rank 0 logs to the trial's child run."""
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from pipelines.data.readers import model_inputs, parquet_datasets
+    from trainers import get_backend
+
+    spec = specs[config["trial_index"]]
+    cfg = OmegaConf.create(spec["cfg"])
+    datasets = parquet_datasets(cfg.data.path, {"train": "train", "eval": cfg.data.eval_split})
+    inputs = model_inputs(read_manifest(cfg.data.path))
+    trainer = get_backend(cfg.trainer.backend).build_trainer(cfg, datasets, spec["run_id"], spec["tracking_uri"],
+                                                             inputs, callbacks=[TuneReportCallback()])
+    trainer.fit()
+
+
+@dataclass
+class Outcome:
+    status: str                 # MLflow run status: FINISHED | FAILED | KILLED
+    message: str | None = None
+
+
+def make_scheduler(spec: DictConfig, valid: list[Trial]) -> Any:
+    if spec.scheduler != "asha":
+        return None  # FIFO: every trial of the grid runs to its last epoch
+    from ray.tune.schedulers import ASHAScheduler
+
+    return ASHAScheduler(metric=spec.metric, mode=spec.mode, grace_period=spec.asha_grace_period,
+                         max_t=max(t.cfg.trainer.epochs for t in valid))
+
+
+def run_tune(spec: DictConfig, valid: list[Trial], children: dict[int, str], uri: str, parent_id: str,
+             concurrency: int) -> dict[int, Outcome]:
+    """Run every valid trial; returns {trial index: how it ended}."""
+    from ray import tune
+
+    specs = {t.index: {"cfg": OmegaConf.to_container(t.cfg, resolve=True), "run_id": children[t.index],
+                       "tracking_uri": uri} for t in valid}
+    # Only the Tune function's own CPU here: the trainer reserves its workers itself, outside Tune.
+    trainable = tune.with_resources(tune.with_parameters(run_trial, specs=specs), {"cpu": 1})
+    tuner = tune.Tuner(
+        trainable,
+        param_space={"trial_index": tune.grid_search([t.index for t in valid])},
+        tune_config=tune.TuneConfig(max_concurrent_trials=concurrency, scheduler=make_scheduler(spec, valid)),
+        run_config=tune.RunConfig(name=f"sweep-{parent_id}", storage_path=valid[0].cfg.run.storage_path,
+                                  failure_config=tune.FailureConfig(max_failures=spec.trial_max_failures),
+                                  verbose=1),
+    )
+    outcomes = {t.index: Outcome("KILLED", "not run: the sweep stopped first") for t in valid}
+    for result in tuner.fit():
+        index = result.config["trial_index"]
+        if result.error is not None:
+            outcomes[index] = Outcome("FAILED", f"{type(result.error).__name__}: {result.error}")
+        elif not result.metrics or "train_loss" not in result.metrics:
+            outcomes[index] = Outcome("KILLED", "stopped before its first epoch ended")
+        else:  # ran to the end, or stopped early by ASHA after at least one epoch
+            outcomes[index] = Outcome("FINISHED")
+    return outcomes
+
+
+def close_children(uri: str, children: dict[int, str], outcomes: dict[int, Outcome]) -> None:
+    for index, run_id in children.items():
+        outcome = outcomes.get(index, Outcome("KILLED", "the sweep stopped before this trial ended"))
+        if outcome.status == "KILLED":
+            _client(uri).set_tag(run_id, "sweep.not_finished", outcome.message)
+            _client(uri).set_terminated(run_id, status="KILLED")
+        else:
+            tracking.end_run(uri, run_id, error=outcome.message if outcome.status == "FAILED" else None)
+
+
+def report(uri: str, spec: DictConfig, parent_id: str) -> str:
+    """Build the scaling report from the child runs and log it to the parent run; returns the Markdown."""
+    from pipelines.scaling_report import build_report, read_trials
+
+    client = _client(uri)
+    with tempfile.TemporaryDirectory() as directory:
+        result = build_report(read_trials(uri, parent_id), Path(directory), spec.target_accuracy, spec.metric,
+                              spec.mode)
+        client.log_artifacts(parent_id, directory, "report")
+    if result.best is not None:
+        client.set_tag(parent_id, "best.run_id", result.best["run_id"])
+        client.set_tag(parent_id, "best.trial", result.best["trial"])
+        client.log_metric(parent_id, f"best.{spec.metric}", result.best[spec.metric])
+    return result.markdown
+
+
+def run_sweep(spec: DictConfig, trials: list[Trial], uri: str) -> tuple[str, int]:
+    """Ray, parent run, children, Tune, report. Returns (parent run id, number of failed trials)."""
+    import ray
+
+    cpus, gpus = init_ray(trials)
+    parent_id = None
+    children: dict[int, str] = {}
+    outcomes: dict[int, Outcome] = {}
+    try:
+        reject_unfit(trials, cpus, gpus)
+        valid = [t for t in trials if t.cfg is not None]
+        concurrency = max_concurrent(valid, cpus, gpus, spec.max_concurrent_trials) if valid else 0
+        parent_id = start_parent(uri, spec, trials, {"cpus": cpus, "gpus": gpus, "nodes": len(ray.nodes()),
+                                                     "max_concurrent_trials": concurrency})
+        for data_path in {t.cfg.data.path for t in valid}:  # lineage, as a training run logs it
+            tracking.log_data_files(uri, parent_id, data_path, read_manifest(data_path))
+        print(f"MLflow parent run {parent_id} ({uri}); {len(valid)} trials, {len(trials) - len(valid)} rejected, "
+              f"{concurrency} at a time", flush=True)
+        print(rejected_text(trials), flush=True)
+        if not valid:
+            raise RuntimeError("no trial fits the cluster")
+        children = start_children(uri, parent_id, valid)
+        outcomes = run_tune(spec, valid, children, uri, parent_id, concurrency)
+        close_children(uri, children, outcomes)
+        failed = sum(o.status != "FINISHED" for o in outcomes.values())
+        _client(uri).log_metric(parent_id, "trials_failed", failed)
+        print(report(uri, spec, parent_id), flush=True)
+        return parent_id, failed
+    except BaseException as err:  # KeyboardInterrupt too: no run may stay RUNNING
+        if parent_id is None:
+            raise
+        close_children(uri, {i: r for i, r in children.items() if i not in outcomes}, outcomes)
+        tracking.end_run(uri, parent_id, error=f"{type(err).__name__}: {err}\n\n{traceback.format_exc()}")
+        raise SweepFailed(parent_id, err) from err
+    finally:
+        ray.shutdown()
+
+
+class SweepFailed(RuntimeError):
+    def __init__(self, parent_id: str, cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.parent_id = parent_id
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        spec, trials, uri = validate(argv)
+    except (ConfigError, DataError, tracking.TrackingUnavailable) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        parent_id, failed = run_sweep(spec, trials, uri)
+    except SweepFailed as err:
+        print(f"error: sweep failed: {err}", file=sys.stderr)
+        print(f"mlflow_parent_run_id={err.parent_id}", flush=True)
+        return 1
+    if failed:
+        tracking.end_run(uri, parent_id, error=f"{failed} trial(s) did not finish; see the child runs' status")
+        print(f"error: {failed} trial(s) did not finish", file=sys.stderr)
+    else:
+        tracking.end_run(uri, parent_id)
+    print(f"mlflow_parent_run_id={parent_id}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

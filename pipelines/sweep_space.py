@@ -1,0 +1,207 @@
+"""The sweep's plan, before Ray starts: the sweep config (`conf/sweep/*.yaml`), its grid expanded into trials,
+and every impossible combination rejected with its reason.
+
+A trial is a list of Hydra overrides on top of the training config; it is valid when `load_config` accepts it
+(the same validation as `pipelines.train`: tp*dp = workers, tp | heads, ...) and the cluster can hold it.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from pipelines.config import ConfigError, load_config
+
+# CPUs a trial takes besides its workers: its Tune function (the Ray Train driver) and one for Ray Data's
+# read/split tasks, which would wait forever if the trials' workers held every CPU.
+TRIAL_DRIVER_CPUS = 1
+DATA_CPUS = 1
+SCHEDULERS = ("grid", "asha")
+MODES = ("min", "max")
+
+
+@dataclass
+class SweepConfig:
+    name: str = "parallelism"
+    overrides: list[str] = field(default_factory=list)  # training overrides every trial starts from
+    grid: Any = None                    # a mapping {override key: [values]} or a list of them (their union)
+    scheduler: str = "grid"             # grid: every trial runs to the end | asha: stop poor trials early
+    metric: str = "test_accuracy"       # best configuration (and ASHA) by this metric of the report
+    mode: str = "max"                   # max | min
+    target_accuracy: float = 0.8        # report: training time until test_accuracy first reaches this
+    max_concurrent_trials: Optional[int] = None  # default (and cap): what the cluster holds at once
+    trial_max_failures: int = 1         # Tune restarts a failed trial this often (it resumes its checkpoint)
+    asha_grace_period: int = 1          # asha: epochs every trial runs before it can be stopped
+
+
+@dataclass
+class Trial:
+    index: int
+    combo: dict[str, Any]               # the grid point, {override key: value}
+    overrides: list[str]                # all training overrides of this trial
+    cfg: Optional[DictConfig] = None    # validated training config (None when rejected)
+    reason: str = ""                    # why it was rejected
+
+
+def split_argv(argv: list[str]) -> tuple[str, list[str], list[str]]:
+    """(sweep name, `sweep.*` overrides, training overrides) from the command line."""
+    name, sweep_overrides, train_overrides = "parallelism", [], []
+    for arg in argv:
+        if arg.startswith("sweep="):
+            name = arg.split("=", 1)[1]
+        elif arg.startswith(("sweep.", "+sweep.", "~sweep.")):
+            sweep_overrides.append(arg)
+        else:
+            train_overrides.append(arg)
+    return name, sweep_overrides, train_overrides
+
+
+def load_sweep(name: str, overrides: list[str]) -> DictConfig:
+    """Compose `conf/sweep/<name>.yaml` (the config group `sweep`) with `sweep.*` overrides, and validate."""
+    from pipelines.config import _compose
+
+    raw = _compose([f"+sweep={name}", *overrides]).sweep
+    try:
+        spec = OmegaConf.merge(OmegaConf.structured(SweepConfig), raw)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"sweep.{getattr(err, 'full_key', '') or 'config'}: {str(err).splitlines()[0]}") from err
+    _check_sweep(spec)
+    return spec
+
+
+def _check_sweep(spec: DictConfig) -> None:
+    if spec.scheduler not in SCHEDULERS:
+        raise ConfigError(f"sweep.scheduler: unknown '{spec.scheduler}' (choices: {SCHEDULERS})")
+    from pipelines.scaling_report import NUMERIC
+    from pipelines.tracking import EPOCH_METRICS
+
+    if spec.metric not in NUMERIC:
+        raise ConfigError(f"sweep.metric: '{spec.metric}' is not a report column (choices: {NUMERIC})")
+    if spec.scheduler == "asha" and spec.metric not in (*EPOCH_METRICS, "tokens_per_s"):
+        raise ConfigError(f"sweep.metric: asha needs a metric every epoch reports, got '{spec.metric}' "
+                          f"(choices: {(*EPOCH_METRICS, 'tokens_per_s')})")
+    if spec.mode not in MODES:
+        raise ConfigError(f"sweep.mode: unknown '{spec.mode}' (choices: {MODES})")
+    if spec.max_concurrent_trials is not None and spec.max_concurrent_trials < 1:
+        raise ConfigError(f"sweep.max_concurrent_trials: must be >= 1, got {spec.max_concurrent_trials}")
+    if spec.trial_max_failures < 0:
+        raise ConfigError(f"sweep.trial_max_failures: must be >= 0, got {spec.trial_max_failures}")
+    for grid in grids(spec):
+        for key, values in grid.items():
+            if not isinstance(values, (list, ListConfig)) or len(values) == 0:
+                raise ConfigError(f"sweep.grid: '{key}' needs a non-empty list of values, got {values}")
+
+
+def grids(spec: DictConfig) -> list[dict[str, list]]:
+    """The sweep's grids as plain dicts (one mapping is a list of one)."""
+    if spec.grid is None:
+        raise ConfigError("sweep.grid: missing; give {override key: [values]} or a list of such mappings")
+    raw = OmegaConf.to_container(spec.grid, resolve=True) if OmegaConf.is_config(spec.grid) else spec.grid
+    raw = [raw] if isinstance(raw, dict) else raw
+    if not raw or not all(isinstance(g, dict) and g for g in raw):
+        raise ConfigError(f"sweep.grid: expected a mapping or a list of non-empty mappings, got {raw}")
+    return raw
+
+
+def expand_grid(grid_list: list[dict[str, list]]) -> list[dict[str, Any]]:
+    """Every point of every grid (cartesian product of its value lists), in order, duplicates once."""
+    points: list[dict[str, Any]] = []
+    for grid in grid_list:
+        keys = list(grid)
+        for values in itertools.product(*(grid[k] for k in keys)):
+            point = dict(zip(keys, values))
+            if point not in points:
+                points.append(point)
+    return points
+
+
+def format_override(key: str, value: Any) -> str:
+    """`key=value` in Hydra's syntax (lists as `[a,b]`)."""
+    if isinstance(value, (list, tuple)):
+        return f"{key}=[{','.join(str(v) for v in value)}]"
+    if value is None:
+        return f"{key}=null"
+    return f"{key}={value}"
+
+
+def merge_overrides(*lists: list[str]) -> list[str]:
+    """One override per key, the last given wins (Hydra refuses a config group chosen twice); config group
+    choices (`trainer=tp`) first, so that value overrides land on the chosen group."""
+    merged: dict[str, str] = {}
+    for overrides in lists:
+        for override in overrides:
+            key = override.split("=", 1)[0]
+            merged.pop(key, None)
+            merged[key] = override
+    groups = [o for k, o in merged.items() if "." not in k.lstrip("+~")]
+    values = [o for k, o in merged.items() if "." in k.lstrip("+~")]
+    return groups + values
+
+
+def plan_trials(spec: DictConfig, train_overrides: list[str]) -> list[Trial]:
+    """Every grid point as a trial, validated like `pipelines.train` validates a run; invalid ones keep
+    their `ConfigError` message as the reason."""
+    trials = []
+    for index, combo in enumerate(expand_grid(grids(spec))):
+        combo_overrides = [format_override(k, v) for k, v in combo.items()]
+        overrides = merge_overrides(list(spec.overrides), train_overrides, combo_overrides)
+        trial = Trial(index=index, combo=combo, overrides=overrides)
+        try:
+            trial.cfg = load_config(overrides)
+        except ConfigError as err:
+            trial.reason = str(err)
+        trials.append(trial)
+    return trials
+
+
+def cpus_needed(cfg: DictConfig) -> float:
+    return cfg.trainer.num_workers * cfg.trainer.threads_per_worker + TRIAL_DRIVER_CPUS + DATA_CPUS
+
+
+def gpus_needed(cfg: DictConfig) -> float:
+    return cfg.trainer.num_workers if cfg.trainer.use_gpu else 0
+
+
+def reject_unfit(trials: list[Trial], cluster_cpus: float, cluster_gpus: float) -> None:
+    """Reject valid trials that the whole cluster could never hold at once: Ray Train would wait forever."""
+    for trial in trials:
+        if trial.cfg is None:
+            continue
+        trainer = trial.cfg.trainer
+        cpus, gpus = cpus_needed(trial.cfg), gpus_needed(trial.cfg)
+        if cpus > cluster_cpus:
+            trial.reason = (f"cluster: needs {cpus:g} CPUs ({trainer.num_workers} workers x "
+                            f"{trainer.threads_per_worker} threads + {TRIAL_DRIVER_CPUS} trial driver + "
+                            f"{DATA_CPUS} Ray Data), the cluster has {cluster_cpus:g}")
+        elif gpus > cluster_gpus:
+            trial.reason = (f"cluster: needs {gpus:g} GPUs ({trainer.num_workers} workers), "
+                            f"the cluster has {cluster_gpus:g}")
+        if trial.reason:
+            trial.cfg = None
+
+
+def max_concurrent(valid: list[Trial], cluster_cpus: float, cluster_gpus: float, requested: int | None) -> int:
+    """How many trials can run at once whatever trials the grid puts side by side: the cluster divided by
+    the largest trial's needs (Ray Train starts a run only when all its workers fit, so more concurrent
+    trials than this can leave several runs each holding part of what they need). `requested` only lowers it."""
+    largest_cpus = max(cpus_needed(t.cfg) for t in valid)
+    largest_gpus = max(gpus_needed(t.cfg) for t in valid)
+    fit = int(cluster_cpus // largest_cpus)
+    if largest_gpus:
+        fit = min(fit, int(cluster_gpus // largest_gpus))
+    fit = max(fit, 1)
+    return min(fit, requested) if requested else fit
+
+
+def parallel_params(cfg: DictConfig) -> dict[str, Any]:
+    """The parallelism degrees, as `pipelines.train` logs them."""
+    return {"world_size": cfg.trainer.num_workers, "dp": cfg.trainer.dp, "tp": cfg.trainer.tp,
+            "backend": cfg.trainer.backend}
+
+
+def trial_name(cfg: DictConfig) -> str:
+    t = cfg.trainer
+    return f"{t.backend}-w{t.num_workers}-tp{t.tp}-dp{t.dp}-bs{t.batch_size}-lr{t.lr:g}"

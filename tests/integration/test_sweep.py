@@ -1,0 +1,116 @@
+"""A real sweep (`sweep=smoke`: 4 trials of a tiny BERT, 8 rejected points) submitted with `ray job submit` to a
+real Ray head, logged to a real MLflow server; everything checked by reading MLflow back."""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import ROOT, pipeline_env
+
+pytestmark = pytest.mark.slow
+EXPECTED_TRIALS = {("ddp", "1", "1", "1"), ("ddp", "2", "1", "2"), ("tp", "1", "1", "1"), ("tp", "2", "2", "1")}
+
+
+def submit_sweep(args: list[str], mlflow_server: str, ray_head: dict) -> subprocess.CompletedProcess:
+    env = pipeline_env(mlflow_server, ray_head)
+    runtime_env = {"excludes": ["/.venv", "/.git", "/data", "/outputs", "/mlflow.db", "/mlartifacts"],
+                   "env_vars": {k: env[k] for k in ("MLFLOW_TRACKING_URI", "OMP_NUM_THREADS",
+                                                    "RAY_TRAIN_ENABLE_PROGRESS_BAR")}}
+    cmd = ["ray", "job", "submit", "--address", ray_head["RAY_DASHBOARD_ADDRESS"], "--working-dir", ".",
+           "--runtime-env-json", json.dumps(runtime_env), "--", "python", "-m", "pipelines.sweep", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def parent_id_from(stdout: str) -> str:
+    lines = [line for line in stdout.splitlines() if line.startswith("mlflow_parent_run_id=")]
+    assert lines, stdout[-4000:]
+    return lines[-1].split("=", 1)[1].strip()
+
+
+def history(client: MlflowClient, run_id: str, name: str) -> list[float]:
+    return [m.value for m in sorted(client.get_metric_history(run_id, name), key=lambda m: m.step)]
+
+
+def test_smoke_sweep_nests_runs_rejects_points_and_reports(tmp_path, tiny_imdb, mlflow_server, ray_head):
+    marker = tmp_path / "failed-once"
+    # fault.max_failures=0: the injected failure fails the Ray Train run, so Tune restarts the whole trial.
+    proc = submit_sweep(["sweep=smoke", f"data.path={tiny_imdb}", f"run.storage_path={tmp_path / 'ray'}",
+                         "fault.max_failures=0", "fault.inject_at_epoch=2", f"fault.inject_marker={marker}"],
+                        mlflow_server, ray_head)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    parent_id = parent_id_from(proc.stdout)
+    assert "## Scaling report" in proc.stdout and "rejected #11" in proc.stdout
+
+    client = MlflowClient(mlflow_server)
+    parent = client.get_run(parent_id)
+    assert parent.info.status == "FINISHED"
+    metrics = parent.data.metrics
+    assert (metrics["trials_valid"], metrics["trials_rejected"], metrics["trials_failed"]) == (4, 8, 0)
+    assert parent.data.params["cluster.max_concurrent_trials"] == "1"  # 6 CPUs, 4 for a 2-worker trial
+    assert {"rejected.json", "rejected.csv", "data_manifest.json", "tokenizer.json", "report"} <= {
+        a.path for a in client.list_artifacts(parent_id)}
+
+    rejected = json.loads(open(download(mlflow_server, parent_id, "rejected.json", tmp_path)).read())
+    reasons = " | ".join(r["reason"] for r in rejected)
+    assert len(rejected) == 8
+    for expected in ("does not divide num_workers", "tp*dp=", "does not divide the model's heads=2",
+                     "cluster: needs 10 CPUs"):
+        assert expected in reasons
+
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    layouts = {(c.data.params["backend"], c.data.params["world_size"], c.data.params["tp"], c.data.params["dp"])
+               for c in children}
+    assert len(children) == 4 and layouts == EXPECTED_TRIALS
+    for child in children:
+        assert child.info.status == "FINISHED"
+        assert [m.step for m in client.get_metric_history(child.info.run_id, "train_loss")] == [1, 2]
+    # The injected failure hit one trial once; Tune restarted it and it continued its own child run.
+    assert marker.exists()
+    resumed = [c for c in children if c.data.tags.get("resumed_from_epoch")]
+    assert len(resumed) == 1 and resumed[0].data.tags["resumed_from_epoch"] == "1"
+
+    check_report(client, download(mlflow_server, parent_id, "report", tmp_path), parent_id, children)
+
+
+def download(uri: str, run_id: str, path: str, tmp_path) -> str:
+    import mlflow.artifacts
+
+    return mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=path, dst_path=str(tmp_path / "dl"),
+                                               tracking_uri=uri)
+
+
+def check_report(client: MlflowClient, local: str, parent_id: str, children: list) -> None:
+    """The report's numbers are those of the child runs' metrics."""
+    with open(f"{local}/scaling_report.csv") as handle:
+        rows = {r["run_id"]: r for r in csv.DictReader(handle)}
+    assert set(rows) == {c.info.run_id for c in children}
+    throughput = {}
+    for child in children:
+        run_id, row = child.info.run_id, rows[child.info.run_id]
+        samples = history(client, run_id, "samples_per_s")
+        throughput[run_id] = samples[1]  # 2 epochs: the steady value is epoch 2's
+        assert float(row["samples_per_s"]) == pytest.approx(samples[1], rel=1e-9)
+        assert float(row["test_accuracy"]) == pytest.approx(history(client, run_id, "test_accuracy")[-1])
+        peak = max(history(client, run_id, "peak_memory_bytes"))
+        assert float(row["peak_memory_mib"]) == pytest.approx(peak / 2**20) and peak > 50 * 2**20
+    by_layout = {(rows[c.info.run_id]["backend"], rows[c.info.run_id]["workers"]): c.info.run_id for c in children}
+    for backend in ("ddp", "tp"):
+        one, two = by_layout[(backend, "1")], by_layout[(backend, "2")]
+        speedup = throughput[two] / throughput[one]
+        assert float(rows[two]["speedup"]) == pytest.approx(speedup, rel=1e-9)
+        assert float(rows[two]["efficiency"]) == pytest.approx(speedup / 2, rel=1e-9)
+        assert float(rows[one]["speedup"]) == pytest.approx(1.0)
+    best = max(children, key=lambda c: history(client, c.info.run_id, "test_accuracy")[-1])
+    best_accuracy = history(client, best.info.run_id, "test_accuracy")[-1]
+    parent = client.get_run(parent_id)
+    assert parent.data.metrics["best.test_accuracy"] == pytest.approx(best_accuracy)
+    markdown = open(f"{local}/scaling_report.md").read()
+    assert sum(line.startswith("| ddp-") or line.startswith("| tp-") for line in markdown.splitlines()) == 4
+    for name in ("throughput_vs_workers.png", "efficiency_vs_workers.png", "loss_curves.png"):
+        data = open(f"{local}/{name}", "rb").read()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
