@@ -41,8 +41,12 @@ def make_strategy(tf: Any, trainer: DictConfig) -> Any:
     collective cannot starve the others."""
     tf.config.threading.set_intra_op_parallelism_threads(trainer.threads_per_worker)
     tf.config.threading.set_inter_op_parallelism_threads(trainer.threads_per_worker + 1)
-    if trainer.tf_devices > 1 and trainer.num_workers == 1:
-        return tf.distribute.MirroredStrategy(devices=local_devices(tf, trainer.tf_devices, trainer.use_gpu))
+    if trainer.num_workers == 1:
+        if trainer.tf_devices > 1:
+            return tf.distribute.MirroredStrategy(devices=local_devices(tf, trainer.tf_devices, trainer.use_gpu))
+        # One replica: nothing to mirror or all-reduce; TF's default strategy has the same API without the
+        # per-step collective machinery of MWMS (measured: benchmarks/README.md, tf_vs_bare).
+        return tf.distribute.get_strategy()
     impl = {"auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
             "ring": tf.distribute.experimental.CommunicationImplementation.RING,
             "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL}[trainer.tf_communication]
@@ -225,22 +229,31 @@ def fit_loop(keras: Any, epochs: Epochs, seed: int) -> None:
 
     class ReportEachEpoch(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):  # Keras counts epochs from 0
-            self.current_epoch = epoch + 1
-            epochs.begin(self.current_epoch)
-            self.start, self.seen, self.mean = time.perf_counter(), 0, 0.0
+            epochs.begin(epoch + 1)
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            # tf.data prefetches inside fit's step function: data waits are not separable here (reported 0).
+            epochs.end(epoch + 1, logs["loss"], steps * epochs.batch * epochs.local_replicas, steps, 0.0,
+                       time.perf_counter() - self.start)
+
+    class LogStepLoss(keras.callbacks.Callback):
+        """Only added when step_loss is wanted: any batch hook makes Keras fetch the loss to the host."""
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch, self.seen, self.mean = epoch + 1, 0, 0.0
 
         def on_train_batch_end(self, batch, logs=None):
             # Called every tf_steps_per_execution steps with the epoch's running mean loss: the steps since
             # the last call had mean (mean_k * k - mean_j * j) / (k - j).
             done, mean = batch + 1, float(logs["loss"])
             window = (mean * done - self.mean * self.seen) / (done - self.seen)
-            epochs.step_loss(self.current_epoch, done, window, since_step=self.seen)
+            epochs.step_loss(self.epoch, done, window, since_step=self.seen)
             self.seen, self.mean = done, mean
 
-        def on_epoch_end(self, epoch, logs=None):
-            # tf.data prefetches inside fit's step function: data waits are not separable here (reported 0).
-            epochs.end(epoch + 1, logs["loss"], steps * epochs.batch * epochs.local_replicas, steps, 0.0,
-                       time.perf_counter() - self.start)
+    callbacks = [ReportEachEpoch()]
+    if epochs.logger is not None and cfg.trainer.log_every_n_steps > 0:
+        callbacks.append(LogStepLoss())
 
     def all_epochs(_):  # one dataset per epoch, each with its own shuffle seed, chained
         chained = None
@@ -252,7 +265,7 @@ def fit_loop(keras: Any, epochs: Epochs, seed: int) -> None:
     # From a function: its batches are per replica (not re-batched by the strategy).
     distributed = epochs.strategy.distribute_datasets_from_function(all_epochs)
     epochs.model.fit(distributed, epochs=cfg.trainer.epochs, initial_epoch=epochs.start_epoch - 1,
-                     steps_per_epoch=steps, callbacks=[ReportEachEpoch()], verbose=0)
+                     steps_per_epoch=steps, callbacks=callbacks, verbose=0)
 
 
 def custom_loop(keras: Any, epochs: Epochs, seed: int) -> None:
