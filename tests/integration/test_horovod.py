@@ -124,7 +124,8 @@ def test_trains_syncs_and_logs_with_fp16_and_accumulation(tmp_path, tiny_mnist, 
 
 def optimizer_steps(storage: Path, framework: str) -> int:
     """The optimizer's step counter in the newest checkpoint of the run."""
-    newest = max(storage.glob("run-*/checkpoint_*"), key=lambda p: p.stat().st_mtime)
+    checkpoints = [p for p in storage.glob("run-*/checkpoint_*") if p.is_dir()]
+    newest = max(checkpoints, key=lambda p: p.stat().st_mtime)
     if framework == "torch":
         state = torch.load(newest / "state.pt", weights_only=False)["optimizer"]["state"]
         return {int(s["step"]) for s in state.values()}.pop()
