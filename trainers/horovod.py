@@ -10,6 +10,7 @@ Options: `trainer.compression` (none | fp16: gradients travel as float16) and `t
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from pathlib import Path
@@ -66,7 +67,7 @@ def record_init(directory: str | None, rank: int) -> None:
 def hvd_reducer(hvd: Any) -> tc.Reducer:
     """`torch_common.Reducer` over Horovod's allreduce (for the shared epoch metrics)."""
     ops = {"sum": hvd.Sum, "max": hvd.Max}
-    calls = iter(range(1 << 30))
+    calls = itertools.count()
 
     def reduce(values: list[float], op: str) -> list[float]:
         # Named ops: every rank issues them in the same order, so the same counter value names the same op.

@@ -8,6 +8,7 @@ does the all-reduce, so checkpoints are written by rank 0 only.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 import time
@@ -25,7 +26,7 @@ from trainers.tf_mwms import EVAL_BATCH, ShardArrays, build_compiled_model, dump
 def tf_reducer(hvd: Any, tf: Any) -> tc.Reducer:
     """`torch_common.Reducer` over Horovod's TF allreduce, so both frameworks share the epoch metrics code."""
     ops = {"sum": hvd.Sum, "max": hvd.Max}
-    calls = iter(range(1 << 30))
+    calls = itertools.count()
 
     def reduce(values: list[float], op: str) -> list[float]:
         reduced = hvd.allreduce(tf.constant(values, dtype=tf.float64), op=ops[op], name=f"metrics.{next(calls)}")
