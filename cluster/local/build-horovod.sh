@@ -3,8 +3,8 @@
 #
 # Why a source build: 0.28.1 is the last release and has no wheel; its CMake files ask for C++14 while torch 2.13
 # needs C++17, and its TF XLA op includes a header that moved in TF 2.21. We patch exactly those lines.
-# The wheel is cached outside the repo, keyed by every input (this script, the sdist hash, Python, torch, TF), so a
-# second setup only reinstalls it; when the keyed build is already installed the script returns at once.
+# The wheel is cached outside the repo, keyed by every input (sdist hash, Python, torch, TF, the patch and build
+# code), so a second setup only reinstalls it; when the keyed build is already installed it returns at once.
 # Run after cluster/local/setup-env.sh (tests/run.sh does). Needs root for the apt packages when they are missing.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -12,6 +12,8 @@ cd "$(dirname "$0")/../.."
 HOROVOD_VERSION=0.28.1
 SDIST_SHA256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0
 APT_PACKAGES=(cmake g++ make libhighwayhash-dev libfarmhash-dev)
+# Build backend for `pip wheel --no-build-isolation` (pip freeze leaves these out of requirements.lock).
+BUILD_TOOLS=(setuptools==84.2.1 wheel==0.48.0)
 PY=.venv/bin/python
 CACHE_DIR="${XDG_CACHE_HOME:-$HOME/.cache}/ray-train-pipelines/horovod"
 
@@ -48,6 +50,7 @@ ensure_apt_packages() {
 }
 
 check_python_build_deps() {
+  "$PY" -m pip install --quiet "${BUILD_TOOLS[@]}" || die "could not install the build tools ${BUILD_TOOLS[*]}"
   # horovod's runtime deps must already be pinned in requirements.lock: we install the wheel with --no-deps.
   local mod
   for mod in setuptools wheel psutil cloudpickle yaml packaging torch tensorflow; do

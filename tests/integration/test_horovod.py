@@ -24,8 +24,8 @@ TINY = ["trainer=horovod", "trainer.batch_size=32", "model.hidden=[32]", "traine
 BATCHES_PER_EPOCH = 16
 
 
-def train(args: list[str], env: dict[str, str]) -> str:
-    proc = subprocess.run([sys.executable, "-m", "pipelines.train", *TINY, *args], cwd=ROOT, env=env,
+def train(args: list[str], env: dict[str, str], base: list[str] = TINY) -> str:
+    proc = subprocess.run([sys.executable, "-m", "pipelines.train", *base, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("mlflow_run_id=")]
@@ -153,3 +153,20 @@ def test_resumes_after_failure_with_a_new_rendezvous(tmp_path, tiny_mnist, mlflo
         assert sorted(line["rank"] for line in attempt) == ["0", "1"]
         assert len({line["rendezvous"] for line in attempt}) == 1  # both ranks met at the same server
     assert not {line["pid"] for line in first} & {line["pid"] for line in second}  # new processes
+
+
+def test_bert_on_imdb_learns_with_identical_replicas(tmp_path, tiny_imdb, mlflow_server, ray_head):
+    """The PyTorch side with the IMDb BERT (token ids + attention mask inputs, embeddings): same bar as the DDP
+    test of this model (tests/integration/test_imdb_training.py)."""
+    args = ["data=imdb", f"data.path={tiny_imdb}", "trainer=horovod", "model=bert_tiny", "model.hidden=32",
+            "model.heads=2", "trainer.epochs=4", "trainer.batch_size=16", "trainer.lr=0.002",
+            f"run.storage_path={tmp_path / 'ray'}", f"run.dump_params_dir={tmp_path / 'params'}"]
+    run_id = train(args, pipeline_env(mlflow_server, ray_head), base=[])
+    client = MlflowClient(mlflow_server)
+    losses = [m.value for m in sorted(client.get_metric_history(run_id, "train_loss"), key=lambda m: m.step)]
+    accuracy = sorted(client.get_metric_history(run_id, "test_accuracy"), key=lambda m: m.step)
+    assert client.get_run(run_id).info.status == "FINISHED" and len(losses) == 4
+    assert losses[-1] < 0.75 * losses[0], losses
+    assert accuracy[-1].value >= 0.75  # chance is 0.5
+    assert len(client.get_metric_history(run_id, "tokens_per_s")) == 4
+    check_replicas_identical(tmp_path / "params", "torch")

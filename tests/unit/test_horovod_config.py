@@ -52,7 +52,7 @@ def test_bad_horovod_config_names_the_key(data_override, overrides, message):
 
 def test_tf_framework_needs_a_keras_model(tiny_imdb):
     with pytest.raises(ConfigError, match=r"^model\.name: horovod with framework=tf has Keras models"):
-        load_config([f"data.path={tiny_imdb}", "data=imdb", "model=bert_tiny", "trainer=horovod",
+        load_config(["data=imdb", f"data.path={tiny_imdb}", "model=bert_tiny", "trainer=horovod",
                      "trainer.framework=tf"])
 
 
