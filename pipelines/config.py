@@ -204,7 +204,7 @@ def _check_horovod(cfg: DictConfig) -> None:
     Options of other backends must not be set silently for a backend that ignores them."""
     trainer = cfg.trainer
     if trainer.backend != "horovod":
-        for key, default in (("compression", "none"), ("backward_passes_per_step", 1)):
+        for key, default in (("framework", "torch"), ("compression", "none"), ("backward_passes_per_step", 1)):
             if trainer[key] != default:
                 raise ConfigError(f"trainer.{key}: only the horovod backend has this option "
                                   f"(backend is '{trainer.backend}')")

@@ -42,6 +42,7 @@ def test_horovod_defaults_and_options(data_override):
     (["trainer=horovod", "trainer.use_gpu=true"], r"^trainer\.use_gpu: our horovod build has Gloo CPU"),
     (["trainer=horovod", "trainer.tp=2"], r"^trainer\.tp: backend 'horovod' is data-parallel only"),
     (["trainer=ddp", "+trainer.compression=fp16"], r"^trainer\.compression: only the horovod backend"),
+    (["trainer=tf_mwms", "+trainer.framework=tf"], r"^trainer\.framework: only the horovod backend"),
     (["trainer=tf_mwms", "+trainer.backward_passes_per_step=2"],
      r"^trainer\.backward_passes_per_step: only the horovod backend"),
 ])
