@@ -132,9 +132,12 @@ fi
 
 "$PY" -m pip install --quiet --no-deps --force-reinstall "$wheel_dir"/horovod-*.whl \
   || die "could not install $(ls "$wheel_dir"/horovod-*.whl) into .venv"
-# Import the compiled ops of both frameworks so a broken wheel fails here, not inside a Ray worker.
-TF_CPP_MIN_LOG_LEVEL=3 "$PY" -c 'import horovod.torch.mpi_lib_v2, horovod.tensorflow.mpi_ops' \
-  || die "horovod installed but its torch/tensorflow ops do not load (see the traceback above)"
+# Import the compiled ops of both frameworks so a broken wheel fails here, not inside a Ray worker. TF's start-up
+# chatter goes to stderr even at TF_CPP_MIN_LOG_LEVEL=3, so the output is shown only on failure.
+if ! check=$("$PY" -c 'import horovod.torch.mpi_lib_v2, horovod.tensorflow.mpi_ops' 2>&1); then
+  echo "$check" | tail -n 20 >&2
+  die "horovod installed but its torch/tensorflow ops do not load (traceback above)"
+fi
 rm -f .venv/.horovod-*
 touch "$stamp"
 say "horovod ${HOROVOD_VERSION} installed"
