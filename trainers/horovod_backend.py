@@ -98,14 +98,25 @@ def interface_of(ip: str) -> str:
     raise RuntimeError(f"horovod: no local network interface has the Ray node IP {ip}; set HorovodConfig.nics")
 
 
-def _set_env(env: dict[str, str], nics: Optional[tuple[str, ...]]) -> None:
-    """Runs on each worker, before the training function (and so before `hvd.init()`). Gloo reads
-    `HOROVOD_GLOO_IFACE` per process, so nodes may differ in interface names. Without explicit `nics`, each
-    worker takes the interface of its Ray node IP: Ray already connects the nodes through it. (horovodrun
-    probes interfaces with a ring of task servers keyed by host hash instead; that collapses several Ray
-    nodes on one machine, as in the local Slurm setup.)"""
+def gloo_iface(nics: Optional[tuple[str, ...]], one_node: bool) -> str:
+    """Runs on each worker: the interface Gloo uses (`HOROVOD_GLOO_IFACE`, read per process, so nodes may differ
+    in interface names). Explicit `nics` win. All workers on one node: loopback, what horovodrun picks when
+    every host is local. Several nodes: the interface of this worker's Ray node IP, through which Ray already
+    connects the nodes. (horovodrun probes interfaces with a ring of task servers keyed by host hash instead;
+    that collapses several Ray nodes on one machine, as in the local Slurm setup.)"""
+    from horovod.runner.util.network import get_local_intfs
+
+    if nics:
+        return nics[0]
+    if one_node:
+        return sorted(get_local_intfs())[0]
+    return interface_of(worker_place().node_ip)
+
+
+def _set_env(env: dict[str, str], nics: Optional[tuple[str, ...]], one_node: bool) -> None:
+    """Runs on each worker, before the training function (and so before `hvd.init()`)."""
     os.environ.update(env)
-    os.environ["HOROVOD_GLOO_IFACE"] = nics[0] if nics else interface_of(worker_place().node_ip)
+    os.environ["HOROVOD_GLOO_IFACE"] = gloo_iface(nics, one_node)
 
 
 def _shutdown_horovod() -> None:
@@ -128,7 +139,6 @@ class HorovodBackend(Backend):
     def on_start(self, worker_group: Any, backend_config: HorovodConfig) -> None:
         import ray
         from horovod.runner.http.http_server import RendezvousServer
-        from horovod.runner.util.network import get_local_intfs
 
         self._stop_server()  # a previous group's server, if its shutdown never ran (e.g. the controller retried)
         places = worker_group.execute(worker_place)
@@ -141,11 +151,8 @@ class HorovodBackend(Backend):
                   "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
                   "HOROVOD_GLOO_TIMEOUT_SECONDS": str(backend_config.timeout_s)}
         one_node = len({p.node_id for p in places}) == 1
-        nics = backend_config.nics
-        if nics is None and one_node:
-            # What horovodrun picks when every host is local: the loopback interface.
-            nics = tuple(sorted(get_local_intfs()))
-        ray.get([worker_group.execute_single_async(rank, _set_env, {**common, **slot_env(slot)}, nics)
+        ray.get([worker_group.execute_single_async(rank, _set_env, {**common, **slot_env(slot)},
+                                                   backend_config.nics, one_node)
                  for rank, slot in enumerate(plan)])
 
     def on_shutdown(self, worker_group: Any, backend_config: HorovodConfig) -> None:

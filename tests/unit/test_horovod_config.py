@@ -103,3 +103,15 @@ def test_slot_plan_matches_horovods_own_assignment_for_grouped_nodes():
 
     nodes = ["x", "x", "x", "y", "y", "z"]
     assert slot_plan(nodes) == get_host_assignments(parse_hosts("x:3,y:2,z:1"), len(nodes))
+
+
+def test_gloo_interface_choice():
+    """Explicit nics win; one node -> loopback (horovodrun's choice for local hosts); several nodes -> the
+    interface holding the node IP (checked here through `interface_of`, which that branch calls)."""
+    from trainers.horovod_backend import gloo_iface, interface_of
+
+    assert gloo_iface(("eth7",), one_node=True) == "eth7"
+    assert gloo_iface(None, one_node=True) == "lo"
+    assert interface_of("127.0.0.1") == "lo"
+    with pytest.raises(RuntimeError, match="no local network interface has the Ray node IP 203.0.113.9"):
+        interface_of("203.0.113.9")
