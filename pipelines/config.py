@@ -39,6 +39,9 @@ class TrainerConfig:
     tf_steps_per_execution: int = 8     # tf_mwms fit: training steps per compiled call
     tf_devices: int = 1                 # tf_mwms: replicas per worker (GPUs, or logical CPU devices without)
     placement_strategy: str = "PACK"    # Ray placement of the workers: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    framework: str = "torch"            # horovod: torch (hvd.DistributedOptimizer) | tf (DistributedGradientTape)
+    compression: str = "none"           # horovod: gradient compression on the wire: none | fp16
+    backward_passes_per_step: int = 1   # horovod: batches whose gradients are summed locally per all-reduce
 
 
 @dataclass
@@ -107,8 +110,11 @@ OPTIMIZERS = ("adam", "sgd")
 TF_LOOPS = ("fit", "custom")
 TF_COMMUNICATIONS = ("auto", "ring", "nccl")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+HOROVOD_FRAMEWORKS = ("torch", "tf")
+HOROVOD_COMPRESSIONS = ("none", "fp16")
 POSITIVE = ("trainer.num_workers", "trainer.threads_per_worker", "trainer.batch_size", "trainer.lr",
-            "trainer.epochs", "trainer.tf_steps_per_execution", "trainer.tf_devices")
+            "trainer.epochs", "trainer.tf_steps_per_execution", "trainer.tf_devices",
+            "trainer.backward_passes_per_step")
 
 
 def _schema_for(cfg: DictConfig) -> DictConfig:
@@ -157,6 +163,7 @@ def _check_values(cfg: DictConfig) -> None:
     _check_model(cfg.model)
     _check_parallelism(cfg)
     _check_tensorflow(cfg)
+    _check_horovod(cfg)
     if cfg.fault.max_failures < 0:
         raise ConfigError(f"fault.max_failures: must be >= 0, got {cfg.fault.max_failures}")
     if not 0 <= cfg.model.dropout < 1:
@@ -214,6 +221,32 @@ def _check_tensorflow(cfg: DictConfig) -> None:
     if cfg.model.name not in KERAS_MODELS:
         raise ConfigError(f"model.name: backend tf_mwms has Keras models for {', '.join(KERAS_MODELS)} only, "
                           f"got '{cfg.model.name}'")
+
+
+def _check_horovod(cfg: DictConfig) -> None:
+    """Horovod's options, and that it is installed (it is built from source, not part of requirements.lock).
+    Options of other backends must not be set silently for a backend that ignores them."""
+    trainer = cfg.trainer
+    if trainer.backend != "horovod":
+        for key, default in (("framework", "torch"), ("compression", "none"), ("backward_passes_per_step", 1)):
+            if trainer[key] != default:
+                raise ConfigError(f"trainer.{key}: only the horovod backend has this option "
+                                  f"(backend is '{trainer.backend}')")
+        return
+    if trainer.framework not in HOROVOD_FRAMEWORKS:
+        raise ConfigError(f"trainer.framework: unknown '{trainer.framework}' (choices: {HOROVOD_FRAMEWORKS})")
+    if trainer.compression not in HOROVOD_COMPRESSIONS:
+        raise ConfigError(f"trainer.compression: unknown '{trainer.compression}' (choices: {HOROVOD_COMPRESSIONS})")
+    if trainer.use_gpu:
+        raise ConfigError("trainer.use_gpu: our horovod build has Gloo CPU operations only (no NCCL)")
+    if trainer.framework == "tf" and cfg.model.name not in KERAS_MODELS:
+        raise ConfigError(f"model.name: horovod with framework=tf has Keras models for {', '.join(KERAS_MODELS)} "
+                          f"only, got '{cfg.model.name}'")
+    import importlib.util
+
+    if importlib.util.find_spec("horovod") is None:  # finds the package without importing it
+        raise ConfigError("trainer.backend: horovod is not installed; build it with "
+                          "`bash cluster/local/build-horovod.sh`")
 
 
 def _check_model(model: DictConfig) -> None:

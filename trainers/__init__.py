@@ -15,6 +15,7 @@ BACKENDS: dict[str, str] = {
     "ddp": "trainers.torch_ddp",
     "tp": "trainers.torch_tp",
     "tf_mwms": "trainers.tf_mwms",
+    "horovod": "trainers.horovod",
 }
 
 

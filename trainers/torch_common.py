@@ -125,7 +125,7 @@ class StopCheck:
     def __call__(self, steps: int) -> bool:
         if self.path is None or steps % self.every:
             return False
-        (flag,) = _all_reduce([float(self.path.exists())], dist.ReduceOp.MAX)
+        (flag,) = dist_reduce([float(self.path.exists())], "max")
         return flag > 0
 
 
@@ -216,22 +216,29 @@ def count_correct(model: nn.Module, batches: Iterator, device: torch.device) -> 
     return correct, total
 
 
-def _all_reduce(values: list[float], op: dist.ReduceOp) -> list[float]:
+# (values, "sum" | "max") -> each value reduced over all workers. Backends without torch.distributed (Horovod)
+# pass their own to `epoch_metrics`.
+Reducer = Callable[[list[float], str], list[float]]
+
+
+def dist_reduce(values: list[float], op: str) -> list[float]:
+    """`Reducer` over torch.distributed (identity when it is not initialised or has one rank)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return values
     tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor, op=op)
+    dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
     return tensor.tolist()
 
 
-def epoch_metrics(stats: EpochStats, correct: int, total: int, replicas: int = 1) -> dict[str, float]:
+def epoch_metrics(stats: EpochStats, correct: int, total: int, replicas: int = 1,
+                  reduce: Reducer = dist_reduce) -> dict[str, float]:
     """The shared metric names, reduced over all workers (sums, and the slowest worker's time).
     `test_accuracy` is measured on the dataset's evaluation split (`data.eval_split`). `replicas`: how many
     ranks process each sample (the TP degree), so throughput counts every sample once."""
-    loss_sum, samples, steps, wait_s, train_s, tokens, correct_all, total_all = _all_reduce(
+    loss_sum, samples, steps, wait_s, train_s, tokens, correct_all, total_all = reduce(
         [stats.loss_sum, stats.samples, stats.steps, stats.data_wait_s, stats.train_s, stats.tokens, correct,
-         total], dist.ReduceOp.SUM)
-    slowest_s, peak_bytes = _all_reduce([stats.train_s, peak_memory_bytes()], dist.ReduceOp.MAX)
+         total], "sum")
+    slowest_s, peak_bytes = reduce([stats.train_s, peak_memory_bytes()], "max")
     metrics = {
         "train_loss": loss_sum / max(samples, 1),
         "test_accuracy": correct_all / max(total_all, 1),

@@ -1,0 +1,172 @@
+"""Horovod on Ray Train V2 end to end, for PyTorch and TensorFlow: a real Ray head, a real MLflow server, 2 CPU
+workers joined by Horovod's Gloo rendezvous (trainers/horovod_backend.py). Needs horovod built into the venv
+(tests/run.sh builds it); without it these fail at `import horovod`, they do not skip."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from pipelines.tracking import EPOCH_METRICS
+from tests.conftest import ROOT, pipeline_env
+
+pytestmark = pytest.mark.slow
+FRAMEWORKS = ["torch", "tf"]
+TINY = ["trainer=horovod", "trainer.batch_size=32", "model.hidden=[32]", "trainer.threads_per_worker=1",
+        "trainer.epochs=3"]
+# tiny_mnist: 1024 training rows -> 512 per worker -> 16 batches of 32 per epoch.
+BATCHES_PER_EPOCH = 16
+
+
+def train(args: list[str], env: dict[str, str], base: list[str] = TINY) -> str:
+    proc = subprocess.run([sys.executable, "-m", "pipelines.train", *base, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("mlflow_run_id=")]
+    return lines[-1].split("=", 1)[1]
+
+
+def check_run(client: MlflowClient, run_id: str) -> str:
+    """FINISHED as backend horovod, every epoch metric once per epoch, loss going down; returns the logged
+    model's URI."""
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["backend"] == "horovod" and run.data.params["world_size"] == "2"
+    for name in EPOCH_METRICS:
+        assert sorted(m.step for m in client.get_metric_history(run_id, name)) == [1, 2, 3], name
+    losses = [m.value for m in sorted(client.get_metric_history(run_id, "train_loss"), key=lambda m: m.step)]
+    assert losses[-1] < losses[0], losses
+    import mlflow
+
+    mlflow.set_tracking_uri(client.tracking_uri)
+    models = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id],
+                                         filter_string=f"source_run_id = '{run_id}'", output_format="list")
+    assert len(models) == 1
+    return models[0].model_uri
+
+
+def final_weights(params_dir: Path, framework: str) -> list[list[np.ndarray]]:
+    """Each rank's final weights (`run.dump_params_dir`), as arrays in a fixed order."""
+    if framework == "torch":
+        states = [torch.load(params_dir / f"rank{r}.pt") for r in (0, 1)]
+        return [[state[k].numpy() for k in sorted(state)] for state in states]
+    files = [np.load(params_dir / f"rank{r}.npz") for r in (0, 1)]
+    return [[f[k] for k in f.files] for f in files]
+
+
+def check_replicas_identical(params_dir: Path, framework: str) -> list[np.ndarray]:
+    """Bitwise: ranks start from different seeds, so equal weights at the start need the broadcast, and at the
+    end every rank applied the same averaged gradients with the same ops."""
+    rank0, rank1 = final_weights(params_dir, framework)
+    assert len(rank0) == len(rank1) > 0
+    for a, b in zip(rank0, rank1):
+        np.testing.assert_array_equal(a, b)
+    return rank0
+
+
+def init_log(params_dir: Path) -> list[dict[str, str]]:
+    lines = (params_dir / "horovod_init.log").read_text().splitlines()
+    return [dict(field.split("=", 1) for field in line.split()) for line in lines]
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_allreduce_of_known_values(tmp_path, ray_head, framework):
+    """The backend alone (no pipeline): Horovod sees 2 ranks in Ray's rank order, one node, and its collectives
+    give the known answers."""
+    env = pipeline_env("unused", ray_head)
+    proc = subprocess.run([sys.executable, "-m", "tests.integration.horovod_probe", framework,
+                           str(tmp_path / "out"), str(tmp_path / "ray")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank, got in enumerate(ranks):
+        assert (got["rank"], got["ray_rank"], got["size"]) == (rank, rank, 2)
+        assert (got["local_rank"], got["local_size"], got["cross_rank"], got["cross_size"]) == (rank, 2, 0, 1)
+        assert got["sum"] == [3.0, 30.0]  # (1 + 2), (10 + 20)
+        assert got["average"] == [1.5, 15.0]
+        assert got["max"] == [2.0, 20.0]
+        assert got["fp16_sum"] == [3.0, 30.0]  # exact in float16 too
+        assert got["allgather"] == [[0.0, 0.0], [1.0, 1.0]]
+        assert got["broadcast"] == [8.0]  # rank 1's 1 + 7
+        env_vars = got["env"]
+        assert env_vars["HOROVOD_CONTROLLER"] == "gloo" and env_vars["HOROVOD_CPU_OPERATIONS"] == "gloo"
+        assert env_vars["HOROVOD_GLOO_IFACE"] == "lo"  # one node: loopback, as horovodrun picks for local hosts
+    assert ranks[0]["env"]["HOROVOD_HOSTNAME"] == ranks[1]["env"]["HOROVOD_HOSTNAME"]  # the Ray node id
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_trains_syncs_and_logs_with_fp16_and_accumulation(tmp_path, tiny_mnist, mlflow_server, ray_head,
+                                                          framework):
+    """fp16 compression and 2 backward passes per step: still identical replicas and a falling loss, and the
+    optimizer stepped once per 2 batches (its step counter in the final checkpoint)."""
+    run_id = train([f"trainer.framework={framework}", f"data.path={tiny_mnist}", "trainer.compression=fp16",
+                    "trainer.backward_passes_per_step=2", "fault.max_failures=0",
+                    f"run.storage_path={tmp_path / 'ray'}", f"run.dump_params_dir={tmp_path / 'params'}"],
+                   pipeline_env(mlflow_server, ray_head))
+    client = MlflowClient(mlflow_server)
+    model_uri = check_run(client, run_id)
+    weights = check_replicas_identical(tmp_path / "params", framework)
+    assert optimizer_steps(tmp_path / "ray", framework) == 3 * BATCHES_PER_EPOCH // 2
+    if framework == "torch":  # the logged model is the trained one
+        import mlflow
+
+        model = mlflow.pytorch.load_model(model_uri)
+        logged = [v.numpy() for _, v in sorted(model.state_dict().items())]
+        for a, b in zip(logged, weights):
+            np.testing.assert_array_equal(a, b)
+
+
+def optimizer_steps(storage: Path, framework: str) -> int:
+    """The optimizer's step counter in the newest checkpoint of the run."""
+    checkpoints = [p for p in storage.glob("run-*/checkpoint_*") if p.is_dir()]
+    newest = max(checkpoints, key=lambda p: p.stat().st_mtime)
+    if framework == "torch":
+        state = torch.load(newest / "state.pt", weights_only=False)["optimizer"]["state"]
+        return {int(s["step"]) for s in state.values()}.pop()
+    with np.load(newest / "optimizer.npz") as store:
+        return int(store["0"])  # tf-keras' optimizer variables start with `iterations`
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_resumes_after_failure_with_a_new_rendezvous(tmp_path, tiny_mnist, mlflow_server, ray_head, framework):
+    """Rank 1 fails at epoch 2: Ray Train restarts the worker group from epoch 1's checkpoint; the new workers
+    (new processes) do a new rendezvous, train on, and the MLflow run holds each epoch once."""
+    marker, params = tmp_path / "failed-once", tmp_path / "params"
+    run_id = train([f"trainer.framework={framework}", f"data.path={tiny_mnist}", "fault.max_failures=1",
+                    "fault.inject_at_epoch=2", f"fault.inject_marker={marker}",
+                    f"run.storage_path={tmp_path / 'ray'}", f"run.dump_params_dir={params}"],
+                   pipeline_env(mlflow_server, ray_head))
+    assert marker.read_text().startswith("failed at epoch 2 in rank 1")
+    client = MlflowClient(mlflow_server)
+    check_run(client, run_id)
+    assert client.get_run(run_id).data.tags["resumed_from_epoch"] == "1"
+    check_replicas_identical(params, framework)
+    first, second = init_log(params)[:2], init_log(params)[2:]
+    assert len(second) == 2, init_log(params)
+    for attempt in (first, second):
+        assert sorted(line["rank"] for line in attempt) == ["0", "1"]
+        assert len({line["rendezvous"] for line in attempt}) == 1  # both ranks met at the same server
+    assert not {line["pid"] for line in first} & {line["pid"] for line in second}  # new processes
+
+
+def test_bert_on_imdb_learns_with_identical_replicas(tmp_path, tiny_imdb, mlflow_server, ray_head):
+    """The PyTorch side with the IMDb BERT (token ids + attention mask inputs, embeddings): same bar as the DDP
+    test of this model (tests/integration/test_imdb_training.py)."""
+    args = ["data=imdb", f"data.path={tiny_imdb}", "trainer=horovod", "model=bert_tiny", "model.hidden=32",
+            "model.heads=2", "trainer.epochs=4", "trainer.batch_size=16", "trainer.lr=0.002",
+            f"run.storage_path={tmp_path / 'ray'}", f"run.dump_params_dir={tmp_path / 'params'}"]
+    run_id = train(args, pipeline_env(mlflow_server, ray_head), base=[])
+    client = MlflowClient(mlflow_server)
+    losses = [m.value for m in sorted(client.get_metric_history(run_id, "train_loss"), key=lambda m: m.step)]
+    accuracy = sorted(client.get_metric_history(run_id, "test_accuracy"), key=lambda m: m.step)
+    assert client.get_run(run_id).info.status == "FINISHED" and len(losses) == 4
+    assert losses[-1] < 0.75 * losses[0], losses
+    assert accuracy[-1].value >= 0.75  # chance is 0.5
+    assert len(client.get_metric_history(run_id, "tokens_per_s")) == 4
+    check_replicas_identical(tmp_path / "params", "torch")
