@@ -146,6 +146,7 @@ def torch_loop(config: dict[str, Any], cfg: DictConfig) -> None:
     start_epoch = 1 if state is None else state["epoch"] + 1
     train, test = tc.worker_data(cfg, seed=cfg.run.seed + 1000 * rank)
     logger = tc.rank0_logger(config, rank, state)
+    tc.tag_worker_node(config, rank)
     reduce = hvd_reducer(hvd)
     cpu = torch.device("cpu")
 

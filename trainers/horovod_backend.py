@@ -87,13 +87,22 @@ def slot_env(slot: Any) -> dict[str, str]:
 
 
 def interface_of(ip: str) -> str:
-    """The local network interface that holds `ip` (runs on the worker)."""
+    """The local network interface that holds `ip`, or else whose subnet contains it (runs on the worker).
+    The subnet case: a node address such as 127.0.0.3 is served by `lo` (127.0.0.1/8) without being
+    assigned to it, as with several Slurm nodes on one machine."""
+    import ipaddress
     import socket
 
     import psutil
 
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == ip for a in addresses):
+    inet = {name: [a for a in addresses if a.family == socket.AF_INET and a.netmask]
+            for name, addresses in psutil.net_if_addrs().items()}
+    for name, addresses in inet.items():
+        if any(a.address == ip for a in addresses):
+            return name
+    for name, addresses in inet.items():
+        if any(ipaddress.ip_address(ip) in ipaddress.ip_network(f"{a.address}/{a.netmask}", strict=False)
+               for a in addresses):
             return name
     raise RuntimeError(f"horovod: no local network interface has the Ray node IP {ip}; set HorovodConfig.nics")
 

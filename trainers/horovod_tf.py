@@ -164,6 +164,7 @@ def tf_loop(config: dict[str, Any], cfg: DictConfig) -> None:
     batch, seed = cfg.trainer.batch_size, cfg.run.seed + 1000 * rank
     steps = train.steps(batch, cfg.trainer.max_steps_per_epoch)
     logger = tc.rank0_logger(config, rank, state)
+    tc.tag_worker_node(config, rank)
     (step, finish), reduce = make_train_step(hvd, tf, keras, model, cfg), tf_reducer(hvd, tf)
 
     for epoch in range(start_epoch, cfg.trainer.epochs + 1):

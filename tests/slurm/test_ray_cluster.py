@@ -19,9 +19,9 @@ NODE_ADDRS = {"127.0.0.2", "127.0.0.3"}
 EPOCH_METRICS = ("train_loss", "test_accuracy", "samples_per_s")
 
 
-def ddp_command(data: Path, *overrides: str) -> list[str]:
+def ddp_command(data: Path, *overrides: str, backend: str = "ddp") -> list[str]:
     # One worker per node (STRICT_SPREAD), one thread each: both Slurm nodes really take part.
-    return ["python", "-m", "pipelines.train", "trainer=ddp", "trainer.num_workers=2",
+    return ["python", "-m", "pipelines.train", f"trainer={backend}", "trainer.num_workers=2",
             "trainer.placement_strategy=STRICT_SPREAD", f"data.path={data}", "trainer.batch_size=32",
             "data.cache_in_worker=true", *overrides]
 
@@ -43,9 +43,11 @@ def assert_each_epoch_once(client: mlflow.MlflowClient, run_id: str, epochs: int
         assert steps == list(range(1, epochs + 1)), (metric, steps)
 
 
-def test_ddp_run_spreads_over_both_nodes(slurm, tiny_mnist, tmp_path):
+@pytest.mark.parametrize("backend", ["ddp", "horovod"])
+def test_run_spreads_over_both_nodes(slurm, tiny_mnist, tmp_path, backend):
+    """2 workers, one per Slurm node: DDP over gloo, and Horovod's Gloo rendezvous across two Ray nodes."""
     out = tmp_path / "slurm"
-    job = sbatch(slurm, out, ddp_command(tiny_mnist, "trainer.epochs=2"))
+    job = sbatch(slurm, out, ddp_command(tiny_mnist, "trainer.epochs=2", backend=backend))
     info = wait_job(slurm, job, 900)
     log = job_output(out, job)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log

@@ -113,5 +113,6 @@ def test_gloo_interface_choice():
     assert gloo_iface(("eth7",), one_node=True) == "eth7"
     assert gloo_iface(None, one_node=True) == "lo"
     assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("127.0.0.3") == "lo"  # in lo's 127.0.0.0/8 without being assigned (local Slurm nodes)
     with pytest.raises(RuntimeError, match="no local network interface has the Ray node IP 203.0.113.9"):
         interface_of("203.0.113.9")
