@@ -313,9 +313,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import tf_keras as keras
 
     rank = ray.train.get_context().get_world_rank()
-    keras.utils.set_random_seed(cfg.run.seed)  # same initial weights everywhere (MWMS also broadcasts them)
+    from trainers.models.keras_models import build_keras_model
+
+    # Same initial weights everywhere and for every device layout: they are drawn outside the strategy, whose
+    # variable creation uses up random ops differently (default vs Mirrored strategy), then copied in.
+    keras.utils.set_random_seed(cfg.run.seed)
+    initial = build_keras_model(cfg.model, keras, config["model_inputs"]).get_weights()
     with strategy.scope():
         model = build_compiled_model(keras, cfg, config["model_inputs"])
+        model.set_weights(initial)
     state = restore_checkpoint(ray.train.get_checkpoint(), model, strategy)
     train = ShardArrays(ray.train.get_dataset_shard("train"), cfg.data.name)
     test = ShardArrays(ray.train.get_dataset_shard("eval"), cfg.data.name)
