@@ -180,8 +180,10 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
                   callbacks: list | None = None):
     """`DataParallelTrainer` with Horovod's rendezvous as its backend; one CPU per worker thread, restarts from
     checkpoints up to `fault.max_failures` (each restart redoes the rendezvous)."""
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    from trainers.shard_data import shard_config
 
     env = {"TF_CPP_MIN_LOG_LEVEL": "2"}
     if cfg.trainer.framework == "tf":
@@ -202,7 +204,8 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
                              callbacks=list(callbacks or []),  # e.g. Tune's TuneReportCallback in a sweep
                              worker_runtime_env={"env_vars": env}),
         datasets=datasets,
-        dataset_config=DataConfig(),
+        # The TF path always caches its shard (ShardArrays).
+        dataset_config=shard_config(cfg.trainer.num_workers, cfg.data.cache_in_worker or cfg.trainer.framework == "tf"),
     )
 
 

@@ -351,8 +351,10 @@ def worker_resources(trainer: DictConfig) -> dict[str, float]:
 
 def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict,
                   callbacks: list | None = None):
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.tensorflow import TensorflowTrainer
+
+    from trainers.shard_data import OrderedShards
 
     return TensorflowTrainer(
         train_loop_per_worker,
@@ -369,7 +371,7 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
                              # starts the worker processes with these env vars (merged with the job's).
                              worker_runtime_env={"env_vars": {**LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}}),
         datasets=datasets,
-        dataset_config=DataConfig(),
+        dataset_config=OrderedShards(dp=cfg.trainer.num_workers),  # ShardArrays always caches its shard
     )
 
 

@@ -363,8 +363,10 @@ def torch_trainer(loop: Callable[[dict], None], cfg: Any, datasets: dict, run_id
     a run named after the MLflow run, restarts from checkpoints up to `fault.max_failures`. `callbacks`: extra
     Ray Train callbacks (a sweep passes Tune's `TuneReportCallback`)."""
     from omegaconf import OmegaConf
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
+
+    from trainers.shard_data import shard_config
 
     use_gpu = cfg.trainer.use_gpu
     return TorchTrainer(
@@ -379,5 +381,5 @@ def torch_trainer(loop: Callable[[dict], None], cfg: Any, datasets: dict, run_id
                              failure_config=FailureConfig(max_failures=cfg.fault.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=2), callbacks=list(callbacks or [])),
         datasets=datasets,
-        dataset_config=dataset_config or DataConfig(),
+        dataset_config=dataset_config or shard_config(cfg.trainer.num_workers, cfg.data.cache_in_worker),
     )

@@ -138,8 +138,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
 def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict,
                   callbacks: list | None = None):
-    from trainers.tp_data import TPGroupDataConfig
+    from trainers.shard_data import OrderedShards
 
     return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, model_inputs,
-                            dataset_config=TPGroupDataConfig(dp=cfg.trainer.dp, tp=cfg.trainer.tp),
+                            dataset_config=OrderedShards(dp=cfg.trainer.dp, tp=cfg.trainer.tp),
                             callbacks=callbacks)
