@@ -9,34 +9,25 @@ is single-process (benchmarks/ddp_vs_bare.py). Last line: `ratio=<horovod/ddp, 2
 """
 from __future__ import annotations
 
-import argparse
-import subprocess
 import sys
 
-import numpy as np
-
-from benchmarks.ddp_vs_bare import DATA, bare_pytorch, ray_pipeline
+from benchmarks.common import ensure_mnist, mnist_parser, steady_rate
+from benchmarks.ddp_vs_bare import bare_pytorch, ray_pipeline
 
 
 def pipeline_rate(backend: str, overrides: list[str], epochs: int, workers: int) -> float:
-    metrics = ray_pipeline([f"trainer={backend}", *overrides], epochs, workers)
-    return float(np.mean(metrics["samples_per_s"][1:]))
+    return steady_rate(ray_pipeline([f"trainer={backend}", *overrides], epochs, workers)["samples_per_s"])
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--model", default="mlp")
-    parser.add_argument("--batch", type=int, default=128)
-    args = parser.parse_args()
-    if not (DATA / "manifest.json").is_file():
-        subprocess.run([sys.executable, "-m", "pipelines.prepare", "mnist", "--out", str(DATA)], check=True)
+    args = mnist_parser(__doc__).parse_args()
+    ensure_mnist()
     # The same optimizer (Adam), lr, batch per worker and model on every side; the yaml defaults of ddp and
     # horovod agree on these, and they are pinned here so a yaml change cannot skew the comparison.
     overrides = [f"model={args.model}", f"trainer.batch_size={args.batch}", "trainer.threads_per_worker=1",
                  "trainer.optimizer=adam", "trainer.lr=0.001"]
 
-    bare = float(np.mean(bare_pytorch(overrides, args.epochs)[1:]))
+    bare = steady_rate(bare_pytorch(overrides, args.epochs))
     rates = {(backend, workers): pipeline_rate(backend, overrides, args.epochs, workers)
              for workers in (1, 2) for backend in ("ddp", "horovod")}
     print(f"model={args.model} batch={args.batch} per worker, epochs={args.epochs} (mean of epochs 2..{args.epochs})")

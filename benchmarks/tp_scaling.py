@@ -10,32 +10,19 @@ Last line: `ratio=<rank-0 parameter bytes at tp=2 / at tp=1>` (ideal 0.5 for the
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import ROOT, pipeline_run
+
 LAYOUTS = [("tp=1", 1, 1), ("tp=2", 2, 2), ("tp=4", 4, 4), ("dp=2 x tp=2", 4, 2)]  # name, workers, tp
 
 
-def run(data: Path, workers: int, tp: int, steps: int, impl: str, tmp: str) -> dict[str, float]:
-    from mlflow.tracking import MlflowClient
-
-    uri = f"sqlite:///{tmp}/mlflow.db"
-    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "OMP_NUM_THREADS": "1",
-           "RAY_TRAIN_ENABLE_PROGRESS_BAR": "0", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
-    env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "pipelines.train", "trainer=tp", "data=imdb", "model=bert_tiny",
-           "model.heads=4", f"data.path={data}", f"trainer.num_workers={workers}", f"trainer.tp={tp}",
-           f"trainer.tp_impl={impl}", "trainer.epochs=1", f"trainer.max_steps_per_epoch={steps}",
-           "trainer.batch_size=16", f"run.storage_path={tmp}/ray"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    run_id = proc.stdout.strip().splitlines()[-1].split("=", 1)[1]
-    return MlflowClient(uri).get_run(run_id).data.metrics
+def run(data: Path, workers: int, tp: int, steps: int, impl: str) -> dict[str, float]:
+    _, last = pipeline_run(["trainer=tp", "data=imdb", "model=bert_tiny", "model.heads=4", f"data.path={data}",
+                            f"trainer.num_workers={workers}", f"trainer.tp={tp}", f"trainer.tp_impl={impl}",
+                            "trainer.epochs=1", f"trainer.max_steps_per_epoch={steps}", "trainer.batch_size=16"])
+    return last
 
 
 def main() -> int:
@@ -44,10 +31,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--impl", default="megatron", choices=["megatron", "dtensor"])
     args = parser.parse_args()
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, workers, tp in LAYOUTS:
-            results[name] = run(args.data.resolve(), workers, tp, args.steps, args.impl, tmp)
+    results = {name: run(args.data.resolve(), workers, tp, args.steps, args.impl) for name, workers, tp in LAYOUTS}
     dense_bytes = results["tp=1"]["rank0.param_bytes"]
     print(f"BERT tiny (2 layers, hidden 128, 4 heads), batch 16 per DP replica, {args.steps} steps, "
           f"impl={args.impl}, 2 CPU cores")

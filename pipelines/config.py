@@ -211,7 +211,7 @@ def _check_tensorflow(cfg: DictConfig) -> None:
                           f"(choices: {TF_COMMUNICATIONS})")
     if trainer.backend != "tf_mwms":
         if trainer.tf_devices != 1:
-            raise ConfigError(f"trainer.tf_devices: only backend tf_mwms has several replicas per worker")
+            raise ConfigError("trainer.tf_devices: only backend tf_mwms has several replicas per worker")
         return
     if trainer.tf_devices > 1 and trainer.num_workers > 1 and not trainer.use_gpu:
         raise ConfigError("trainer.tf_devices: several CPU replicas per worker need num_workers=1 "

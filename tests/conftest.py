@@ -8,6 +8,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -144,3 +145,45 @@ def pipeline_env(tracking_uri: str, ray_env: dict[str, str] | None = None) -> di
     if ray_env:
         env.update(ray_env)
     return env
+
+
+def run_pipeline(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`python -m pipelines.train <args>` as `ray job submit` would run it (bounded: 10 min)."""
+    return subprocess.run([sys.executable, "-m", "pipelines.train", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def run_id_from(stdout: str) -> str:
+    """The MLflow run id from the pipeline's last `mlflow_run_id=` line."""
+    lines = [line for line in stdout.strip().splitlines() if line.startswith("mlflow_run_id=")]
+    assert lines, stdout[-3000:]
+    return lines[-1].split("=", 1)[1]
+
+
+def train_ok(args: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, str]:
+    """Run the pipeline, require exit 0; (the process, its MLflow run id)."""
+    proc = run_pipeline(args, env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc, run_id_from(proc.stdout)
+
+
+def check_finished_run(client: Any, run_id: str, backend: str, epochs: int) -> str:
+    """The run contract every backend keeps: FINISHED, every epoch metric once per epoch, the loss going down,
+    one model logged. Returns the logged model's URI."""
+    import mlflow
+
+    from pipelines.tracking import EPOCH_METRICS
+
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["backend"] == backend
+    for name in EPOCH_METRICS:
+        assert sorted(m.step for m in client.get_metric_history(run_id, name)) == list(range(1, epochs + 1)), name
+    losses = [m.value for m in sorted(client.get_metric_history(run_id, "train_loss"), key=lambda m: m.step)]
+    assert losses[-1] < losses[0], losses
+    mlflow.set_tracking_uri(client.tracking_uri)
+    models = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id],
+                                         filter_string=f"source_run_id = '{run_id}'", output_format="list")
+    assert len(models) == 1
+    return models[0].model_uri
+

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -76,43 +75,6 @@ def hvd_reducer(hvd: Any) -> tc.Reducer:
     return reduce
 
 
-def train_epoch(model: nn.Module, optimizer: Any, batches: Iterator, passes: int,
-                on_step: Any = None) -> tc.EpochStats:
-    """`torch_common.train_epoch` with gradient accumulation: Horovod's optimizer all-reduces after `passes`
-    backward passes (`backward_passes_per_step`), so the optimizer steps once per `passes` batches. The loss is
-    scaled by 1/passes so a step applies the mean gradient over all those batches (as one larger batch would)."""
-    model.train()
-    stats = tc.EpochStats()
-    loss_fn = nn.CrossEntropyLoss()
-    start = time.perf_counter()
-    pending = 0  # backward passes since the last optimizer step
-    while True:
-        wait_start = time.perf_counter()
-        batch = next(batches, None)
-        stats.data_wait_s += time.perf_counter() - wait_start
-        if batch is None:
-            break
-        inputs, labels = batch[0], batch[1]
-        if pending == 0:
-            optimizer.zero_grad()  # Horovod's wrapper takes no arguments; torch's default sets grads to None
-        loss = loss_fn(model(*inputs), labels)
-        (loss / passes).backward()
-        pending += 1
-        if pending == passes:
-            optimizer.step()
-            pending = 0
-        if on_step is not None:
-            on_step(loss.item())
-        stats.loss_sum += loss.item() * len(labels)
-        stats.samples += len(labels)
-        stats.steps += 1
-        stats.tokens += batch[2]
-    if pending:  # an epoch that is not a multiple of `passes`: step() all-reduces what has accumulated
-        optimizer.step()
-    stats.train_s = time.perf_counter() - start
-    return stats
-
-
 def distributed_optimizer(hvd: Any, model: nn.Module, cfg: DictConfig, state: dict | None) -> Any:
     """Wrap, then restore (wrapping builds a fresh optimizer from the param groups, dropping any state), then
     broadcast rank 0's weights and, when resuming, its optimizer state. On a fresh start every rank's optimizer
@@ -133,6 +95,7 @@ def distributed_optimizer(hvd: Any, model: nn.Module, cfg: DictConfig, state: di
 
 
 def torch_loop(config: dict[str, Any], cfg: DictConfig) -> None:
+    """The same epoch loop as torch_ddp (stop/resume included), with Horovod's optimizer and collectives."""
     import ray.train
 
     hvd = import_horovod("torch")
@@ -143,24 +106,33 @@ def torch_loop(config: dict[str, Any], cfg: DictConfig) -> None:
     model = build_model(cfg.model, config["model_inputs"])
     state = tc.load_checkpoint(ray.train.get_checkpoint())
     optimizer = distributed_optimizer(hvd, model, cfg, state)
-    start_epoch = 1 if state is None else state["epoch"] + 1
+    start_epoch, partial = tc.resume_point(state)
+    last_metrics = None if state is None else state["metrics"]
     train, test = tc.worker_data(cfg, seed=cfg.run.seed + 1000 * rank)
     logger = tc.rank0_logger(config, rank, state)
     tc.tag_worker_node(config, rank)
     reduce = hvd_reducer(hvd)
+    should_stop = tc.StopCheck(cfg.run.resume_dir, reduce=reduce)
     cpu = torch.device("cpu")
 
     for epoch in range(start_epoch, cfg.trainer.epochs + 1):
         tc.maybe_inject_failure(cfg.fault, epoch, rank, world_size)
         max_steps = cfg.trainer.max_steps_per_epoch
-        on_step = tc.step_loss_logger(logger, cfg.trainer.log_every_n_steps, epoch, train.steps(max_steps))
-        stats = train_epoch(model, optimizer, train.epoch(epoch, max_steps=max_steps),
-                            cfg.trainer.backward_passes_per_step, on_step)
+        stats = tc.epoch_start(partial, epoch)
+        on_step = tc.step_loss_logger(logger, cfg.trainer.log_every_n_steps, epoch, train.steps(max_steps),
+                                      done=stats.steps)
+        batches = train.epoch(epoch, max_steps=max_steps, skip=stats.steps)
+        stats = tc.train_epoch(model, optimizer, batches, cpu, on_step=on_step, stats=stats,
+                               should_stop=should_stop, passes=cfg.trainer.backward_passes_per_step)
+        if stats.stopped:
+            tc.report_stop(stats, epoch, last_metrics, model.state_dict(), optimizer.state_dict(), rank)
+            return
         correct, total = tc.count_correct(model, test.epoch(epoch, shuffle=False), cpu)
         metrics = tc.epoch_metrics(stats, correct, total, reduce=reduce)
         if epoch == start_epoch:
             metrics["data_load_s"] = train.load_s + test.load_s
         tc.report_epoch(metrics, model.state_dict(), optimizer.state_dict(), epoch, rank)
+        last_metrics = metrics
         if logger is not None:
             logger.log(epoch, metrics)
     tc.dump_state(cfg.run.dump_params_dir, model.state_dict(), rank, train)

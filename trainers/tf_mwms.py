@@ -225,7 +225,7 @@ class Epochs:
 
 def fit_loop(keras: Any, epochs: Epochs, seed: int) -> None:
     """tf-keras `model.fit` over all remaining epochs; a callback times, reports and checkpoints each."""
-    tf, cfg, steps = epochs.tf, epochs.cfg, epochs.steps
+    cfg, steps = epochs.cfg, epochs.steps
 
     class ReportEachEpoch(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):  # Keras counts epochs from 0

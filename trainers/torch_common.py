@@ -117,15 +117,15 @@ class StopCheck:
     flag, so a rank that sees the file late still stops with the others; checking every step would add a
     collective to each step of a small model."""
 
-    def __init__(self, resume_dir: str | None, every: int = 10):
+    def __init__(self, resume_dir: str | None, every: int = 10, reduce: "Reducer | None" = None):
         from pipelines.resume import stop_file
 
-        self.path, self.every = stop_file(resume_dir), every
+        self.path, self.every, self.reduce = stop_file(resume_dir), every, reduce or dist_reduce
 
     def __call__(self, steps: int) -> bool:
         if self.path is None or steps % self.every:
             return False
-        (flag,) = dist_reduce([float(self.path.exists())], "max")
+        (flag,) = self.reduce([float(self.path.exists())], "max")
         return flag > 0
 
 
@@ -170,15 +170,20 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Ite
                 after_backward: Callable[[], None] | None = None,
                 on_step: Callable[[float], None] | None = None,
                 stats: EpochStats | None = None,
-                should_stop: Callable[[int], bool] | None = None) -> EpochStats:
+                should_stop: Callable[[int], bool] | None = None,
+                passes: int = 1) -> EpochStats:
     """One pass over `batches`; times the wait for each batch separately from the whole step.
     `after_backward` runs between backward and the optimizer step (e.g. a data-parallel gradient sync);
-    `on_step` gets each step's loss. `stats`: the totals of the epoch so far (a resumed epoch).
-    `should_stop(steps)` is asked after every step; True ends the epoch early with `stats.stopped`."""
+    `on_step` gets each batch's loss. `stats`: the totals of the epoch so far (a resumed epoch).
+    `should_stop(batches done)` is asked after every optimizer step; True ends the epoch early with
+    `stats.stopped`. `passes`: batches per optimizer step (gradient accumulation, Horovod's
+    `backward_passes_per_step`); the loss is scaled by 1/passes so a step applies the mean gradient over
+    those batches, as one larger batch would."""
     model.train()
     stats = stats if stats is not None else EpochStats()
     loss_fn = nn.CrossEntropyLoss()
     start = time.perf_counter()
+    pending = 0  # backward passes since the last optimizer step
     while True:
         wait_start = time.perf_counter()
         batch = next(batches, None)
@@ -186,21 +191,30 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Ite
         if batch is None:
             break
         inputs, labels = tuple(x.to(device) for x in batch[0]), batch[1].to(device)
-        optimizer.zero_grad(set_to_none=True)
+        if pending == 0:
+            optimizer.zero_grad()  # no arguments: Horovod's wrapper takes none (torch's default sets None)
         loss = loss_fn(model(*inputs), labels)
-        loss.backward()
-        if after_backward is not None:
-            after_backward()
-        optimizer.step()
+        (loss / passes if passes > 1 else loss).backward()
+        pending += 1
+        if pending == passes:
+            if after_backward is not None:
+                after_backward()
+            optimizer.step()
+            pending = 0
         if on_step is not None:
             on_step(loss.item())
         stats.loss_sum += loss.item() * len(labels)
         stats.samples += len(labels)
         stats.steps += 1
         stats.tokens += batch[2]
-        if should_stop is not None and should_stop(stats.steps):
+        # Only between optimizer steps: a checkpoint must not drop half-accumulated gradients.
+        if pending == 0 and should_stop is not None and should_stop(stats.steps):
             stats.stopped = True
             break
+    if pending:  # an epoch that is not a multiple of `passes`: step on what has accumulated
+        if after_backward is not None:
+            after_backward()
+        optimizer.step()
     stats.train_s += time.perf_counter() - start
     return stats
 

@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
 from pipelines.tracking import EPOCH_METRICS
-from tests.conftest import ROOT, pipeline_env
+from tests.conftest import ROOT, pipeline_env, run_id_from, run_pipeline
 
 pytestmark = pytest.mark.slow
 TINY = ["trainer.batch_size=32", "model.hidden=[64]", "trainer.threads_per_worker=1"]
-
-
-def run_id_from(stdout: str) -> str:
-    lines = [line for line in stdout.strip().splitlines() if line.startswith("mlflow_run_id=")]
-    assert lines, stdout[-3000:]
-    return lines[-1].split("=", 1)[1]
 
 
 def metric_steps(client: MlflowClient, run_id: str, name: str) -> list[int]:
@@ -73,11 +66,6 @@ def test_job_submit_trains_logs_and_syncs(tmp_path, tiny_mnist, mlflow_server, r
         torch.testing.assert_close(value, rank0[key], rtol=0, atol=0)
 
 
-def run_pipeline(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipelines.train", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-
-
 def test_worker_failure_resumes_from_checkpoint(tmp_path, tiny_mnist, mlflow_server, ray_head):
     marker = tmp_path / "failed-once"
     proc = run_pipeline([f"data.path={tiny_mnist}", "trainer.epochs=3", f"run.storage_path={tmp_path / 'ray'}",
@@ -111,13 +99,19 @@ def step_loss_curve(client: MlflowClient, run_id: str) -> torch.Tensor:
     return torch.tensor([m.value for m in history], dtype=torch.float64)
 
 
+# Horovod runs the same epoch loop (torch_common.train_epoch); with 2 batches per optimizer step the stop check
+# must land between optimizer steps (step 10 does), or the accumulated gradients would be lost.
+STOPPABLE = {"ddp": [], "horovod": ["trainer=horovod", "trainer.backward_passes_per_step=2"]}
+
+
+@pytest.mark.parametrize("backend", sorted(STOPPABLE))
 def test_stop_request_checkpoints_mid_epoch_and_resumes_the_same_curve(tmp_path, tiny_mnist, mlflow_server,
-                                                                        ray_head):
+                                                                        ray_head, backend):
     """A STOP file makes the run checkpoint at step 10 of epoch 1 and exit 3; the continued run skips the
     batches already trained on, so its loss curve is the uninterrupted run's, step for step."""
     env = pipeline_env(mlflow_server, ray_head)
     # 1024 rows / 2 workers / 16 = 32 steps per epoch; SGD with momentum: its buffers are in the checkpoint.
-    common = [f"data.path={tiny_mnist}", "trainer.epochs=2", "trainer.batch_size=16", "trainer.optimizer=sgd",
+    common = [*STOPPABLE[backend], f"data.path={tiny_mnist}", "trainer.epochs=2", "trainer.batch_size=16", "trainer.optimizer=sgd",
               "trainer.lr=0.01", "trainer.log_every_n_steps=1", "model.hidden=[64]", "model.dropout=0",
               f"run.storage_path={tmp_path / 'ray'}"]
     straight = run_pipeline(common, env)

@@ -1,14 +1,11 @@
 """A 2-worker DDP run of the tiny BERT on generated IMDb-format data, logged to a real MLflow server."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 from mlflow.tracking import MlflowClient
 
 from pipelines.tracking import EPOCH_METRICS
-from tests.conftest import ROOT, pipeline_env
+from tests.conftest import pipeline_env, train_ok
 
 pytestmark = pytest.mark.slow
 
@@ -18,10 +15,7 @@ def test_bert_tiny_ddp_learns_and_logs(tmp_path, tiny_imdb, mlflow_server, ray_h
             "trainer.epochs=4", "trainer.batch_size=16", "trainer.lr=0.002", f"run.storage_path={tmp_path}/ray"]
     # data=imdb must come before data.path so the override lands on the imdb group
     args = [args[1], *args[:1], *args[2:]]
-    proc = subprocess.run([sys.executable, "-m", "pipelines.train", *args], cwd=ROOT,
-                          env=pipeline_env(mlflow_server, ray_head), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run_id = proc.stdout.strip().splitlines()[-1].split("=", 1)[1]
+    _, run_id = train_ok(args, pipeline_env(mlflow_server, ray_head))
     client = MlflowClient(mlflow_server)
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"

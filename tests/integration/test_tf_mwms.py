@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipelines.tracking import EPOCH_METRICS
-from tests.conftest import ROOT, pipeline_env
+from tests.conftest import ROOT, check_finished_run, pipeline_env, train_ok
 
 pytestmark = pytest.mark.slow
 TINY = ["trainer=tf_mwms", "trainer.tf_communication=ring", "trainer.batch_size=32", "model.hidden=[32]",
@@ -19,30 +18,14 @@ TINY = ["trainer=tf_mwms", "trainer.tf_communication=ring", "trainer.batch_size=
 
 
 def train(args: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, str]:
-    proc = subprocess.run([sys.executable, "-m", "pipelines.train", *TINY, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("mlflow_run_id=")]
-    return proc, lines[-1].split("=", 1)[1]
+    return train_ok([*TINY, *args], env)
 
 
 def check_run(client: MlflowClient, run_id: str, epochs: int = 3) -> str:
-    """FINISHED, every epoch metric once per epoch, loss going down, a Keras model logged."""
-    run = client.get_run(run_id)
-    assert run.info.status == "FINISHED"
-    assert run.data.params["backend"] == "tf_mwms"
-    for name in EPOCH_METRICS:
-        assert sorted(m.step for m in client.get_metric_history(run_id, name)) == list(range(1, epochs + 1)), name
+    """The shared run contract (a Keras model logged), plus data_load_s."""
+    model_uri = check_finished_run(client, run_id, "tf_mwms", epochs)
     assert len(client.get_metric_history(run_id, "data_load_s")) >= 1
-    losses = [m.value for m in sorted(client.get_metric_history(run_id, "train_loss"), key=lambda m: m.step)]
-    assert losses[-1] < losses[0], losses
-    import mlflow
-
-    mlflow.set_tracking_uri(client.tracking_uri)
-    models = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id],
-                                         filter_string=f"source_run_id = '{run_id}'", output_format="list")
-    assert len(models) == 1
-    return models[0].model_uri
+    return model_uri
 
 
 def check_replicas_identical(params_dir) -> list[np.ndarray]:

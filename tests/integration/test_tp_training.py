@@ -1,14 +1,11 @@
 """Tensor parallelism on Ray Train, end to end: same loss curve as tp=1, and the 2D data layout."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import ROOT, pipeline_env
+from tests.conftest import pipeline_env, train_ok
 
 pytestmark = pytest.mark.slow
 TINY_BERT = ["trainer=tp", "data=imdb", "model=bert_tiny", "model.hidden=32", "model.heads=2", "model.dropout=0",
@@ -16,10 +13,7 @@ TINY_BERT = ["trainer=tp", "data=imdb", "model=bert_tiny", "model.hidden=32", "m
 
 
 def train(args: list[str], mlflow_server: str, ray_head: dict) -> str:
-    proc = subprocess.run([sys.executable, "-m", "pipelines.train", *TINY_BERT, *args], cwd=ROOT,
-                          env=pipeline_env(mlflow_server, ray_head), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run_id = proc.stdout.strip().splitlines()[-1].split("=", 1)[1]
+    _, run_id = train_ok([*TINY_BERT, *args], pipeline_env(mlflow_server, ray_head))
     assert MlflowClient(mlflow_server).get_run(run_id).info.status == "FINISHED"
     return run_id
 

@@ -1,0 +1,70 @@
+"""What every benchmark shares: the MNIST data, the common arguments, and one pipeline run read back from
+MLflow (a throwaway sqlite store and a local Ray started by the pipeline itself)."""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+MNIST = ROOT / "data" / "mnist" / "parquet"
+QUIET_ENV = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "RAY_TRAIN_ENABLE_PROGRESS_BAR": "0",
+             "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
+
+
+def mnist_parser(description: str | None) -> argparse.ArgumentParser:
+    """--epochs, --model, --batch (per worker)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--batch", type=int, default=128)
+    return parser
+
+
+def ensure_mnist() -> None:
+    """Prepare the bundled MNIST as Parquet shards if that has not been done yet."""
+    if not (MNIST / "manifest.json").is_file():
+        subprocess.run([sys.executable, "-m", "pipelines.prepare", "mnist", "--out", str(MNIST)], check=True)
+
+
+def mnist_arrays(split: str) -> tuple[np.ndarray, np.ndarray]:
+    """(uint8 images [N, 784], int64 labels [N]) of a prepared split, read straight from its Parquet shards."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipelines.data.shards import read_manifest, shard_paths
+
+    table = pa.concat_tables(pq.read_table(p) for p in shard_paths(MNIST, read_manifest(MNIST), split))
+    images = table.column("image").combine_chunks().flatten().to_numpy().reshape(-1, 784)
+    return images.copy(), table.column("label").to_numpy().astype(np.int64)
+
+
+def pipeline_run(overrides: list[str]) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Run `python -m pipelines.train <overrides>` and return (every metric's history in step order, the last
+    value of every metric)."""
+    from mlflow.tracking import MlflowClient
+
+    with tempfile.TemporaryDirectory() as tmp:
+        uri = f"sqlite:///{tmp}/mlflow.db"
+        env = {**os.environ, "MLFLOW_TRACKING_URI": uri, **QUIET_ENV}
+        env.pop("RAY_ADDRESS", None)
+        cmd = [sys.executable, "-m", "pipelines.train", *overrides, f"run.storage_path={tmp}/ray"]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        run_id = proc.stdout.strip().splitlines()[-1].split("=", 1)[1]
+        client = MlflowClient(uri)
+        last = client.get_run(run_id).data.metrics
+        history = {name: [m.value for m in sorted(client.get_metric_history(run_id, name), key=lambda m: m.step)]
+                   for name in last}
+        return history, last
+
+
+def steady_rate(rates: list[float]) -> float:
+    """Mean throughput of epochs 2..N: epoch 1 of a pipeline also pulls the shard through Ray Data."""
+    return float(np.mean(rates[1:]))
