@@ -14,6 +14,9 @@ from pathlib import Path
 STOP_FILE = "STOP"
 RUN_ID_FILE = "mlflow_run_id"
 EXIT_PREEMPTED = 3
+# Workers agree on STOP every this many steps (one collective of a flag): often enough to stop within a
+# preemption grace time, rare enough not to slow a small model's steps.
+STOP_CHECK_EVERY = 10
 
 
 def stop_file(resume_dir: str | None) -> Path | None:

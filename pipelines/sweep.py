@@ -121,7 +121,8 @@ def start_children(uri: str, parent_id: str, valid: list[Trial]) -> dict[int, st
 
 def run_trial(config: dict[str, Any], specs: dict[int, dict[str, Any]]) -> None:
     """One Tune trial (runs in a Tune actor): build this grid point's trainer and fit it. The trainer's
-    `TuneReportCallback` passes each epoch's report on to Tune; rank 0 logs to the trial's child run."""
+    `TuneReportCallback` passes each epoch's report on to Tune; rank 0 logs to the trial's child run, and the
+    final model is logged to it as in a single run (a trial ASHA stops early ends without one)."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from pipelines.data.readers import model_inputs, parquet_datasets
@@ -131,9 +132,12 @@ def run_trial(config: dict[str, Any], specs: dict[int, dict[str, Any]]) -> None:
     cfg = OmegaConf.create(spec["cfg"])
     datasets = parquet_datasets(cfg.data.path, {"train": "train", "eval": cfg.data.eval_split})
     inputs = model_inputs(read_manifest(cfg.data.path))
-    trainer = get_backend(cfg.trainer.backend).build_trainer(cfg, datasets, spec["run_id"], spec["tracking_uri"],
-                                                             inputs, callbacks=[TuneReportCallback()])
-    trainer.fit()
+    backend = get_backend(cfg.trainer.backend)
+    trainer = backend.build_trainer(cfg, datasets, spec["run_id"], spec["tracking_uri"], inputs,
+                                    callbacks=[TuneReportCallback()])
+    result = trainer.fit()
+    if result.checkpoint is not None:
+        backend.log_final_model(spec["tracking_uri"], spec["run_id"], cfg, result.checkpoint, inputs)
 
 
 @dataclass

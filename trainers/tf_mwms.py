@@ -125,13 +125,14 @@ def build_compiled_model(keras: Any, cfg: DictConfig, model_inputs: dict) -> Any
     return model
 
 
-def save_checkpoint(directory: str, model: Any, epoch: int, metrics: dict) -> None:
-    """Native Keras weights file + the optimizer's variables (Keras' own `save_own_variables` store)."""
+def save_checkpoint(directory: str, model: Any, epoch: int, metrics: dict | None, partial: dict | None = None) -> None:
+    """Native Keras weights file + the optimizer's variables (Keras' own `save_own_variables` store).
+    `epoch`: the last finished epoch; `partial`: where the next one stopped (`Epochs.report_stop`)."""
     model.save_weights(os.path.join(directory, WEIGHTS))
     store: dict[str, np.ndarray] = {}
     model.optimizer.save_own_variables(store)
     np.savez(os.path.join(directory, OPTIMIZER), **store)
-    Path(directory, STATE).write_text(json.dumps({"epoch": epoch, "metrics": metrics}))
+    Path(directory, STATE).write_text(json.dumps({"epoch": epoch, "metrics": metrics, "partial": partial}))
 
 
 def restore_checkpoint(checkpoint: Any, model: Any, strategy: Any) -> dict | None:
@@ -153,7 +154,12 @@ class Epochs:
                  train: ShardArrays, test: ShardArrays):
         import ray.train
 
+        from pipelines.resume import stop_file
+
         self.tf, self.strategy, self.model, self.cfg = tf, strategy, model, cfg
+        self.stop_path = stop_file(cfg.run.resume_dir)
+        self.partial = None if state is None else state.get("partial")
+        self.last_metrics = None if state is None else state["metrics"]
         context = ray.train.get_context()
         self.rank, self.world_size = context.get_world_rank(), context.get_world_size()
         self.start_epoch = 1 if state is None else state["epoch"] + 1
@@ -164,9 +170,37 @@ class Epochs:
         self.batch = cfg.trainer.batch_size
         self.steps = train.steps(self.batch * self.local_replicas, cfg.trainer.max_steps_per_epoch)
 
-    def dataset(self, epoch: int, seed: int) -> Any:
-        """The epoch's per-replica batches for this worker: `steps` for each of its replicas."""
-        return self.train.dataset(self.tf, self.batch, seed=seed + epoch, steps=self.steps * self.local_replicas)
+    def dataset(self, epoch: int, seed: int, skip: int = 0) -> Any:
+        """The epoch's per-replica batches for this worker: `steps` for each of its replicas, without those of
+        the first `skip` steps (already trained on before a stop)."""
+        ds = self.train.dataset(self.tf, self.batch, seed=seed + epoch, steps=self.steps * self.local_replicas)
+        return ds.skip(skip * self.local_replicas) if skip else ds
+
+    def resume_totals(self, epoch: int) -> tuple[int, float, float]:
+        """(steps done, their loss sum, their train seconds) of `epoch` before a stop; zeros for a new epoch."""
+        if self.partial is None or self.partial["epoch"] != epoch:
+            return 0, 0.0, 0.0
+        return self.partial["done"], self.partial["loss_sum"], self.partial["train_s"]
+
+    def should_stop(self, done: int) -> bool:
+        """True on every worker at the same step once STOP exists in `run.resume_dir` (see torch_common.StopCheck);
+        the workers agree through one all-gather of a flag every STOP_CHECK_EVERY steps."""
+        from pipelines.resume import STOP_CHECK_EVERY
+
+        if self.stop_path is None or done % STOP_CHECK_EVERY:
+            return False
+        return bool(self._gather([float(self.stop_path.exists())])[:, 0].max() > 0)
+
+    def report_stop(self, epoch: int, done: int, loss_sum: float, train_s: float) -> None:
+        """Checkpoint the half-done epoch; the driver sees `stopped_at_epoch` and marks the run as stopped."""
+        import ray.train
+
+        metrics = {"stopped_at_epoch": float(epoch), "stopped_at_step": float(done)}
+        partial = {"epoch": epoch, "done": done, "loss_sum": loss_sum, "train_s": train_s}
+        with tempfile.TemporaryDirectory() as directory:
+            save_checkpoint(directory, self.model, epoch - 1, self.last_metrics, partial)
+            checkpoint = ray.train.Checkpoint.from_directory(directory) if self.rank == 0 else None
+            ray.train.report(metrics, checkpoint=checkpoint)
 
     def step_loss(self, epoch: int, step_in_epoch: int, loss: float, since_step: int | None = None) -> None:
         """Rank 0 logs `step_loss` when the global step crosses a multiple of `log_every_n_steps` (the loss
@@ -219,6 +253,7 @@ class Epochs:
             save_checkpoint(directory, self.model, epoch, metrics)
             checkpoint = ray.train.Checkpoint.from_directory(directory) if self.rank == 0 else None
             ray.train.report(metrics, checkpoint=checkpoint)
+        self.last_metrics = metrics
         if self.logger is not None:
             self.logger.log(epoch, metrics)
 
@@ -268,9 +303,10 @@ def fit_loop(keras: Any, epochs: Epochs, seed: int) -> None:
                      steps_per_epoch=steps, callbacks=callbacks, verbose=0)
 
 
-def custom_loop(keras: Any, epochs: Epochs, seed: int) -> None:
+def custom_loop(keras: Any, epochs: Epochs, seed: int) -> bool:
     """`strategy.run` of a `tf.function` step with `GradientTape`; the per-example loss is averaged over the
-    GLOBAL batch (per-replica batch x replicas): the all-reduce sums gradients, so this gives the mean."""
+    GLOBAL batch (per-replica batch x replicas): the all-reduce sums gradients, so this gives the mean.
+    Stops mid-epoch on a STOP request (returns False) and continues from there on resume."""
     tf, strategy, model, steps = epochs.tf, epochs.strategy, epochs.model, epochs.steps
     global_batch = epochs.batch * strategy.num_replicas_in_sync
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=keras.losses.Reduction.NONE)
@@ -289,16 +325,22 @@ def custom_loop(keras: Any, epochs: Epochs, seed: int) -> None:
 
     for epoch in range(epochs.start_epoch, epochs.cfg.trainer.epochs + 1):
         epochs.begin(epoch)
-        iterator = iter(strategy.distribute_datasets_from_function(lambda _, e=epoch: epochs.dataset(e, seed)))
-        loss_sum, start = 0.0, time.perf_counter()
-        for done in range(1, steps + 1):
+        done_before, loss_sum, train_before_s = epochs.resume_totals(epoch)
+        iterator = iter(strategy.distribute_datasets_from_function(
+            lambda _, e=epoch, skip=done_before: epochs.dataset(e, seed, skip)))
+        start = time.perf_counter()
+        for done in range(done_before + 1, steps + 1):
             loss = float(step(iterator))
             loss_sum += loss
             epochs.step_loss(epoch, done, loss)
-        train_s = time.perf_counter() - start
+            if epochs.should_stop(done):
+                epochs.report_stop(epoch, done, loss_sum, train_before_s + time.perf_counter() - start)
+                return False
+        train_s = train_before_s + time.perf_counter() - start
         # `next(iterator)` runs inside the compiled step (prefetched): data waits are not separable (0).
         epochs.end(epoch, loss_sum / max(steps, 1), steps * epochs.batch * epochs.local_replicas, steps, 0.0,
                    train_s)
+    return True
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -330,8 +372,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if epochs.start_epoch <= cfg.trainer.epochs:
         if cfg.trainer.tf_loop == "fit":
             fit_loop(keras, epochs, seed)
-        else:
-            custom_loop(keras, epochs, seed)
+        elif not custom_loop(keras, epochs, seed):
+            return  # stopped on request, with a checkpoint
     dump_weights(cfg.run.dump_params_dir, model, rank)
 
 

@@ -117,10 +117,11 @@ class StopCheck:
     flag, so a rank that sees the file late still stops with the others; checking every step would add a
     collective to each step of a small model."""
 
-    def __init__(self, resume_dir: str | None, every: int = 10, reduce: "Reducer | None" = None):
-        from pipelines.resume import stop_file
+    def __init__(self, resume_dir: str | None, every: int | None = None, reduce: "Reducer | None" = None):
+        from pipelines.resume import STOP_CHECK_EVERY, stop_file
 
-        self.path, self.every, self.reduce = stop_file(resume_dir), every, reduce or dist_reduce
+        self.path, self.reduce = stop_file(resume_dir), reduce or dist_reduce
+        self.every = every or STOP_CHECK_EVERY
 
     def __call__(self, steps: int) -> bool:
         if self.path is None or steps % self.every:

@@ -100,8 +100,10 @@ def step_loss_curve(client: MlflowClient, run_id: str) -> torch.Tensor:
 
 
 # Horovod runs the same epoch loop (torch_common.train_epoch); with 2 batches per optimizer step the stop check
-# must land between optimizer steps (step 10 does), or the accumulated gradients would be lost.
-STOPPABLE = {"ddp": [], "horovod": ["trainer=horovod", "trainer.backward_passes_per_step=2"]}
+# must land between optimizer steps (step 10 does), or the accumulated gradients would be lost. tf_mwms: its
+# custom loop, with the optimizer's momentum restored from the Keras checkpoint.
+STOPPABLE = {"ddp": [], "horovod": ["trainer=horovod", "trainer.backward_passes_per_step=2"],
+             "tf_mwms": ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.tf_communication=ring"]}
 
 
 @pytest.mark.parametrize("backend", sorted(STOPPABLE))

@@ -66,9 +66,15 @@ def test_smoke_sweep_nests_runs_rejects_points_and_reports(tmp_path, tiny_imdb, 
     layouts = {(c.data.params["backend"], c.data.params["world_size"], c.data.params["tp"], c.data.params["dp"])
                for c in children}
     assert len(children) == 4 and layouts == EXPECTED_TRIALS
+    import mlflow
+
+    mlflow.set_tracking_uri(mlflow_server)
     for child in children:
         assert child.info.status == "FINISHED"
         assert [m.step for m in client.get_metric_history(child.info.run_id, "train_loss")] == [1, 2]
+        models = mlflow.search_logged_models(experiment_ids=[parent.info.experiment_id], output_format="list",
+                                             filter_string=f"source_run_id = '{child.info.run_id}'")
+        assert len(models) == 1  # the trial's final model, as a single run logs it
     # The injected failure hit one trial once; Tune restarted it and it continued its own child run.
     assert marker.exists()
     resumed = [c for c in children if c.data.tags.get("resumed_from_epoch")]
