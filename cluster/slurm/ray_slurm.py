@@ -5,12 +5,16 @@
     ray_slurm.py submit --dashboard URL --cwd DIR [--env K=V ...] -- COMMAND...
         `ray job submit` that streams the job's output and exits with the job's own exit code (the CLI
         only says failed or not; the Slurm script must tell "preempted, requeue me" (3) from a failure).
+    ray_slurm.py free-block --first 20000 --preferred 17 [--blocks 100] [--size 400]
+        Print the base port of the first port block, from block `preferred` on (wrapping around), whose ports
+        are all free on this host; exit 1 naming the range when none is.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import shlex
+import socket
 import sys
 import time
 
@@ -69,6 +73,28 @@ def submit(dashboard: str, cwd: str, env: dict[str, str], command: list[str]) ->
     return code
 
 
+def block_is_free(base: int, size: int) -> bool:
+    """Every port of [base, base+size) can be bound on this host (a listener on any address blocks it)."""
+    for port in range(base, base + size):
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers do not count
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                return False
+    return True
+
+
+def free_block(first: int, preferred: int, blocks: int, size: int) -> int | None:
+    """The base port of the first free block, trying block `preferred` first (the job id's own block, so jobs
+    rarely need to move) and then the following ones; None when all are taken."""
+    for offset in range(blocks):
+        base = first + ((preferred + offset) % blocks) * size
+        if block_is_free(base, size):
+            return base
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ray_slurm.py")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,7 +107,20 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--cwd", required=True)
     run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     run.add_argument("job", nargs=argparse.REMAINDER)
+    ports = sub.add_parser("free-block")
+    ports.add_argument("--first", type=int, required=True)
+    ports.add_argument("--preferred", type=int, required=True)
+    ports.add_argument("--blocks", type=int, default=100)
+    ports.add_argument("--size", type=int, default=400)
     args = parser.parse_args(argv)
+    if args.command == "free-block":
+        base = free_block(args.first, args.preferred, args.blocks, args.size)
+        if base is None:
+            print(f"ray-cluster: error: no free block of {args.size} ports in {args.first}.."
+                  f"{args.first + args.blocks * args.size - 1} on {socket.gethostname()}", file=sys.stderr)
+            return 1
+        print(base)
+        return 0
     if args.command == "wait-nodes":
         return wait_nodes(args.dashboard, dict(item.split("=", 1) for item in args.expect), args.timeout)
     job = args.job[1:] if args.job[:1] == ["--"] else args.job

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
@@ -119,6 +120,25 @@ def test_two_concurrent_jobs_do_not_interfere(slurm, tiny_mnist, tmp_path, mlflo
     assert tokens[0] != tokens[1]  # per-job secrets and addresses
     for job in jobs:
         wait_gone(job)
+
+
+def test_job_whose_port_block_is_taken_moves_to_the_next_free_one(slurm, tiny_mnist, tmp_path):
+    """Jobs whose ids are equal modulo 100 start from the same port block; a job that finds a port of its block
+    held on its head node (here: a listener on the head's GCS port) takes the next free block and runs."""
+    out = tmp_path / "slurm"
+    job = sbatch(slurm, out, ddp_command(tiny_mnist, "trainer.epochs=1"), sbatch_args=["--hold"])
+    block = int(job) % 100
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.2", 20000 + block * 400))  # n1, where the batch script and the head run
+        holder.listen()
+        subprocess.run(["scontrol", "release", job], env=slurm, check=True)
+        info = wait_job(slurm, job, 900)
+    log = job_output(out, job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
+    base = int(log.split(", ports ", 1)[1].split("..", 1)[0])
+    # A later block (not always the next: ports in use by anything, e.g. outgoing connections, also count).
+    assert base != 20000 + block * 400 and (base - 20000) % 400 == 0, base
+    wait_gone(job)
 
 
 def test_node_that_never_joins_fails_fast_and_releases_the_allocation(slurm, tiny_mnist, tmp_path):
