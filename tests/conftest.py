@@ -187,3 +187,7 @@ def check_finished_run(client: Any, run_id: str, backend: str, epochs: int) -> s
     assert len(models) == 1
     return models[0].model_uri
 
+
+def metric_steps(client: Any, run_id: str, name: str) -> list[int]:
+    """The steps (epochs) at which a metric was logged, sorted."""
+    return sorted(m.step for m in client.get_metric_history(run_id, name))

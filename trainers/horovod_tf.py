@@ -85,9 +85,11 @@ def make_train_step(hvd: Any, tf: Any, keras: Any, model: Any, cfg: DictConfig) 
     return accumulating_step, finish
 
 
-def run_epoch(step: Any, finish: Any, dataset: Any) -> tc.EpochStats:
-    """One pass; the batch wait (tf.data iterator) is timed separately from the whole step."""
-    stats = tc.EpochStats()
+def run_epoch(step: Any, finish: Any, dataset: Any, passes: int, stats: tc.EpochStats,
+              on_step: Any = None, should_stop: Any = None) -> tc.EpochStats:
+    """One pass (continuing `stats` of a half-done epoch); the batch wait (tf.data iterator) is timed separately
+    from the whole step. Like `torch_common.train_epoch`: `on_step(loss)` per batch, and `should_stop(batches)`
+    asked only between optimizer steps (a checkpoint must not drop half-accumulated gradients)."""
     iterator = iter(dataset)
     start = time.perf_counter()
     while True:
@@ -98,11 +100,17 @@ def run_epoch(step: Any, finish: Any, dataset: Any) -> tc.EpochStats:
             break
         images, labels = batch
         loss = float(step(images, labels))
+        if on_step is not None:
+            on_step(loss)
         stats.loss_sum += loss * int(labels.shape[0])
         stats.samples += int(labels.shape[0])
         stats.steps += 1
-    finish()
-    stats.train_s = time.perf_counter() - start
+        if stats.steps % passes == 0 and should_stop is not None and should_stop(stats.steps):
+            stats.stopped = True
+            break
+    if not stats.stopped:
+        finish()
+    stats.train_s += time.perf_counter() - start
     return stats
 
 
@@ -114,16 +122,28 @@ def count_correct(tf: Any, model: Any, test: ShardArrays) -> tuple[int, int]:
     return correct, len(test.labels)
 
 
-def report(model: Any, epoch: int, metrics: dict, rank: int) -> None:
-    """Rank 0 writes the checkpoint (tf_mwms' format); the others report metrics only."""
+def report(model: Any, epoch: int, metrics: dict, rank: int, checkpoint_state: dict | None = None) -> None:
+    """Rank 0 writes the checkpoint (tf_mwms' format); the others report metrics only. `checkpoint_state`:
+    what the checkpoint records when it is not `metrics` of `epoch` (`report_stop`)."""
     import ray.train
 
     if rank != 0:
         ray.train.report(metrics, checkpoint=None)
         return
+    saved = checkpoint_state or {"epoch": epoch, "metrics": metrics, "partial": None}
     with tempfile.TemporaryDirectory() as directory:
-        save_checkpoint(directory, model, epoch, metrics)
+        save_checkpoint(directory, model, saved["epoch"], saved["metrics"], saved["partial"])
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+
+
+def report_stop(model: Any, epoch: int, stats: tc.EpochStats, last_metrics: dict | None, rank: int) -> None:
+    """Checkpoint a half-done epoch after a stop request (torch_common's `partial` layout); the driver sees
+    `stopped_at_epoch` and marks the run as stopped."""
+    from dataclasses import asdict
+
+    stopped = {"stopped_at_epoch": float(epoch), "stopped_at_step": float(stats.steps)}
+    report(model, epoch, stopped, rank, checkpoint_state={
+        "epoch": epoch - 1, "metrics": last_metrics, "partial": {"epoch": epoch, "stats": asdict(stats)}})
 
 
 def restore_and_broadcast(hvd: Any, tf: Any, model: Any) -> dict | None:
@@ -158,7 +178,8 @@ def tf_loop(config: dict[str, Any], cfg: DictConfig) -> None:
     keras.utils.set_random_seed(cfg.run.seed + rank)  # different on purpose: the broadcast must align them
     model = build_compiled_model(keras, cfg, config["model_inputs"])
     state = restore_and_broadcast(hvd, tf, model)
-    start_epoch = 1 if state is None else state["epoch"] + 1
+    start_epoch, partial = tc.resume_point(state)
+    last_metrics = None if state is None else state["metrics"]
     train = ShardArrays(ray.train.get_dataset_shard("train"), cfg.data.name)
     test = ShardArrays(ray.train.get_dataset_shard("eval"), cfg.data.name)
     batch, seed = cfg.trainer.batch_size, cfg.run.seed + 1000 * rank
@@ -166,15 +187,23 @@ def tf_loop(config: dict[str, Any], cfg: DictConfig) -> None:
     logger = tc.rank0_logger(config, rank, state)
     tc.tag_worker_node(config, rank)
     (step, finish), reduce = make_train_step(hvd, tf, keras, model, cfg), tf_reducer(hvd, tf)
+    should_stop = tc.StopCheck(cfg.run.resume_dir, reduce=reduce)
 
     for epoch in range(start_epoch, cfg.trainer.epochs + 1):
         tc.maybe_inject_failure(cfg.fault, epoch, rank, world_size)
-        stats = run_epoch(step, finish, train.dataset(tf, batch, seed=seed + epoch, steps=steps))
+        stats = tc.epoch_start(partial, epoch)
+        on_step = tc.step_loss_logger(logger, cfg.trainer.log_every_n_steps, epoch, steps, done=stats.steps)
+        dataset = train.dataset(tf, batch, seed=seed + epoch, steps=steps).skip(stats.steps)
+        stats = run_epoch(step, finish, dataset, cfg.trainer.backward_passes_per_step, stats, on_step, should_stop)
+        if stats.stopped:
+            report_stop(model, epoch, stats, last_metrics, rank)
+            return
         correct, total = count_correct(tf, model, test)
         metrics = tc.epoch_metrics(stats, correct, total, reduce=reduce)
         if epoch == start_epoch:
             metrics["data_load_s"] = train.load_s + test.load_s
         report(model, epoch, metrics, rank)
+        last_metrics = metrics
         if logger is not None:
             logger.log(epoch, metrics)
     dump_weights(cfg.run.dump_params_dir, model, rank)

@@ -10,14 +10,10 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from pipelines.tracking import EPOCH_METRICS
-from tests.conftest import ROOT, pipeline_env, run_id_from, run_pipeline
+from tests.conftest import ROOT, metric_steps, pipeline_env, run_id_from, run_pipeline
 
 pytestmark = pytest.mark.slow
 TINY = ["trainer.batch_size=32", "model.hidden=[64]", "trainer.threads_per_worker=1"]
-
-
-def metric_steps(client: MlflowClient, run_id: str, name: str) -> list[int]:
-    return sorted(m.step for m in client.get_metric_history(run_id, name))
 
 
 def test_job_submit_trains_logs_and_syncs(tmp_path, tiny_mnist, mlflow_server, ray_head):
@@ -91,52 +87,3 @@ def test_failed_run_is_marked_failed_with_the_error(tmp_path, tiny_mnist, mlflow
     run = MlflowClient(mlflow_server).get_run(run_id_from(proc.stdout))
     assert run.info.status == "FAILED"
     assert "injected failure at epoch 1" in run.data.tags["error"]
-
-
-def step_loss_curve(client: MlflowClient, run_id: str) -> torch.Tensor:
-    history = sorted(client.get_metric_history(run_id, "step_loss"), key=lambda m: m.step)
-    assert [m.step for m in history] == list(range(1, len(history) + 1))  # every step once
-    return torch.tensor([m.value for m in history], dtype=torch.float64)
-
-
-# Horovod runs the same epoch loop (torch_common.train_epoch); with 2 batches per optimizer step the stop check
-# must land between optimizer steps (step 10 does), or the accumulated gradients would be lost. tf_mwms: its
-# custom loop, with the optimizer's momentum restored from the Keras checkpoint.
-STOPPABLE = {"ddp": [], "horovod": ["trainer=horovod", "trainer.backward_passes_per_step=2"],
-             "tf_mwms": ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.tf_communication=ring"]}
-
-
-@pytest.mark.parametrize("backend", sorted(STOPPABLE))
-def test_stop_request_checkpoints_mid_epoch_and_resumes_the_same_curve(tmp_path, tiny_mnist, mlflow_server,
-                                                                        ray_head, backend):
-    """A STOP file makes the run checkpoint at step 10 of epoch 1 and exit 3; the continued run skips the
-    batches already trained on, so its loss curve is the uninterrupted run's, step for step."""
-    env = pipeline_env(mlflow_server, ray_head)
-    # 1024 rows / 2 workers / 16 = 32 steps per epoch; SGD with momentum: its buffers are in the checkpoint.
-    common = [*STOPPABLE[backend], f"data.path={tiny_mnist}", "trainer.epochs=2", "trainer.batch_size=16", "trainer.optimizer=sgd",
-              "trainer.lr=0.01", "trainer.log_every_n_steps=1", "model.hidden=[64]", "model.dropout=0",
-              f"run.storage_path={tmp_path / 'ray'}"]
-    straight = run_pipeline(common, env)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-
-    resume_dir = tmp_path / "resume"
-    resume_dir.mkdir()
-    (resume_dir / "STOP").touch()
-    stopped = run_pipeline([*common, f"run.resume_dir={resume_dir}"], env)
-    assert stopped.returncode == 3, stopped.stderr[-3000:]
-    client = MlflowClient(mlflow_server)
-    run_id = run_id_from(stopped.stdout)
-    run = client.get_run(run_id)
-    assert run.info.status == "KILLED" and run.data.tags["preempted_at"] == "epoch 1 step 10"
-    assert metric_steps(client, run_id, "train_loss") == []
-
-    (resume_dir / "STOP").unlink()
-    resumed = run_pipeline([*common, f"run.resume_dir={resume_dir}"], env)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert run_id_from(resumed.stdout) == run_id
-    run = client.get_run(run_id)
-    assert run.info.status == "FINISHED" and run.data.tags["attempts"] == "2"
-    assert metric_steps(client, run_id, "train_loss") == [1, 2]
-    expected = step_loss_curve(client, run_id_from(straight.stdout))
-    assert len(expected) == 64
-    torch.testing.assert_close(step_loss_curve(client, run_id), expected, rtol=1e-5, atol=1e-6)

@@ -74,8 +74,8 @@ def test_custom_loop_resumes_after_failure(tmp_path, tiny_mnist, mlflow_server, 
 
 
 def test_checkpoint_round_trip_restores_weights_and_optimizer(tmp_path):
-    """What a resumed worker loads: the weights, every optimizer variable (Adam moments, iteration count)
-    and the epoch, bit for bit. In a subprocess: tf-keras wants TF_USE_LEGACY_KERAS=1 before TF is imported."""
+    """What a resumed worker loads: the weights, every optimizer variable (Adam moments, iteration count),
+    the epoch and a stopped epoch's totals, bit for bit. In a subprocess: tf-keras wants TF_USE_LEGACY_KERAS=1 before TF is imported."""
     code = """
 import sys, numpy as np, tensorflow as tf, tf_keras as keras
 from omegaconf import OmegaConf
@@ -87,10 +87,11 @@ strategy = tf.distribute.get_strategy()
 model = build_compiled_model(keras, cfg, {})
 x, y = np.random.default_rng(0).normal(size=(64, 784)).astype("float32"), np.arange(64) % 10
 model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-save_checkpoint(sys.argv[1], model, 4, {"train_loss": 1.0})
+partial = {"epoch": 5, "done": 10, "loss_sum": 2.5, "train_s": 0.5}  # a stopped epoch 5 (custom loop)
+save_checkpoint(sys.argv[1], model, 4, {"train_loss": 1.0}, partial)
 fresh = build_compiled_model(keras, cfg, {})
 state = restore_checkpoint(Checkpoint.from_directory(sys.argv[1]), fresh, strategy)
-assert state == {"epoch": 4, "metrics": {"train_loss": 1.0}}, state
+assert state == {"epoch": 4, "metrics": {"train_loss": 1.0}, "partial": partial}, state
 assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), fresh.get_weights()))
 old, new = [v.numpy() for v in model.optimizer.variables], [v.numpy() for v in fresh.optimizer.variables]
 assert len(old) == len(new) == 1 + 2 * len(model.trainable_variables), (len(old), len(new))
