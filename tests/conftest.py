@@ -29,7 +29,7 @@ def free_port_block(size: int = 400) -> int:  # cluster/lib/ray-ports.sh RAY_POR
     """A base port whose whole block [base, base+size) is free right now."""
     rng = np.random.default_rng()
     for _ in range(50):
-        base = int(rng.integers(20000, 40000))
+        base = int(rng.integers(20000, 32768 - size))  # below the ephemeral range (outgoing connections)
         try:
             for port in range(base, base + size, 7):
                 with socket.socket() as sock:

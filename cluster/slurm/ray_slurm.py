@@ -5,9 +5,9 @@
     ray_slurm.py submit --dashboard URL --cwd DIR [--env K=V ...] -- COMMAND...
         `ray job submit` that streams the job's output and exits with the job's own exit code (the CLI
         only says failed or not; the Slurm script must tell "preempted, requeue me" (3) from a failure).
-    ray_slurm.py free-block --first 20000 --preferred 17 [--blocks 100] [--size 400]
-        Print the base port of the first port block, from block `preferred` on (wrapping around), whose ports
-        are all free on this host; exit 1 naming the range when none is.
+    ray_slurm.py free-block --first 20000 --key JOB_ID [--size 400]
+        Print the base port of a port block whose ports are all free on this host: block `key % blocks` first,
+        then the following ones (wrapping around); exit 1 naming the range when none is free.
 """
 from __future__ import annotations
 
@@ -85,11 +85,26 @@ def block_is_free(base: int, size: int) -> bool:
     return True
 
 
-def free_block(first: int, preferred: int, blocks: int, size: int) -> int | None:
-    """The base port of the first free block, trying block `preferred` first (the job id's own block, so jobs
+def ephemeral_low(default: int = 32768) -> int:
+    """The first port of the kernel's ephemeral range (outgoing connections take ports from there at any time,
+    so a Ray cluster's ports must stay below it)."""
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
+def block_count(first: int, size: int) -> int:
+    """Blocks of `size` ports between `first` and the ephemeral range (at least 1, at most 100)."""
+    return max(1, min(100, (ephemeral_low() - first) // size))
+
+
+def free_block(first: int, key: int, size: int, blocks: int | None = None) -> int | None:
+    """The base port of the first free block, trying block `key % blocks` first (the job id's own block, so jobs
     rarely need to move) and then the following ones; None when all are taken."""
+    blocks = blocks or block_count(first, size)
     for offset in range(blocks):
-        base = first + ((preferred + offset) % blocks) * size
+        base = first + ((key + offset) % blocks) * size
         if block_is_free(base, size):
             return base
     return None
@@ -109,15 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("job", nargs=argparse.REMAINDER)
     ports = sub.add_parser("free-block")
     ports.add_argument("--first", type=int, required=True)
-    ports.add_argument("--preferred", type=int, required=True)
-    ports.add_argument("--blocks", type=int, default=100)
+    ports.add_argument("--key", type=int, required=True)
     ports.add_argument("--size", type=int, default=400)
     args = parser.parse_args(argv)
     if args.command == "free-block":
-        base = free_block(args.first, args.preferred, args.blocks, args.size)
+        base = free_block(args.first, args.key, args.size)
         if base is None:
-            print(f"ray-cluster: error: no free block of {args.size} ports in {args.first}.."
-                  f"{args.first + args.blocks * args.size - 1} on {socket.gethostname()}", file=sys.stderr)
+            end = args.first + block_count(args.first, args.size) * args.size - 1
+            print(f"ray-cluster: error: no free block of {args.size} ports in {args.first}..{end} on "
+                  f"{socket.gethostname()}", file=sys.stderr)
             return 1
         print(base)
         return 0

@@ -12,7 +12,7 @@ import mlflow
 import pytest
 
 from tests.conftest import wait_until
-from tests.slurm.conftest import elapsed_s, job_info, job_output, ray_leftovers, sbatch, wait_gone, wait_job
+from tests.slurm.conftest import REPO, elapsed_s, job_info, job_output, ray_leftovers, sbatch, wait_gone, wait_job
 
 pytestmark = pytest.mark.slow
 
@@ -122,14 +122,24 @@ def test_two_concurrent_jobs_do_not_interfere(slurm, tiny_mnist, tmp_path, mlflo
         wait_gone(job)
 
 
+def free_block_base(job: int) -> int:
+    """The base port the sbatch script prefers for a job (cluster/slurm/ray_slurm.py, default first port)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ray_slurm", REPO / "cluster" / "slurm" / "ray_slurm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return 20000 + job % module.block_count(20000, 400) * 400
+
+
 def test_job_whose_port_block_is_taken_moves_to_the_next_free_one(slurm, tiny_mnist, tmp_path):
     """Jobs whose ids are equal modulo 100 start from the same port block; a job that finds a port of its block
     held on its head node (here: a listener on the head's GCS port) takes the next free block and runs."""
     out = tmp_path / "slurm"
     job = sbatch(slurm, out, ddp_command(tiny_mnist, "trainer.epochs=1"), sbatch_args=["--hold"])
-    block = int(job) % 100
+    preferred = free_block_base(int(job))
     with socket.socket() as holder:
-        holder.bind(("127.0.0.2", 20000 + block * 400))  # n1, where the batch script and the head run
+        holder.bind(("127.0.0.2", preferred))  # n1, where the batch script and the head run
         holder.listen()
         subprocess.run(["scontrol", "release", job], env=slurm, check=True)
         info = wait_job(slurm, job, 900)
@@ -137,7 +147,7 @@ def test_job_whose_port_block_is_taken_moves_to_the_next_free_one(slurm, tiny_mn
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
     base = int(log.split(", ports ", 1)[1].split("..", 1)[0])
     # A later block (not always the next: ports in use by anything, e.g. outgoing connections, also count).
-    assert base != 20000 + block * 400 and (base - 20000) % 400 == 0, base
+    assert base != preferred and (base - 20000) % 400 == 0, base
     wait_gone(job)
 
 
