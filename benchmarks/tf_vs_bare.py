@@ -24,7 +24,7 @@ def bare_keras(model: str, batch: int, epochs: int, steps_per_execution: int) ->
     import tf_keras as keras
 
     from pipelines.config import load_config
-    from pipelines.data.mnist import MEAN, STD
+    from contract.data import MNIST_MEAN as MEAN, MNIST_STD as STD
     from trainers.models.keras_models import build_keras_model
 
     tf.config.threading.set_intra_op_parallelism_threads(1)

@@ -92,7 +92,7 @@ class RunSection:
     seed: int = 0
     storage_path: str = "outputs/ray"
     dump_params_dir: Optional[str] = None
-    resume_dir: Optional[str] = None  # stop-and-resume folder (preemption); see pipelines/resume.py
+    resume_dir: Optional[str] = None  # stop-and-resume folder (preemption); see contract/resume.py
 
 
 @dataclass

@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import tempfile
 
-    from pipelines.tracking import tracking_uri
+    from contract.tracking import tracking_uri
 
     parser = argparse.ArgumentParser(description="Rebuild the scaling report of a sweep from its MLflow runs")
     parser.add_argument("parent_run_id")

@@ -29,7 +29,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines import tracking
+from contract import tracking
 from pipelines.config import ConfigError, flatten
 from pipelines.data.idx import DataError
 from pipelines.data.shards import read_manifest, shard_paths

@@ -76,13 +76,13 @@ def _check_sweep(spec: DictConfig) -> None:
     if spec.scheduler not in SCHEDULERS:
         raise ConfigError(f"sweep.scheduler: unknown '{spec.scheduler}' (choices: {SCHEDULERS})")
     from pipelines.scaling_report import NUMERIC
-    from pipelines.tracking import EPOCH_METRICS
+    from contract.metrics import EPOCH_METRICS, TEXT_METRICS
 
     if spec.metric not in NUMERIC:
         raise ConfigError(f"sweep.metric: '{spec.metric}' is not a report column (choices: {NUMERIC})")
-    if spec.scheduler == "asha" and spec.metric not in (*EPOCH_METRICS, "tokens_per_s"):
+    if spec.scheduler == "asha" and spec.metric not in (*EPOCH_METRICS, *TEXT_METRICS):
         raise ConfigError(f"sweep.metric: asha needs a metric every epoch reports, got '{spec.metric}' "
-                          f"(choices: {(*EPOCH_METRICS, 'tokens_per_s')})")
+                          f"(choices: {(*EPOCH_METRICS, *TEXT_METRICS)})")
     if spec.mode not in MODES:
         raise ConfigError(f"sweep.mode: unknown '{spec.mode}' (choices: {MODES})")
     if spec.max_concurrent_trials is not None and spec.max_concurrent_trials < 1:

@@ -3,7 +3,7 @@
 What `ray job submit` runs. Uses the cluster at RAY_ADDRESS when set, else starts a local Ray.
 Last stdout line: `mlflow_run_id=<id>`. Exit codes: 0 finished, 1 training failed (the MLflow run is
 marked FAILED with the error), 2 bad config, data or tracking server (nothing was started), 3 stopped on
-request with a checkpoint (`run.resume_dir`, pipelines/resume.py; the run is KILLED until continued).
+request with a checkpoint (`run.resume_dir`, contract/resume.py; the run is KILLED until continued).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import traceback
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipelines import resume, tracking
+from contract import resume, tracking
 from pipelines.config import ConfigError, flatten, load_config
 from pipelines.data.idx import DataError
 from pipelines.data.shards import read_manifest, shard_paths

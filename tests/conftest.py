@@ -172,7 +172,7 @@ def check_finished_run(client: Any, run_id: str, backend: str, epochs: int) -> s
     one model logged. Returns the logged model's URI."""
     import mlflow
 
-    from pipelines.tracking import EPOCH_METRICS
+    from contract.metrics import EPOCH_METRICS
 
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"

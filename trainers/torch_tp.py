@@ -6,18 +6,17 @@ a run can resume with another tp.
 """
 from __future__ import annotations
 
-import resource
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from trainers import torch_common as tc
 from trainers.models import build_model
-from trainers.torch_ddp import log_final_model  # noqa: F401  (re-exported: checkpoints hold the dense model)
+from trainers.torch_ddp import log_final_model, run_worker  # noqa: F401  (checkpoints hold the dense model)
 
 
 class CollectiveTimer:
@@ -51,89 +50,81 @@ class CollectiveTimer:
                 setattr(dist, name, fn)
 
 
-def rank_stats(model: torch.nn.Module, collective_s: float, use_gpu: bool) -> dict[str, float]:
+def rank_stats(model: torch.nn.Module, collective_s: float, peak_bytes: float) -> dict[str, float]:
     """This rank's share of the model and its resources."""
     from torch.distributed.tensor import DTensor
 
     local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-    peak = (torch.cuda.max_memory_allocated() if use_gpu
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
     return {"param_count": float(sum(p.numel() for p in local)),
             "param_bytes": float(sum(p.numel() * p.element_size() for p in local)),
-            "peak_memory_bytes": float(peak), "collective_time_s": collective_s}
+            "peak_memory_bytes": peak_bytes, "collective_time_s": collective_s}
 
 
-def log_rank_stats(logger: Any, stats: dict[str, float], epoch: int) -> None:
-    """Gather every rank's stats; rank 0 logs them as `rank<r>.<name>` metrics."""
-    gathered: list[dict[str, float] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, stats)
-    if logger is not None:
-        logger.log_extra(epoch, {f"rank{r}.{k}": v for r, s in enumerate(gathered) for k, v in s.items()})
+class TPAdapter(tc.TorchAdapter):
+    """The loop's adapter for a tensor-parallel model: gradients averaged over the "dp" group after backward,
+    checkpoints hold the dense model and the dense optimizer state (gathered from the TP shards), so a run
+    resumes with its Adam moments at any tp; per-rank stats (`rank<r>.*`) are logged each epoch."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.timer = CollectiveTimer()
+
+    def train_step(self, batch: tc.Batch) -> tuple[float, int, int]:
+        with self.timer.patch():  # training steps only, so collective time compares with train time
+            return super().train_step(batch)
+
+    def dense_state(self) -> tuple[dict[str, torch.Tensor], dict | None]:
+        from trainers.parallel.plans import dense_optimizer_state, unshard_state_dict
+
+        return unshard_state_dict(self.model), dense_optimizer_state(self.model, self.optimizer)
+
+    def load_dense_state(self, model_state: dict[str, torch.Tensor], optimizer_state: dict | None) -> None:
+        from trainers.parallel.plans import load_dense_optimizer_state, load_dense_state_dict
+
+        load_dense_state_dict(self.model, model_state)
+        if optimizer_state is not None:
+            load_dense_optimizer_state(self.model, self.optimizer, optimizer_state)
+
+    def epoch_extras(self) -> dict[str, float]:
+        """Every rank's stats, gathered (a collective), as `rank<r>.<name>`."""
+        gathered: list[dict[str, float] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, rank_stats(self.model, self.timer.seconds, self.peak_memory_bytes()))
+        return {f"rank{r}.{k}": v for r, stats in enumerate(gathered) for k, v in stats.items()}
 
 
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    import ray.train
-    import ray.train.torch
-
+def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: int, train_data: tc.TrainData,
+                  device: torch.device) -> TPAdapter:
+    """Mesh, the dense model from the shared seed, sharded by `parallelize_bert`; each TP group reads one DP
+    shard (`train_data(seed)` -> (train, evaluation) batches), shuffled alike on its ranks."""
     from trainers.parallel.data_parallel import average_gradients
     from trainers.parallel.mesh import ParallelDims, build_mesh, rank_coords
-    from trainers.parallel.plans import parallelize_bert, unshard_state_dict
+    from trainers.parallel.plans import parallelize_bert
 
-    cfg = OmegaConf.create(config["cfg"])
-    torch.set_num_threads(cfg.trainer.threads_per_worker)
-    context = ray.train.get_context()
-    rank, world_size = context.get_world_rank(), context.get_world_size()
     dims = ParallelDims(dp=cfg.trainer.dp, tp=cfg.trainer.tp)
     dims.validate(world_size)
     dp_rank, _ = rank_coords(rank, dims.dp, dims.tp)
     mesh = build_mesh(dims, "cuda" if cfg.trainer.use_gpu else "cpu")
-    device = ray.train.torch.get_device()
-
     # Same seed everywhere: identical dense weights before sharding, identical dropout masks inside a TP group.
     torch.manual_seed(cfg.run.seed)
-    model = build_model(cfg.model, config["model_inputs"])
-    state = tc.load_checkpoint(ray.train.get_checkpoint())
-    start_epoch, partial = tc.resume_point(state)
-    last_metrics = None if state is None else state["metrics"]
-    if state is not None:  # dense weights: whatever tp the checkpoint was written with
-        model.load_state_dict(state["model"])
-    model = parallelize_bert(model.to(device), mesh, impl=cfg.trainer.tp_impl)
+    model = parallelize_bert(build_model(cfg.model, model_inputs).to(device), mesh, impl=cfg.trainer.tp_impl)
     optimizer = tc.make_optimizer(model, cfg.trainer.optimizer, cfg.trainer.lr)
     dp_group = mesh.get_group("dp")
+    train, evaluation = train_data(cfg.run.seed + 1000 * dp_rank)  # same shuffle in a TP group
+    return TPAdapter(model, optimizer, train, evaluation, device, rank, replicas=dims.tp,
+                     sync_gradients=lambda: average_gradients(model, dp_group))
 
-    train, test = tc.worker_data(cfg, seed=cfg.run.seed + 1000 * dp_rank)  # same shuffle in a TP group
-    logger = tc.rank0_logger(config, rank, state)
-    tc.tag_worker_node(config, rank)
-    should_stop = tc.StopCheck(cfg.run.resume_dir)
 
-    timer = CollectiveTimer()
-    for epoch in range(start_epoch, cfg.trainer.epochs + 1):
-        tc.maybe_inject_failure(cfg.fault, epoch, rank, world_size)
-        max_steps = cfg.trainer.max_steps_per_epoch
-        stats = tc.epoch_start(partial, epoch)
-        on_step = tc.step_loss_logger(logger, cfg.trainer.log_every_n_steps, epoch, train.steps(max_steps),
-                                      done=stats.steps)
-        batches = train.epoch(epoch, max_steps=max_steps, skip=stats.steps)
-        with timer.patch():  # training steps only, so collective time compares with train time
-            stats = tc.train_epoch(model, optimizer, batches, device, on_step=on_step, stats=stats,
-                                   after_backward=lambda: average_gradients(model, dp_group),
-                                   should_stop=should_stop)
-        if stats.stopped:
-            tc.report_stop(stats, epoch, last_metrics, unshard_state_dict(model), None, rank)
-            return
-        correct, total = tc.count_correct(model, test.epoch(epoch, shuffle=False), device)
-        metrics = tc.epoch_metrics(stats, correct, total, replicas=dims.tp)
-        if epoch == start_epoch:
-            metrics["data_load_s"] = train.load_s + test.load_s
-        log_rank_stats(logger, rank_stats(model, timer.seconds, cfg.trainer.use_gpu), epoch)
-        dense = unshard_state_dict(model)  # a collective: every rank takes part, rank 0 saves
-        # Optimizer state is sharded like the model; it is not saved, so a resumed run restarts Adam's moments.
-        tc.report_epoch(metrics, dense, None, epoch, rank)
-        last_metrics = metrics
-        if logger is not None:
-            logger.log(epoch, metrics)
-    if cfg.run.dump_params_dir:
-        tc.dump_state(cfg.run.dump_params_dir, unshard_state_dict(model), rank, train)
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    import ray.train.torch
+
+    from trainers.worker import ray_context, worker_config
+
+    cfg = worker_config(config)
+    torch.set_num_threads(cfg.trainer.threads_per_worker)
+    ctx = ray_context(config, cfg)
+    adapter = build_adapter(cfg, config["model_inputs"], ctx.rank, ctx.world_size,
+                            lambda seed: tc.worker_data(cfg, seed), ray.train.torch.get_device())
+    run_worker(cfg, ctx, adapter)
 
 
 def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict,

@@ -17,7 +17,6 @@ from pipelines.data.idx import DataError, read_idx
 from pipelines.data.shards import sha256_of, write_manifest, write_split_shards
 
 PIXELS = 28 * 28
-MEAN, STD = 0.1307, 0.3081  # the usual MNIST train-set statistics
 
 # SHA-256 of the canonical gzip files (the same bytes torchvision's MD5 list accepts).
 CANONICAL = {

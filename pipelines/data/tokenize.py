@@ -6,6 +6,8 @@ from typing import Iterable
 import numpy as np
 import pyarrow as pa
 
+from contract.data import PAD_ID
+
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]  # [PAD] is id 0
 
 
@@ -47,7 +49,7 @@ class Tokenise:
 
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
         self.tokenizer.enable_truncation(max_len)
-        self.tokenizer.enable_padding(pad_id=0, pad_token="[PAD]", length=max_len)
+        self.tokenizer.enable_padding(pad_id=PAD_ID, pad_token="[PAD]", length=max_len)
         self.max_len = max_len
 
     def __call__(self, batch: pa.Table) -> pa.Table:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from pipelines.tracking import EPOCH_METRICS
+from contract.metrics import EPOCH_METRICS
 from tests.conftest import ROOT, metric_steps, pipeline_env, run_id_from, run_pipeline
 
 pytestmark = pytest.mark.slow

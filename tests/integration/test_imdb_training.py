@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipelines.tracking import EPOCH_METRICS
+from contract.metrics import EPOCH_METRICS
 from tests.conftest import pipeline_env, train_ok
 
 pytestmark = pytest.mark.slow

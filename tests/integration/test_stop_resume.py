@@ -1,4 +1,4 @@
-"""Stop on request and resume (`run.resume_dir`, pipelines/resume.py) for every backend loop that supports it:
+"""Stop on request and resume (`run.resume_dir`, contract/resume.py) for every backend loop that supports it:
 a real Ray head, a real MLflow server, 2 workers. The resumed run must be the uninterrupted run, step for step."""
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
-"""Plain models (no parallelism inside). `build_model(cfg.model)` picks one by name."""
+"""Plain models (no parallelism inside). `build_model(cfg.model)` picks one by name. This package is imported by
+TensorFlow workers too (keras_models), so torch is imported only where a PyTorch model is built."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def build_model(model_cfg: Any, model_inputs: dict | None = None) -> nn.Module:

@@ -77,23 +77,34 @@ def _dtensor_local(full: torch.Tensor, like: DTensor) -> torch.Tensor:
     return local
 
 
+def _shard_like(model: nn.Module, name: str, value: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `full`, the dense form of the local tensor `value` of state entry `name`."""
+    owner, leaf = _owner(model, name)
+    if isinstance(value, DTensor):
+        return _dtensor_local(full, value)
+    if isinstance(owner, TPLayer):
+        return owner.local_shard(leaf, full)
+    return full
+
+
+@torch.no_grad()
+def _unshard_like(model: nn.Module, name: str, value: torch.Tensor) -> torch.Tensor:
+    """The dense form of the local tensor `value` of state entry `name` (a collective over the TP group)."""
+    owner, leaf = _owner(model, name)
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if isinstance(owner, TPLayer):
+        return owner.full_tensor(leaf, value)
+    return value
+
+
 def shard_state_dict(model: nn.Module, dense_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """This rank's local piece of each tensor of a dense state dict, keyed like model.state_dict().
 
     For a megatron model the result loads with model.load_state_dict, so a checkpoint saved at one tp (after
     `unshard_state_dict`) resumes at another. For a dtensor model the values are the local shards (`to_local()`).
     """
-    out = {}
-    for name, value in model.state_dict().items():
-        full = dense_state[name]
-        owner, leaf = _owner(model, name)
-        if isinstance(value, DTensor):
-            out[name] = _dtensor_local(full, value)
-        elif isinstance(owner, TPLayer):
-            out[name] = owner.local_shard(leaf, full)
-        else:
-            out[name] = full
-    return out
+    return {name: _shard_like(model, name, value, dense_state[name]) for name, value in model.state_dict().items()}
 
 
 @torch.no_grad()
@@ -102,13 +113,59 @@ def unshard_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     A collective: every rank of the TP group must call it (in the same order, which state_dict() guarantees).
     """
-    out = {}
-    for name, value in model.state_dict().items():
-        owner, leaf = _owner(model, name)
-        if isinstance(value, DTensor):
-            out[name] = value.full_tensor()
-        elif isinstance(owner, TPLayer):
-            out[name] = owner.full_tensor(leaf, value)
-        else:
-            out[name] = value
-    return out
+    return {name: _unshard_like(model, name, value) for name, value in model.state_dict().items()}
+
+
+def _placed_like(model: nn.Module, name: str, like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `full` in the form of `like`: a DTensor laid out like it, or a plain local shard."""
+    local = _shard_like(model, name, like, full)
+    if isinstance(like, DTensor):
+        return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False)
+    return local
+
+
+@torch.no_grad()
+def load_dense_state_dict(model: nn.Module, dense_state: dict[str, torch.Tensor]) -> None:
+    """Load a dense state dict (saved at any tp) into a tensor-parallel model of either impl."""
+    model.load_state_dict({name: _placed_like(model, name, value, dense_state[name])
+                           for name, value in model.state_dict().items()})
+
+
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """Optimizer state index -> parameter name (`optimizer.state_dict()` numbers parameters group by group)."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {index: names[id(param)] for index, param in enumerate(params)}
+
+
+@torch.no_grad()
+def dense_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """`optimizer.state_dict()` with every per-parameter tensor shaped like its parameter (Adam's moments, SGD's
+    momentum) gathered to its dense form, so a run resumes with its optimizer state at any tp. Scalars (Adam's
+    step) stay as they are. A collective over the TP group, like `unshard_state_dict`."""
+    state = optimizer.state_dict()
+    names = _param_names(model, optimizer)
+    params = dict(model.named_parameters())
+    dense = {}
+    for index, entry in state["state"].items():
+        name = names[index]
+        dense[index] = {key: _unshard_like(model, name, value)
+                        if torch.is_tensor(value) and value.shape == params[name].shape else value
+                        for key, value in entry.items()}
+    return {"state": dense, "param_groups": state["param_groups"]}
+
+
+def load_dense_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, dense: dict) -> None:
+    """Load what `dense_optimizer_state` saved (at any tp) into this rank's optimizer: each dense tensor is cut
+    to this rank's shard of its parameter (a DTensor parameter gets a DTensor laid out like it)."""
+    names = _param_names(model, optimizer)
+    params = dict(model.named_parameters())
+    local = {}
+    for index, entry in dense["state"].items():
+        name = names[int(index)]
+        param = params[name]
+        local[index] = {}
+        for key, value in entry.items():
+            local[index][key] = (_placed_like(model, name, param, value)
+                                 if torch.is_tensor(value) and value.dim() > 0 else value)
+    optimizer.load_state_dict({"state": local, "param_groups": dense["param_groups"]})

@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
-EPOCH_METRICS = ("train_loss", "test_accuracy", "samples_per_s", "step_time_ms", "data_wait_fraction",
-                 "epoch_time_s")
 
 
 class TrackingUnavailable(RuntimeError):

@@ -1,0 +1,49 @@
+"""The checkpoint schema every backend writes: `train_state.json` (this file's `TrainState`) beside the backend's
+own model and optimizer files (PyTorch: `state.pt`; Keras: `model.weights.h5` + `optimizer.npz`).
+
+Which ranks write: the loop (trainers/loop.py) asks every rank to save into its own temporary folder, because
+saving may be collective (TP gathers its shards, a TF strategy needs every worker); rank 0's folder is the one
+reported to Ray Train, and backends may skip writing files on the other ranks.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+STATE_FILE = "train_state.json"
+
+
+@dataclass
+class EpochTotals:
+    """Running totals of one epoch on one rank, summed over its steps (a stopped epoch continues from them)."""
+    loss_sum: float = 0.0     # sum over samples of the per-sample loss
+    samples: int = 0
+    steps: int = 0            # steps trained (after a stop: the steps a resumed epoch skips)
+    data_wait_s: float = 0.0  # time spent waiting for batches
+    train_s: float = 0.0      # wall time of the epoch's steps, waits included
+    tokens: int = 0           # real (non-padding) tokens, for text
+
+
+@dataclass
+class TrainState:
+    """Where training stands: the last finished epoch and its metrics, plus the totals of the next epoch when
+    it stopped half-way on a stop request."""
+    epoch: int = 0                              # last finished epoch; 0: none yet
+    metrics: dict[str, float] | None = None     # that epoch's metrics
+    partial: EpochTotals | None = None          # epoch + 1 stopped after `partial.steps` steps
+
+    def totals_for(self, epoch: int) -> EpochTotals:
+        """The totals `epoch` starts from: those of a stopped epoch being continued, else zeros."""
+        if self.partial is not None and epoch == self.epoch + 1:
+            return EpochTotals(**asdict(self.partial))
+        return EpochTotals()
+
+    def write(self, directory: str | Path) -> None:
+        Path(directory, STATE_FILE).write_text(json.dumps(asdict(self), sort_keys=True))
+
+    @classmethod
+    def read(cls, directory: str | Path) -> "TrainState":
+        raw = json.loads(Path(directory, STATE_FILE).read_text())
+        partial = raw.pop("partial")
+        return cls(**raw, partial=None if partial is None else EpochTotals(**partial))

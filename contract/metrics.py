@@ -1,0 +1,61 @@
+"""The one metric set every backend logs, and how it is computed from the ranks' epoch totals.
+
+Rank 0 logs, per epoch (MLflow step = epoch): EPOCH_METRICS always, TEXT_METRICS for text data, and
+FIRST_EPOCH_METRICS at the first epoch of every attempt (a resumed run logs them again). `step_loss` every
+`trainer.log_every_n_steps` global steps. Tags: `rank<r>.node` per worker, `resumed_from_epoch`, and on a stop
+`preempted_at` (contract/tracking.py).
+"""
+from __future__ import annotations
+
+import resource
+from typing import Callable
+
+from contract.checkpoint import EpochTotals
+
+EPOCH_METRICS = ("train_loss", "test_accuracy", "samples_per_s", "step_time_ms", "data_wait_fraction",
+                 "epoch_time_s", "peak_memory_bytes")
+TEXT_METRICS = ("tokens_per_s",)
+FIRST_EPOCH_METRICS = ("data_load_s",)
+STEP_METRIC = "step_loss"
+STOP_METRICS = ("stopped_at_epoch", "stopped_at_step")  # what the driver sees in a stopped run's result
+
+# (values, "sum" | "max") -> each value reduced over all ranks. Every backend supplies one over its own
+# collectives (torch.distributed, Horovod, a TF strategy); the loop uses it for metrics and the stop agreement.
+Reducer = Callable[[list[float], str], list[float]]
+
+
+def metric_names(text: bool) -> tuple[str, ...]:
+    """The per-epoch metrics a run logs at every epoch."""
+    return EPOCH_METRICS + (TEXT_METRICS if text else ())
+
+
+def epoch_metrics(totals: EpochTotals, correct: int, total: int, reduce: Reducer, peak_bytes: float,
+                  replicas: int = 1) -> dict[str, float]:
+    """The metrics of one epoch over all ranks (sums, and the slowest rank's time). `test_accuracy` is measured on
+    the dataset's evaluation split. `replicas`: ranks that process each sample (the TP degree), so throughput
+    counts every sample once. A collective: every rank calls it."""
+    loss_sum, samples, steps, wait_s, train_s, tokens, correct_all, total_all = reduce(
+        [totals.loss_sum, totals.samples, totals.steps, totals.data_wait_s, totals.train_s, totals.tokens,
+         correct, total], "sum")
+    slowest_s, peak = reduce([totals.train_s, peak_bytes], "max")
+    metrics = {
+        "train_loss": loss_sum / max(samples, 1),
+        "test_accuracy": correct_all / max(total_all, 1),
+        "samples_per_s": samples / replicas / max(slowest_s, 1e-9),
+        "step_time_ms": 1000.0 * train_s / max(steps, 1),
+        "data_wait_fraction": wait_s / max(train_s, 1e-9),
+        "epoch_time_s": slowest_s,
+        "peak_memory_bytes": peak,  # the largest rank's peak so far (sweep scaling reports)
+    }
+    if tokens:
+        metrics["tokens_per_s"] = tokens / replicas / max(slowest_s, 1e-9)
+    return {name: float(value) for name, value in metrics.items()}
+
+
+def peak_rss_bytes() -> float:
+    """This process's peak resident memory so far (Linux reports KiB)."""
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def stop_metrics(epoch: int, steps: int) -> dict[str, float]:
+    return dict(zip(STOP_METRICS, (float(epoch), float(steps))))

@@ -1,0 +1,73 @@
+"""One attempt of a backend's worker in this (fresh) process, on the shared loop without Ray:
+
+    python -m tests.loop_backends BACKEND FOLDER ATTEMPT [RESTORE]
+
+BACKEND: horovod_torch | horovod_tf | tf_mwms_custom | tf_mwms_fit; ATTEMPT: straight | stopped | resumed.
+Prints the attempt as JSON (tests/loop_harness.py) on its last line. A fresh process per attempt: TensorFlow fixes
+its threads and logical devices at its first op, and tf-keras needs TF_USE_LEGACY_KERAS=1 before TF is imported.
+Horovod runs as a lone process (size 1, no rendezvous). The TF backends also check they never import torch.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from tests.loop_harness import attempt_to_json, config, imdb_columns, mnist_columns, run_attempt
+
+MODEL_INPUTS = {"vocab_size": 64, "max_len": 16}
+COMMON = ["trainer.epochs=2", "trainer.batch_size=16", "trainer.optimizer=sgd", "trainer.lr=0.01",
+          "trainer.num_workers=1", "model.dropout=0"]
+BACKENDS = {
+    "horovod_torch": ["trainer=horovod", "trainer.backward_passes_per_step=2", "model.hidden=[32]", *COMMON],
+    "horovod_tf": ["trainer=horovod", "trainer.framework=tf", "trainer.backward_passes_per_step=2",
+                   "model.hidden=[32]", *COMMON],
+    # two logical CPU devices under MirroredStrategy: the strategy's gather and per-replica batches
+    "tf_mwms_custom": ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.tf_devices=2", "model.hidden=[32]",
+                       *COMMON],
+    "tf_mwms_fit": ["trainer=tf_mwms", "trainer.tf_loop=fit", "data=imdb", "model=embed_pool", "model.embed_dim=8",
+                    "model.hidden=8", "trainer.tf_steps_per_execution=4", *COMMON],
+}
+
+
+def data_for(backend: str):
+    if backend == "tf_mwms_fit":
+        return imdb_columns(320, 64, 16), imdb_columns(64, 64, 16, seed=1)
+    return mnist_columns(320), mnist_columns(64, seed=1)
+
+
+def runner(backend: str, cfg):
+    train, evaluation = data_for(backend)
+    if backend == "horovod_torch":
+        import torch
+
+        from trainers import torch_common as tc
+        from trainers.horovod_torch import run_worker
+
+        def batches(seed):
+            as_torch = lambda cols: {k: torch.from_numpy(v) for k, v in cols.items()}  # noqa: E731
+            return (tc.ShardBatches.from_columns(as_torch(train), "mnist", 16, seed),
+                    tc.ShardBatches.from_columns(as_torch(evaluation), "mnist", 64, seed))
+        return lambda ctx: run_worker(cfg, ctx, {}, train_data=batches)
+    from trainers.tf_common import ShardArrays
+
+    arrays = (ShardArrays.from_columns(train, cfg.data.name), ShardArrays.from_columns(evaluation, cfg.data.name))
+    if backend == "horovod_tf":
+        from trainers.horovod_tf import run_worker
+    else:
+        from trainers.tf_mwms import run_worker
+    return lambda ctx: run_worker(cfg, ctx, MODEL_INPUTS, data=arrays)
+
+
+def main(backend: str, folder: str, attempt: str, restore: str | None = None) -> None:
+    base = Path(folder)
+    cfg = config(base / "cfg", BACKENDS[backend])
+    result = run_attempt(runner(backend, cfg), 0, 1, cfg.trainer.epochs, base / attempt,
+                         restored=Path(restore) if restore else None, stop=attempt == "stopped")
+    if backend.startswith("tf") or backend == "horovod_tf":
+        assert "torch" not in sys.modules, "a TensorFlow worker imported torch"
+    print(json.dumps(attempt_to_json(result)))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

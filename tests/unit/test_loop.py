@@ -1,0 +1,149 @@
+"""The shared loop (trainers/loop.py) in-process, no Ray cluster: stop agreement, resume point, metric set and
+checkpoint schema with a pure-Python adapter, then stop/resume parity for the PyTorch DDP adapter."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from contract.checkpoint import STATE_FILE, EpochTotals, TrainState
+from tests.loop_harness import (STOP_AT, check_metric_set, check_stop_resume_parity, config, mnist_columns,
+                                run_attempt)
+from trainers.loop import StopAgreement, TrainLoop
+
+
+class LineAdapter:
+    """Fits y = w x by SGD on a fixed data stream; the state is w (and the step count), in a JSON file.
+    `passes` > 1 accumulates gradients like Horovod's backward_passes_per_step."""
+
+    replicas, load_s = 1, 0.25
+
+    def __init__(self, steps: int = 25, passes: int = 1, text: bool = False):
+        self.w, self.grad, self.pending, self.updates = 0.0, 0.0, 0, 0
+        self.steps, self.passes, self.text = steps, passes, text
+
+    def steps_per_epoch(self) -> int:
+        return self.steps
+
+    def batches(self, epoch: int, skip: int) -> Iterator[tuple[float, float]]:
+        rng = np.random.default_rng(epoch)
+        data = [(float(x), 3.0 * float(x)) for x in rng.normal(size=self.steps)]
+        return iter(data[skip:])
+
+    def train_step(self, batch: tuple[float, float]) -> tuple[float, int, int]:
+        x, y = batch
+        loss = (self.w * x - y) ** 2
+        self.grad += 2 * (self.w * x - y) * x / self.passes
+        self.pending += 1
+        if self.pending == self.passes:
+            self.finish_epoch()
+        return loss, 4, 7 if self.text else 0
+
+    def at_update_boundary(self) -> bool:
+        return self.pending == 0
+
+    def finish_epoch(self) -> None:
+        if self.pending:
+            self.w -= 0.05 * self.grad
+            self.grad, self.pending, self.updates = 0.0, 0, self.updates + 1
+
+    def evaluate(self, epoch: int) -> tuple[int, int]:
+        return int(abs(self.w - 3.0) < 0.5), 1
+
+    def reduce(self, values: list[float], op: str) -> list[float]:
+        return values
+
+    def peak_memory_bytes(self) -> float:
+        return 1.0
+
+    def epoch_extras(self) -> dict[str, float]:
+        return {"rank0.w": self.w}
+
+    def save(self, directory: str) -> None:
+        Path(directory, "line.json").write_text(json.dumps({"w": self.w, "updates": self.updates}))
+
+    def load(self, directory: str) -> None:
+        state = json.loads(Path(directory, "line.json").read_text())
+        self.w, self.updates = state["w"], state["updates"]
+
+
+@pytest.mark.parametrize("text", [False, True])
+def test_loop_stop_resume_parity_and_metric_set(tmp_path, text):
+    """Contract on a pure-Python adapter: stop at step 10 with a checkpoint, resume skipping the trained steps,
+    the same curve, the exact metric set (tokens_per_s for text), extras logged, the epoch's totals continued."""
+    runs = check_stop_resume_parity(lambda ctx: TrainLoop(LineAdapter(text=text), ctx).run(), tmp_path,
+                                    epochs=3, text=text)
+    straight = runs["straight"]
+    assert straight.recorder.extras[3]["rank0.w"] == pytest.approx(3.0, abs=0.5)
+    assert straight.recorder.epochs[1]["data_load_s"] == 0.25
+    if text:
+        epoch = straight.recorder.epochs[1]
+        assert epoch["tokens_per_s"] == pytest.approx(25 * 7 / epoch["epoch_time_s"])
+
+
+def test_checkpoint_schema_of_a_stopped_epoch(tmp_path):
+    """train_state.json: the last finished epoch, its metrics, and the stopped epoch's totals."""
+    run = lambda ctx: TrainLoop(LineAdapter(), ctx).run()  # noqa: E731
+    first = run_attempt(run, 0, 1, 3, tmp_path / "a")
+    stopped = run_attempt(run, 0, 1, 3, tmp_path / "b", restored=first.checkpoint, stop=False)
+    assert stopped.finished and stopped.reports == []  # all epochs already done: nothing to train
+    epoch2 = run_attempt(run, 0, 1, 2, tmp_path / "c")
+    halted = run_attempt(run, 0, 1, 3, tmp_path / "d", restored=epoch2.checkpoint, stop=True)
+    state = TrainState.read(halted.checkpoint)
+    assert (state.epoch, state.partial.steps, state.partial.samples) == (2, STOP_AT, 4 * STOP_AT)
+    assert state.metrics == epoch2.recorder.epochs[2]
+    assert (halted.checkpoint / STATE_FILE).is_file() and (halted.checkpoint / "line.json").is_file()
+    assert TrainState.read(halted.checkpoint).totals_for(3) == state.partial
+    assert TrainState.read(halted.checkpoint).totals_for(4) == EpochTotals()
+
+
+def test_stop_waits_for_the_update_boundary(tmp_path):
+    """With 3 batches per update the agreement at step 10 falls inside an update: the loop goes on to the next
+    multiple of the check that is a boundary (step 30... here the epoch's end), never losing gradients."""
+    adapter = LineAdapter(steps=25, passes=3)
+    attempt = run_attempt(lambda ctx: TrainLoop(adapter, ctx).run(), 0, 1, 1, tmp_path, stop=True)
+    # 10 and 20 are not multiples of 3: no stop inside epoch 1, which finishes (and flushes the 25th batch).
+    assert attempt.finished and adapter.updates == 9
+
+
+def test_stop_agreement_is_collective_and_periodic(tmp_path):
+    """A rank that has not seen STOP yet stops with the others (max over ranks), only every `every` steps."""
+    calls = []
+
+    def reduce(values, op):
+        calls.append((values, op))
+        return [max(values[0], 1.0)]  # another rank sees the file
+
+    agree = StopAgreement(tmp_path / "STOP", reduce, every=5)
+    assert [agree(step) for step in range(1, 11)] == [False] * 4 + [True] + [False] * 4 + [True]
+    assert calls == [([0.0], "max")] * 2
+    assert not StopAgreement(None, reduce, every=1)(5)
+
+
+def test_ddp_adapter_stop_resume_parity(tmp_path):
+    """The PyTorch adapter (one rank; DDP's loop) with SGD momentum: the resumed run restores weights, momentum
+    buffers and the epoch's totals, and its loss curve equals the uninterrupted one exactly."""
+    from trainers import torch_common as tc
+    from trainers.torch_ddp import build_adapter, run_worker
+
+    cfg = config(tmp_path, ["trainer.batch_size=16", "trainer.optimizer=sgd", "trainer.lr=0.01", "model.hidden=[32]",
+                            "model.dropout=0", "trainer.epochs=2", "trainer.num_workers=1"])
+    columns = {k: torch.from_numpy(v) for k, v in mnist_columns(320).items()}
+    evaluation = {k: torch.from_numpy(v) for k, v in mnist_columns(64, seed=1).items()}
+
+    def data(seed):
+        return (tc.ShardBatches.from_columns(columns, "mnist", 16, seed),
+                tc.ShardBatches.from_columns(evaluation, "mnist", 64, seed))
+
+    def run(ctx):
+        return run_worker(cfg, ctx, build_adapter(cfg, {}, ctx.rank, data, torch.device("cpu")))
+
+    runs = check_stop_resume_parity(run, tmp_path, rtol=0, atol=0)
+    assert len(runs["straight"].recorder.step_losses) == 40  # 320 rows / 16 x 2 epochs
+    state = torch.load(runs["stopped"].checkpoint / tc.STATE_FILE, weights_only=False)
+    assert {"momentum_buffer"} <= set(state["optimizer"]["state"][0])
+    check_metric_set(runs["resumed"].recorder, 2, text=False)

@@ -1,0 +1,70 @@
+"""PyTorch side of `trainer=horovod` (`trainer.framework=torch`): `hvd.DistributedOptimizer` on the shared
+`TorchAdapter`. Checkpoints are ddp's (rank 0 writes the model and optimizer state), as is the logged model."""
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from contract.metrics import Reducer
+from trainers import torch_common as tc
+from trainers.horovod import import_horovod, init_horovod, record_init
+from trainers.loop import WorkerContext
+from trainers.models import build_model
+from trainers.torch_ddp import run_worker as run_loop
+
+
+def hvd_reducer(hvd: Any) -> Reducer:
+    """`Reducer` over Horovod's allreduce (for the shared epoch metrics and the stop agreement)."""
+    ops = {"sum": hvd.Sum, "max": hvd.Max}
+    calls = itertools.count()
+
+    def reduce(values: list[float], op: str) -> list[float]:
+        # Named ops: every rank issues them in the same order, so the same counter value names the same op.
+        reduced = hvd.allreduce(torch.tensor(values, dtype=torch.float64), op=ops[op], name=f"metrics.{next(calls)}")
+        return reduced.tolist()
+    return reduce
+
+
+class HorovodTorchAdapter(tc.TorchAdapter):
+    """Rank 0's weights become everyone's at the start (ranks draw different initial weights on purpose, so the
+    broadcast is what aligns them) and again after a restore, with the optimizer state. On a fresh start the
+    optimizer state is not broadcast: Horovod would take a zero-gradient step to create it, an extra Adam step."""
+
+    def __init__(self, hvd: Any, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.hvd = hvd
+        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+
+    def load_dense_state(self, model_state: dict[str, torch.Tensor], optimizer_state: dict | None) -> None:
+        super().load_dense_state(model_state, optimizer_state)
+        self.hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        if optimizer_state is not None:
+            self.hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
+
+
+def build_adapter(hvd: Any, cfg: DictConfig, model_inputs: dict, rank: int,
+                  train_data: tc.TrainData) -> HorovodTorchAdapter:
+    torch.manual_seed(cfg.run.seed + rank)  # different on purpose: the broadcast must align them
+    model = build_model(cfg.model, model_inputs)
+    passes = cfg.trainer.backward_passes_per_step
+    optimizer = hvd.DistributedOptimizer(
+        tc.make_optimizer(model, cfg.trainer.optimizer, cfg.trainer.lr), named_parameters=model.named_parameters(),
+        compression=hvd.Compression.fp16 if cfg.trainer.compression == "fp16" else hvd.Compression.none,
+        backward_passes_per_step=passes)
+    train, evaluation = train_data(cfg.run.seed + 1000 * rank)
+    return HorovodTorchAdapter(hvd, model, optimizer, train, evaluation, torch.device("cpu"), rank,
+                               reduce=hvd_reducer(hvd), passes=passes)
+
+
+def run_worker(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict,
+               train_data: tc.TrainData | None = None) -> bool:
+    """`hvd.init()`, then the shared loop. `train_data`: Ray Data shards unless given (tests)."""
+    hvd = import_horovod("torch")
+    torch.set_num_threads(cfg.trainer.threads_per_worker)
+    init_horovod(hvd, ctx.rank, ctx.world_size)
+    record_init(cfg.run.dump_params_dir, ctx.rank)
+    adapter = build_adapter(hvd, cfg, model_inputs, ctx.rank, train_data or (lambda seed: tc.worker_data(cfg, seed)))
+    return run_loop(cfg, ctx, adapter)

@@ -1,0 +1,185 @@
+"""The one training loop every backend runs, framework-free (no torch, TensorFlow or Ray imported here).
+
+A backend supplies an `Adapter` (model, optimizer, data shard, one training step, evaluation, state files,
+an all-reduce) and a `WorkerContext` (rank, how to report, the checkpoint to resume from; trainers/worker.py
+builds it from Ray Train). The loop owns everything the contract promises: epochs and the resume point,
+skipping the steps a stopped epoch already trained on, the STOP agreement between ranks, `step_loss`, the
+epoch metrics (contract/metrics.py), the checkpoint schema (contract/checkpoint.py) and what rank 0 logs.
+Keras `fit` keeps its own loop and calls `end_epoch` from a callback (trainers/tf_mwms.py).
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
+
+from contract.checkpoint import EpochTotals, TrainState
+from contract.metrics import Reducer, epoch_metrics, stop_metrics
+from contract.resume import STOP_CHECK_EVERY
+
+
+class Adapter(Protocol):
+    """What a backend provides to the loop. Methods marked collective are called by every rank in step."""
+
+    replicas: int   # ranks that process each sample (the TP degree; 1 for data parallelism)
+    load_s: float   # seconds this worker took to pull its data shards
+
+    def steps_per_epoch(self) -> int: ...
+    def batches(self, epoch: int, skip: int) -> Iterator[Any]:
+        """The epoch's batches in a fixed order per epoch, without the first `skip` (trained before a stop)."""
+    def train_step(self, batch: Any) -> tuple[float, int, int]:
+        """Forward, backward and (at an update boundary) the optimizer step; returns (loss, samples, tokens)."""
+    def at_update_boundary(self) -> bool:
+        """No accumulated gradients are pending: a stop here loses nothing."""
+    def finish_epoch(self) -> None:
+        """Apply gradients still accumulated at the end of an epoch (collective)."""
+    def evaluate(self, epoch: int) -> tuple[int, int]:
+        """(correct, total) on this worker's evaluation shard."""
+    def reduce(self, values: list[float], op: str) -> list[float]:
+        """`contract.metrics.Reducer` over the backend's collectives."""
+    def peak_memory_bytes(self) -> float: ...
+    def epoch_extras(self) -> dict[str, float]:
+        """Diagnostics rank 0 logs beside the epoch metrics (collective; {} for none)."""
+    def save(self, directory: str) -> None:
+        """Model and optimizer state into `directory` (collective; see contract/checkpoint.py)."""
+    def load(self, directory: str) -> None: ...
+
+
+class MetricsSink(Protocol):
+    """Rank 0's MLflow logging (contract.tracking.EpochLogger)."""
+
+    def log(self, epoch: int, metrics: dict[str, float]) -> None: ...
+    def log_extra(self, epoch: int, metrics: dict[str, float]) -> None: ...
+    def log_step_loss(self, step: int, loss: float) -> None: ...
+    def resumed_from(self, epoch: int) -> None: ...
+
+
+@dataclass
+class WorkerContext:
+    """What the loop needs from the cluster: Ray Train in a run (trainers/worker.py), plain objects in tests."""
+    rank: int
+    world_size: int
+    report: Callable[[dict[str, float], str | None], None]  # (metrics, checkpoint folder on rank 0, else None)
+    epochs: int
+    restored: Any = None                  # a checkpoint with `as_directory()` to resume from, or None
+    logger: MetricsSink | None = None     # rank 0's MLflow logger; None on the other ranks
+    stop_file: Path | None = None         # STOP in `run.resume_dir` (contract/resume.py)
+    log_every_n_steps: int = 0            # `step_loss` every n global steps; 0: off
+    before_epoch: Callable[[int], None] | None = None  # testing hook (fault injection)
+    stop_check_every: int = STOP_CHECK_EVERY
+
+
+class StopAgreement:
+    """True on every rank at the same step once STOP exists. Every `every` steps the ranks agree through one
+    all-reduce of a flag, so a rank that sees the file late still stops with the others; checking every step
+    would add a collective to each step of a small model."""
+
+    def __init__(self, path: Path | None, reduce: Reducer, every: int):
+        self.path, self.reduce, self.every = path, reduce, every
+
+    def __call__(self, steps: int) -> bool:
+        if self.path is None or steps % self.every:
+            return False
+        (flag,) = self.reduce([float(self.path.exists())], "max")
+        return flag > 0
+
+
+class TrainLoop:
+    """Epochs of `adapter` under `ctx`. Construction restores the checkpoint (if any) into the adapter."""
+
+    def __init__(self, adapter: Adapter, ctx: WorkerContext):
+        self.adapter, self.ctx = adapter, ctx
+        self.should_stop = StopAgreement(ctx.stop_file, adapter.reduce, ctx.stop_check_every)
+        self.state = self._restore()
+        self.first_epoch = self.state.epoch + 1  # of this attempt
+
+    def _restore(self) -> TrainState:
+        if self.ctx.restored is None:
+            return TrainState()
+        with self.ctx.restored.as_directory() as directory:
+            self.adapter.load(directory)
+            state = TrainState.read(directory)
+        if self.ctx.logger is not None:
+            self.ctx.logger.resumed_from(state.epoch)
+            if state.metrics is not None:  # the failure may have hit between the report and the log
+                self.ctx.logger.log(state.epoch, state.metrics)
+        return state
+
+    def run(self) -> bool:
+        """Train the remaining epochs. False: stopped on request, with a checkpoint of the half-done epoch."""
+        for epoch in range(self.first_epoch, self.ctx.epochs + 1):
+            if self.ctx.before_epoch is not None:
+                self.ctx.before_epoch(epoch)
+            totals = self.state.totals_for(epoch)
+            if not self.train_epoch(epoch, totals):
+                self._report_stop(epoch, totals)
+                return False
+            self.end_epoch(epoch, totals)
+        return True
+
+    def train_epoch(self, epoch: int, totals: EpochTotals) -> bool:
+        """One pass, continuing `totals`; the wait for each batch is timed apart from the whole step. Returns
+        False when the ranks agreed to stop (only at an update boundary: no accumulated gradient is lost)."""
+        adapter = self.adapter
+        batches = adapter.batches(epoch, skip=totals.steps)
+        start = time.perf_counter()
+        stopped = False
+        while True:
+            wait_start = time.perf_counter()
+            batch = next(batches, None)
+            totals.data_wait_s += time.perf_counter() - wait_start
+            if batch is None:
+                break
+            loss, samples, tokens = adapter.train_step(batch)
+            totals.loss_sum += loss * samples
+            totals.samples += samples
+            totals.steps += 1
+            totals.tokens += tokens
+            self.log_step_loss(epoch, totals.steps, loss)
+            if adapter.at_update_boundary() and self.should_stop(totals.steps):
+                stopped = True
+                break
+        if not stopped:
+            adapter.finish_epoch()
+        totals.train_s += time.perf_counter() - start
+        return not stopped
+
+    def log_step_loss(self, epoch: int, step_in_epoch: int, loss: float, since_step: int | None = None) -> None:
+        """Rank 0 logs `step_loss` when the global step crosses a multiple of `log_every_n_steps`; `loss` covers
+        the steps since `since_step` (default: the previous step; Keras `fit` sees the loss every few steps)."""
+        every, logger = self.ctx.log_every_n_steps, self.ctx.logger
+        if logger is None or every <= 0:
+            return
+        offset = (epoch - 1) * self.adapter.steps_per_epoch()
+        previous = step_in_epoch - 1 if since_step is None else since_step
+        if (offset + step_in_epoch) // every > (offset + previous) // every:
+            logger.log_step_loss(offset + step_in_epoch, loss)
+
+    def end_epoch(self, epoch: int, totals: EpochTotals) -> None:
+        """Evaluate, reduce the metrics over the ranks, checkpoint, report, and log (rank 0). Collective."""
+        adapter = self.adapter
+        correct, total = adapter.evaluate(epoch)
+        metrics = epoch_metrics(totals, correct, total, adapter.reduce, adapter.peak_memory_bytes(),
+                                adapter.replicas)
+        if epoch == self.first_epoch:
+            metrics["data_load_s"] = adapter.load_s
+        extras = adapter.epoch_extras()
+        self.state = TrainState(epoch=epoch, metrics=metrics)
+        self._checkpoint_and_report(metrics, self.state)
+        if self.ctx.logger is not None:
+            self.ctx.logger.log(epoch, metrics)
+            if extras:
+                self.ctx.logger.log_extra(epoch, extras)
+
+    def _report_stop(self, epoch: int, totals: EpochTotals) -> None:
+        """Checkpoint the half-done epoch; the driver sees STOP_METRICS and marks the run as stopped."""
+        state = TrainState(epoch=epoch - 1, metrics=self.state.metrics, partial=totals)
+        self._checkpoint_and_report(stop_metrics(epoch, totals.steps), state)
+
+    def _checkpoint_and_report(self, metrics: dict[str, float], state: TrainState) -> None:
+        with tempfile.TemporaryDirectory() as directory:
+            self.adapter.save(directory)  # every rank: saving may be collective
+            state.write(directory)
+            self.ctx.report(metrics, directory if self.ctx.rank == 0 else None)

@@ -1,0 +1,243 @@
+"""What both TensorFlow backends (tf_mwms, horovod tf) share: shard ingest, the tf-keras model and its state
+files, and `KerasAdapter`, the base of their adapters on the shared loop (trainers/loop.py).
+
+Which Keras: tf-keras (Keras 2). Keras 3 `model.fit` under MultiWorkerMirroredStrategy with 2 workers crashes
+(`Attempt to convert a value (PerReplica:...)`, keras-team/keras#20585, tensorflow#72388, open upstream);
+tf-keras is the maintained Keras 2 package released with every TF version, and its `fit` works under MWMS
+unpatched. One Keras for every TF loop keeps one checkpoint format and one logged-model flavour. tf-keras only
+takes over `tf.keras` (and TF's distribute code paths) when `TF_USE_LEGACY_KERAS=1` is in the environment
+before the process imports TensorFlow, so trainers pass LEGACY_KERAS_ENV through
+`RunConfig(worker_runtime_env=...)`: Ray starts the worker processes with it. Setting it later is too late.
+TensorFlow is imported inside functions for that reason, and nothing here imports torch.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from contract.data import MNIST_MEAN, MNIST_STD
+from contract.metrics import peak_rss_bytes
+
+LEGACY_KERAS_ENV = {"TF_USE_LEGACY_KERAS": "1"}
+LOAD_BATCH = 8192
+EVAL_BATCH = 256
+WEIGHTS, OPTIMIZER = "model.weights.h5", "optimizer.npz"
+
+
+def require_legacy_keras() -> None:
+    if os.environ.get("TF_USE_LEGACY_KERAS") != "1":
+        raise RuntimeError("TF_USE_LEGACY_KERAS=1 must be in the worker's environment from process start "
+                           "(build the trainer with the backend's build_trainer)")
+
+
+def set_threads(tf: Any, threads: int) -> None:
+    """Before any other TF op (TF fixes them at its first). Inter-op threads >= 2: a precaution (not measured)
+    so that an op blocked in a collective cannot starve the others."""
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(threads + 1)
+
+
+class ShardArrays:
+    """This worker's Ray Data shard, pulled once into memory as numpy (same reason as
+    `torch_common.ShardBatches`: re-streaming Parquet every epoch is slower than the model trains).
+    Features: MNIST uint8 images [N, 784] (normalised per batch in `dataset`), IMDb int32 token ids [N, T]
+    with their `lengths` (real tokens per row). `shard`: anything with Ray's `iter_batches`."""
+
+    def __init__(self, shard: Any, dataset: str):
+        start = time.perf_counter()
+        self.column = "image" if dataset == "mnist" else "input_ids"
+        self._concat(shard.iter_batches(batch_size=LOAD_BATCH, batch_format="numpy"))
+        self.load_s = time.perf_counter() - start
+
+    @classmethod
+    def from_columns(cls, columns: dict[str, np.ndarray], dataset: str) -> "ShardArrays":
+        """A shard already in memory (in-process tests): what pulling a Ray Data shard gives."""
+        arrays = cls.__new__(cls)
+        arrays.column, arrays.load_s = "image" if dataset == "mnist" else "input_ids", 0.0
+        arrays._concat([columns])
+        return arrays
+
+    def _concat(self, batches: Any) -> None:
+        features, labels, lengths = [], [], []
+        for batch in batches:
+            column = batch[self.column]  # fixed-size lists: [B, D], or B arrays of D
+            features.append(np.stack(column) if column.dtype == object else column)
+            labels.append(np.asarray(batch["label"], dtype=np.int64))
+            lengths.append(np.asarray(batch["length"], dtype=np.int64) if "length" in batch
+                           else np.zeros(len(column), dtype=np.int64))
+        self.features, self.labels = np.concatenate(features), np.concatenate(labels)
+        self.lengths = np.concatenate(lengths)  # zeros for images: no tokens to count
+
+    def steps(self, batch_size: int, max_steps: int | None) -> int:
+        # Every worker must run the same number of steps (each is a collective): Ray's DataConfig splits
+        # with equal=True (same rows per worker), and only full batches are used.
+        steps = len(self.labels) // batch_size
+        return min(steps, max_steps) if max_steps else steps
+
+    def order(self, seed: int | None) -> np.ndarray:
+        """Row order of an epoch: shuffled by `seed`, or as stored when None."""
+        rows = len(self.labels)
+        return np.arange(rows) if seed is None else np.random.default_rng(seed).permutation(rows)
+
+    def step_tokens(self, rows_per_step: int, seed: int, steps: int) -> np.ndarray:
+        """Real tokens in each of an epoch's `steps` steps of `rows_per_step` rows (in `order(seed)`)."""
+        return self.lengths[self.order(seed)][:steps * rows_per_step].reshape(steps, rows_per_step).sum(axis=1)
+
+    def dataset(self, tf: Any, batch_size: int, seed: int | None = None, steps: int | None = None) -> Any:
+        """One epoch as a `tf.data.Dataset` of (features, labels [B]); shuffled with `seed` (per epoch) when
+        given. TF's auto-sharding is off: Ray already gave each worker its shard."""
+        order = self.order(seed)
+        ds = tf.data.Dataset.from_tensor_slices((self.features[order], self.labels[order]))
+        ds = ds.batch(batch_size, drop_remainder=steps is not None)
+        if steps is not None:
+            ds = ds.take(steps)
+        if self.column == "image":
+            ds = ds.map(lambda x, y: ((tf.cast(x, tf.float32) / 255.0 - MNIST_MEAN) / MNIST_STD, y))
+        else:
+            ds = ds.map(lambda x, y: (tf.cast(x, tf.int32), y))
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        return ds.with_options(options).prefetch(2)
+
+
+def worker_arrays(dataset: str) -> tuple[ShardArrays, ShardArrays]:
+    """This worker's train and eval arrays (Ray Train dataset shards "train" and "eval")."""
+    import ray.train
+
+    return (ShardArrays(ray.train.get_dataset_shard("train"), dataset),
+            ShardArrays(ray.train.get_dataset_shard("eval"), dataset))
+
+
+def input_example(dataset: str, model_inputs: dict) -> np.ndarray:
+    """Two all-zero inputs of the model's shape (for MLflow's signature)."""
+    if dataset == "mnist":
+        return np.zeros((2, 784), dtype=np.float32)
+    return np.zeros((2, model_inputs["max_len"]), dtype=np.int32)
+
+
+def build_compiled_model(keras: Any, cfg: Any, model_inputs: dict) -> Any:
+    from trainers.models.keras_models import build_keras_model
+
+    model = build_keras_model(cfg.model, keras, model_inputs)
+    optimizer = (keras.optimizers.SGD(cfg.trainer.lr, momentum=0.9) if cfg.trainer.optimizer == "sgd"
+                 else keras.optimizers.Adam(cfg.trainer.lr))
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  # Several steps per tf.function call (fit): cuts the per-step host overhead of the strategy.
+                  steps_per_execution=cfg.trainer.get("tf_steps_per_execution", 1))
+    return model
+
+
+def save_keras_state(directory: str, model: Any) -> None:
+    """Native Keras weights file + the optimizer's variables (Keras' own `save_own_variables` store)."""
+    model.save_weights(os.path.join(directory, WEIGHTS))
+    store: dict[str, np.ndarray] = {}
+    model.optimizer.save_own_variables(store)
+    np.savez(os.path.join(directory, OPTIMIZER), **store)
+
+
+def load_keras_state(directory: str, model: Any, strategy: Any) -> None:
+    """Weights and optimizer state written by `save_keras_state`; the optimizer's slots are created under
+    `strategy` (mirrored where it mirrors)."""
+    model.load_weights(os.path.join(directory, WEIGHTS))
+    with np.load(os.path.join(directory, OPTIMIZER)) as store, strategy.scope():
+        model.optimizer.build(model.trainable_variables)
+        model.optimizer.set_weights([store[str(i)] for i in range(len(store.files))])
+
+
+class KerasAdapter:
+    """What the TF adapters share: evaluation, state files, tokens per step, memory. Subclasses give
+    `batches`, `train_step` and `reduce`."""
+
+    replicas = 1
+
+    def __init__(self, tf: Any, strategy: Any, model: Any, train: ShardArrays, evaluation: ShardArrays,
+                 batch_size: int, rank: int, seed: int, max_steps: int | None, local_replicas: int = 1,
+                 save_on_every_rank: bool = False):
+        self.tf, self.strategy, self.model, self.train, self.evaluation = tf, strategy, model, train, evaluation
+        self.batch_size, self.rank, self.seed, self.local_replicas = batch_size, rank, seed, local_replicas
+        self.rows_per_step = batch_size * local_replicas  # this worker's rows per step, over its replicas
+        self.steps = train.steps(self.rows_per_step, max_steps)
+        self.save_on_every_rank = save_on_every_rank
+        self.load_s = train.load_s + evaluation.load_s
+
+    def steps_per_epoch(self) -> int:
+        return self.steps
+
+    def epoch_dataset(self, epoch: int, skip: int = 0) -> Any:
+        """The epoch's per-replica batches for this worker (`steps` for each of its replicas), without those of
+        the first `skip` steps."""
+        ds = self.train.dataset(self.tf, self.batch_size, seed=self.seed + epoch, steps=self.steps * self.local_replicas)
+        return ds.skip(skip * self.local_replicas) if skip else ds
+
+    def epoch_tokens(self, epoch: int) -> np.ndarray:
+        return self.train.step_tokens(self.rows_per_step, self.seed + epoch, self.steps)
+
+    def at_update_boundary(self) -> bool:
+        return True
+
+    def finish_epoch(self) -> None:
+        pass
+
+    def evaluate(self, epoch: int) -> tuple[int, int]:
+        correct = 0
+        for features, labels in self.evaluation.dataset(self.tf, EVAL_BATCH):
+            logits = self.model(features, training=False)  # local replica's (synchronised) weights
+            correct += int(np.sum(np.argmax(logits.numpy(), axis=1) == labels.numpy()))
+        return correct, len(self.evaluation.labels)
+
+    def peak_memory_bytes(self) -> float:
+        return peak_rss_bytes()
+
+    def epoch_extras(self) -> dict[str, float]:
+        return {}
+
+    def save(self, directory: str) -> None:
+        if self.rank == 0 or self.save_on_every_rank:
+            save_keras_state(directory, self.model)
+
+    def load(self, directory: str) -> None:
+        load_keras_state(directory, self.model, self.strategy)
+
+    def dump(self, directory: str | None) -> None:
+        """`run.dump_params_dir`: this rank's final weights as `rank<r>.npz` (in `model.get_weights()` order)."""
+        if directory:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            np.savez(Path(directory) / f"rank{self.rank}.npz", *self.model.get_weights())
+
+
+def _log_model_task(uri: str, run_id: str, cfg_dict: dict, checkpoint: Any, model_inputs: dict) -> None:
+    import mlflow
+    import tensorflow as tf
+    import tf_keras as keras
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(cfg_dict)
+    model = build_compiled_model(keras, cfg, model_inputs)
+    with checkpoint.as_directory() as directory:
+        model.load_weights(os.path.join(directory, WEIGHTS))
+    mlflow.set_tracking_uri(uri)
+    mlflow.start_run(run_id=run_id, log_system_metrics=False)
+    try:
+        # Explicit requirements: MLflow's inference imports and scans modules, seconds for nothing here.
+        mlflow.tensorflow.log_model(model, name="model", input_example=input_example(cfg.data.name, model_inputs),
+                                    keras_model_kwargs={"save_format": "keras"},
+                                    pip_requirements=[f"tensorflow=={tf.__version__}",
+                                                      f"tf-keras=={keras.__version__}"])
+    finally:
+        mlflow.end_run()
+
+
+def log_final_model(uri: str, run_id: str, cfg: Any, checkpoint: Any, model_inputs: dict) -> None:
+    """The final checkpoint's model, MLflow tensorflow (Keras) flavour. MLflow recognises Keras models via
+    `tensorflow.keras`, which is tf-keras only with TF_USE_LEGACY_KERAS=1 from process start: so the model
+    is logged from a Ray task started with that env var rather than from this (driver) process."""
+    import ray
+    from omegaconf import OmegaConf
+
+    task = ray.remote(num_cpus=1, runtime_env={"env_vars": {**LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}})(
+        _log_model_task)
+    ray.get(task.remote(uri, run_id, OmegaConf.to_container(cfg, resolve=True), checkpoint, model_inputs))

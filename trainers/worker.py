@@ -1,0 +1,83 @@
+"""Ray Train glue shared by every backend, framework-free: the config a worker receives, its `WorkerContext`,
+and the Ray Train run and scaling settings every trainer is built with."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from contract.resume import stop_file
+from trainers.loop import WorkerContext
+
+
+def loop_config(cfg: DictConfig, run_id: str, tracking_uri: str, model_inputs: dict) -> dict[str, Any]:
+    """`train_loop_config` of every trainer: plain data, so Ray can ship it to the workers."""
+    return {"cfg": OmegaConf.to_container(cfg, resolve=True), "run_id": run_id, "tracking_uri": tracking_uri,
+            "model_inputs": model_inputs}
+
+
+def worker_config(config: dict[str, Any]) -> DictConfig:
+    """The validated config as the driver resolved it, read-only in the worker."""
+    cfg = OmegaConf.create(config["cfg"])
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def ray_context(config: dict[str, Any], cfg: DictConfig) -> WorkerContext:
+    """This Ray Train worker's context: rank, report, checkpoint to restore, rank 0's MLflow logger, STOP file,
+    fault injection. Tags `rank<r>.node` with the IP of the Ray node the worker landed on."""
+    import ray.train
+    import ray.util
+
+    from contract.tracking import EpochLogger, set_tag
+
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    set_tag(config["tracking_uri"], config["run_id"], f"rank{rank}.node", ray.util.get_node_ip_address())
+    return WorkerContext(
+        rank=rank, world_size=world_size, report=ray_report, epochs=cfg.trainer.epochs,
+        restored=ray.train.get_checkpoint(),
+        logger=EpochLogger(config["tracking_uri"], config["run_id"]) if rank == 0 else None,
+        stop_file=stop_file(cfg.run.resume_dir), log_every_n_steps=cfg.trainer.log_every_n_steps,
+        before_epoch=lambda epoch: maybe_inject_failure(cfg.fault, epoch, rank, world_size))
+
+
+def ray_report(metrics: dict[str, float], directory: str | None) -> None:
+    import ray.train
+
+    checkpoint = ray.train.Checkpoint.from_directory(directory) if directory else None
+    ray.train.report(metrics, checkpoint=checkpoint)
+
+
+def maybe_inject_failure(fault: Any, epoch: int, rank: int, world_size: int) -> None:
+    """Testing hook: fail once, in the last rank, at `fault.inject_at_epoch`."""
+    if fault.inject_at_epoch != epoch or rank != world_size - 1 or not fault.inject_marker:
+        return
+    marker = Path(fault.inject_marker)
+    if marker.exists():
+        return
+    marker.write_text(f"failed at epoch {epoch} in rank {rank}\n")
+    raise RuntimeError(f"injected failure at epoch {epoch} (rank {rank})")
+
+
+def scaling_config(cfg: DictConfig, resources: dict[str, float] | None = None, use_gpu: bool | None = None) -> Any:
+    """One CPU per worker thread (plus `resources`), placed by `trainer.placement_strategy`."""
+    from ray.train import ScalingConfig
+
+    trainer = cfg.trainer
+    return ScalingConfig(num_workers=trainer.num_workers, use_gpu=trainer.use_gpu if use_gpu is None else use_gpu,
+                         resources_per_worker=resources or {"CPU": trainer.threads_per_worker},
+                         placement_strategy=trainer.placement_strategy)
+
+
+def run_config(cfg: DictConfig, run_id: str, callbacks: list | None, env: dict[str, str] | None = None) -> Any:
+    """A Ray Train run named after the MLflow run (so a rerun finds its checkpoints), restarts from checkpoints up
+    to `fault.max_failures`. `callbacks`: e.g. Tune's TuneReportCallback in a sweep; `env`: variables the worker
+    processes must have from their start (tf-keras)."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+
+    return RunConfig(name=f"run-{run_id}", storage_path=cfg.run.storage_path,
+                     failure_config=FailureConfig(max_failures=cfg.fault.max_failures),
+                     checkpoint_config=CheckpointConfig(num_to_keep=2), callbacks=list(callbacks or []),
+                     worker_runtime_env={"env_vars": env} if env else None)
