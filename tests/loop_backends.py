@@ -25,6 +25,11 @@ BACKENDS = {
     # two logical CPU devices under MirroredStrategy: the strategy's gather and per-replica batches
     "tf_mwms_custom": ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.tf_devices=2", "model.hidden=[32]",
                        *COMMON],
+    # one device with 32 rows vs two with 16 each (and fit over the same two): the same steps
+    "tf_one_device": ["trainer=tf_mwms", "trainer.tf_loop=custom", "model.hidden=[32]", *COMMON,
+                      "trainer.batch_size=32"],
+    "tf_two_devices_fit": ["trainer=tf_mwms", "trainer.tf_loop=fit", "trainer.tf_devices=2", "model.hidden=[32]",
+                           "trainer.tf_steps_per_execution=2", "trainer.log_every_n_steps=2", *COMMON],
     "tf_mwms_fit": ["trainer=tf_mwms", "trainer.tf_loop=fit", "data=imdb", "model=embed_pool", "model.embed_dim=8",
                     "model.hidden=8", "trainer.tf_steps_per_execution=4", *COMMON],
 }

@@ -1,4 +1,5 @@
-"""Tensor parallelism on Ray Train, end to end: same loss curve as tp=1, and the 2D data layout."""
+"""Tensor parallelism on Ray Train, end to end: the 2D (dp=2 x tp=2) data layout and sync over 4 workers. The
+loss curve against tp=1 and stop/resume parity are checked in-process (tests/parallel/test_tp_loop.py)."""
 from __future__ import annotations
 
 import pytest
@@ -16,28 +17,6 @@ def train(args: list[str], mlflow_server: str, ray_head: dict) -> str:
     _, run_id = train_ok([*TINY_BERT, *args], pipeline_env(mlflow_server, ray_head))
     assert MlflowClient(mlflow_server).get_run(run_id).info.status == "FINISHED"
     return run_id
-
-
-def step_losses(client: MlflowClient, run_id: str) -> torch.Tensor:
-    history = sorted(client.get_metric_history(run_id, "step_loss"), key=lambda m: m.step)
-    return torch.tensor([m.value for m in history], dtype=torch.float64)
-
-
-@pytest.mark.parametrize("impl", ["megatron", "dtensor"])
-def test_tp2_follows_the_tp1_loss_curve(tmp_path, tiny_imdb, mlflow_server, ray_head, impl):
-    common = [f"data.path={tiny_imdb}", "trainer.epochs=2", "trainer.log_every_n_steps=1",
-              f"trainer.tp_impl={impl}", f"run.storage_path={tmp_path}/ray"]
-    dense = train([*common, "trainer.num_workers=1", "trainer.tp=1"], mlflow_server, ray_head)
-    sharded = train([*common, "trainer.num_workers=2", "trainer.tp=2"], mlflow_server, ray_head)
-    client = MlflowClient(mlflow_server)
-    dense_curve, tp_curve = step_losses(client, dense)[:20], step_losses(client, sharded)[:20]
-    assert len(dense_curve) == len(tp_curve) == 20
-    # float32 sums in another order (row-parallel partial sums) differ by ~1e-7 relative per op; Adam over
-    # 20 steps keeps that far below 1e-3, while any sharding bug changes the loss at 1e-2 or more.
-    torch.testing.assert_close(tp_curve, dense_curve, rtol=1e-3, atol=1e-4)
-    assert tp_curve[-5:].mean() < dense_curve[:5].mean()  # and it is learning
-    params = client.get_run(sharded).data.params
-    assert (params["tp"], params["dp"], params["trainer.tp_impl"]) == ("2", "1", impl)
 
 
 def test_2d_dp2_tp2_data_layout_and_sync(tmp_path, tiny_imdb, mlflow_server, ray_head):

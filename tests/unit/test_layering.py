@@ -1,0 +1,69 @@
+"""The layering stated in contract/__init__.py, read from the source: entry points (`pipelines`) over backends
+(`trainers`) over contracts (`contract`); imports only go down, inside functions too. And the modules a
+TensorFlow worker loads import no torch at module level (a run checks the same at runtime:
+tests/loop_backends.py)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+LAYERS = {"contract": 0, "trainers": 1, "pipelines": 2}  # a package may import its own layer and those below
+TF_WORKER_MODULES = ["trainers.tf_mwms", "trainers.horovod_tf", "trainers.horovod"]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, module_level_only: bool = False) -> set[str]:
+    """Modules `path` imports (skipping `if TYPE_CHECKING:` blocks; only top-level statements if asked)."""
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                found.update(alias.name for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                found.add(child.module)
+                found.update(f"{child.module}.{alias.name}" for alias in child.names)
+            inside = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if not (module_level_only and inside):
+                visit(child, top and not inside)
+    visit(tree, True)
+    return found
+
+
+def sources() -> dict[str, Path]:
+    return {module_name(p): p for layer in LAYERS for p in (ROOT / layer).rglob("*.py")}
+
+
+def test_imports_only_go_down_the_layers():
+    backward = []
+    for name, path in sources().items():
+        own = LAYERS[name.split(".")[0]]
+        for imported in imports(path):
+            top = imported.split(".")[0]
+            if top in LAYERS and LAYERS[top] > own:
+                backward.append(f"{name} imports {imported}")
+    assert backward == []
+
+
+def test_tensorflow_workers_import_no_torch():
+    modules = sources()
+    seen, todo = set(), list(TF_WORKER_MODULES)
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in modules:
+            continue
+        seen.add(name)
+        found = imports(modules[name], module_level_only=True)
+        assert not {m for m in found if m.split(".")[0] == "torch"}, f"{name} imports torch"
+        parents = [".".join(m.split(".")[:i]) for m in found for i in range(1, m.count(".") + 2)]
+        todo.extend(p for p in parents if p in modules)
+    assert {"trainers.loop", "trainers.tf_common", "contract.metrics"} <= seen  # the walk reached them
