@@ -33,6 +33,7 @@ from contract import tracking
 from pipelines.config import ConfigError, flatten
 from pipelines.data.idx import DataError
 from pipelines.data.shards import read_manifest, shard_paths
+from pipelines.fit import fit_backend, stopped_at
 from pipelines.sweep_space import (Trial, cpus_needed, load_sweep, max_concurrent, parallel_params, plan_trials,
                                    reject_unfit, split_argv, trial_name)
 
@@ -120,24 +121,14 @@ def start_children(uri: str, parent_id: str, valid: list[Trial]) -> dict[int, st
 
 
 def run_trial(config: dict[str, Any], specs: dict[int, dict[str, Any]]) -> None:
-    """One Tune trial (runs in a Tune actor): build this grid point's trainer and fit it. The trainer's
-    `TuneReportCallback` passes each epoch's report on to Tune; rank 0 logs to the trial's child run, and the
-    final model is logged to it as in a single run (a trial ASHA stops early ends without one)."""
+    """One Tune trial (runs in a Tune actor): fit this grid point's trainer the way a training run does
+    (pipelines/fit.py). The trainer's `TuneReportCallback` passes each epoch's report on to Tune; rank 0 logs to
+    the trial's child run, and the final model is logged to it (a trial ASHA stops early ends without one, and so
+    does a trial stopped on request)."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from pipelines.data.readers import model_inputs, parquet_datasets
-    from trainers import get_backend
-
     spec = specs[config["trial_index"]]
-    cfg = OmegaConf.create(spec["cfg"])
-    datasets = parquet_datasets(cfg.data.path, {"train": "train", "eval": cfg.data.eval_split})
-    inputs = model_inputs(read_manifest(cfg.data.path))
-    backend = get_backend(cfg.trainer.backend)
-    trainer = backend.build_trainer(cfg, datasets, spec["run_id"], spec["tracking_uri"], inputs,
-                                    callbacks=[TuneReportCallback()])
-    result = trainer.fit()
-    if result.checkpoint is not None:
-        backend.log_final_model(spec["tracking_uri"], spec["run_id"], cfg, result.checkpoint, inputs)
+    fit_backend(OmegaConf.create(spec["cfg"]), spec["run_id"], spec["tracking_uri"], callbacks=[TuneReportCallback()])
 
 
 @dataclass
@@ -177,6 +168,8 @@ def run_tune(spec: DictConfig, valid: list[Trial], children: dict[int, str], uri
         index = result.config["trial_index"]
         if result.error is not None:
             outcomes[index] = Outcome("FAILED", f"{type(result.error).__name__}: {result.error}")
+        elif stopped_at(result.metrics) is not None:
+            outcomes[index] = Outcome("KILLED", f"stopped on request at {stopped_at(result.metrics)}")
         elif not result.metrics or "train_loss" not in result.metrics:
             outcomes[index] = Outcome("KILLED", "stopped before its first epoch ended")
         else:  # ran to the end, or stopped early by ASHA after at least one epoch

@@ -17,6 +17,7 @@ from contract import resume, tracking
 from pipelines.config import ConfigError, flatten, load_config
 from pipelines.data.idx import DataError
 from pipelines.data.shards import read_manifest, shard_paths
+from pipelines.fit import fit_backend
 
 
 def validate(argv: list[str]) -> tuple[DictConfig, dict, str]:
@@ -42,13 +43,10 @@ def init_ray(cfg: DictConfig) -> None:
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), dashboard_host="127.0.0.1")
 
 
-def run_training(cfg: DictConfig, manifest: dict, uri: str, run_id: str, first_attempt: bool = True) -> bool:
-    """Fit the backend's trainer and log the final model. Returns False when the run stopped early on a
-    stop request (`run.resume_dir`), with a checkpoint to continue from."""
+def run_training(cfg: DictConfig, uri: str, run_id: str, first_attempt: bool = True) -> bool:
+    """Fit the backend's trainer and log the final model (pipelines/fit.py). Returns False when the run stopped
+    early on a stop request (`run.resume_dir`), with a checkpoint to continue from."""
     import ray
-
-    from pipelines.data.readers import model_inputs, parquet_datasets
-    from trainers import get_backend
 
     init_ray(cfg)
     try:
@@ -57,17 +55,10 @@ def run_training(cfg: DictConfig, manifest: dict, uri: str, run_id: str, first_a
             tracking.log_params(uri, run_id, {"cluster.cpus": resources.get("CPU", 0),
                                               "cluster.gpus": resources.get("GPU", 0),
                                               "cluster.nodes": len(ray.nodes())})
-        backend = get_backend(cfg.trainer.backend)
-        datasets = parquet_datasets(cfg.data.path, {"train": "train", "eval": cfg.data.eval_split})
-        inputs = model_inputs(manifest)
-        result = backend.build_trainer(cfg, datasets, run_id, uri, inputs).fit()
-        if result.checkpoint is None:
-            raise RuntimeError("training ended without a checkpoint")
-        if (result.metrics or {}).get("stopped_at_epoch"):
-            tracking.mark_preempted(uri, run_id, f"epoch {result.metrics['stopped_at_epoch']:g} "
-                                                 f"step {result.metrics['stopped_at_step']:g}")
+        stopped = fit_backend(cfg, run_id, uri)
+        if stopped is not None:
+            tracking.mark_preempted(uri, run_id, stopped)
             return False
-        backend.log_final_model(uri, run_id, cfg, result.checkpoint, inputs)
         return True
     finally:
         ray.shutdown()
@@ -105,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"MLflow run {run_id} ({uri}){' continued' if previous_status else ''}", flush=True)
     tracking.log_cluster_startup(uri, run_id)
     try:
-        finished = run_training(cfg, manifest, uri, run_id, first_attempt=previous_status is None)
+        finished = run_training(cfg, uri, run_id, first_attempt=previous_status is None)
     except BaseException as err:  # KeyboardInterrupt too: the run must not stay RUNNING
         tracking.end_run(uri, run_id, error=f"{type(err).__name__}: {err}\n\n{traceback.format_exc()}")
         print(f"error: training failed: {type(err).__name__}: {err}", file=sys.stderr)

@@ -57,11 +57,10 @@ def runner(backend: str, cfg):
     from trainers.tf_common import ShardArrays
 
     arrays = (ShardArrays.from_columns(train, cfg.data.name), ShardArrays.from_columns(evaluation, cfg.data.name))
-    if backend == "horovod_tf":
-        from trainers.horovod_tf import run_worker
-    else:
-        from trainers.tf_mwms import run_worker
-    return lambda ctx: run_worker(cfg, ctx, MODEL_INPUTS, data=arrays)
+    from trainers import horovod_tf, tf_mwms
+
+    module = horovod_tf if backend == "horovod_tf" else tf_mwms
+    return lambda ctx: module.run_worker(cfg, ctx, MODEL_INPUTS, data=arrays)
 
 
 def main(backend: str, folder: str, attempt: str, restore: str | None = None) -> None:

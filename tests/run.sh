@@ -8,4 +8,4 @@ bash cluster/local/build-horovod.sh
 export PATH="$PWD/.venv/bin:$PATH" OMP_NUM_THREADS=1 RAY_AUTH_MODE=disabled
 export RAY_TRAIN_ENABLE_PROGRESS_BAR=0 RAY_DATA_DISABLE_PROGRESS_BARS=1 TF_CPP_MIN_LOG_LEVEL=2
 unset RAY_ADDRESS MLFLOW_TRACKING_URI
-exec python -m pytest tests "$@"
+exec python -m pytest tests --durations=20 "$@"

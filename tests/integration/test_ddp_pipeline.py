@@ -16,8 +16,10 @@ pytestmark = pytest.mark.slow
 TINY = ["trainer.batch_size=32", "model.hidden=[64]", "trainer.threads_per_worker=1"]
 
 
-def test_job_submit_trains_logs_and_syncs(tmp_path, tiny_mnist, mlflow_server, ray_head):
-    """`ray job submit --working-dir .` of the real pipeline against the test's own Ray head."""
+def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny_mnist, mlflow_server, ray_head):
+    """`ray job submit --working-dir .` of the real pipeline against the test's own Ray head; rank 1 fails at
+    epoch 2 and Ray Train restarts the workers from epoch 1's checkpoint (not from scratch)."""
+    marker = tmp_path / "failed-once"
     env = pipeline_env(mlflow_server, ray_head)
     runtime_env = {"excludes": ["/.venv", "/.git", "/data", "/outputs", "/mlflow.db", "/mlartifacts"],
                    "env_vars": {k: env[k] for k in ("MLFLOW_TRACKING_URI", "OMP_NUM_THREADS",
@@ -25,7 +27,8 @@ def test_job_submit_trains_logs_and_syncs(tmp_path, tiny_mnist, mlflow_server, r
     cmd = ["ray", "job", "submit", "--address", ray_head["RAY_DASHBOARD_ADDRESS"], "--working-dir", ".",
            "--runtime-env-json", json.dumps(runtime_env), "--",
            "python", "-m", "pipelines.train", f"data.path={tiny_mnist}", "trainer.epochs=3",
-           f"run.storage_path={tmp_path / 'ray'}", f"run.dump_params_dir={tmp_path / 'params'}", *TINY]
+           f"run.storage_path={tmp_path / 'ray'}", f"run.dump_params_dir={tmp_path / 'params'}", *TINY,
+           "fault.max_failures=1", "fault.inject_at_epoch=2", f"fault.inject_marker={marker}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     run_id = run_id_from(proc.stdout)
@@ -37,8 +40,10 @@ def test_job_submit_trains_logs_and_syncs(tmp_path, tiny_mnist, mlflow_server, r
     assert params["trainer.num_workers"] == "2" and params["world_size"] == "2" and params["backend"] == "ddp"
     assert params["version.ray"] == "2.60.0" and params["version.torch"].startswith("2.13.0")
     assert "mlflow.source.git.commit" in run.data.tags
+    assert marker.read_text().startswith("failed at epoch 2 in rank 1")
+    assert run.data.tags["resumed_from_epoch"] == "1"  # restarted from epoch 1's checkpoint, not from scratch
     for name in EPOCH_METRICS:
-        assert metric_steps(client, run_id, name) == [1, 2, 3], name
+        assert metric_steps(client, run_id, name) == [1, 2, 3], name  # every epoch exactly once
     losses = [m.value for m in sorted(client.get_metric_history(run_id, "train_loss"), key=lambda m: m.step)]
     assert losses[-1] < losses[0]
     artifacts = {a.path for a in client.list_artifacts(run_id)}
@@ -60,22 +65,6 @@ def test_job_submit_trains_logs_and_syncs(tmp_path, tiny_mnist, mlflow_server, r
     # The logged model is the trained one, not a fresh initialisation.
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, rank0[key], rtol=0, atol=0)
-
-
-def test_worker_failure_resumes_from_checkpoint(tmp_path, tiny_mnist, mlflow_server, ray_head):
-    marker = tmp_path / "failed-once"
-    proc = run_pipeline([f"data.path={tiny_mnist}", "trainer.epochs=3", f"run.storage_path={tmp_path / 'ray'}",
-                         "fault.max_failures=1", "fault.inject_at_epoch=2", f"fault.inject_marker={marker}",
-                         *TINY], pipeline_env(mlflow_server, ray_head))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert marker.read_text().startswith("failed at epoch 2 in rank 1")
-    client = MlflowClient(mlflow_server)
-    run_id = run_id_from(proc.stdout)
-    run = client.get_run(run_id)
-    assert run.info.status == "FINISHED"
-    assert run.data.tags["resumed_from_epoch"] == "1"  # restarted from epoch 1's checkpoint, not from scratch
-    for name in EPOCH_METRICS:
-        assert metric_steps(client, run_id, name) == [1, 2, 3], name  # every epoch exactly once
 
 
 def test_failed_run_is_marked_failed_with_the_error(tmp_path, tiny_mnist, mlflow_server, ray_head):

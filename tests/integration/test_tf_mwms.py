@@ -1,7 +1,7 @@
 """TensorFlow MultiWorkerMirroredStrategy backend end to end: a real Ray head, a real MLflow server, 2 CPU
-workers over RING collectives, for both loops (tf-keras `fit` and the custom `strategy.run` loop). Stop/resume
-parity, several devices per worker, the text metric set and the checkpoint's optimizer state are checked
-in-process (tests/unit/test_loop_backends.py)."""
+workers over RING collectives, with Keras `fit` (the custom `strategy.run` loop crosses two Slurm nodes in
+tests/slurm). Stop/resume parity, several devices per worker, the text metric set and the checkpoint's
+optimizer state are checked in-process (tests/unit/test_loop_backends.py)."""
 from __future__ import annotations
 
 import subprocess
@@ -39,11 +39,19 @@ def check_replicas_identical(params_dir) -> list[np.ndarray]:
     return [rank0[key] for key in rank0.files]
 
 
-def test_fit_loop_syncs_trains_and_logs(tmp_path, tiny_mnist, mlflow_server, ray_head):
-    proc, run_id = train([f"data.path={tiny_mnist}", "trainer.tf_loop=fit", "fault.max_failures=0",
-                          f"run.storage_path={tmp_path / 'ray'}",
-                          f"run.dump_params_dir={tmp_path / 'params'}"], pipeline_env(mlflow_server, ray_head))
-    model_uri = check_run(MlflowClient(mlflow_server), run_id)
+def test_fit_loop_syncs_trains_logs_and_resumes_after_a_failure(tmp_path, tiny_mnist, mlflow_server, ray_head):
+    """Keras `fit` on 2 workers, one failing at epoch 2: the run resumes from epoch 1's checkpoint (weights,
+    optimizer state, epoch), the MLflow run holds each epoch once, the replicas stay identical and the logged
+    model holds the trained weights."""
+    marker = tmp_path / "failed-once"
+    proc, run_id = train([f"data.path={tiny_mnist}", "trainer.tf_loop=fit", f"run.storage_path={tmp_path / 'ray'}",
+                          f"run.dump_params_dir={tmp_path / 'params'}", "fault.max_failures=1",
+                          "fault.inject_at_epoch=2", f"fault.inject_marker={marker}"],
+                         pipeline_env(mlflow_server, ray_head))
+    assert marker.read_text().startswith("failed at epoch 2 in rank 1")
+    client = MlflowClient(mlflow_server)
+    model_uri = check_run(client, run_id)
+    assert client.get_run(run_id).data.tags["resumed_from_epoch"] == "1"
     weights = check_replicas_identical(tmp_path / "params")
     # The logged model loads (tf-keras: with TF_USE_LEGACY_KERAS=1) and holds the trained weights.
     np.savez(tmp_path / "expected.npz", *weights)
@@ -57,18 +65,3 @@ def test_fit_loop_syncs_trains_and_logs(tmp_path, tiny_mnist, mlflow_server, ray
     load = subprocess.run([sys.executable, "-c", code, mlflow_server, model_uri, str(tmp_path / "expected.npz")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert load.returncode == 0 and load.stdout.strip().endswith("ok"), load.stderr[-3000:]
-
-
-def test_custom_loop_resumes_after_failure(tmp_path, tiny_mnist, mlflow_server, ray_head):
-    """The custom loop, with one worker failing at epoch 2: the run resumes from epoch 1's checkpoint
-    (weights, optimizer state, epoch) and the MLflow run still holds each epoch once."""
-    marker = tmp_path / "failed-once"
-    proc, run_id = train([f"data.path={tiny_mnist}", "trainer.tf_loop=custom",
-                          f"run.storage_path={tmp_path / 'ray'}", f"run.dump_params_dir={tmp_path / 'params'}",
-                          "fault.max_failures=1", "fault.inject_at_epoch=2", f"fault.inject_marker={marker}"],
-                         pipeline_env(mlflow_server, ray_head))
-    assert marker.read_text().startswith("failed at epoch 2 in rank 1")
-    client = MlflowClient(mlflow_server)
-    check_run(client, run_id)
-    assert client.get_run(run_id).data.tags["resumed_from_epoch"] == "1"
-    check_replicas_identical(tmp_path / "params")

@@ -20,9 +20,10 @@ NODE_ADDRS = {"127.0.0.2", "127.0.0.3"}
 EPOCH_METRICS = ("train_loss", "test_accuracy", "samples_per_s")
 
 
-def ddp_command(data: Path, *overrides: str, backend: str = "ddp") -> list[str]:
-    # One worker per node (STRICT_SPREAD), one thread each: both Slurm nodes really take part.
-    return ["python", "-m", "pipelines.train", f"trainer={backend}", "trainer.num_workers=2",
+def ddp_command(data: Path, *overrides: str, backend: str = "ddp", groups: tuple[str, ...] = ()) -> list[str]:
+    # One worker per node (STRICT_SPREAD), one thread each: both Slurm nodes really take part. Config groups
+    # (`data=imdb`) come before `data.path`, so that the key lands in the chosen group.
+    return ["python", "-m", "pipelines.train", f"trainer={backend}", *groups, "trainer.num_workers=2",
             "trainer.placement_strategy=STRICT_SPREAD", f"data.path={data}", "trainer.batch_size=32",
             "data.cache_in_worker=true", *overrides]
 
@@ -46,7 +47,8 @@ def assert_each_epoch_once(client: mlflow.MlflowClient, run_id: str, epochs: int
 
 @pytest.mark.parametrize("backend", ["ddp", "horovod"])
 def test_run_spreads_over_both_nodes(slurm, tiny_mnist, tmp_path, backend):
-    """2 workers, one per Slurm node: DDP over gloo, and Horovod's Gloo rendezvous across two Ray nodes."""
+    """2 workers, one per Slurm node: DDP over gloo, and Horovod's Gloo rendezvous across two Ray nodes (tf_mwms
+    and tp cross the nodes in the concurrent-jobs test)."""
     out = tmp_path / "slurm"
     job = sbatch(slurm, out, ddp_command(tiny_mnist, "trainer.epochs=2", backend=backend))
     info = wait_job(slurm, job, 900)
@@ -96,13 +98,19 @@ def test_preempted_job_requeues_and_resumes_into_the_same_run(slurm, tiny_mnist,
     wait_gone(job)
 
 
-def test_two_concurrent_jobs_do_not_interfere(slurm, tiny_mnist, tmp_path, mlflow_server):
-    # The site's MLflow server (MLFLOW_TRACKING_URI) this time; each job brings its own Ray cluster.
+def test_two_concurrent_jobs_do_not_interfere(slurm, tiny_mnist, tiny_imdb, tmp_path, mlflow_server):
+    """Two jobs at once, each a backend whose collectives then cross the node boundary: tf_mwms (custom loop,
+    RING) and tp=2 (all-reduces inside every layer). The site's MLflow server (MLFLOW_TRACKING_URI) this time;
+    each job brings its own Ray cluster."""
     out = tmp_path / "slurm"
     site = {"MLFLOW_TRACKING_URI": mlflow_server}
     experiment = f"concurrent-{tmp_path.name}"
-    jobs = [sbatch(slurm, out, ddp_command(tiny_mnist, "trainer.epochs=1", f"run.experiment={experiment}",
-                                           f"run.name=job{i}"), extra_env=site) for i in range(2)]
+    named = ("trainer.epochs=1", f"run.experiment={experiment}")
+    commands = [ddp_command(tiny_mnist, *named, "run.name=job0", "trainer.tf_loop=custom",
+                            "trainer.tf_communication=ring", "model.hidden=[32]", backend="tf_mwms"),
+                ddp_command(tiny_imdb, *named, "run.name=job1", "model.hidden=32", "model.heads=2", "trainer.tp=2",
+                            backend="tp", groups=("data=imdb", "model=bert_tiny"))]
+    jobs = [sbatch(slurm, out, command, extra_env=site) for command in commands]
     infos = [wait_job(slurm, job, 900) for job in jobs]
     logs = [job_output(out, job) for job in jobs]
     for info, log in zip(infos, logs):
@@ -116,6 +124,8 @@ def test_two_concurrent_jobs_do_not_interfere(slurm, tiny_mnist, tmp_path, mlflo
     runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     assert sorted(r.info.run_name for r in runs) == ["job0", "job1"]
     assert all(r.info.status == "FINISHED" for r in runs)
+    for run in runs:  # one worker per node
+        assert {run.data.tags["rank0.node"], run.data.tags["rank1.node"]} == NODE_ADDRS, run.info.run_name
     tokens = [(out / f"job-{job}" / "cluster.env").read_text() for job in jobs]
     assert tokens[0] != tokens[1]  # per-job secrets and addresses
     for job in jobs:
@@ -132,17 +142,34 @@ def free_block_base(job: int) -> int:
     return 20000 + job % module.block_count(20000, 400) * 400
 
 
+def hold_a_port(base: int, size: int = 400) -> socket.socket | None:
+    """A listener on the first port of block [base, base+size) that is free on n1 (the head node). On a busy
+    machine some ports of the block may be in use already (other Ray clusters, outgoing connections); any held
+    port makes the block busy for the job. None: every port is in use, so the block is busy without us."""
+    for port in range(base, base + size):
+        holder = socket.socket()
+        try:
+            holder.bind(("127.0.0.2", port))
+            holder.listen()
+            return holder
+        except OSError:
+            holder.close()
+    return None
+
+
 def test_job_whose_port_block_is_taken_moves_to_the_next_free_one(slurm, tiny_mnist, tmp_path):
-    """Jobs whose ids are equal modulo 100 start from the same port block; a job that finds a port of its block
-    held on its head node (here: a listener on the head's GCS port) takes the next free block and runs."""
+    """Jobs whose ids are equal modulo the block count start from the same port block; a job that finds a port of
+    its block held on its head node (here: a listener the test holds) takes the next free block and runs."""
     out = tmp_path / "slurm"
     job = sbatch(slurm, out, ddp_command(tiny_mnist, "trainer.epochs=1"), sbatch_args=["--hold"])
     preferred = free_block_base(int(job))
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.2", preferred))  # n1, where the batch script and the head run
-        holder.listen()
+    holder = hold_a_port(preferred)
+    try:
         subprocess.run(["scontrol", "release", job], env=slurm, check=True)
         info = wait_job(slurm, job, 900)
+    finally:
+        if holder is not None:
+            holder.close()
     log = job_output(out, job)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
     base = int(log.split(", ports ", 1)[1].split("..", 1)[0])
