@@ -1,8 +1,8 @@
 """Tensor parallelism (Megatron-style layers or torch DTensor plans) x data parallelism on Ray Train.
 
 Every worker builds the same dense model from the same seed, `parallelize_bert` shards it over the "tp" mesh
-dimension, and gradients are averaged over the "dp" dimension. Checkpoints hold the dense (unsharded) model, so
-a run can resume with another tp.
+dimension, and gradients are averaged over the "dp" dimension. Checkpoints hold the dense (unsharded) model and
+the dense optimizer state, so a run resumes with its Adam moments, at the same or another tp.
 """
 from __future__ import annotations
 
