@@ -168,8 +168,8 @@ def run_tune(spec: DictConfig, valid: list[Trial], children: dict[int, str], uri
         index = result.config["trial_index"]
         if result.error is not None:
             outcomes[index] = Outcome("FAILED", f"{type(result.error).__name__}: {result.error}")
-        elif stopped_at(result.metrics) is not None:
-            outcomes[index] = Outcome("KILLED", f"stopped on request at {stopped_at(result.metrics)}")
+        elif (stopped := stopped_at(result.metrics)) is not None:
+            outcomes[index] = Outcome("KILLED", f"stopped on request at {stopped}")
         elif not result.metrics or "train_loss" not in result.metrics:
             outcomes[index] = Outcome("KILLED", "stopped before its first epoch ended")
         else:  # ran to the end, or stopped early by ASHA after at least one epoch

@@ -127,7 +127,7 @@ def build_compiled_model(keras: Any, cfg: Any, model_inputs: dict) -> Any:
                  else keras.optimizers.Adam(cfg.trainer.lr))
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   # Several steps per tf.function call (fit): cuts the per-step host overhead of the strategy.
-                  steps_per_execution=cfg.trainer.get("tf_steps_per_execution", 1))
+                  steps_per_execution=cfg.trainer.tf_steps_per_execution)
     return model
 
 
