@@ -1,16 +1,19 @@
-"""Config: Hydra composes `conf/`, dataclass schemas validate it, before Ray or MLflow is touched.
+"""Config: Hydra composes `conf/`, the typed schemas of contract/config.py (one trainer schema per backend) and
+the checks here validate it, before Ray or MLflow is touched.
 
 Every error is a `ConfigError` whose message starts with the offending key; the CLI prints it on one
 line and exits with code 2.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from contract.config import MODEL_SCHEMAS, TRAINER_SCHEMAS, parallel_degrees, schema
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -19,91 +22,6 @@ class ConfigError(ValueError):
     """Invalid configuration; the message names the key."""
 
 
-@dataclass
-class TrainerConfig:
-    backend: str = "ddp"
-    num_workers: int = 2
-    threads_per_worker: int = 1
-    use_gpu: bool = False
-    batch_size: int = 128
-    lr: float = 1e-3
-    optimizer: str = "adam"
-    epochs: int = 5
-    log_every_n_steps: int = 0          # rank 0 logs `step_loss` every n steps (0: off)
-    max_steps_per_epoch: Optional[int] = None  # cut epochs short (benchmarks, smoke runs)
-    tp: int = 1                         # tensor-parallel degree (backend tp)
-    dp: Optional[int] = None            # data-parallel degree; default num_workers // tp
-    tp_impl: str = "megatron"           # megatron | dtensor
-    tf_loop: str = "fit"                # tf_mwms: fit (tf-keras model.fit) | custom (strategy.run loop)
-    tf_communication: str = "auto"      # tf_mwms collectives: auto | ring | nccl (nccl needs use_gpu)
-    tf_steps_per_execution: int = 8     # tf_mwms fit: training steps per compiled call
-    tf_devices: int = 1                 # tf_mwms: replicas per worker (GPUs, or logical CPU devices without)
-    placement_strategy: str = "PACK"    # Ray placement of the workers: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
-    framework: str = "torch"            # horovod: torch (hvd.DistributedOptimizer) | tf (DistributedGradientTape)
-    compression: str = "none"           # horovod: gradient compression on the wire: none | fp16
-    backward_passes_per_step: int = 1   # horovod: batches whose gradients are summed locally per all-reduce
-
-
-@dataclass
-class DataConfig:
-    name: str = "mnist"
-    path: str = "data/mnist/parquet"
-    eval_split: str = "test"
-    cache_in_worker: bool = True
-
-
-@dataclass
-class MLPConfig:
-    name: str = "mlp"
-    hidden: list[int] = field(default_factory=lambda: [512, 256])
-    dropout: float = 0.1
-
-
-@dataclass
-class CNNConfig:
-    name: str = "cnn"
-    channels: list[int] = field(default_factory=lambda: [32, 64])
-    hidden: int = 128
-    dropout: float = 0.25
-
-
-@dataclass
-class BertModelConfig:
-    name: str = "bert"
-    flavour: str = "tiny"           # tiny | small | base | large (trainers/models/bert.py)
-    dropout: float = 0.1
-    hidden: Optional[int] = None    # optional overrides of the flavour
-    layers: Optional[int] = None
-    heads: Optional[int] = None
-
-
-@dataclass
-class EmbedPoolConfig:
-    name: str = "embed_pool"
-    embed_dim: int = 64
-    hidden: int = 64
-    dropout: float = 0.1
-
-
-@dataclass
-class RunSection:
-    experiment: str = "ray-train-pipelines"
-    name: Optional[str] = None
-    seed: int = 0
-    storage_path: str = "outputs/ray"
-    dump_params_dir: Optional[str] = None
-    resume_dir: Optional[str] = None  # stop-and-resume folder (preemption); see contract/resume.py
-
-
-@dataclass
-class FaultConfig:
-    max_failures: int = 1
-    inject_at_epoch: Optional[int] = None
-    inject_marker: Optional[str] = None
-
-
-MODEL_SCHEMAS: dict[str, type] = {"mlp": MLPConfig, "cnn": CNNConfig, "bert": BertModelConfig,
-                                  "embed_pool": EmbedPoolConfig}
 DATA_MODELS = {"mnist": ("mlp", "cnn"), "imdb": ("bert", "embed_pool")}  # which models fit which data
 KERAS_MODELS = ("mlp", "cnn", "embed_pool")  # trainers/models/keras_models.py
 OPTIMIZERS = ("adam", "sgd")
@@ -112,22 +30,20 @@ TF_COMMUNICATIONS = ("auto", "ring", "nccl")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 HOROVOD_FRAMEWORKS = ("torch", "tf")
 HOROVOD_COMPRESSIONS = ("none", "fp16")
-POSITIVE = ("trainer.num_workers", "trainer.threads_per_worker", "trainer.batch_size", "trainer.lr",
-            "trainer.epochs", "trainer.tf_steps_per_execution", "trainer.tf_devices",
-            "trainer.backward_passes_per_step")
+POSITIVE = ("num_workers", "threads_per_worker", "batch_size", "lr", "epochs", "tf_steps_per_execution",
+            "tf_devices", "backward_passes_per_step")  # trainer keys, where the backend has them
 
 
 def _schema_for(cfg: DictConfig) -> DictConfig:
+    """The typed schema of the backend and model the composed config names: a key of another backend's schema
+    is then an unknown key."""
+    backend = OmegaConf.select(cfg, "trainer.backend")
+    if backend not in TRAINER_SCHEMAS:
+        raise ConfigError(f"trainer.backend: unknown backend '{backend}' (choices: {sorted(TRAINER_SCHEMAS)})")
     model_name = OmegaConf.select(cfg, "model.name")
     if model_name not in MODEL_SCHEMAS:
         raise ConfigError(f"model.name: unknown model '{model_name}' (choices: {sorted(MODEL_SCHEMAS)})")
-    return OmegaConf.create({
-        "trainer": OmegaConf.structured(TrainerConfig),
-        "data": OmegaConf.structured(DataConfig),
-        "model": OmegaConf.structured(MODEL_SCHEMAS[model_name]),
-        "run": OmegaConf.structured(RunSection),
-        "fault": OmegaConf.structured(FaultConfig),
-    })
+    return schema(backend, model_name)
 
 
 def _compose(overrides: list[str]) -> DictConfig:
@@ -139,17 +55,17 @@ def _compose(overrides: list[str]) -> DictConfig:
             return compose(config_name="config", overrides=overrides)
     except HydraException as err:
         first_line = str(err).strip().splitlines()[0]
+        unknown = re.fullmatch(r"Could not override '([\w.]+)'\.", first_line)
+        if unknown:
+            raise ConfigError(f"{unknown[1]}: not a key of this config (each backend has its own trainer keys: "
+                              f"conf/trainer/<backend>.yaml)") from err
         raise ConfigError(f"overrides: {first_line}") from err
 
 
 def _check_values(cfg: DictConfig) -> None:
-    from trainers import BACKENDS  # light import: the registry names modules, it does not import them
-
     for key in POSITIVE:
-        if OmegaConf.select(cfg, key) <= 0:
-            raise ConfigError(f"{key}: must be > 0, got {OmegaConf.select(cfg, key)}")
-    if cfg.trainer.backend not in BACKENDS:
-        raise ConfigError(f"trainer.backend: unknown backend '{cfg.trainer.backend}' (choices: {sorted(BACKENDS)})")
+        if key in cfg.trainer and cfg.trainer[key] <= 0:
+            raise ConfigError(f"trainer.{key}: must be > 0, got {cfg.trainer[key]}")
     if cfg.trainer.optimizer not in OPTIMIZERS:
         raise ConfigError(f"trainer.optimizer: unknown optimizer '{cfg.trainer.optimizer}' (choices: {OPTIMIZERS})")
     if cfg.trainer.placement_strategy not in PLACEMENT_STRATEGIES:
@@ -178,10 +94,10 @@ def _check_parallelism(cfg: DictConfig) -> None:
     trainer = cfg.trainer
     if trainer.max_steps_per_epoch is not None and trainer.max_steps_per_epoch < 1:
         raise ConfigError(f"trainer.max_steps_per_epoch: must be >= 1, got {trainer.max_steps_per_epoch}")
+    if trainer.backend != "tp":
+        return
     if trainer.tp < 1 or (trainer.dp is not None and trainer.dp < 1):
         raise ConfigError(f"trainer.tp: tp and dp must be >= 1, got tp={trainer.tp} dp={trainer.dp}")
-    if trainer.backend != "tp" and trainer.tp != 1:
-        raise ConfigError(f"trainer.tp: backend '{trainer.backend}' is data-parallel only; use trainer=tp for tp > 1")
     if trainer.num_workers % trainer.tp:
         raise ConfigError(f"trainer.tp: tp={trainer.tp} does not divide num_workers={trainer.num_workers}")
     dp = trainer.dp if trainer.dp is not None else trainer.num_workers // trainer.tp
@@ -189,30 +105,27 @@ def _check_parallelism(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.dp: tp*dp={trainer.tp}*{dp}={trainer.tp * dp} != num_workers={trainer.num_workers}")
     if trainer.tp_impl not in ("megatron", "dtensor"):
         raise ConfigError(f"trainer.tp_impl: unknown '{trainer.tp_impl}' (choices: megatron, dtensor)")
-    if trainer.backend == "tp":
-        if cfg.model.name != "bert":
-            raise ConfigError(f"model.name: tensor parallelism needs the bert model, got '{cfg.model.name}'")
-        from trainers.models.bert import BERT_FLAVOURS
+    if cfg.model.name != "bert":
+        raise ConfigError(f"model.name: tensor parallelism needs the bert model, got '{cfg.model.name}'")
+    from trainers.models.bert import BERT_FLAVOURS
 
-        layers, hidden, heads = BERT_FLAVOURS[cfg.model.flavour]
-        hidden, heads = cfg.model.hidden or hidden, cfg.model.heads or heads
-        if heads % trainer.tp:
-            raise ConfigError(f"trainer.tp: tp={trainer.tp} does not divide the model's heads={heads}")
-        if hidden % heads:
-            raise ConfigError(f"model.hidden: hidden={hidden} is not a multiple of heads={heads}")
+    layers, hidden, heads = BERT_FLAVOURS[cfg.model.flavour]
+    hidden, heads = cfg.model.hidden or hidden, cfg.model.heads or heads
+    if heads % trainer.tp:
+        raise ConfigError(f"trainer.tp: tp={trainer.tp} does not divide the model's heads={heads}")
+    if hidden % heads:
+        raise ConfigError(f"model.hidden: hidden={hidden} is not a multiple of heads={heads}")
 
 
 def _check_tensorflow(cfg: DictConfig) -> None:
     trainer = cfg.trainer
+    if trainer.backend != "tf_mwms":
+        return
     if trainer.tf_loop not in TF_LOOPS:
         raise ConfigError(f"trainer.tf_loop: unknown '{trainer.tf_loop}' (choices: {TF_LOOPS})")
     if trainer.tf_communication not in TF_COMMUNICATIONS:
         raise ConfigError(f"trainer.tf_communication: unknown '{trainer.tf_communication}' "
                           f"(choices: {TF_COMMUNICATIONS})")
-    if trainer.backend != "tf_mwms":
-        if trainer.tf_devices != 1:
-            raise ConfigError("trainer.tf_devices: only backend tf_mwms has several replicas per worker")
-        return
     if trainer.tf_devices > 1 and trainer.num_workers > 1 and not trainer.use_gpu:
         raise ConfigError("trainer.tf_devices: several CPU replicas per worker need num_workers=1 "
                           "(MirroredStrategy in one process); with several workers each worker has one CPU replica")
@@ -224,14 +137,9 @@ def _check_tensorflow(cfg: DictConfig) -> None:
 
 
 def _check_horovod(cfg: DictConfig) -> None:
-    """Horovod's options, and that it is installed (it is built from source, not part of requirements.lock).
-    Options of other backends must not be set silently for a backend that ignores them."""
+    """Horovod's options, and that it is installed (it is built from source, not part of requirements.lock)."""
     trainer = cfg.trainer
     if trainer.backend != "horovod":
-        for key, default in (("framework", "torch"), ("compression", "none"), ("backward_passes_per_step", 1)):
-            if trainer[key] != default:
-                raise ConfigError(f"trainer.{key}: only the horovod backend has this option "
-                                  f"(backend is '{trainer.backend}')")
         return
     if trainer.framework not in HOROVOD_FRAMEWORKS:
         raise ConfigError(f"trainer.framework: unknown '{trainer.framework}' (choices: {HOROVOD_FRAMEWORKS})")
@@ -289,10 +197,16 @@ def load_config(overrides: list[str]) -> DictConfig:
         raise ConfigError(f"{key}: {message}") from err
     _check_values(cfg)
     _absolutise_paths(cfg)
-    if cfg.trainer.dp is None:
+    if cfg.trainer.backend == "tp" and cfg.trainer.dp is None:
         cfg.trainer.dp = cfg.trainer.num_workers // cfg.trainer.tp
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def parallel_params(cfg: DictConfig) -> dict[str, Any]:
+    """The parallelism degrees every run and sweep trial logs as params (the scaling report reads them)."""
+    dp, tp = parallel_degrees(cfg.trainer)
+    return {"world_size": cfg.trainer.num_workers, "dp": dp, "tp": tp, "backend": cfg.trainer.backend}
 
 
 def flatten(cfg: DictConfig) -> dict[str, Any]:

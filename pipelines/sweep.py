@@ -30,11 +30,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from contract import tracking
-from pipelines.config import ConfigError, flatten
+from contract.config import typed_config
+from pipelines.config import ConfigError, flatten, parallel_params
 from pipelines.data.idx import DataError
 from pipelines.data.shards import read_manifest, shard_paths
 from pipelines.fit import fit_backend, stopped_at
-from pipelines.sweep_space import (Trial, cpus_needed, load_sweep, max_concurrent, parallel_params, plan_trials,
+from pipelines.sweep_space import (Trial, cpus_needed, load_sweep, max_concurrent, plan_trials,
                                    reject_unfit, split_argv, trial_name)
 
 
@@ -128,7 +129,7 @@ def run_trial(config: dict[str, Any], specs: dict[int, dict[str, Any]]) -> None:
     from ray.tune.integration.ray_train import TuneReportCallback
 
     spec = specs[config["trial_index"]]
-    fit_backend(OmegaConf.create(spec["cfg"]), spec["run_id"], spec["tracking_uri"], callbacks=[TuneReportCallback()])
+    fit_backend(typed_config(spec["cfg"]), spec["run_id"], spec["tracking_uri"], callbacks=[TuneReportCallback()])
 
 
 @dataclass

@@ -13,6 +13,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from contract.config import parallel_degrees
 from pipelines.config import ConfigError, load_config
 
 # CPUs a trial takes besides its workers: its Tune function (the Ray Train driver) and one for Ray Data's
@@ -196,12 +197,7 @@ def max_concurrent(valid: list[Trial], cluster_cpus: float, cluster_gpus: float,
     return min(fit, requested) if requested else fit
 
 
-def parallel_params(cfg: DictConfig) -> dict[str, Any]:
-    """The parallelism degrees, as `pipelines.train` logs them."""
-    return {"world_size": cfg.trainer.num_workers, "dp": cfg.trainer.dp, "tp": cfg.trainer.tp,
-            "backend": cfg.trainer.backend}
-
-
 def trial_name(cfg: DictConfig) -> str:
     t = cfg.trainer
-    return f"{t.backend}-w{t.num_workers}-tp{t.tp}-dp{t.dp}-bs{t.batch_size}-lr{t.lr:g}"
+    dp, tp = parallel_degrees(t)
+    return f"{t.backend}-w{t.num_workers}-tp{tp}-dp{dp}-bs{t.batch_size}-lr{t.lr:g}"

@@ -14,7 +14,7 @@ import traceback
 from omegaconf import DictConfig, OmegaConf
 
 from contract import resume, tracking
-from pipelines.config import ConfigError, flatten, load_config
+from pipelines.config import ConfigError, flatten, load_config, parallel_params
 from pipelines.data.idx import DataError
 from pipelines.data.shards import read_manifest, shard_paths
 from pipelines.fit import fit_backend
@@ -70,10 +70,8 @@ def open_run(cfg: DictConfig, manifest: dict, uri: str) -> tuple[str, str | None
     run_id = resume.recorded_run_id(cfg.run.resume_dir)
     if run_id is not None:
         return run_id, tracking.reopen_run(uri, run_id)
-    parallel = {"world_size": cfg.trainer.num_workers, "dp": cfg.trainer.dp, "tp": cfg.trainer.tp,
-                "backend": cfg.trainer.backend}
     run_name = cfg.run.name or f"{cfg.trainer.backend}-{cfg.data.name}-{cfg.model.name}"
-    run_id = tracking.start_run(uri, cfg.run.experiment, run_name, {**flatten(cfg), **parallel},
+    run_id = tracking.start_run(uri, cfg.run.experiment, run_name, {**flatten(cfg), **parallel_params(cfg)},
                                 OmegaConf.to_yaml(cfg))
     tracking.log_data_files(uri, run_id, cfg.data.path, manifest)
     resume.record_run_id(cfg.run.resume_dir, run_id)

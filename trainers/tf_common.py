@@ -119,7 +119,9 @@ def input_example(dataset: str, model_inputs: dict) -> np.ndarray:
     return np.zeros((2, model_inputs["max_len"]), dtype=np.int32)
 
 
-def build_compiled_model(keras: Any, cfg: Any, model_inputs: dict) -> Any:
+def build_compiled_model(keras: Any, cfg: Any, model_inputs: dict, steps_per_execution: int = 1) -> Any:
+    """The Keras model of `cfg.model` compiled with the trainer's optimizer. `steps_per_execution` > 1 only
+    matters to `fit` (tf_mwms' `trainer.tf_steps_per_execution`)."""
     from trainers.models.keras_models import build_keras_model
 
     model = build_keras_model(cfg.model, keras, model_inputs)
@@ -127,7 +129,7 @@ def build_compiled_model(keras: Any, cfg: Any, model_inputs: dict) -> Any:
                  else keras.optimizers.Adam(cfg.trainer.lr))
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   # Several steps per tf.function call (fit): cuts the per-step host overhead of the strategy.
-                  steps_per_execution=cfg.trainer.tf_steps_per_execution)
+                  steps_per_execution=steps_per_execution)
     return model
 
 
@@ -213,9 +215,9 @@ def _log_model_task(uri: str, run_id: str, cfg_dict: dict, checkpoint: Any, mode
     import mlflow
     import tensorflow as tf
     import tf_keras as keras
-    from omegaconf import OmegaConf
+    from contract.config import typed_config
 
-    cfg = OmegaConf.create(cfg_dict)
+    cfg = typed_config(cfg_dict)
     model = build_compiled_model(keras, cfg, model_inputs)
     with checkpoint.as_directory() as directory:
         model.load_weights(os.path.join(directory, WEIGHTS))

@@ -167,7 +167,7 @@ def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: in
     keras.utils.set_random_seed(cfg.run.seed)
     initial = build_keras_model(cfg.model, keras, model_inputs).get_weights()
     with strategy.scope():
-        model = tfc.build_compiled_model(keras, cfg, model_inputs)
+        model = tfc.build_compiled_model(keras, cfg, model_inputs, cfg.trainer.tf_steps_per_execution)
         model.set_weights(initial)
     local_replicas = strategy.num_replicas_in_sync // world_size  # tf_devices under MirroredStrategy, else 1
     train, evaluation = data

@@ -7,6 +7,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from contract.config import typed_config
 from contract.resume import stop_file
 from trainers.loop import WorkerContext
 
@@ -18,10 +19,8 @@ def loop_config(cfg: DictConfig, run_id: str, tracking_uri: str, model_inputs: d
 
 
 def worker_config(config: dict[str, Any]) -> DictConfig:
-    """The validated config as the driver resolved it, read-only in the worker."""
-    cfg = OmegaConf.create(config["cfg"])
-    OmegaConf.set_readonly(cfg, True)
-    return cfg
+    """The validated config as the driver resolved it: typed by the backend's schema, read-only."""
+    return typed_config(config["cfg"])
 
 
 def ray_context(config: dict[str, Any], cfg: DictConfig) -> WorkerContext:

@@ -24,7 +24,8 @@ def test_defaults_compose_and_flatten(data_override):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("+trainer.bogus=1", r"^trainer\.bogus: Key 'bogus' not in 'TrainerConfig'"),
+    ("+trainer.bogus=1", r"^trainer\.bogus: Key 'bogus' not in 'DDPConfig'"),
+    ("trainer.bogus=1", r"^trainer\.bogus: not a key of this config"),
     ("trainer.batch_size=abc", r"^trainer\.batch_size: Value 'abc'.* could not be converted to Integer"),
     ("trainer.lr=-0.1", r"^trainer\.lr: must be > 0"),
     ("trainer.num_workers=0", r"^trainer\.num_workers: must be > 0"),
@@ -79,11 +80,37 @@ def test_impossible_parallelism_is_rejected(fake_imdb, overrides, message):
         load_config(["trainer=tp", "data=imdb", "model=bert_tiny", fake_imdb, *overrides])
 
 
-def test_tp_needs_bert_and_ddp_refuses_tp(data_override, fake_imdb):
-    with pytest.raises(ConfigError, match=r"^trainer\.tp: backend 'ddp' is data-parallel only"):
-        load_config([data_override, "trainer.tp=2"])
+def test_each_backend_has_its_own_trainer_keys(data_override, fake_imdb):
+    """Another backend's key is an unknown key (set or added), never silently ignored."""
+    for overrides in (["trainer.tp=2"], ["+trainer.tp=2"], ["trainer=tf_mwms", "+trainer.compression=fp16"],
+                      ["trainer=horovod", "trainer.tf_loop=custom"], ["trainer=tp", "+trainer.tf_devices=2"]):
+        with pytest.raises(ConfigError, match=r"^trainer\.(tp|compression|tf_loop|tf_devices): "):
+            load_config([data_override, *overrides])
     cfg = load_config(["trainer=tp", "data=imdb", "model=bert_tiny", fake_imdb, "trainer.num_workers=4"])
     assert (cfg.trainer.dp, cfg.trainer.tp) == (2, 2)
+    assert "tp" not in load_config([data_override]).trainer
+
+
+def test_schemas_cover_every_backend_module():
+    from contract.config import TRAINER_SCHEMAS
+    from trainers import BACKENDS
+
+    assert set(TRAINER_SCHEMAS) == set(BACKENDS) == {p.stem for p in (ROOT / "conf" / "trainer").glob("*.yaml")}
+    for name, schema in TRAINER_SCHEMAS.items():
+        assert schema().backend == name
+
+
+def test_a_worker_rebuilds_the_typed_read_only_config(data_override):
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ReadonlyConfigError
+
+    from contract.config import typed_config
+
+    cfg = load_config([data_override, "trainer=tf_mwms", "trainer.tf_loop=custom"])
+    rebuilt = typed_config(OmegaConf.to_container(cfg, resolve=True))
+    assert rebuilt == cfg and OmegaConf.get_type(rebuilt.trainer).__name__ == "TFMWMSConfig"
+    with pytest.raises(ReadonlyConfigError):
+        rebuilt.trainer.lr = 1.0
 
 
 def test_cluster_scripts_set_storage_and_resume_dir_through_the_environment(data_override, monkeypatch, tmp_path):

@@ -1,0 +1,149 @@
+"""The typed config every layer reads: one dataclass schema per section, and one trainer schema per backend
+(the common keys plus that backend's own), so a key another backend owns is an error, never silently ignored.
+
+`pipelines/config.py` composes `conf/` with Hydra and validates values against these; a worker rebuilds the
+same typed, read-only config from the plain dict Ray ships to it (`typed_config`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+
+@dataclass
+class TrainerConfig:
+    """Keys every backend has: the training contract's recipe and resources."""
+    backend: str = "ddp"
+    num_workers: int = 2
+    threads_per_worker: int = 1
+    use_gpu: bool = False
+    batch_size: int = 128
+    lr: float = 1e-3
+    optimizer: str = "adam"
+    epochs: int = 5
+    log_every_n_steps: int = 0          # rank 0 logs `step_loss` every n steps (0: off)
+    max_steps_per_epoch: Optional[int] = None  # cut epochs short (benchmarks, smoke runs)
+    placement_strategy: str = "PACK"    # Ray placement of the workers: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+
+
+@dataclass
+class DDPConfig(TrainerConfig):
+    backend: str = "ddp"
+
+
+@dataclass
+class TPConfig(TrainerConfig):
+    backend: str = "tp"
+    tp: int = 2                         # tensor-parallel degree
+    dp: Optional[int] = None            # data-parallel degree; default num_workers // tp
+    tp_impl: str = "megatron"           # megatron | dtensor
+
+
+@dataclass
+class TFMWMSConfig(TrainerConfig):
+    backend: str = "tf_mwms"
+    tf_loop: str = "fit"                # fit (tf-keras model.fit) | custom (strategy.run loop)
+    tf_communication: str = "auto"      # collectives: auto | ring | nccl (nccl needs use_gpu)
+    tf_steps_per_execution: int = 8     # fit: training steps per compiled call
+    tf_devices: int = 1                 # replicas per worker (GPUs, or logical CPU devices without)
+
+
+@dataclass
+class HorovodConfig(TrainerConfig):
+    backend: str = "horovod"
+    framework: str = "torch"            # torch (hvd.DistributedOptimizer) | tf (DistributedGradientTape)
+    compression: str = "none"           # gradient compression on the wire: none | fp16
+    backward_passes_per_step: int = 1   # batches whose gradients are summed locally per all-reduce
+
+
+TRAINER_SCHEMAS: dict[str, type[TrainerConfig]] = {"ddp": DDPConfig, "tp": TPConfig, "tf_mwms": TFMWMSConfig,
+                                                   "horovod": HorovodConfig}
+
+
+@dataclass
+class DataConfig:
+    name: str = "mnist"
+    path: str = "data/mnist/parquet"
+    eval_split: str = "test"
+    cache_in_worker: bool = True
+
+
+@dataclass
+class MLPConfig:
+    name: str = "mlp"
+    hidden: list[int] = field(default_factory=lambda: [512, 256])
+    dropout: float = 0.1
+
+
+@dataclass
+class CNNConfig:
+    name: str = "cnn"
+    channels: list[int] = field(default_factory=lambda: [32, 64])
+    hidden: int = 128
+    dropout: float = 0.25
+
+
+@dataclass
+class BertModelConfig:
+    name: str = "bert"
+    flavour: str = "tiny"           # tiny | small | base | large (trainers/models/bert.py)
+    dropout: float = 0.1
+    hidden: Optional[int] = None    # optional overrides of the flavour
+    layers: Optional[int] = None
+    heads: Optional[int] = None
+
+
+@dataclass
+class EmbedPoolConfig:
+    name: str = "embed_pool"
+    embed_dim: int = 64
+    hidden: int = 64
+    dropout: float = 0.1
+
+
+MODEL_SCHEMAS: dict[str, type] = {"mlp": MLPConfig, "cnn": CNNConfig, "bert": BertModelConfig,
+                                  "embed_pool": EmbedPoolConfig}
+
+
+@dataclass
+class RunSection:
+    experiment: str = "ray-train-pipelines"
+    name: Optional[str] = None
+    seed: int = 0
+    storage_path: str = "outputs/ray"
+    dump_params_dir: Optional[str] = None
+    resume_dir: Optional[str] = None  # stop-and-resume folder (preemption); see contract/resume.py
+
+
+@dataclass
+class FaultConfig:
+    max_failures: int = 1
+    inject_at_epoch: Optional[int] = None
+    inject_marker: Optional[str] = None
+
+
+def schema(backend: str, model: str) -> DictConfig:
+    """The structured config of a run of `backend` training `model` (both must be known names)."""
+    return OmegaConf.create({
+        "trainer": OmegaConf.structured(TRAINER_SCHEMAS[backend]),
+        "data": OmegaConf.structured(DataConfig),
+        "model": OmegaConf.structured(MODEL_SCHEMAS[model]),
+        "run": OmegaConf.structured(RunSection),
+        "fault": OmegaConf.structured(FaultConfig),
+    })
+
+
+def typed_config(plain: dict[str, Any]) -> DictConfig:
+    """A validated config shipped as plain data (to a Ray worker, a Tune trial), typed and read-only again."""
+    cfg = OmegaConf.merge(schema(plain["trainer"]["backend"], plain["model"]["name"]), plain)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def parallel_degrees(trainer: DictConfig) -> tuple[int, int]:
+    """(dp, tp) of any backend: the data-parallel backends are tp=1, dp=num_workers."""
+    if trainer.backend == "tp":
+        return trainer.dp, trainer.tp
+    return trainer.num_workers, 1
