@@ -6,13 +6,18 @@ boundary, report a checkpoint of the half-done epoch and return, and the driver 
 EXIT_PREEMPTED. A later run with the same folder (the requeued job) continues the same MLflow run, and
 Ray Train restores the checkpoint because the Ray Train run is named after the MLflow run. Whoever created
 STOP removes it before continuing (the Slurm script does at job start): a run that finds STOP stops at once.
+
+A sweep (`pipelines.sweep`) records its parent run and one child run per trial instead (SWEEP_FILE); a rerun
+continues that parent and re-runs the trials whose child run has not finished, each resuming its own checkpoint.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 STOP_FILE = "STOP"
 RUN_ID_FILE = "mlflow_run_id"
+SWEEP_FILE = "mlflow_sweep.json"  # {"parent": run id, "children": {trial index: run id}}
 EXIT_PREEMPTED = 3
 # Workers agree on STOP every this many steps (one collective of a flag): often enough to stop within a
 # preemption grace time, rare enough not to slow a small model's steps.
@@ -31,9 +36,26 @@ def recorded_run_id(resume_dir: str | None) -> str | None:
 
 
 def record_run_id(resume_dir: str | None, run_id: str) -> None:
+    _write_atomic(resume_dir, RUN_ID_FILE, run_id + "\n")
+
+
+def recorded_sweep(resume_dir: str | None) -> tuple[str, dict[int, str]] | None:
+    """(parent run id, {trial index: child run id}) of the sweep recorded in `resume_dir`, if any."""
+    path = Path(resume_dir) / SWEEP_FILE if resume_dir else None
+    if path is None or not path.exists():
+        return None
+    recorded = json.loads(path.read_text())
+    return recorded["parent"], {int(index): run_id for index, run_id in recorded["children"].items()}
+
+
+def record_sweep(resume_dir: str | None, parent_id: str, children: dict[int, str]) -> None:
+    _write_atomic(resume_dir, SWEEP_FILE, json.dumps({"parent": parent_id, "children": children}, indent=1))
+
+
+def _write_atomic(resume_dir: str | None, name: str, text: str) -> None:
     if not resume_dir:
         return
     Path(resume_dir).mkdir(parents=True, exist_ok=True)
-    tmp = Path(resume_dir) / f".{RUN_ID_FILE}.tmp"
-    tmp.write_text(run_id + "\n")
-    tmp.replace(Path(resume_dir) / RUN_ID_FILE)  # atomic: a reader never sees half an id
+    tmp = Path(resume_dir) / f".{name}.tmp"
+    tmp.write_text(text)
+    tmp.replace(Path(resume_dir) / name)  # atomic: a reader never sees half a file

@@ -12,7 +12,9 @@ CSV, plots) is built from the child runs at the end and logged to the parent run
 
 Last stdout line: `mlflow_parent_run_id=<id>`. Exit codes: 0 every trial finished (ASHA's early stops count as
 finished); 1 a trial failed or never completed an epoch, or the sweep failed (the report still covers the trials
-that ran); 2 bad config, data or tracking server, or no valid trial (nothing was started).
+that ran); 2 bad config, data or tracking server, or no valid trial (nothing was started); 3 stopped on request
+(`run.resume_dir` holds STOP): the unfinished trials checkpointed, the parent run is KILLED, and a rerun with the
+same `run.resume_dir` continues the same parent and re-runs only the unfinished trials, each from its checkpoint.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from contract import tracking
+from contract import resume, tracking
 from contract.config import typed_config
 from pipelines.config import ConfigError, flatten, parallel_params
 from pipelines.data.idx import DataError
@@ -57,6 +59,11 @@ def validate(argv: list[str]) -> tuple[DictConfig, list[Trial], str]:
         manifest = read_manifest(data_path)
         for each in ("train", split):
             shard_paths(data_path, manifest, each)
+    recorded = resume.recorded_sweep(valid[0].cfg.run.resume_dir)
+    if recorded and set(recorded[1]) - {t.index for t in valid}:
+        raise ConfigError(f"run.resume_dir: the sweep recorded in {valid[0].cfg.run.resume_dir} has trials this grid "
+                          f"lacks ({sorted(set(recorded[1]) - {t.index for t in valid})}); continue it with the same "
+                          "sweep and overrides, or use another run.resume_dir")
     uri = tracking.tracking_uri()
     tracking.check_reachable(uri)
     return spec, trials, uri
@@ -129,6 +136,8 @@ def run_trial(config: dict[str, Any], specs: dict[int, dict[str, Any]]) -> None:
     from ray.tune.integration.ray_train import TuneReportCallback
 
     spec = specs[config["trial_index"]]
+    if stop_requested(spec["cfg"]["run"]["resume_dir"]):  # the sweep is stopping: leave this trial for the rerun
+        return
     fit_backend(typed_config(spec["cfg"]), spec["run_id"], spec["tracking_uri"], callbacks=[TuneReportCallback()])
 
 
@@ -204,38 +213,74 @@ def report(uri: str, spec: DictConfig, parent_id: str) -> str:
     return result.markdown
 
 
-def run_sweep(spec: DictConfig, trials: list[Trial], uri: str) -> tuple[str, int]:
-    """Ray, parent run, children, Tune, report. Returns (parent run id, number of failed trials)."""
+def stop_requested(resume_dir: str | None) -> bool:
+    stop = resume.stop_file(resume_dir)
+    return stop is not None and stop.exists()
+
+
+def open_sweep(uri: str, spec: DictConfig, trials: list[Trial], cluster: dict[str, Any],
+               resume_dir: str | None) -> tuple[str, dict[int, str], list[int]]:
+    """The parent and child runs: new ones (recorded in `run.resume_dir` when set), or those of the sweep recorded
+    there, reopened. Returns (parent id, {trial index: child id}, indices of the trials to run: all of a new
+    sweep; a continued sweep's trials whose child run has not finished)."""
+    valid = [t for t in trials if t.cfg is not None]
+    recorded = resume.recorded_sweep(resume_dir)
+    if recorded is None:
+        parent_id = start_parent(uri, spec, trials, cluster)
+        for data_path in {t.cfg.data.path for t in valid}:  # lineage, as a training run logs it
+            tracking.log_data_files(uri, parent_id, data_path, read_manifest(data_path))
+        children = start_children(uri, parent_id, valid)
+        resume.record_sweep(resume_dir, parent_id, children)
+        return parent_id, children, [t.index for t in valid]
+    parent_id, children = recorded
+    tracking.reopen_run(uri, parent_id)
+    to_run = []
+    for index, run_id in children.items():
+        if tracking.reopen_run(uri, run_id) != "FINISHED":
+            to_run.append(index)
+            if "sweep.not_finished" in _client(uri).get_run(run_id).data.tags:  # said by the stopped attempt
+                _client(uri).delete_tag(run_id, "sweep.not_finished")
+    return parent_id, children, to_run
+
+
+def run_sweep(spec: DictConfig, trials: list[Trial], uri: str) -> tuple[str, int, bool]:
+    """Ray, parent run, children, Tune, report. Returns (parent run id, number of failed trials, whether the
+    sweep stopped on request with trials left to continue)."""
     import ray
 
     cpus, gpus = init_ray(trials)
+    resume_dir = next(t.cfg for t in trials if t.cfg is not None).run.resume_dir
     parent_id = None
-    children: dict[int, str] = {}
+    pending: dict[int, str] = {}  # the child runs this attempt runs
     outcomes: dict[int, Outcome] = {}
     try:
         reject_unfit(trials, cpus, gpus)
         valid = [t for t in trials if t.cfg is not None]
         concurrency = max_concurrent(valid, cpus, gpus, spec.max_concurrent_trials) if valid else 0
-        parent_id = start_parent(uri, spec, trials, {"cpus": cpus, "gpus": gpus, "nodes": len(ray.nodes()),
-                                                     "max_concurrent_trials": concurrency})
-        for data_path in {t.cfg.data.path for t in valid}:  # lineage, as a training run logs it
-            tracking.log_data_files(uri, parent_id, data_path, read_manifest(data_path))
+        cluster = {"cpus": cpus, "gpus": gpus, "nodes": len(ray.nodes()), "max_concurrent_trials": concurrency}
+        parent_id, children, to_run = open_sweep(uri, spec, trials, cluster, resume_dir)
         print(f"MLflow parent run {parent_id} ({uri}); {len(valid)} trials, {len(trials) - len(valid)} rejected, "
-              f"{concurrency} at a time", flush=True)
+              f"{concurrency} at a time{f', {len(to_run)} left to run' if len(to_run) < len(children) else ''}",
+              flush=True)
         print(rejected_text(trials), flush=True)
         if not valid:
             raise RuntimeError("no trial fits the cluster")
-        children = start_children(uri, parent_id, valid)
-        outcomes = run_tune(spec, valid, children, uri, parent_id, concurrency)
-        close_children(uri, children, outcomes)
+        pending = {i: children[i] for i in to_run}
+        runnable = [t for t in valid if t.index in pending]
+        outcomes = run_tune(spec, runnable, children, uri, parent_id, concurrency) if runnable else {}
+        outcomes.update({i: Outcome("KILLED", "does not fit this cluster") for i in pending if i not in outcomes})
+        close_children(uri, pending, outcomes)
         failed = sum(o.status != "FINISHED" for o in outcomes.values())
+        if failed and stop_requested(resume_dir):
+            tracking.mark_preempted(uri, parent_id, f"{failed} of {len(children)} trials unfinished")
+            return parent_id, failed, True
         _client(uri).log_metric(parent_id, "trials_failed", failed)
         print(report(uri, spec, parent_id), flush=True)
-        return parent_id, failed
+        return parent_id, failed, False
     except BaseException as err:  # KeyboardInterrupt too: no run may stay RUNNING
         if parent_id is None:
             raise
-        close_children(uri, {i: r for i, r in children.items() if i not in outcomes}, outcomes)
+        close_children(uri, {i: r for i, r in pending.items() if i not in outcomes}, outcomes)
         tracking.end_run(uri, parent_id, error=f"{type(err).__name__}: {err}\n\n{traceback.format_exc()}")
         raise SweepFailed(parent_id, err) from err
     finally:
@@ -256,11 +301,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        parent_id, failed = run_sweep(spec, trials, uri)
+        parent_id, failed, stopped = run_sweep(spec, trials, uri)
     except SweepFailed as err:
         print(f"error: sweep failed: {err}", file=sys.stderr)
         print(f"mlflow_parent_run_id={err.parent_id}", flush=True)
         return 1
+    if stopped:
+        resume_dir = next(t.cfg for t in trials if t.cfg is not None).run.resume_dir
+        print(f"stopped on request with {failed} trial(s) unfinished: delete {resume.stop_file(resume_dir)} and "
+              f"run again with run.resume_dir={resume_dir} to continue", file=sys.stderr)
+        print(f"mlflow_parent_run_id={parent_id}", flush=True)
+        return resume.EXIT_PREEMPTED
     if failed:
         tracking.end_run(uri, parent_id, error=f"{failed} trial(s) did not finish; see the child runs' status")
         print(f"error: {failed} trial(s) did not finish", file=sys.stderr)

@@ -1,7 +1,10 @@
-"""cluster/slurm/ray-cluster.sbatch on a real 2-node Slurm (cluster/dev/slurm-local.sh): a DDP run spread
-over both nodes, preemption with requeue and resume, two concurrent jobs, and a node that never joins."""
+"""cluster/slurm/ray-cluster.sbatch on a real 2-node Slurm (cluster/dev/slurm-local.sh): every backend with one
+worker on each node, a preempted sweep requeued and continued, two concurrent jobs, a job whose port block is
+taken, and a node that never joins. (A training run's stop and resume, exit code 3, is the same protocol:
+tests/integration/test_stop_resume.py runs it through the driver.)"""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -45,41 +48,52 @@ def assert_each_epoch_once(client: mlflow.MlflowClient, run_id: str, epochs: int
         assert steps == list(range(1, epochs + 1)), (metric, steps)
 
 
-@pytest.mark.parametrize("backend", ["ddp", "horovod"])
-def test_run_spreads_over_both_nodes(slurm, tiny_mnist, tmp_path, backend):
-    """2 workers, one per Slurm node: DDP over gloo, and Horovod's Gloo rendezvous across two Ray nodes (tf_mwms
-    and tp cross the nodes in the concurrent-jobs test)."""
+def assert_spread_run(client: mlflow.MlflowClient, run_id: str, epochs: int) -> None:
+    """Finished, one worker per Slurm node, every epoch logged once."""
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert {run.data.tags["rank0.node"], run.data.tags["rank1.node"]} == NODE_ADDRS  # one worker per node
+    assert_each_epoch_once(client, run_id, epochs)
+
+
+def test_horovod_run_spreads_over_both_nodes(slurm, tiny_mnist, tmp_path):
+    """Horovod's Gloo rendezvous across two Ray nodes (ddp crosses them in the port-block and sweep tests, tf_mwms
+    and tp in the concurrent-jobs test)."""
     out = tmp_path / "slurm"
-    job = sbatch(slurm, out, ddp_command(tiny_mnist, "trainer.epochs=2", backend=backend))
+    job = sbatch(slurm, out, ddp_command(tiny_mnist, "trainer.epochs=2", backend="horovod"))
     info = wait_job(slurm, job, 900)
     log = job_output(out, job)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
     assert "all 2 nodes joined" in log
-
     client = local_store(out)
     run = only_run(client)
-    assert run.info.status == "FINISHED"
-    assert {run.data.tags["rank0.node"], run.data.tags["rank1.node"]} == NODE_ADDRS  # one worker per node
+    assert_spread_run(client, run.info.run_id, 2)
     assert run.data.params["cluster.nodes"] == "2"
     assert [m.value > 0 for m in client.get_metric_history(run.info.run_id, "cluster_startup_s")] == [True]
-    assert_each_epoch_once(client, run.info.run_id, 2)
     wait_gone(job)  # no stray raylets, temp dirs removed
     assert not (out / f"job-{job}" / "ray_auth_token").exists()  # the job's secret is gone with it
 
 
-def test_preempted_job_requeues_and_resumes_into_the_same_run(slurm, tiny_mnist, tmp_path):
+def test_preempted_sweep_requeues_and_continues_into_the_same_runs(slurm, tiny_mnist, tmp_path):
+    """A sweep (DDP on 2 workers spread over the nodes, and on 1) preempted after its first epoch: the Slurm
+    script asks it to stop, it checkpoints its running trial and exits 3, the job requeues itself, and the requeued
+    sweep continues the same MLflow parent and child runs, re-running only the unfinished trials."""
     out = tmp_path / "slurm"
-    epochs = 4
+    grid = "sweep.grid=[{trainer:[ddp],trainer.num_workers:[2,1]}]"
     # 1024 rows / 2 workers / 16 per batch = 32 steps per epoch: the stop check (every 10 steps) lands mid-epoch.
-    job = sbatch(slurm, out, ddp_command(tiny_mnist, f"trainer.epochs={epochs}", "trainer.batch_size=16"))
-    run_id_file = out / f"job-{job}" / "resume" / "mlflow_run_id"
-    wait_until(run_id_file.exists, 600, "the pipeline to open its MLflow run")
+    command = ["python", "-m", "pipelines.sweep", "sweep=mnist_backends", grid, "sweep.scheduler=grid",
+               "sweep.max_concurrent_trials=1", f"data.path={tiny_mnist}", "trainer.epochs=2",
+               "trainer.batch_size=16", "trainer.placement_strategy=STRICT_SPREAD", "model.hidden=[32]"]
+    job = sbatch(slurm, out, command)
+    sweep_file = out / f"job-{job}" / "resume" / "mlflow_sweep.json"
+    wait_until(sweep_file.exists, 600, "the sweep to open its MLflow runs")
     env_file = out / f"job-{job}" / "cluster.env"
     uri = next(line.split("=", 1)[1] for line in env_file.read_text().split()
                if line.startswith("MLFLOW_TRACKING_URI="))
     live = mlflow.MlflowClient(uri)
-    run_id = run_id_file.read_text().strip()
-    wait_until(lambda: live.get_metric_history(run_id, "train_loss"), 600, "epoch 1 to be logged")
+    recorded = json.loads(sweep_file.read_text())
+    wait_until(lambda: any(live.get_metric_history(run_id, "train_loss") for run_id in recorded["children"].values()),
+               600, "a trial's first epoch to be logged")
 
     # What `#SBATCH --signal=B:TERM@...` does before the time limit: TERM to the batch shell only.
     subprocess.run(["scancel", "--batch", "--signal=TERM", job], env=slurm, check=True)
@@ -89,12 +103,19 @@ def test_preempted_job_requeues_and_resumes_into_the_same_run(slurm, tiny_mnist,
     assert "requeueing job" in log and "pipeline exit code 0" in log
 
     client = local_store(out)
-    run = only_run(client)  # one run: the requeued job continued it
-    assert run.info.run_id == run_id and run.info.status == "FINISHED"
-    assert run.data.tags["attempts"] == "2"
-    assert run.data.tags["preempted_at"].startswith("epoch ")
-    assert_each_epoch_once(client, run_id, epochs)
-    assert len(client.get_metric_history(run_id, "cluster_startup_s")) == 2  # one per attempt
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert {r.info.run_id for r in runs} == {recorded["parent"], *recorded["children"].values()}  # no new runs
+    parent = client.get_run(recorded["parent"])
+    assert parent.info.status == "FINISHED" and parent.data.tags["attempts"] == "2"
+    assert parent.data.tags["preempted_at"].endswith("trials unfinished")
+    assert parent.data.params["cluster.nodes"] == "2" and parent.data.metrics["trials_failed"] == 0
+    children = {int(i): client.get_run(run_id) for i, run_id in recorded["children"].items()}
+    for child in children.values():
+        assert child.info.status == "FINISHED"
+        assert_each_epoch_once(client, child.info.run_id, 2)
+    assert any(c.data.tags.get("attempts") == "2" for c in children.values())  # continued, not restarted
+    two_workers = next(c for c in children.values() if c.data.params["world_size"] == "2")
+    assert_spread_run(client, two_workers.info.run_id, 2)
     wait_gone(job)
 
 
@@ -159,7 +180,8 @@ def hold_a_port(base: int, size: int = 400) -> socket.socket | None:
 
 def test_job_whose_port_block_is_taken_moves_to_the_next_free_one(slurm, tiny_mnist, tmp_path):
     """Jobs whose ids are equal modulo the block count start from the same port block; a job that finds a port of
-    its block held on its head node (here: a listener the test holds) takes the next free block and runs."""
+    its block held on its head node (here: a listener the test holds) takes the next free block and runs: a DDP
+    run with one worker on each node."""
     out = tmp_path / "slurm"
     job = sbatch(slurm, out, ddp_command(tiny_mnist, "trainer.epochs=1"), sbatch_args=["--hold"])
     preferred = free_block_base(int(job))
@@ -175,6 +197,8 @@ def test_job_whose_port_block_is_taken_moves_to_the_next_free_one(slurm, tiny_mn
     base = int(log.split(", ports ", 1)[1].split("..", 1)[0])
     # A later block (not always the next: ports in use by anything, e.g. outgoing connections, also count).
     assert base != preferred and (base - 20000) % 400 == 0, base
+    client = local_store(out)
+    assert_spread_run(client, only_run(client).info.run_id, 1)  # DDP's gloo across the nodes
     wait_gone(job)
 
 
