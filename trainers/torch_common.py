@@ -139,8 +139,8 @@ def make_optimizer(model: nn.Module, name: str, lr: float) -> torch.optim.Optimi
 
 
 class TorchAdapter:
-    """The loop's `Adapter` for a PyTorch model. Subclasses override the state hooks (`dense_state`,
-    `load_dense_state`) and may pass `sync_gradients` (run between backward and the optimizer step).
+    """The loop's `Adapter` for a PyTorch model. Subclasses override the state hooks (`dense_model_state`,
+    `dense_optimizer_state`, `load_dense_state`) and may pass `sync_gradients` (run between backward and the optimizer step).
 
     `passes` batches per optimizer step (gradient accumulation, Horovod's `backward_passes_per_step`): the loss
     is scaled by 1/passes so a step applies the mean gradient over those batches, as one larger batch would."""
@@ -209,9 +209,13 @@ class TorchAdapter:
         return {}
 
     # State: a checkpoint always holds the dense (unsharded, unwrapped) model, so any layout can load it.
-    def dense_state(self) -> tuple[dict[str, torch.Tensor], dict | None]:
-        """(model state dict, optimizer state dict), dense; a collective where the model is sharded."""
-        return unwrap(self.model).state_dict(), self.optimizer.state_dict()
+    def dense_model_state(self) -> dict[str, torch.Tensor]:
+        """The model's dense state dict; a collective where the model is sharded."""
+        return unwrap(self.model).state_dict()
+
+    def dense_optimizer_state(self) -> dict:
+        """The optimizer's state dict as a dense model's optimizer would hold it; a collective where sharded."""
+        return self.optimizer.state_dict()
 
     def load_dense_state(self, model_state: dict[str, torch.Tensor], optimizer_state: dict | None) -> None:
         unwrap(self.model).load_state_dict(model_state)
@@ -219,9 +223,9 @@ class TorchAdapter:
             self.optimizer.load_state_dict(optimizer_state)
 
     def save(self, directory: str) -> None:
-        model_state, optimizer_state = self.dense_state()  # every rank: may be collective
+        state = {"model": self.dense_model_state(), "optimizer": self.dense_optimizer_state()}  # may be collective
         if self.rank == 0:  # the others' folders are discarded (contract/checkpoint.py)
-            torch.save({"model": model_state, "optimizer": optimizer_state}, os.path.join(directory, STATE_FILE))
+            torch.save(state, os.path.join(directory, STATE_FILE))
 
     def load(self, directory: str) -> None:
         state = load_state_file(directory)
@@ -229,10 +233,10 @@ class TorchAdapter:
 
     def dump(self, directory: str | None) -> None:
         """Debugging aid (`run.dump_params_dir`): this rank's final dense parameters and, for cached text, the
-        keys of the rows of its training shard. Collective where `dense_state` is."""
+        keys of the rows of its training shard. Collective where `dense_model_state` is."""
         if not directory:
             return
-        model_state, _ = self.dense_state()
+        model_state = self.dense_model_state()
         Path(directory).mkdir(parents=True, exist_ok=True)
         torch.save(model_state, Path(directory) / f"rank{self.rank}.pt")
         keys = self.train.row_keys()

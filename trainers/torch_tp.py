@@ -73,10 +73,15 @@ class TPAdapter(tc.TorchAdapter):
         with self.timer.patch():  # training steps only, so collective time compares with train time
             return super().train_step(batch)
 
-    def dense_state(self) -> tuple[dict[str, torch.Tensor], dict | None]:
-        from trainers.parallel.plans import dense_optimizer_state, unshard_state_dict
+    def dense_model_state(self) -> dict[str, torch.Tensor]:
+        from trainers.parallel.plans import unshard_state_dict
 
-        return unshard_state_dict(self.model), dense_optimizer_state(self.model, self.optimizer)
+        return unshard_state_dict(self.model)
+
+    def dense_optimizer_state(self) -> dict:
+        from trainers.parallel.plans import dense_optimizer_state
+
+        return dense_optimizer_state(self.model, self.optimizer)
 
     def load_dense_state(self, model_state: dict[str, torch.Tensor], optimizer_state: dict | None) -> None:
         from trainers.parallel.plans import load_dense_optimizer_state, load_dense_state_dict
