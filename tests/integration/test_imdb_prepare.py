@@ -17,15 +17,14 @@ pytestmark = pytest.mark.slow
 MAX_LEN = 32
 
 
-def prepare(source: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+def prepare(source: Path, out: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "pipelines.prepare", "imdb", "--source", str(source), "--out", str(out),
            "--shards", "2", "--vocab-size", "200", "--max-len", str(MAX_LEN), "--val-fraction", "0.2", *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=pipeline_env("unused"), capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> tuple[Path, Path, Path]:
+def prepared(tmp_path_factory, ray_head) -> tuple[Path, Path, Path]:
     base = tmp_path_factory.mktemp("imdb")
     root = make_aclimdb(base / "src", per_label=40, test_per_label=10)
     archive = tar_of(root, base / "aclImdb_v1.tar.gz")
@@ -33,7 +32,7 @@ def prepared(tmp_path_factory) -> tuple[Path, Path, Path]:
     # tie-heavy text can pick different sub-word pieces; the second run reuses the first's tokenizer.
     reuse = ("--tokenizer", str(base / "from_folder" / "tokenizer.json"))
     for source, out, extra in ((root, base / "from_folder", ()), (archive, base / "from_tar", reuse)):
-        proc = prepare(source, out, *extra)
+        proc = prepare(source, out, pipeline_env("unused", ray_head), *extra)  # on the session's Ray head
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "skipped in train" in proc.stdout
     return root, base / "from_folder", base / "from_tar"

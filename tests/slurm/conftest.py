@@ -53,6 +53,17 @@ def wait_job(env: dict[str, str], job_id: str, timeout_s: float, restarts: int =
     return job_info(env, job_id)
 
 
+def skip_requeue_delay(env: dict[str, str], job_id: str, timeout_s: float) -> None:
+    """Slurm makes a requeued job eligible again only after a delay (its BeginTime, about two minutes later);
+    a site's scheduler would start it then. The test moves that begin time to now once the job is requeued."""
+    def requeued() -> bool:  # pending again, or already past it
+        info = job_info(env, job_id)
+        return int(info.get("Restarts", 0)) >= 1 and info.get("JobState") in ("PENDING", "RUNNING", *TERMINAL)
+    wait_until(requeued, timeout_s, f"slurm job {job_id} to be requeued")
+    if job_info(env, job_id).get("JobState") == "PENDING":
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=True)
+
+
 def job_output(out_dir: Path, job_id: str) -> str:
     path = out_dir / f"out-{job_id}.txt"
     return path.read_text() if path.exists() else ""

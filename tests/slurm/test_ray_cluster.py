@@ -15,7 +15,8 @@ import mlflow
 import pytest
 
 from tests.conftest import wait_until
-from tests.slurm.conftest import REPO, elapsed_s, job_info, job_output, ray_leftovers, sbatch, wait_gone, wait_job
+from tests.slurm.conftest import (REPO, elapsed_s, job_info, job_output, ray_leftovers, sbatch, skip_requeue_delay,
+                                 wait_gone, wait_job)
 
 pytestmark = pytest.mark.slow
 
@@ -97,6 +98,7 @@ def test_preempted_sweep_requeues_and_continues_into_the_same_runs(slurm, tiny_m
 
     # What `#SBATCH --signal=B:TERM@...` does before the time limit: TERM to the batch shell only.
     subprocess.run(["scancel", "--batch", "--signal=TERM", job], env=slurm, check=True)
+    skip_requeue_delay(slurm, job, 600)
     info = wait_job(slurm, job, 900, restarts=1)
     log = job_output(out, job)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log

@@ -50,9 +50,10 @@ def test_bad_horovod_config_names_the_key(data_override, overrides, message):
         load_config([data_override, *overrides])
 
 
-def test_tf_framework_needs_a_keras_model(tiny_imdb):
+def test_tf_framework_needs_a_keras_model(tmp_path):
+    (tmp_path / "manifest.json").write_text("{}")  # config checks only that a prepared dataset is there
     with pytest.raises(ConfigError, match=r"^model\.name: horovod with framework=tf has Keras models"):
-        load_config(["data=imdb", f"data.path={tiny_imdb}", "model=bert_tiny", "trainer=horovod",
+        load_config(["data=imdb", f"data.path={tmp_path}", "model=bert_tiny", "trainer=horovod",
                      "trainer.framework=tf"])
 
 
