@@ -140,7 +140,8 @@ def make_optimizer(model: nn.Module, name: str, lr: float) -> torch.optim.Optimi
 
 class TorchAdapter:
     """The loop's `Adapter` for a PyTorch model. Subclasses override the state hooks (`dense_model_state`,
-    `dense_optimizer_state`, `load_dense_state`) and may pass `sync_gradients` (run between backward and the optimizer step).
+    `dense_optimizer_state`, `load_dense_state`) and may pass `sync_gradients` (run between backward and the
+    optimizer step).
 
     `passes` batches per optimizer step (gradient accumulation, Horovod's `backward_passes_per_step`): the loss
     is scaled by 1/passes so a step applies the mean gradient over those batches, as one larger batch would."""
