@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from contract.config import parallel_degrees
+from contract.config import TRAINER_SCHEMAS, parallel_degrees
 from pipelines.config import ConfigError
 from pipelines.sweep_space import (expand_grid, load_sweep, max_concurrent, merge_overrides, plan_trials,
                                    reject_unfit, split_argv)
@@ -106,3 +106,10 @@ def test_cli_with_no_valid_trial_exits_2_before_ray(fake_imdb, capsys):
     err = capsys.readouterr().err
     assert "sweep.grid: no valid trial" in err
     assert "model.name: model 'mlp' does not fit data 'imdb'" in err
+
+
+def test_mnist_backends_sweep_has_every_backend_that_trains_the_mlp(tmp_path):
+    (tmp_path / "manifest.json").write_text("{}")  # config checks only that a prepared dataset is there
+    trials = plan_trials(load_sweep("mnist_backends", []), [f"data.path={tmp_path}"])
+    assert all(t.cfg is not None for t in trials), [t.reason for t in trials]
+    assert {t.cfg.trainer.backend for t in trials} == set(TRAINER_SCHEMAS) - {"tp"}  # tp trains the bert model only
