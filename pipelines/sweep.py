@@ -47,8 +47,9 @@ def _client(uri: str) -> Any:
     return MlflowClient(tracking_uri=uri)
 
 
-def validate(argv: list[str]) -> tuple[DictConfig, list[Trial], str]:
-    """Everything that can be checked before taking cluster resources."""
+def validate(argv: list[str]) -> tuple[DictConfig, list[Trial], str, str | None]:
+    """Everything that can be checked before taking cluster resources. Returns (sweep spec, trials, tracking URI,
+    `run.resume_dir`)."""
     name, sweep_overrides, train_overrides = split_argv(argv)
     spec = load_sweep(name, sweep_overrides)
     trials = plan_trials(spec, train_overrides)
@@ -59,14 +60,15 @@ def validate(argv: list[str]) -> tuple[DictConfig, list[Trial], str]:
         manifest = read_manifest(data_path)
         for each in ("train", split):
             shard_paths(data_path, manifest, each)
-    recorded = resume.recorded_sweep(valid[0].cfg.run.resume_dir)
-    if recorded and set(recorded[1]) - {t.index for t in valid}:
-        raise ConfigError(f"run.resume_dir: the sweep recorded in {valid[0].cfg.run.resume_dir} has trials this grid "
-                          f"lacks ({sorted(set(recorded[1]) - {t.index for t in valid})}); continue it with the same "
-                          "sweep and overrides, or use another run.resume_dir")
+    resume_dir = valid[0].cfg.run.resume_dir  # a `run` key: the same for every trial
+    recorded = resume.recorded_sweep(resume_dir)
+    missing = sorted(set(recorded[1]) - {t.index for t in valid}) if recorded else []
+    if missing:
+        raise ConfigError(f"run.resume_dir: the sweep recorded in {resume_dir} has trials this grid lacks "
+                          f"({missing}); continue it with the same sweep and overrides, or use another run.resume_dir")
     uri = tracking.tracking_uri()
     tracking.check_reachable(uri)
-    return spec, trials, uri
+    return spec, trials, uri, resume_dir
 
 
 def rejected_text(trials: list[Trial]) -> str:
@@ -243,13 +245,12 @@ def open_sweep(uri: str, spec: DictConfig, trials: list[Trial], cluster: dict[st
     return parent_id, children, to_run
 
 
-def run_sweep(spec: DictConfig, trials: list[Trial], uri: str) -> tuple[str, int, bool]:
+def run_sweep(spec: DictConfig, trials: list[Trial], uri: str, resume_dir: str | None) -> tuple[str, int, bool]:
     """Ray, parent run, children, Tune, report. Returns (parent run id, number of failed trials, whether the
     sweep stopped on request with trials left to continue)."""
     import ray
 
     cpus, gpus = init_ray(trials)
-    resume_dir = next(t.cfg for t in trials if t.cfg is not None).run.resume_dir
     parent_id = None
     pending: dict[int, str] = {}  # the child runs this attempt runs
     outcomes: dict[int, Outcome] = {}
@@ -296,18 +297,17 @@ class SweepFailed(RuntimeError):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        spec, trials, uri = validate(argv)
+        spec, trials, uri, resume_dir = validate(argv)
     except (ConfigError, DataError, tracking.TrackingUnavailable) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        parent_id, failed, stopped = run_sweep(spec, trials, uri)
+        parent_id, failed, stopped = run_sweep(spec, trials, uri, resume_dir)
     except SweepFailed as err:
         print(f"error: sweep failed: {err}", file=sys.stderr)
         print(f"mlflow_parent_run_id={err.parent_id}", flush=True)
         return 1
     if stopped:
-        resume_dir = next(t.cfg for t in trials if t.cfg is not None).run.resume_dir
         print(f"stopped on request with {failed} trial(s) unfinished: delete {resume.stop_file(resume_dir)} and "
               f"run again with run.resume_dir={resume_dir} to continue", file=sys.stderr)
         print(f"mlflow_parent_run_id={parent_id}", flush=True)
