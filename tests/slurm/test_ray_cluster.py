@@ -1,6 +1,6 @@
 """cluster/slurm/ray-cluster.sbatch on a real 2-node Slurm (cluster/dev/slurm-local.sh): every backend with one
-worker on each node, a preempted sweep requeued and continued, two concurrent jobs, a job whose port block is
-taken, and a node that never joins. (A training run's stop and resume, exit code 3, is the same protocol:
+worker on each node, a preempted sweep requeued and continued, two concurrent jobs (one of them finding its port
+block taken), and a node that never joins. (A training run's stop and resume, exit code 3, is the same protocol:
 tests/integration/test_stop_resume.py runs it through the driver.)"""
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ def assert_spread_run(client: mlflow.MlflowClient, run_id: str, epochs: int) -> 
 
 
 def test_horovod_run_spreads_over_both_nodes(slurm, tiny_mnist, tmp_path):
-    """Horovod's Gloo rendezvous across two Ray nodes (ddp crosses them in the port-block and sweep tests, tf_mwms
-    and tp in the concurrent-jobs test)."""
+    """Horovod's Gloo rendezvous across two Ray nodes (ddp crosses them in the sweep test, tf_mwms and tp in the
+    concurrent-jobs test)."""
     out = tmp_path / "slurm"
     job = sbatch(slurm, out, ddp_command(tiny_mnist, "trainer.epochs=2", backend="horovod"))
     info = wait_job(slurm, job, 900)
@@ -121,40 +121,6 @@ def test_preempted_sweep_requeues_and_continues_into_the_same_runs(slurm, tiny_m
     wait_gone(job)
 
 
-def test_two_concurrent_jobs_do_not_interfere(slurm, tiny_mnist, tiny_imdb, tmp_path, mlflow_server):
-    """Two jobs at once, each a backend whose collectives then cross the node boundary: tf_mwms (custom loop,
-    RING) and tp=2 (all-reduces inside every layer). The site's MLflow server (MLFLOW_TRACKING_URI) this time;
-    each job brings its own Ray cluster."""
-    out = tmp_path / "slurm"
-    site = {"MLFLOW_TRACKING_URI": mlflow_server}
-    experiment = f"concurrent-{tmp_path.name}"
-    named = ("trainer.epochs=1", f"run.experiment={experiment}")
-    commands = [ddp_command(tiny_mnist, *named, "run.name=job0", "trainer.tf_loop=custom",
-                            "trainer.tf_communication=ring", "model.hidden=[32]", backend="tf_mwms"),
-                ddp_command(tiny_imdb, *named, "run.name=job1", "model.hidden=32", "model.heads=2", "trainer.tp=2",
-                            backend="tp", groups=("data=imdb", "model=bert_tiny"))]
-    jobs = [sbatch(slurm, out, command, extra_env=site) for command in commands]
-    infos = [wait_job(slurm, job, 900) for job in jobs]
-    logs = [job_output(out, job) for job in jobs]
-    for info, log in zip(infos, logs):
-        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
-    ports = [next(line for line in log.splitlines() if "ports " in line).rsplit("ports ", 1)[1] for log in logs]
-    assert ports[0] != ports[1]
-    # They really ran at the same time (each holds 2 of the 4 CPUs per node).
-    assert infos[1]["StartTime"] <= infos[0]["EndTime"] and infos[0]["StartTime"] <= infos[1]["EndTime"]
-
-    client = mlflow.MlflowClient(mlflow_server)
-    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
-    assert sorted(r.info.run_name for r in runs) == ["job0", "job1"]
-    assert all(r.info.status == "FINISHED" for r in runs)
-    for run in runs:  # one worker per node
-        assert {run.data.tags["rank0.node"], run.data.tags["rank1.node"]} == NODE_ADDRS, run.info.run_name
-    tokens = [(out / f"job-{job}" / "cluster.env").read_text() for job in jobs]
-    assert tokens[0] != tokens[1]  # per-job secrets and addresses
-    for job in jobs:
-        wait_gone(job)
-
-
 def free_block_base(job: int) -> int:
     """The base port the sbatch script prefers for a job (cluster/slurm/ray_slurm.py, default first port)."""
     import importlib.util
@@ -180,28 +146,49 @@ def hold_a_port(base: int, size: int = 400) -> socket.socket | None:
     return None
 
 
-def test_job_whose_port_block_is_taken_moves_to_the_next_free_one(slurm, tiny_mnist, tmp_path):
-    """Jobs whose ids are equal modulo the block count start from the same port block; a job that finds a port of
-    its block held on its head node (here: a listener the test holds) takes the next free block and runs: a DDP
-    run with one worker on each node."""
+def test_two_concurrent_jobs_do_not_interfere(slurm, tiny_mnist, tiny_imdb, tmp_path, mlflow_server):
+    """Two jobs released at the same moment, each a backend whose collectives then cross the node boundary: tf_mwms
+    (custom loop, RING) and tp=2 (all-reduces inside every layer). The first job finds a port of its preferred
+    block held (a listener the test holds) and moves on, typically to the second job's preferred block, which
+    both jobs then find free at once: the host's port lock must give it to one of them only. The site's MLflow
+    server (MLFLOW_TRACKING_URI) this time; each job brings its own Ray cluster."""
     out = tmp_path / "slurm"
-    job = sbatch(slurm, out, ddp_command(tiny_mnist, "trainer.epochs=1"), sbatch_args=["--hold"])
-    preferred = free_block_base(int(job))
+    site = {"MLFLOW_TRACKING_URI": mlflow_server}
+    experiment = f"concurrent-{tmp_path.name}"
+    named = ("trainer.epochs=1", f"run.experiment={experiment}")
+    commands = [ddp_command(tiny_mnist, *named, "run.name=job0", "trainer.tf_loop=custom",
+                            "trainer.tf_communication=ring", "model.hidden=[32]", backend="tf_mwms"),
+                ddp_command(tiny_imdb, *named, "run.name=job1", "model.hidden=32", "model.heads=2", "trainer.tp=2",
+                            backend="tp", groups=("data=imdb", "model=bert_tiny"))]
+    jobs = [sbatch(slurm, out, command, sbatch_args=["--hold"], extra_env=site) for command in commands]
+    preferred = free_block_base(int(jobs[0]))
     holder = hold_a_port(preferred)
     try:
-        subprocess.run(["scontrol", "release", job], env=slurm, check=True)
-        info = wait_job(slurm, job, 900)
+        subprocess.run(["scontrol", "release", ",".join(jobs)], env=slurm, check=True)
+        infos = [wait_job(slurm, job, 900) for job in jobs]
     finally:
         if holder is not None:
             holder.close()
-    log = job_output(out, job)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
-    base = int(log.split(", ports ", 1)[1].split("..", 1)[0])
+    logs = [job_output(out, job) for job in jobs]
+    for info, log in zip(infos, logs):
+        assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
+    bases = [int(log.split(", ports ", 1)[1].split("..", 1)[0]) for log in logs]
     # A later block (not always the next: ports in use by anything, e.g. outgoing connections, also count).
-    assert base != preferred and (base - 20000) % 400 == 0, base
-    client = local_store(out)
-    assert_spread_run(client, only_run(client).info.run_id, 1)  # DDP's gloo across the nodes
-    wait_gone(job)
+    assert bases[0] != preferred and (bases[0] - 20000) % 400 == 0, bases
+    assert bases[0] != bases[1]
+    # They really ran at the same time (each holds 2 of the 4 CPUs per node).
+    assert infos[1]["StartTime"] <= infos[0]["EndTime"] and infos[0]["StartTime"] <= infos[1]["EndTime"]
+
+    client = mlflow.MlflowClient(mlflow_server)
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["job0", "job1"]
+    assert all(r.info.status == "FINISHED" for r in runs)
+    for run in runs:  # one worker per node
+        assert {run.data.tags["rank0.node"], run.data.tags["rank1.node"]} == NODE_ADDRS, run.info.run_name
+    tokens = [(out / f"job-{job}" / "cluster.env").read_text() for job in jobs]
+    assert tokens[0] != tokens[1]  # per-job secrets and addresses
+    for job in jobs:
+        wait_gone(job)
 
 
 def test_node_that_never_joins_fails_fast_and_releases_the_allocation(slurm, tiny_mnist, tmp_path):
