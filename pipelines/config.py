@@ -57,9 +57,22 @@ def _compose(overrides: list[str]) -> DictConfig:
         first_line = str(err).strip().splitlines()[0]
         unknown = re.fullmatch(r"Could not override '([\w.]+)'\.", first_line)
         if unknown:
-            raise ConfigError(f"{unknown[1]}: not a key of this config (each backend has its own trainer keys: "
-                              f"conf/trainer/<backend>.yaml)") from err
+            raise ConfigError(f"{unknown[1]}: not a key of this config{_did_you_mean(unknown[1])} (each backend has "
+                              f"its own trainer keys: conf/trainer/<backend>.yaml)") from err
         raise ConfigError(f"overrides: {first_line}") from err
+
+
+def _did_you_mean(key: str) -> str:
+    """` (did you mean trainer.epochs?)` for a typo of a key of any backend's or model's config, else ''."""
+    import difflib
+
+    keys = set()
+    for backend in TRAINER_SCHEMAS:
+        for model in MODEL_SCHEMAS:
+            keys.update(flatten(schema(backend, model)))
+    keys.discard(key)  # another backend's key: the message says so already
+    close = difflib.get_close_matches(key, sorted(keys), n=1, cutoff=0.8)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def _check_values(cfg: DictConfig) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pipelines.data import mnist
 from pipelines.data.idx import DataError
+from pipelines.data.shards import check_out_dir
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -58,9 +59,11 @@ def prepare_imdb(args: argparse.Namespace) -> dict:
         raise DataError(f"{args.tokenizer}: tokenizer file not found")
     if not 0 < args.val_fraction < 1 or args.vocab_size < 16 or args.max_len < 4:
         raise DataError("--val-fraction must be in (0, 1), --vocab-size >= 16, --max-len >= 4")
+    # Bad input is reported before Ray starts (Ray only tokenises).
+    splits = imdb.plan_splits(*imdb.read_source(source), source, args.val_fraction, args.seed)
     ray.init(address=os.environ.get("RAY_ADDRESS", "local"), include_dashboard=False, log_to_driver=False)
     try:
-        return imdb.prepare(source, args.out.resolve(), args.shards, args.vocab_size, args.max_len,
+        return imdb.prepare(splits, source, args.out.resolve(), args.shards, args.vocab_size, args.max_len,
                             args.val_fraction, args.seed, args.tokenizer)
     finally:
         ray.shutdown()
@@ -72,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --shards must be >= 1, got {args.shards}", file=sys.stderr)
         return 2
     try:
+        check_out_dir(args.out.resolve())
         if args.dataset == "imdb":
             manifest = prepare_imdb(args)
         else:
@@ -86,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     for split, info in manifest.get("skipped", {}).items():
         if info["counts"]:
             print(f"skipped in {split}: {info['counts']} (examples in manifest.json)")
+    if "validation_grouped_by" in manifest:
+        print(f"validation split drawn by {manifest['validation_grouped_by']}")
     return 0
 
 

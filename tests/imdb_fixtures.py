@@ -21,8 +21,10 @@ def review(rng: np.random.Generator, positive: bool) -> str:
 
 def make_aclimdb(root: Path, per_label: int, test_per_label: int = 0, bad_files: bool = True,
                  seed: int = 0) -> Path:
-    """Write `root/aclImdb/...`; with bad_files, add one malformed name, one non-UTF-8 and one empty review
-    to train/pos. Returns the `aclImdb` folder's parent."""
+    """Write `root/aclImdb/...` with the official `<split>/urls_<label>.txt` (review i of each label is of movie
+    `movie_of(i)`: 2 positive and 2 negative reviews per movie); with bad_files, add one malformed name, one
+    non-UTF-8 and one empty review to train/pos and a README outside the layout. Returns the `aclImdb` folder's
+    parent."""
     rng = np.random.default_rng(seed)
     splits = {"train": per_label, "test": test_per_label}
     for split, count in splits.items():
@@ -34,12 +36,19 @@ def make_aclimdb(root: Path, per_label: int, test_per_label: int = 0, bad_files:
             for i in range(count):
                 rating = int(rng.integers(7, 11)) if label == "pos" else int(rng.integers(1, 5))
                 (folder / f"{i}_{rating}.txt").write_text(review(rng, label == "pos"), encoding="utf-8")
+            urls = [f"http://www.imdb.com/title/{movie_of(i)}/usercomments" for i in range(count)]
+            (folder.parent / f"urls_{label}.txt").write_text("\n".join(urls) + "\n")
     if bad_files:
         pos = root / "aclImdb" / "train" / "pos"
         (pos / "notes.txt").write_text("not a review name")
         (pos / f"{per_label}_9.txt").write_bytes(b"caf\xe9 latin-1 bytes")
         (pos / f"{per_label + 1}_8.txt").write_text("  <br />  ")
+        (root / "aclImdb" / "README").write_text("not a review")
     return root
+
+
+def movie_of(review_id: int) -> str:
+    return f"tt{review_id // 2:07d}"
 
 
 def tar_of(folder_root: Path, archive: Path) -> Path:

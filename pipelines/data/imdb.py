@@ -3,7 +3,9 @@
 Sources, in its published layout `aclImdb/{train,test}/{pos,neg}/{id}_{rating}.txt`:
 the official `aclImdb_v1.tar.gz` (or any .tar.gz in that layout), its extracted folder, or a Parquet/CSV
 file with `text,label` columns. Reviews that cannot be used (malformed file name, non-UTF-8 bytes, empty
-text) are skipped and counted by reason; a missing split folder is an error.
+text) are skipped and counted by reason, and so are archive members outside that layout; a missing split
+folder or a split without one usable review is an error. The official archive's `<split>/urls_{pos,neg}.txt`
+name each review's movie (line i: review i), and the validation split is drawn by movie from them.
 """
 from __future__ import annotations
 
@@ -19,11 +21,12 @@ import numpy as np
 import pyarrow as pa
 
 from pipelines.data.idx import DataError
-from pipelines.data.shards import sha256_of
+from pipelines.data.shards import check_not_empty, sha256_of, staged_output, write_manifest, write_split_shards
 
 OFFICIAL_URL = "https://ai.stanford.edu/~amaas/data/sentiment/aclImdb_v1.tar.gz"
 OFFICIAL_SHA256 = "c40f74a18d3b61f90feba1e17730e0d38e8b97c05fde7008942e91923d1658fe"
 NAME_RE = re.compile(r"^(\d+)_(\d+)\.txt$")
+URLS_RE = re.compile(r"^urls_(pos|neg)\.txt$")
 LABELS = {"neg": 0, "pos": 1}
 BR_RE = re.compile(r"<br\s*/?>", re.IGNORECASE)
 SPACE_RE = re.compile(r"\s+")
@@ -36,6 +39,7 @@ class SplitReviews:
     ratings: list[int] = field(default_factory=list)
     labels: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    movies: list[str] = field(default_factory=list)  # the review's movie (urls_<label>.txt), "" if unknown
     skipped: Counter = field(default_factory=Counter)
     skipped_examples: list[str] = field(default_factory=list)
 
@@ -78,7 +82,7 @@ def download(dest: Path) -> Path:
     return target
 
 
-def _add_review(reviews: SplitReviews, label_dir: str, name: str, payload: bytes) -> None:
+def _add_review(reviews: SplitReviews, label_dir: str, name: str, payload: bytes, urls: list[str]) -> None:
     match = NAME_RE.match(name)
     if not match:
         reviews.skip("malformed file name", f"{label_dir}/{name}")
@@ -91,10 +95,12 @@ def _add_review(reviews: SplitReviews, label_dir: str, name: str, payload: bytes
     if not text:
         reviews.skip("empty review", f"{label_dir}/{name}")
         return
-    reviews.ids.append(int(match.group(1)))
+    review_id = int(match.group(1))
+    reviews.ids.append(review_id)
     reviews.ratings.append(int(match.group(2)))
     reviews.labels.append(LABELS[label_dir])
     reviews.texts.append(text)
+    reviews.movies.append(urls[review_id] if review_id < len(urls) else "")
 
 
 def _members(source: Path) -> Iterator[tuple[PurePosixPath, bytes]]:
@@ -113,17 +119,23 @@ def _members(source: Path) -> Iterator[tuple[PurePosixPath, bytes]]:
         raise DataError(f"{source}: corrupt or truncated archive ({err})") from err
 
 
-def read_reviews(source: Path) -> dict[str, SplitReviews]:
+def read_reviews(source: Path) -> tuple[dict[str, SplitReviews], SplitReviews]:
     """Reviews from an aclImdb archive or folder, in sorted file order: `train` (required) and `test`
-    (when present; the train-only archive has none)."""
+    (when present; the train-only archive has none); and, as skips, the members outside that layout."""
     if not source.exists():
         raise DataError(f"{source}: not found")
     found: dict[str, dict[str, list[tuple[str, bytes]]]] = {s: {"pos": [], "neg": []} for s in ("train", "test")}
+    urls: dict[tuple[str, str], list[str]] = {}
+    outside = SplitReviews()
     for path, payload in _members(source):
         parts = path.parts
-        # .../<split>/<pos|neg>/<file>; the aclImdb/ prefix is optional for folders
+        # .../<split>/<pos|neg>/<file> and .../<split>/urls_<pos|neg>.txt; the aclImdb/ prefix is optional
         if len(parts) >= 3 and parts[-3] in found and parts[-2] in LABELS:
             found[parts[-3]][parts[-2]].append((parts[-1], payload))
+        elif len(parts) >= 2 and parts[-2] in found and (url := URLS_RE.match(parts[-1])):
+            urls[(parts[-2], url.group(1))] = payload.decode("utf-8", "replace").splitlines()
+        else:
+            outside.skip("not in aclImdb/<train|test>/<pos|neg>/", str(path))
     result = {}
     for split, by_label in found.items():
         if split == "test" and not any(by_label.values()):
@@ -135,9 +147,9 @@ def read_reviews(source: Path) -> dict[str, SplitReviews]:
         reviews = SplitReviews()
         for label_dir in ("neg", "pos"):
             for name, payload in sorted(by_label[label_dir]):
-                _add_review(reviews, label_dir, name, payload)
+                _add_review(reviews, label_dir, name, payload, urls.get((split, label_dir), []))
         result[split] = reviews
-    return result
+    return result, outside
 
 
 def read_table_file(source: Path) -> SplitReviews:
@@ -152,6 +164,9 @@ def read_table_file(source: Path) -> SplitReviews:
     for column in ("text", "label"):
         if column not in table.column_names:
             raise DataError(f"{source}: no '{column}' column (have {table.column_names})")
+    text_type = table.schema.field("text").type
+    if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
+        raise DataError(f"{source}: column 'text' holds {text_type} values, not text")
     reviews = SplitReviews()
     for row, (text, label) in enumerate(zip(table.column("text").to_pylist(), table.column("label").to_pylist())):
         label = LABELS.get(label, label) if isinstance(label, str) else label
@@ -165,55 +180,95 @@ def read_table_file(source: Path) -> SplitReviews:
             reviews.ratings.append(-1)
             reviews.labels.append(int(label))
             reviews.texts.append(cleaned)
+            reviews.movies.append("")
     return reviews
 
 
-def shuffle_split(table: pa.Table, fraction: float, seed: int) -> tuple[pa.Table, pa.Table]:
-    """Deterministic (by seed) shuffle and train/validation split. Shuffled, not sorted: the source is
-    ordered neg-then-pos, and Ray Data hands whole shards to workers."""
-    order = np.random.default_rng(seed).permutation(table.num_rows)
-    n_val = int(round(fraction * table.num_rows))
-    return table.take(pa.array(order[n_val:])), table.take(pa.array(order[:n_val]))
-
-
-def prepare(source: Path, out_dir: Path, num_shards: int, vocab_size: int, max_len: int,
-            val_fraction: float, seed: int, tokenizer_path: Path | None = None) -> dict:
-    """Reviews -> WordPiece tokenizer (trained on our train split only, or the one at `tokenizer_path`)
-    -> tokenised Parquet shards."""
-    from pipelines.data.shards import write_manifest, write_split_shards
-    from pipelines.data.tokenize import tokenise_table, train_wordpiece
-
+def read_source(source: Path) -> tuple[dict[str, SplitReviews], SplitReviews]:
+    """Every split's reviews from an archive, folder or Parquet/CSV file (no Ray needed: a bad source is
+    reported before anything starts), plus the archive members outside the layout as skips."""
     if source.is_file() and source.suffix in (".parquet", ".csv"):
-        tables, skipped = {"train": read_table_file(source)}, {}
-    else:
-        tables, skipped = read_reviews(source), {}
-    train, validation = shuffle_split(tables["train"].table(), val_fraction, seed)
-    out = {"train": train, "validation": validation}
-    if "test" in tables:
-        out["test"] = tables["test"].table()
-    for split, reviews in tables.items():
-        skipped[split] = {"counts": dict(reviews.skipped), "examples": reviews.skipped_examples}
+        return {"train": read_table_file(source)}, SplitReviews()
+    return read_reviews(source)
+
+
+def split_validation(table: pa.Table, movies: list[str], fraction: float,
+                     seed: int) -> tuple[pa.Table, pa.Table, bool]:
+    """Deterministic (by seed) shuffle and train/validation split, by movie where the reviews' movies are known:
+    every review of a movie lands on the same side, so validation scores reviews of movies the model has not
+    seen (IMDb has up to 30 reviews per movie). Reviews without a movie are groups of one. Shuffled, not
+    sorted: the source is ordered neg-then-pos, and Ray Data hands whole shards to workers.
+    Returns (train, validation, grouped by movie)."""
+    rng = np.random.default_rng(seed)
+    groups = np.array([movie or f"#review-{i}" for i, movie in enumerate(movies)])
+    names, group_of, sizes = np.unique(groups, return_inverse=True, return_counts=True)
+    target = int(round(fraction * table.num_rows))
+    in_validation = np.zeros(len(names), dtype=bool)
+    taken = 0
+    for group in rng.permutation(len(names)):  # whole groups until the fraction is reached
+        if taken >= target:
+            break
+        in_validation[group] = True
+        taken += sizes[group]
+    order = rng.permutation(table.num_rows)
+    validation_rows = in_validation[group_of[order]]
+    grouped = any(movies)
+    return table.take(pa.array(order[~validation_rows])), table.take(pa.array(order[validation_rows])), grouped
+
+
+@dataclass
+class Splits:
+    """The tables to tokenise and write, with what was skipped on the way."""
+    tables: dict[str, pa.Table]
+    skipped: dict[str, dict]
+    by_movie: bool
+
+
+def plan_splits(reviews: dict[str, SplitReviews], outside: SplitReviews, source: Path, val_fraction: float,
+                seed: int) -> Splits:
+    """train/validation (by movie) and test tables; a split without rows is an error."""
+    skipped = {split: {"counts": dict(r.skipped), "examples": r.skipped_examples} for split, r in reviews.items()}
+    if outside.skipped:
+        skipped["archive"] = {"counts": dict(outside.skipped), "examples": outside.skipped_examples}
+    check_not_empty({split: len(r.texts) for split, r in reviews.items()}, source,
+                    f" (every review skipped: {skipped})")
+    train, validation, by_movie = split_validation(reviews["train"].table(), reviews["train"].movies,
+                                                   val_fraction, seed)
+    tables = {"train": train, "validation": validation}
+    if "test" in reviews:
+        tables["test"] = reviews["test"].table()
+    check_not_empty({split: table.num_rows for split, table in tables.items()}, source,
+                    f" (--val-fraction {val_fraction} of {len(reviews['train'].texts)} reviews)")
+    return Splits(tables, skipped, by_movie)
+
+
+def prepare(splits: Splits, source: Path, out_dir: Path, num_shards: int, vocab_size: int, max_len: int,
+            val_fraction: float, seed: int, tokenizer_path: Path | None = None) -> dict:
+    """Splits (`plan_splits`) -> WordPiece tokenizer (trained on our train split only, or the one at
+    `tokenizer_path`) -> tokenised Parquet shards in `out_dir` (replaced as a whole, once all is written).
+    Tokenises with Ray Data: needs a Ray connection."""
+    from pipelines.data.tokenize import tokenise_table, train_wordpiece
 
     if tokenizer_path is not None:
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(tokenizer_path))
     else:
-        tokenizer = train_wordpiece(train.column("text").to_pylist(), vocab_size)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-    splits_info = {}
-    for split, table in out.items():
-        tokenised = tokenise_table(table, tokenizer.to_str(), max_len)
-        splits_info[split] = {"rows": tokenised.num_rows,
-                              "shards": write_split_shards(tokenised, out_dir, split, num_shards)}
-    manifest = {"dataset": "imdb", "splits": splits_info, "skipped": skipped,
-                "source": str(source), "source_sha256": sha256_of(source) if source.is_file() else None,
-                "tokenizer": "tokenizer.json",
-                "tokenizer_from": str(tokenizer_path) if tokenizer_path else "trained on the train split",
-                "seed": seed, "val_fraction": val_fraction,
-                "model_inputs": {"vocab_size": tokenizer.get_vocab_size(), "max_len": max_len},
-                "schema": str(tokenised.schema)}
-    write_manifest(out_dir, manifest)
+        tokenizer = train_wordpiece(splits.tables["train"].column("text").to_pylist(), vocab_size)
+    with staged_output(out_dir) as stage:
+        tokenizer.save(str(stage / "tokenizer.json"))
+        splits_info = {}
+        for split, table in splits.tables.items():
+            tokenised = tokenise_table(table, tokenizer.to_str(), max_len)
+            splits_info[split] = {"rows": tokenised.num_rows,
+                                  "shards": write_split_shards(tokenised, stage, split, num_shards)}
+        manifest = {"dataset": "imdb", "splits": splits_info, "skipped": splits.skipped,
+                    "source": str(source), "source_sha256": sha256_of(source) if source.is_file() else None,
+                    "tokenizer": "tokenizer.json",
+                    "tokenizer_from": str(tokenizer_path) if tokenizer_path else "trained on the train split",
+                    "seed": seed, "val_fraction": val_fraction,
+                    "validation_grouped_by": "movie" if splits.by_movie else "review",
+                    "model_inputs": {"vocab_size": tokenizer.get_vocab_size(), "max_len": max_len},
+                    "schema": str(tokenised.schema)}
+        write_manifest(stage, manifest)
     return manifest
-

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipelines.data.idx import DataError, read_idx
-from pipelines.data.shards import sha256_of, write_manifest, write_split_shards
+from pipelines.data.shards import check_not_empty, sha256_of, staged_output, write_manifest, write_split_shards
 
 PIXELS = 28 * 28
 
@@ -87,19 +87,21 @@ def to_table(images: np.ndarray, labels: np.ndarray) -> pa.Table:
 
 
 def prepare(source: Path, out_dir: Path, num_shards: int) -> dict[str, Any]:
-    """Convert the IDX files in `source` into Parquet shards + manifest in `out_dir`."""
+    """Convert the IDX files in `source` into Parquet shards + manifest in `out_dir` (replaced as a whole, only
+    once everything is written)."""
     tables, sources = {}, {}
     for split in SPLIT_FILES:  # read and check everything before writing anything
         images, labels, sums = read_split(source, split)
         tables[split] = to_table(images, labels)
         sources.update(sums)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_not_empty({split: table.num_rows for split, table in tables.items()}, source, " (zero-row IDX files)")
     splits = {}
-    for split, table in tables.items():
-        shards = write_split_shards(table, out_dir, split, num_shards)
-        splits[split] = {"rows": table.num_rows, "shards": shards}
-    canonical = all(CANONICAL.get(name) == digest for name, digest in sources.items())
-    manifest = {"dataset": "mnist", "schema": str(SCHEMA), "splits": splits,
-                "sources": sources, "source_dir": str(source), "canonical_sources": canonical}
-    write_manifest(out_dir, manifest)
+    with staged_output(out_dir) as stage:
+        for split, table in tables.items():
+            shards = write_split_shards(table, stage, split, num_shards)
+            splits[split] = {"rows": table.num_rows, "shards": shards}
+        canonical = all(CANONICAL.get(name) == digest for name, digest in sources.items())
+        manifest = {"dataset": "mnist", "schema": str(SCHEMA), "splits": splits,
+                    "sources": sources, "source_dir": str(source), "canonical_sources": canonical}
+        write_manifest(stage, manifest)
     return manifest

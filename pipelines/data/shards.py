@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
+import shutil
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -46,9 +51,71 @@ def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
 
 
+def check_out_dir(out_dir: Path) -> None:
+    """Refuse an output folder that is a file, or a non-empty folder that is not a prepared dataset: writing a
+    dataset replaces the folder's contents, which would be lost."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"{out_dir}: exists and is not a folder; --out must name a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
+        raise DataError(f"{out_dir}: a non-empty folder that is not a prepared dataset (no {MANIFEST}); "
+                        f"--out must name a new, empty or earlier prepared folder (its contents are replaced)")
+
+
+@contextmanager
+def staged_output(out_dir: Path) -> Iterator[Path]:
+    """A new folder beside `out_dir` to write a dataset into, put in `out_dir`'s place only when the block
+    finishes. After any failure (Ctrl-C too) the old dataset is untouched and the staging folder is gone.
+    The old dataset's folder is replaced whole: see `check_out_dir`."""
+    check_out_dir(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(stage, 0o777 & ~umask)  # mkdtemp makes it private; the dataset is read by Ray workers, other users
+    try:
+        yield stage
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    # Two renames: between them the old dataset sits complete at `old` (a crash there loses nothing).
+    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+    if out_dir.exists():
+        out_dir.rename(old)
+    stage.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def check_not_empty(rows: dict[str, int], source: Path | str, hint: str = "") -> None:
+    """A split without rows is an input error, never a dataset."""
+    empty = [split for split, count in rows.items() if count == 0]
+    if empty:
+        raise DataError(f"{source}: split {', '.join(repr(s) for s in empty)} has no rows{hint}")
+
+
+def _check_shape(manifest: Any, path: Path) -> None:
+    """The manifest is ours: {"splits": {split: {"rows": N, "shards": [{"file", "rows"}]}}, "schema": ...}."""
+    splits = manifest.get("splits") if isinstance(manifest, dict) else None
+    if not isinstance(splits, dict) or not splits:
+        raise DataError(f"{path}: not a prepared-dataset manifest (no 'splits'); "
+                        f"run `python -m pipelines.prepare ...` to make one")
+    for split, info in splits.items():
+        shards = info.get("shards") if isinstance(info, dict) else None
+        if not (isinstance(shards, list) and isinstance(info.get("rows"), int)
+                and all(isinstance(s, dict) and isinstance(s.get("rows"), int) and isinstance(s.get("file"), str)
+                        and "/" not in s["file"] for s in shards)):
+            raise DataError(f"{path}: split '{split}' is not of the form "
+                            f"{{\"rows\": N, \"shards\": [{{\"file\": NAME, \"rows\": N}}, ...]}}")
+
+
+def _same_types(schema: str) -> str:
+    """A schema's text with list children named alike: Parquet calls Arrow's list `item` `element`."""
+    return re.sub(r"\b(item|element)\b", "item", schema)
+
+
 def read_manifest(data_dir: str | Path) -> dict[str, Any]:
-    """Read and check a prepared folder without loading data: every shard exists, is readable Parquet,
-    and has the row count the manifest says. Cheap (footers only); runs before any cluster work."""
+    """Read and check a prepared folder without loading data: the manifest has our shape, and every shard
+    exists, is readable Parquet, and has the row count and schema the manifest says. Cheap (footers only);
+    runs before any cluster work."""
     data_dir = Path(data_dir)
     path = data_dir / MANIFEST
     if not path.is_file():
@@ -57,19 +124,25 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise DataError(f"{path}: not valid JSON ({err})") from err
+    _check_shape(manifest, path)
     for split, info in manifest["splits"].items():
         for shard in info["shards"]:
             shard_path = data_dir / shard["file"]
             try:
-                rows = pq.read_metadata(shard_path).num_rows
+                metadata = pq.read_metadata(shard_path)
             except (OSError, pa.ArrowInvalid) as err:
                 raise DataError(f"{shard_path}: missing or not a readable Parquet file ({err})") from err
-            if rows != shard["rows"]:
-                raise DataError(f"{shard_path}: has {rows} rows, manifest says {shard['rows']}")
+            if metadata.num_rows != shard["rows"]:
+                raise DataError(f"{shard_path}: has {metadata.num_rows} rows, manifest says {shard['rows']}")
+            schema = str(metadata.schema.to_arrow_schema())
+            if "schema" in manifest and _same_types(schema) != _same_types(manifest["schema"]):
+                raise DataError(f"{shard_path}: schema ({schema.replace(chr(10), '; ')}) is not the manifest's "
+                                f"({manifest['schema'].replace(chr(10), '; ')})")
     return manifest
 
 
 def shard_paths(data_dir: str | Path, manifest: dict[str, Any], split: str) -> list[str]:
     if split not in manifest["splits"]:
         raise DataError(f"{data_dir}: no split '{split}' (have {sorted(manifest['splits'])})")
+    check_not_empty({split: manifest["splits"][split]["rows"]}, data_dir)
     return [str(Path(data_dir) / s["file"]) for s in manifest["splits"][split]["shards"]]

@@ -45,9 +45,13 @@ def split_table(out: Path, split: str) -> pa.Table:
 def test_shards_schema_counts_and_skips(prepared):
     _, out, _ = prepared
     manifest = read_manifest(out)
-    assert {s: i["rows"] for s, i in manifest["splits"].items()} == {"train": 64, "validation": 16, "test": 20}
+    rows = {s: i["rows"] for s, i in manifest["splits"].items()}
+    # Validation: whole movies (4 reviews each, tests/imdb_fixtures.py) until 20% of the 80 is reached.
+    assert rows == {"train": 64, "validation": 16, "test": 20}
+    assert manifest["validation_grouped_by"] == "movie"
     assert all(len(i["shards"]) == 2 for i in manifest["splits"].values())
     assert manifest["skipped"]["train"]["counts"] == {"malformed file name": 1, "not UTF-8": 1, "empty review": 1}
+    assert manifest["skipped"]["archive"]["counts"] == {"not in aclImdb/<train|test>/<pos|neg>/": 1}  # README
     from tokenizers import Tokenizer
 
     vocab_size = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()

@@ -25,7 +25,8 @@ def test_defaults_compose_and_flatten(data_override):
 
 @pytest.mark.parametrize("override, message", [
     ("+trainer.bogus=1", r"^trainer\.bogus: Key 'bogus' not in 'DDPConfig'"),
-    ("trainer.bogus=1", r"^trainer\.bogus: not a key of this config"),
+    ("trainer.bogus=1", r"^trainer\.bogus: not a key of this config \(each backend"),
+    ("trainer.epoch=3", r"^trainer\.epoch: not a key of this config \(did you mean trainer\.epochs\?\)"),
     ("trainer.batch_size=abc", r"^trainer\.batch_size: Value 'abc'.* could not be converted to Integer"),
     ("trainer.lr=-0.1", r"^trainer\.lr: must be > 0"),
     ("trainer.num_workers=0", r"^trainer\.num_workers: must be > 0"),

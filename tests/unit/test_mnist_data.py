@@ -9,7 +9,7 @@ import pytest
 
 from pipelines.data import mnist
 from pipelines.data.idx import DataError, read_idx, write_idx
-from pipelines.data.shards import read_manifest, shard_paths
+from pipelines.data.shards import read_manifest, shard_paths, write_manifest, write_split_shards
 from pipelines.prepare import main as prepare_main
 from tests.conftest import make_mnist_like
 
@@ -89,3 +89,71 @@ def test_vendored_files_are_the_canonical_ones():
 
     for name, digest in mnist.CANONICAL.items():
         assert sha256_of(mnist.EMBEDDED_RAW / name) == digest, name
+
+
+def shards_of(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_zero_row_idx_files_are_an_error_and_nothing_is_written(tmp_path, capsys):
+    raw = make_mnist_like(tmp_path / "raw", 20, 0)
+    assert prepare_main(["mnist", "--source", str(raw), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == f"data error: {raw}: split 'test' has no rows (zero-row IDX files)"
+    assert not (tmp_path / "out").exists()
+
+
+def test_prepare_replaces_a_dataset_whole_and_keeps_the_old_one_after_a_failure(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    mnist.prepare(make_mnist_like(tmp_path / "raw", 40, 10), out, 3)
+    before = shards_of(out)
+    other = make_mnist_like(tmp_path / "other", 30, 12, seed=1)
+
+    def fail_on_test_split(table, folder, split, num_shards):  # a failure after the train shards are written
+        if split == "test":
+            raise KeyboardInterrupt
+        return write_split_shards(table, folder, split, num_shards)
+
+    monkeypatch.setattr(mnist, "write_split_shards", fail_on_test_split)
+    with pytest.raises(KeyboardInterrupt):
+        mnist.prepare(other, out, 2)
+    assert shards_of(out) == before  # the old dataset, unmixed
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging folder left
+    monkeypatch.undo()
+    manifest = mnist.prepare(other, out, 2)  # fewer shards: no stale third shard beside the new ones
+    assert sorted(shards_of(out)) == sorted(["manifest.json", *(s["file"] for split in ("train", "test")
+                                                                for s in manifest["splits"][split]["shards"])])
+    assert read_manifest(out)["splits"]["test"]["rows"] == 12
+
+
+def test_out_must_be_a_folder_prepare_may_replace(tmp_path, capsys):
+    raw = make_mnist_like(tmp_path / "raw", 20, 10)
+    (tmp_path / "a_file").write_text("keep me")
+    assert prepare_main(["mnist", "--source", str(raw), "--out", str(tmp_path / "a_file")]) == 2
+    assert "a_file: exists and is not a folder" in capsys.readouterr().err
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("keep me too")
+    assert prepare_main(["mnist", "--source", str(raw), "--out", str(notes)]) == 2
+    assert "notes: a non-empty folder that is not a prepared dataset" in capsys.readouterr().err
+    assert (tmp_path / "a_file").read_text() == "keep me" and shards_of(notes) == {"todo.txt": b"keep me too"}
+
+
+def test_manifest_shape_shard_schema_and_empty_split_are_checked_before_training(tmp_path, capsys):
+    from pipelines.train import main as train_main
+
+    out = tmp_path / "out"
+    manifest = mnist.prepare(make_mnist_like(tmp_path / "raw", 40, 10), out, 2)
+    train_args = ["trainer=ddp", f"data.path={out}"]
+    (out / "manifest.json").write_text('{"dataset": "mnist"}')
+    assert train_main(train_args) == 2
+    assert "manifest.json: not a prepared-dataset manifest (no 'splits')" in capsys.readouterr().err
+    write_manifest(out, manifest)
+    shard = out / manifest["splits"]["test"]["shards"][0]["file"]
+    rows = pq.read_table(shard).num_rows
+    pq.write_table(pa.table({"image": pa.array([[0.0] * 784] * rows), "label": pa.array([0] * rows)}), shard)
+    assert train_main(train_args) == 2  # right row count, wrong schema
+    assert f"{shard}: schema (image: list<element: double>" in capsys.readouterr().err
+    empty = {**manifest, "splits": {**manifest["splits"], "test": {"rows": 0, "shards": []}}}
+    write_manifest(out, empty)
+    assert train_main(train_args) == 2
+    assert capsys.readouterr().err.strip() == f"error: {out}: split 'test' has no rows"
