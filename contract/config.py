@@ -120,6 +120,7 @@ class RunSection:
 @dataclass
 class FaultConfig:
     max_failures: int = 1
+    resource_timeout_s: float = 600.0  # fail a run whose workers wait longer for the cluster's CPUs/GPUs; 0: wait
     inject_at_epoch: Optional[int] = None
     inject_marker: Optional[str] = None
 

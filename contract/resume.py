@@ -9,10 +9,14 @@ STOP removes it before continuing (the Slurm script does at job start): a run th
 
 A sweep (`pipelines.sweep`) records its parent run and one child run per trial instead (SWEEP_FILE); a rerun
 continues that parent and re-runs the trials whose child run has not finished, each resuming its own checkpoint.
+
+Stopped without a checkpoint from outside (Ctrl-C, SIGTERM: `ray job stop`, `kill`), a driver marks its run
+KILLED with the `interrupted` tag (`interruption` tells an interrupt from a failure).
 """
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 STOP_FILE = "STOP"
@@ -59,3 +63,27 @@ def _write_atomic(resume_dir: str | None, name: str, text: str) -> None:
     tmp = Path(resume_dir) / f".{name}.tmp"
     tmp.write_text(text)
     tmp.replace(Path(resume_dir) / name)  # atomic: a reader never sees half a file
+
+
+class Interrupted(Exception):
+    """A signal asked the driver to stop (SIGTERM: `ray job stop`, a scheduler, `kill`)."""
+
+
+def _raise_interrupted(signum: int, frame: object) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def raise_on_sigterm() -> None:
+    """SIGTERM raises `Interrupted` in the driver's main thread (its default ends the process at once, which
+    would leave the MLflow run RUNNING)."""
+    signal.signal(signal.SIGTERM, _raise_interrupted)
+
+
+def interruption(err: BaseException) -> str | None:
+    """How the driver was interrupted, or None for a real failure. Ctrl-C arrives as KeyboardInterrupt, or as
+    SystemExit from the SIGINT handler Ray Train installs during fit (it aborts the run, then exits)."""
+    if isinstance(err, Interrupted):
+        return str(err)
+    if isinstance(err, (KeyboardInterrupt, SystemExit)):
+        return "SIGINT"
+    return None

@@ -6,6 +6,8 @@ driver logs the final model and the end status.
 """
 from __future__ import annotations
 
+import base64
+import json
 import os
 import platform
 import socket
@@ -27,19 +29,49 @@ def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{PROJECT_DIR / 'mlflow.db'}"
 
 
+def _auth_header() -> dict[str, str]:
+    """The Authorization header MLflow's client sends from the environment, if any."""
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if user and password:
+        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
-    """Fail fast, before any cluster resource is taken, when an HTTP tracking server does not answer."""
+    """Fail fast, before any cluster resource is taken, when an HTTP tracking server does not answer or refuses
+    our credentials (its /health answers anyone; an API call tells whether we may use it)."""
     if not uri.startswith(("http://", "https://")):
         return
+    base = uri.rstrip("/")
     try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as resp:
-            if resp.status == 200:
-                return
-            reason = f"HTTP {resp.status}"
+        with urllib.request.urlopen(base + "/health", timeout=timeout_s) as resp:
+            reason = "" if resp.status == 200 else f"HTTP {resp.status}"
     except (urllib.error.URLError, OSError) as err:
         reason = str(getattr(err, "reason", err))
-    raise TrackingUnavailable(f"MLflow tracking server {uri} is unreachable ({reason}); "
-                              "start it or unset MLFLOW_TRACKING_URI to use the local store")
+    if reason:
+        raise TrackingUnavailable(f"MLflow tracking server {uri} is unreachable ({reason}); "
+                                  "start it or unset MLFLOW_TRACKING_URI to use the local store")
+    probe = urllib.request.Request(base + "/api/2.0/mlflow/experiments/search?max_results=1", headers=_auth_header())
+    try:
+        urllib.request.urlopen(probe, timeout=timeout_s).close()
+    except urllib.error.HTTPError as err:
+        if err.code in (401, 403):
+            raise TrackingUnavailable(
+                f"MLflow tracking server {uri} refused our credentials (HTTP {err.code}); set "
+                "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (a Slurm job's own server: source the job "
+                "folder's cluster.env)") from err
+    except (urllib.error.URLError, OSError):
+        pass  # it answered /health a moment ago; the run's first request will tell more
+
+
+def answers(uri: str) -> bool:
+    """Whether the tracking server answers now (a local store always does)."""
+    try:
+        check_reachable(uri)
+        return True
+    except TrackingUnavailable:
+        return False
 
 
 def _client(uri: str):
@@ -117,41 +149,152 @@ def log_params(uri: str, run_id: str, params: Mapping[str, Any]) -> None:
     _client(uri).log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
 
 
+SPOOL_DIR = "mlflow_spool"  # in the Ray Train run's folder: shared storage on a cluster, like the checkpoints
+FINAL_FILE = "final.json"   # in it: the final model still to log (config, checkpoint), then the run to end
+
+
+def spool_dir(storage_path: str, run_id: str) -> Path:
+    """Where a run's unsent MLflow records wait (the Ray Train run is named after the MLflow run: worker.py)."""
+    return Path(storage_path) / f"run-{run_id}" / SPOOL_DIR
+
+
+class TrackingDown(RuntimeError):
+    """The tracking server did not answer; what it missed is kept in the spool folder."""
+
+    def __init__(self, uri: str, run_id: str, folder: Path, pending: int):
+        super().__init__(f"MLflow tracking server {uri} is unreachable; {pending} unsent record(s) of run {run_id} "
+                         f"and its final model are kept in {folder}: once the server is back, replay them with "
+                         f"`python -m pipelines.replay {folder}`")
+
+
+def _send(client: Any, run_id: str, record: dict[str, Any], resend: bool) -> None:
+    """One spool record to MLflow. A re-sent record skips the (metric, step) pairs the server has already (the
+    first try may have landed without its answer), and `once_per` records skip a step already logged."""
+    from mlflow.entities import Metric
+
+    if record["op"] == "metrics":
+        metrics = [Metric(k, float(v), ts, step) for k, v, ts, step in record["metrics"]]
+        if record.get("once_per"):
+            logged = {m.step for m in client.get_metric_history(run_id, record["once_per"])}
+            metrics = [m for m in metrics if m.step not in logged]
+        elif resend:
+            seen = {key: {m.step for m in client.get_metric_history(run_id, key)} for key in {m.key for m in metrics}}
+            metrics = [m for m in metrics if m.step not in seen[m.key]]
+        if metrics:
+            client.log_batch(run_id, metrics=metrics)
+    elif record["op"] == "tag":
+        client.set_tag(run_id, record["key"], record["value"])
+    elif record["op"] == "append_tag":  # comma-separated history, e.g. every epoch the run resumed from
+        previous = client.get_run(run_id).data.tags.get(record["key"])
+        values = previous.split(",") if previous else []
+        if not (resend and values and values[-1] == record["value"]):
+            client.set_tag(run_id, record["key"], ",".join([*values, record["value"]]))
+    else:
+        raise ValueError(f"unknown spool record {record['op']!r}")
+
+
+class TrackingSpool:
+    """A Ray worker's MLflow writes, made to survive a tracking server that blinks: each record is sent at once
+    (one try, 10 s timeout: training never waits minutes for the server); when the server does not answer, the
+    record stays pending, kept in a file of the spool folder, and goes out before the next one. What is pending
+    when the worker ends is sent by the driver (`flush_spools`) or `python -m pipelines.replay`."""
+
+    def __init__(self, uri: str, run_id: str, folder: Path, name: str):
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        self.client, self.run_id, self.uri = _client(uri), run_id, uri
+        self.file = Path(folder) / f"{name}-{os.getpid()}-{time.time_ns()}.json"
+        self.pending: list[dict[str, Any]] = []
+        self.failing = False
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.pending.append(record)
+        self.flush()
+
+    def flush(self) -> bool:
+        """Send what is pending, oldest first; False when the server still does not answer."""
+        while self.pending:
+            try:
+                _send(self.client, self.run_id, self.pending[0], resend=self.failing)
+            except Exception as err:  # server down or erroring: keep the record, keep training
+                if not self.failing:
+                    print(f"tracking: {self.uri} did not answer ({type(err).__name__}); spooling to {self.file}",
+                          flush=True)
+                self.failing = True
+                self._save()
+                return False
+            self.pending.pop(0)
+        if self.failing:
+            print(f"tracking: {self.uri} answers again; the spool is sent", flush=True)
+            self.failing = False
+            self._save()
+        return True
+
+    def _save(self) -> None:
+        """The pending records as one JSON file (replaced whole); no file when nothing is pending."""
+        if not self.pending:
+            self.file.unlink(missing_ok=True)
+            return
+        self.file.parent.mkdir(parents=True, exist_ok=True)
+        part = self.file.with_suffix(".part")
+        part.write_text(json.dumps({"run_id": self.run_id, "uri": self.uri, "records": self.pending}))
+        part.replace(self.file)
+
+
+def spooled(folder: Path) -> int:
+    """How many records the spool folder's worker files hold."""
+    files = sorted(Path(folder).glob("rank*.json")) if Path(folder).is_dir() else []
+    return sum(len(json.loads(path.read_text())["records"]) for path in files)
+
+
+def flush_spools(uri: str, run_id: str, folder: Path) -> int:
+    """Send every record left in the spool folder's files (workers that ended while the server was down);
+    returns how many are still unsent. Files are rewritten as records go out, so a retry never repeats one."""
+    client, unsent = _client(uri), 0
+    for path in sorted(Path(folder).glob("rank*.json")) if Path(folder).is_dir() else []:
+        records = json.loads(path.read_text())["records"]
+        while records:
+            try:
+                _send(client, run_id, records[0], resend=True)
+            except Exception:
+                break
+            records.pop(0)
+            path.write_text(json.dumps({"run_id": run_id, "uri": uri, "records": records}))
+        if records:
+            unsent += len(records)
+        else:
+            path.unlink()
+    return unsent
+
+
 class EpochLogger:
-    """Rank 0's per-epoch metrics. Logging is idempotent per (metric, epoch): after a worker failure the
-    resumed run may replay an epoch whose metrics were already logged, and MLflow must hold each once."""
+    """Rank 0's per-epoch metrics, through its `TrackingSpool`. Logging is idempotent per (metric, epoch): after a
+    worker failure the resumed run may replay an epoch whose metrics were already logged, and MLflow must hold
+    each once."""
 
-    def __init__(self, uri: str, run_id: str):
-        self.client = _client(uri)
-        self.run_id = run_id
-
-    def logged_epochs(self, metric: str = "train_loss") -> set[int]:
-        return {m.step for m in self.client.get_metric_history(self.run_id, metric)}
+    def __init__(self, spool: TrackingSpool):
+        self.spool = spool
 
     def log_step_loss(self, step: int, loss: float) -> None:
-        from mlflow.entities import Metric
-
-        self.client.log_batch(self.run_id, metrics=[Metric("step_loss", loss, int(time.time() * 1000), step)])
+        self.spool.write({"op": "metrics", "metrics": [["step_loss", float(loss), _now_ms(), step]]})
 
     def resumed_from(self, epoch: int) -> None:
         """Record a restart from the checkpoint of `epoch` (tag `resumed_from_epoch`, comma-separated)."""
-        previous = self.client.get_run(self.run_id).data.tags.get("resumed_from_epoch")
-        self.client.set_tag(self.run_id, "resumed_from_epoch", f"{previous},{epoch}" if previous else str(epoch))
+        self.spool.write({"op": "append_tag", "key": "resumed_from_epoch", "value": str(epoch)})
 
     def log_extra(self, epoch: int, metrics: Mapping[str, float]) -> None:
         """Per-epoch diagnostics (per-rank stats) logged as they come, without the once-per-epoch check."""
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, epoch) for k, v in metrics.items()])
+        now = _now_ms()
+        self.spool.write({"op": "metrics", "metrics": [[k, float(v), now, epoch] for k, v in metrics.items()]})
 
     def log(self, epoch: int, metrics: Mapping[str, float]) -> None:
-        from mlflow.entities import Metric
+        now = _now_ms()
+        self.spool.write({"op": "metrics", "once_per": "train_loss",
+                          "metrics": [[k, float(v), now, epoch] for k, v in metrics.items()]})
 
-        if epoch in self.logged_epochs():
-            return
-        now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, epoch) for k, v in metrics.items()])
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
 
 
 def log_torch_model(uri: str, run_id: str, model, input_example) -> None:
@@ -203,6 +346,14 @@ def mark_preempted(uri: str, run_id: str, stopped_at: str) -> None:
     client.set_terminated(run_id, status="KILLED")
 
 
+def mark_interrupted(uri: str, run_id: str, how: str) -> None:
+    """Stopped from outside (Ctrl-C, SIGTERM) without a stop request: KILLED, not FAILED (nothing went wrong in
+    the run), with how in the `interrupted` tag."""
+    client = _client(uri)
+    client.set_tag(run_id, "interrupted", how)
+    client.set_terminated(run_id, status="KILLED")
+
+
 def log_cluster_startup(uri: str, run_id: str) -> None:
     """Seconds from the cluster job's start to all Ray nodes joined, when a cluster script measured it
     (PIPELINE_CLUSTER_STARTUP_S, set by cluster/slurm); one value per attempt of the run."""
@@ -212,7 +363,3 @@ def log_cluster_startup(uri: str, run_id: str) -> None:
     client = _client(uri)
     attempt = int(client.get_run(run_id).data.tags.get("attempts", "1"))
     client.log_metric(run_id, "cluster_startup_s", float(value), step=attempt)
-
-
-def set_tag(uri: str, run_id: str, key: str, value: str) -> None:
-    _client(uri).set_tag(run_id, key, value)

@@ -95,6 +95,8 @@ def _check_values(cfg: DictConfig) -> None:
     _check_horovod(cfg)
     if cfg.fault.max_failures < 0:
         raise ConfigError(f"fault.max_failures: must be >= 0, got {cfg.fault.max_failures}")
+    if cfg.fault.resource_timeout_s < 0:
+        raise ConfigError(f"fault.resource_timeout_s: must be >= 0 (0: wait forever), got {cfg.fault.resource_timeout_s}")
     if not 0 <= cfg.model.dropout < 1:
         raise ConfigError(f"model.dropout: must be in [0, 1), got {cfg.model.dropout}")
     if not (Path(cfg.data.path) / "manifest.json").is_file():
@@ -214,6 +216,30 @@ def load_config(overrides: list[str]) -> DictConfig:
         cfg.trainer.dp = cfg.trainer.num_workers // cfg.trainer.tp
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def check_fits_this_machine(cfg: DictConfig) -> None:
+    """Without RAY_ADDRESS the pipeline starts a Ray of its own on this machine: refuse more worker threads than
+    the CPUs this process may use (Ray would start them all and crawl, or wait forever for a GPU)."""
+    import os
+
+    if os.environ.get("RAY_ADDRESS"):
+        return  # a cluster: pipelines check its resources once connected
+    trainer = cfg.trainer
+    cpus = len(os.sched_getaffinity(0))
+    threads = trainer.num_workers * trainer.threads_per_worker
+    if threads > cpus:
+        fit = cpus // trainer.threads_per_worker
+        raise ConfigError(f"trainer.num_workers: {trainer.num_workers} workers x {trainer.threads_per_worker} "
+                          f"thread(s) need {threads} CPUs, this machine has {cpus} (at most {fit} such workers "
+                          f"fit; set RAY_ADDRESS to train on a Ray cluster)")
+    if trainer.use_gpu:
+        import torch  # only here: a second or two, and only for GPU runs
+
+        gpus = torch.cuda.device_count()
+        if trainer.num_workers > gpus:
+            raise ConfigError(f"trainer.use_gpu: {trainer.num_workers} workers need a GPU each, this machine has "
+                              f"{gpus}; set RAY_ADDRESS to train on a Ray cluster")
 
 
 def parallel_params(cfg: DictConfig) -> dict[str, Any]:

@@ -2,10 +2,13 @@
 (`pipelines.train`) and every sweep trial (`pipelines.sweep`) take."""
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Mapping
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from contract import tracking
 from contract.metrics import STOP_METRICS
 from pipelines.data.shards import read_manifest
 
@@ -20,13 +23,60 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
     backend = get_backend(cfg.trainer.backend)
     datasets = parquet_datasets(cfg.data.path, {"train": "train", "eval": cfg.data.eval_split})
     inputs = model_inputs(read_manifest(cfg.data.path))
-    result = backend.build_trainer(cfg, datasets, run_id, uri, inputs, callbacks=callbacks).fit()
+    if cfg.fault.resource_timeout_s > 0:  # read by Ray Train's controller (trainers/worker.py: run_config)
+        os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.fault.resource_timeout_s)
+    trainer = backend.build_trainer(cfg, datasets, run_id, uri, inputs, callbacks=callbacks)
+    try:
+        result = trainer.fit()
+    except Exception as err:
+        waited = resource_wait(err, cfg)
+        if waited:
+            raise RuntimeError(waited) from None
+        raise
     if result.checkpoint is None:
         raise RuntimeError("training ended without a checkpoint")
     stopped = stopped_at(result.metrics)
     if stopped is None:
-        backend.log_final_model(uri, run_id, cfg, result.checkpoint, inputs)
+        log_final_model(backend, cfg, run_id, uri, result.checkpoint, inputs)
     return stopped
+
+
+def log_final_model(backend: Any, cfg: DictConfig, run_id: str, uri: str, checkpoint: Any, inputs: dict) -> None:
+    """Send what the workers spooled while the tracking server was away, then log the final model. With the server
+    still away, keep all of it in the spool folder (final.json names the checkpoint) and raise `TrackingDown`:
+    `python -m pipelines.replay` finishes the run later."""
+    folder = tracking.spool_dir(cfg.run.storage_path, run_id)
+    try:
+        if not tracking.answers(uri):  # a quick check first: the client itself retries for minutes
+            raise ConnectionError(f"{uri} does not answer")
+        unsent = tracking.flush_spools(uri, run_id, folder)
+        if unsent:
+            raise ConnectionError(f"{unsent} spooled record(s) not accepted")
+        backend.log_final_model(uri, run_id, cfg, checkpoint, inputs)
+    except Exception:
+        if tracking.answers(uri):
+            raise  # not the server: a real failure
+        final = {"cfg": OmegaConf.to_container(cfg, resolve=True), "checkpoint": checkpoint.path,
+                 "model_inputs": dict(inputs), "run_id": run_id, "uri": uri}
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / tracking.FINAL_FILE).write_text(json.dumps(final, indent=2))
+        raise tracking.TrackingDown(uri, run_id, folder, tracking.spooled(folder)) from None
+
+
+def resource_wait(err: Exception, cfg: DictConfig) -> str | None:
+    """The one-line reason when `err` is Ray Train giving up on starting the workers (`fault.resource_timeout_s`),
+    naming what they needed and what the cluster has free now; else None."""
+    import ray
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+
+    if not isinstance(getattr(err, "controller_failure", None), WorkerGroupStartupTimeoutError):
+        return None
+    trainer, free = cfg.trainer, ray.available_resources()
+    cpus, gpus = trainer.num_workers * trainer.threads_per_worker, trainer.num_workers if trainer.use_gpu else 0
+    return (f"fault.resource_timeout_s: the Ray cluster did not free {cpus} CPUs and {gpus} GPUs for "
+            f"{trainer.num_workers} workers within {cfg.fault.resource_timeout_s:g} s (free now: "
+            f"{free.get('CPU', 0):g} CPUs, {free.get('GPU', 0):g} GPUs); wait for other jobs, or raise the timeout "
+            f"(0: wait forever)")
 
 
 def stopped_at(metrics: Mapping[str, Any] | None) -> str | None:

@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from contract import resume, tracking
 from contract.config import typed_config
-from pipelines.config import ConfigError, flatten, parallel_params
+from pipelines.config import ConfigError, check_fits_this_machine, flatten, parallel_params
 from pipelines.data.idx import DataError
 from pipelines.data.shards import read_manifest, shard_paths
 from pipelines.fit import fit_backend, stopped_at
@@ -53,6 +53,12 @@ def validate(argv: list[str]) -> tuple[DictConfig, list[Trial], str, str | None]
     name, sweep_overrides, train_overrides = split_argv(argv)
     spec = load_sweep(name, sweep_overrides)
     trials = plan_trials(spec, train_overrides)
+    for trial in trials:
+        try:
+            if trial.cfg is not None:
+                check_fits_this_machine(trial.cfg)
+        except ConfigError as err:
+            trial.cfg, trial.reason = None, str(err)
     valid = [t for t in trials if t.cfg is not None]
     if not valid:
         raise ConfigError("sweep.grid: no valid trial:\n" + rejected_text(trials))
@@ -282,7 +288,11 @@ def run_sweep(spec: DictConfig, trials: list[Trial], uri: str, resume_dir: str |
         if parent_id is None:
             raise
         close_children(uri, {i: r for i, r in pending.items() if i not in outcomes}, outcomes)
-        tracking.end_run(uri, parent_id, error=f"{type(err).__name__}: {err}\n\n{traceback.format_exc()}")
+        how = resume.interruption(err)
+        if how:
+            tracking.mark_interrupted(uri, parent_id, how)
+        else:
+            tracking.end_run(uri, parent_id, error=f"{type(err).__name__}: {err}\n\n{traceback.format_exc()}")
         raise SweepFailed(parent_id, err) from err
     finally:
         ray.shutdown()
@@ -301,10 +311,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, tracking.TrackingUnavailable) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    resume.raise_on_sigterm()
     try:
         parent_id, failed, stopped = run_sweep(spec, trials, uri, resume_dir)
     except SweepFailed as err:
-        print(f"error: sweep failed: {err}", file=sys.stderr)
+        how = resume.interruption(err.__cause__)
+        print(f"error: interrupted ({how}); the MLflow parent run is KILLED" if how else f"error: sweep failed: {err}",
+              file=sys.stderr)
         print(f"mlflow_parent_run_id={err.parent_id}", flush=True)
         return 1
     if stopped:

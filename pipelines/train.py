@@ -2,8 +2,9 @@
 
 What `ray job submit` runs. Uses the cluster at RAY_ADDRESS when set, else starts a local Ray.
 Last stdout line: `mlflow_run_id=<id>`. Exit codes: 0 finished, 1 training failed (the MLflow run is
-marked FAILED with the error), 2 bad config, data or tracking server (nothing was started), 3 stopped on
-request with a checkpoint (`run.resume_dir`, contract/resume.py; the run is KILLED until continued).
+marked FAILED with the error) or was interrupted (Ctrl-C, SIGTERM: the run is KILLED, tag `interrupted`),
+2 bad config, data or tracking server (nothing was started), 3 stopped on request with a checkpoint
+(`run.resume_dir`, contract/resume.py; the run is KILLED until continued).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import traceback
 from omegaconf import DictConfig, OmegaConf
 
 from contract import resume, tracking
-from pipelines.config import ConfigError, flatten, load_config, parallel_params
+from pipelines.config import ConfigError, check_fits_this_machine, flatten, load_config, parallel_params
 from pipelines.data.idx import DataError
 from pipelines.data.shards import read_manifest, shard_paths
 from pipelines.fit import fit_backend
@@ -23,6 +24,7 @@ from pipelines.fit import fit_backend
 def validate(argv: list[str]) -> tuple[DictConfig, dict, str]:
     """Everything that can be checked before taking cluster resources."""
     cfg = load_config(argv)
+    check_fits_this_machine(cfg)
     manifest = read_manifest(cfg.data.path)  # every shard present, readable and of the manifest's size
     for split in ("train", cfg.data.eval_split):
         shard_paths(cfg.data.path, manifest, split)
@@ -43,25 +45,37 @@ def init_ray(cfg: DictConfig) -> None:
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), dashboard_host="127.0.0.1")
 
 
-def run_training(cfg: DictConfig, uri: str, run_id: str, first_attempt: bool = True) -> bool:
-    """Fit the backend's trainer and log the final model (pipelines/fit.py). Returns False when the run stopped
-    early on a stop request (`run.resume_dir`), with a checkpoint to continue from."""
+def check_cluster_fits(cfg: DictConfig) -> None:
+    """The whole Ray cluster can hold the run's workers (Ray Train would otherwise wait for them forever)."""
     import ray
 
-    init_ray(cfg)
-    try:
-        if first_attempt:  # params are write-once in MLflow; a resumed run may land on another cluster
-            resources = ray.cluster_resources()
-            tracking.log_params(uri, run_id, {"cluster.cpus": resources.get("CPU", 0),
-                                              "cluster.gpus": resources.get("GPU", 0),
-                                              "cluster.nodes": len(ray.nodes())})
-        stopped = fit_backend(cfg, run_id, uri)
-        if stopped is not None:
-            tracking.mark_preempted(uri, run_id, stopped)
-            return False
-        return True
-    finally:
-        ray.shutdown()
+    trainer = cfg.trainer
+    total = ray.cluster_resources()
+    cpus, gpus = trainer.num_workers * trainer.threads_per_worker, trainer.num_workers if trainer.use_gpu else 0
+    if cpus > total.get("CPU", 0) or gpus > total.get("GPU", 0):
+        raise ConfigError(f"trainer.num_workers: {trainer.num_workers} workers need {cpus} CPUs and {gpus} GPUs, "
+                          f"the Ray cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs")
+    nodes = len([node for node in ray.nodes() if node["Alive"]])
+    if trainer.placement_strategy == "STRICT_SPREAD" and trainer.num_workers > nodes:
+        raise ConfigError(f"trainer.placement_strategy: STRICT_SPREAD puts each of the {trainer.num_workers} "
+                          f"workers on its own node, the Ray cluster has {nodes}")
+
+
+def run_training(cfg: DictConfig, uri: str, run_id: str, first_attempt: bool = True) -> bool:
+    """Fit the backend's trainer on the connected Ray and log the final model (pipelines/fit.py). Returns False
+    when the run stopped early on a stop request (`run.resume_dir`), with a checkpoint to continue from."""
+    import ray
+
+    if first_attempt:  # params are write-once in MLflow; a resumed run may land on another cluster
+        resources = ray.cluster_resources()
+        tracking.log_params(uri, run_id, {"cluster.cpus": resources.get("CPU", 0),
+                                          "cluster.gpus": resources.get("GPU", 0),
+                                          "cluster.nodes": len(ray.nodes())})
+    stopped = fit_backend(cfg, run_id, uri)
+    if stopped is not None:
+        tracking.mark_preempted(uri, run_id, stopped)
+        return False
+    return True
 
 
 def open_run(cfg: DictConfig, manifest: dict, uri: str) -> tuple[str, str | None]:
@@ -85,7 +99,23 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, tracking.TrackingUnavailable) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    import ray
 
+    init_ray(cfg)
+    try:
+        check_cluster_fits(cfg)
+    except ConfigError as err:
+        ray.shutdown()
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        return train_into_run(cfg, manifest, uri)
+    finally:
+        ray.shutdown()
+
+
+def train_into_run(cfg: DictConfig, manifest: dict, uri: str) -> int:
+    """Open (or continue) the MLflow run and train into it on the connected Ray; returns the exit code."""
     run_id, previous_status = open_run(cfg, manifest, uri)
     if previous_status == "FINISHED":
         print(f"MLflow run {run_id} recorded in {cfg.run.resume_dir} has already finished; nothing to do")
@@ -93,11 +123,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"MLflow run {run_id} ({uri}){' continued' if previous_status else ''}", flush=True)
     tracking.log_cluster_startup(uri, run_id)
+    resume.raise_on_sigterm()
     try:
         finished = run_training(cfg, uri, run_id, first_attempt=previous_status is None)
-    except BaseException as err:  # KeyboardInterrupt too: the run must not stay RUNNING
-        tracking.end_run(uri, run_id, error=f"{type(err).__name__}: {err}\n\n{traceback.format_exc()}")
-        print(f"error: training failed: {type(err).__name__}: {err}", file=sys.stderr)
+    except tracking.TrackingDown as err:  # trained; the server cannot hear it: nothing to mark the run with
+        print(f"error: {err}", file=sys.stderr)
+        print(f"mlflow_run_id={run_id}", flush=True)
+        return 1
+    except BaseException as err:  # interrupts too: the run must not stay RUNNING
+        how = resume.interruption(err)
+        if how:
+            tracking.mark_interrupted(uri, run_id, how)
+            print(f"error: interrupted ({how}); the MLflow run is KILLED", file=sys.stderr)
+        else:
+            tracking.end_run(uri, run_id, error=f"{type(err).__name__}: {err}\n\n{traceback.format_exc()}")
+            print(f"error: training failed: {type(err).__name__}: {err}", file=sys.stderr)
         print(f"mlflow_run_id={run_id}", flush=True)
         return 1
     if not finished:

@@ -99,26 +99,39 @@ def _http_ok(url: str) -> bool:
         return False
 
 
+def start_mlflow_server(base: Path, port: int) -> subprocess.Popen:
+    """A real `mlflow server` on loopback (sqlite backend in `base`, proxied artifact store), answering /health."""
+    base.mkdir(parents=True, exist_ok=True)
+    with open(base / "server.log", "a") as log:
+        proc = subprocess.Popen(
+            [str(VENV_BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+             "--backend-store-uri", f"sqlite:///{base}/mlflow.db", "--artifacts-destination", str(base / "artifacts")],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # no job runner: 7 fewer processes
+    try:
+        wait_until(lambda: _http_ok(f"http://127.0.0.1:{port}/health") or proc.poll() is not None, 120,
+                   "mlflow server")
+        assert proc.poll() is None, (base / "server.log").read_text()
+    except BaseException:
+        stop_mlflow_server(proc)
+        raise
+    return proc
+
+
+def stop_mlflow_server(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, 15)  # the server and its workers
+    proc.wait(timeout=30)
+
+
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory) -> str:
-    """A real `mlflow server` on loopback (sqlite backend, proxied artifact store)."""
-    base = tmp_path_factory.mktemp("mlflow")
+    """The session's MLflow server (start_mlflow_server)."""
     port = free_port()
-    log = open(base / "server.log", "w")
-    proc = subprocess.Popen(
-        [str(VENV_BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{base}/mlflow.db", "--artifacts-destination", str(base / "artifacts")],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # no job runner: 7 fewer processes
-    uri = f"http://127.0.0.1:{port}"
+    proc = start_mlflow_server(tmp_path_factory.mktemp("mlflow"), port)
     try:
-        wait_until(lambda: _http_ok(uri + "/health") or proc.poll() is not None, 120, "mlflow server")
-        assert proc.poll() is None, (base / "server.log").read_text()
-        yield uri
+        yield f"http://127.0.0.1:{port}"
     finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=30)
-        log.close()
+        stop_mlflow_server(proc)
 
 
 @pytest.fixture(scope="session")

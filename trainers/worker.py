@@ -29,15 +29,18 @@ def ray_context(config: dict[str, Any], cfg: DictConfig) -> WorkerContext:
     import ray.train
     import ray.util
 
-    from contract.tracking import EpochLogger, set_tag
+    from contract.tracking import EpochLogger, TrackingSpool, spool_dir
 
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
-    set_tag(config["tracking_uri"], config["run_id"], f"rank{rank}.node", ray.util.get_node_ip_address())
+    # Every MLflow write of a worker goes through its spool: a tracking server that blinks loses nothing.
+    spool = TrackingSpool(config["tracking_uri"], config["run_id"], spool_dir(cfg.run.storage_path, config["run_id"]),
+                          f"rank{rank}")
+    spool.write({"op": "tag", "key": f"rank{rank}.node", "value": ray.util.get_node_ip_address()})
     return WorkerContext(
         rank=rank, world_size=world_size, report=ray_report, epochs=cfg.trainer.epochs,
         restored=ray.train.get_checkpoint(),
-        logger=EpochLogger(config["tracking_uri"], config["run_id"]) if rank == 0 else None,
+        logger=EpochLogger(spool) if rank == 0 else None,
         stop_file=stop_file(cfg.run.resume_dir), log_every_n_steps=cfg.trainer.log_every_n_steps,
         before_epoch=lambda epoch: maybe_inject_failure(cfg.fault, epoch, rank, world_size))
 
@@ -76,7 +79,11 @@ def run_config(cfg: DictConfig, run_id: str, callbacks: list | None, env: dict[s
     processes must have from their start (tf-keras)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
 
+    # Waiting for resources longer than `fault.resource_timeout_s` (pipelines/fit.py sets Ray Train's start timeout)
+    # is a controller failure; with no retries of those the run fails instead of waiting forever.
+    patient = cfg.fault.resource_timeout_s <= 0
     return RunConfig(name=f"run-{run_id}", storage_path=cfg.run.storage_path,
-                     failure_config=FailureConfig(max_failures=cfg.fault.max_failures),
+                     failure_config=FailureConfig(max_failures=cfg.fault.max_failures,
+                                                  controller_failure_limit=-1 if patient else 0),
                      checkpoint_config=CheckpointConfig(num_to_keep=2), callbacks=list(callbacks or []),
                      worker_runtime_env={"env_vars": env} if env else None)

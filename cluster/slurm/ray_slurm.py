@@ -2,9 +2,10 @@
 
     ray_slurm.py wait-nodes --dashboard URL --expect n1=10.0.0.1 n2=10.0.0.2 --timeout 180
         Wait until a Ray node is alive at every expected address; on timeout name the missing nodes, exit 1.
-    ray_slurm.py submit --dashboard URL --cwd DIR [--env K=V ...] -- COMMAND...
+    ray_slurm.py submit --dashboard URL --cwd DIR [--env K=V ...] [--pass-env NAME ...] -- COMMAND...
         `ray job submit` that streams the job's output and exits with the job's own exit code (the CLI
         only says failed or not; the Slurm script must tell "preempted, requeue me" (3) from a failure).
+        --pass-env hands this process's NAME on to the job when set (secrets: never on a command line).
     ray_slurm.py free-block --first 20000 --key JOB_ID [--size 400]
         Print the base port of a port block whose ports are all free on this host: block `key % blocks` first,
         then the following ones (wrapping around); exit 1 naming the range when none is free.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shlex
 import socket
 import sys
@@ -121,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--dashboard", required=True)
     run.add_argument("--cwd", required=True)
     run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    run.add_argument("--pass-env", action="append", default=[], metavar="NAME")
     run.add_argument("job", nargs=argparse.REMAINDER)
     ports = sub.add_parser("free-block")
     ports.add_argument("--first", type=int, required=True)
@@ -139,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "wait-nodes":
         return wait_nodes(args.dashboard, dict(item.split("=", 1) for item in args.expect), args.timeout)
     job = args.job[1:] if args.job[:1] == ["--"] else args.job
-    return submit(args.dashboard, args.cwd, dict(item.split("=", 1) for item in args.env), job)
+    env = dict(item.split("=", 1) for item in args.env)
+    env.update({name: os.environ[name] for name in args.pass_env if os.environ.get(name)})
+    return submit(args.dashboard, args.cwd, env, job)
 
 
 if __name__ == "__main__":

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import re
+import signal
 import subprocess
+import sys
 
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
 from contract.metrics import EPOCH_METRICS
-from tests.conftest import ROOT, metric_steps, pipeline_env, run_id_from, run_pipeline
+from contract.tracking import FINAL_FILE, spooled
+from tests.conftest import (ROOT, check_finished_run, free_port, metric_steps, pipeline_env, run_id_from,
+                            run_pipeline, start_mlflow_server, stop_mlflow_server, wait_until)
 
 pytestmark = pytest.mark.slow
 TINY = ["trainer.batch_size=32", "model.hidden=[64]", "trainer.threads_per_worker=1"]
@@ -76,3 +81,108 @@ def test_failed_run_is_marked_failed_with_the_error(tmp_path, tiny_mnist, mlflow
     run = MlflowClient(mlflow_server).get_run(run_id_from(proc.stdout))
     assert run.info.status == "FAILED"
     assert "injected failure at epoch 1" in run.data.tags["error"]
+
+
+def test_ctrl_c_marks_the_run_killed_not_failed(tmp_path, tiny_mnist, mlflow_server, ray_head):
+    """Ctrl-C after the first epoch: Ray Train aborts the run, the driver exits 1 with one line, and the MLflow
+    run is KILLED with an `interrupted` tag (not FAILED, not left RUNNING)."""
+    cmd = [sys.executable, "-m", "pipelines.train", f"data.path={tiny_mnist}", "trainer.epochs=50",
+           f"run.storage_path={tmp_path / 'ray'}", *TINY]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=pipeline_env(mlflow_server, ray_head), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    client = MlflowClient(mlflow_server)
+    try:
+        run_id = next(line.split()[2] for line in proc.stdout if line.startswith("MLflow run "))
+        wait_until(lambda: client.get_metric_history(run_id, "train_loss"), 300, "the first epoch")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert "error: interrupted (SIGINT); the MLflow run is KILLED" in err
+    run = client.get_run(run_id)
+    assert run.info.status == "KILLED" and run.data.tags["interrupted"] == "SIGINT"
+    assert "error" not in run.data.tags and len(client.get_metric_history(run_id, "train_loss")) < 50
+
+
+def test_a_run_the_cluster_can_never_hold_exits_2_before_opening_a_run(tmp_path, tiny_mnist, mlflow_server, ray_head):
+    """The session's cluster has one node of 6 CPUs: 8 one-thread workers, or 2 workers on distinct nodes, would
+    wait forever in Ray Train; the driver says so once connected, before any MLflow run exists."""
+    env = pipeline_env(mlflow_server, ray_head)
+    experiment = f"never-fits-{tmp_path.name}"
+    base = [f"data.path={tiny_mnist}", f"run.experiment={experiment}", *TINY]
+    too_many = run_pipeline([*base, "trainer.num_workers=8"], env)
+    assert too_many.returncode == 2, too_many.stderr[-3000:]
+    assert too_many.stderr.strip().splitlines()[-1] == (
+        "error: trainer.num_workers: 8 workers need 8 CPUs and 0 GPUs, the Ray cluster has 6 CPUs and 0 GPUs")
+    spread = run_pipeline([*base, "trainer.placement_strategy=STRICT_SPREAD"], env)
+    assert spread.returncode == 2
+    assert spread.stderr.strip().splitlines()[-1] == ("error: trainer.placement_strategy: STRICT_SPREAD puts each "
+                                                      "of the 2 workers on its own node, the Ray cluster has 1")
+    assert MlflowClient(mlflow_server).get_experiment_by_name(experiment) is None
+
+
+def test_a_tracking_server_away_at_the_end_loses_nothing_and_the_replay_finishes_the_run(tmp_path, tiny_mnist,
+                                                                                         ray_head):
+    """The run's MLflow server goes away once epoch 1 is logged and is still away when training ends: the workers
+    train on and spool what the server misses, the driver exits 1 with one line naming the spool and the replay
+    command, and the replay, with the server back, leaves the run as if nothing happened: every epoch once, the
+    model, FINISHED."""
+    base, port = tmp_path / "mlflow", free_port()
+    uri = f"http://127.0.0.1:{port}"
+    server = start_mlflow_server(base, port)
+    cmd = [sys.executable, "-m", "pipelines.train", f"data.path={tiny_mnist}", "trainer.epochs=2",
+           f"run.storage_path={tmp_path / 'ray'}", *TINY]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=pipeline_env(uri, ray_head), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        run_id = next(line.split()[2] for line in proc.stdout if line.startswith("MLflow run "))
+        client = MlflowClient(uri)
+        wait_until(lambda: client.get_metric_history(run_id, "train_loss"), 300, "the first epoch")
+        stop_mlflow_server(server)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    folder = tmp_path / "ray" / f"run-{run_id}" / "mlflow_spool"
+    assert proc.returncode == 1, err[-3000:]
+    assert (f"error: MLflow tracking server {uri} is unreachable; {spooled(folder)} unsent record(s) of run {run_id} "
+            f"and its final model are kept in {folder}: once the server is back, replay them with "
+            f"`python -m pipelines.replay {folder}`") in err.splitlines()  # (Ray's worker logs may follow it)
+    assert spooled(folder) > 0 and (folder / FINAL_FILE).is_file()
+
+    server = start_mlflow_server(base, port)  # back, on the same address and store
+    try:
+        replay = subprocess.run([sys.executable, "-m", "pipelines.replay", str(folder)], cwd=ROOT, text=True,
+                                capture_output=True, env=pipeline_env(uri), timeout=300)
+        assert replay.returncode == 0, replay.stderr[-3000:]
+        assert run_id_from(replay.stdout) == run_id
+        check_finished_run(client, run_id, "ddp", 2)  # each epoch's metrics once, the model logged
+        assert {"rank0.node", "rank1.node"} <= set(client.get_run(run_id).data.tags)
+        assert list(folder.glob("*.json")) == []
+    finally:
+        stop_mlflow_server(server)
+
+
+def test_a_run_whose_workers_wait_too_long_for_the_cluster_fails_naming_them(tmp_path, tiny_mnist, mlflow_server,
+                                                                             ray_head):
+    """Another job holds 5 of the session cluster's 6 CPUs: the run's 2 workers cannot start, and after
+    `fault.resource_timeout_s` the run fails (FAILED, exit 1) with one line naming what it needed and what is free."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    ray.init(address=ray_head["RAY_ADDRESS"], log_to_driver=False)
+    try:
+        other_job = placement_group([{"CPU": 5}])
+        ray.get(other_job.ready(), timeout=120)
+        proc = run_pipeline([f"data.path={tiny_mnist}", "fault.resource_timeout_s=5", "trainer.epochs=1",
+                             f"run.storage_path={tmp_path / 'ray'}", *TINY], pipeline_env(mlflow_server, ray_head))
+        remove_placement_group(other_job)
+    finally:
+        ray.shutdown()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert re.fullmatch(r"error: training failed: RuntimeError: fault.resource_timeout_s: the Ray cluster did not "
+                        r"free 2 CPUs and 0 GPUs for 2 workers within 5 s \(free now: [01] CPUs, 0 GPUs\); wait for "
+                        r"other jobs, or raise the timeout \(0: wait forever\)", proc.stderr.strip().splitlines()[-1])
+    assert MlflowClient(mlflow_server).get_run(run_id_from(proc.stdout)).info.status == "FAILED"

@@ -9,6 +9,9 @@ import os
 import signal
 import socket
 import subprocess
+import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import mlflow
@@ -75,10 +78,11 @@ def test_horovod_run_spreads_over_both_nodes(slurm, tiny_mnist, tmp_path):
     assert not (out / f"job-{job}" / "ray_auth_token").exists()  # the job's secret is gone with it
 
 
-def test_preempted_sweep_requeues_and_continues_into_the_same_runs(slurm, tiny_mnist, tmp_path):
+def test_preempted_sweep_requeues_and_continues_into_the_same_runs(slurm, tiny_mnist, tmp_path, monkeypatch):
     """A sweep (DDP on 2 workers spread over the nodes, and on 1) preempted after its first epoch: the Slurm
     script asks it to stop, it checkpoints its running trial and exits 3, the job requeues itself, and the requeued
-    sweep continues the same MLflow parent and child runs, re-running only the unfinished trials."""
+    sweep continues the same MLflow parent and child runs, re-running only the unfinished trials. The job's own
+    MLflow server refuses requests without the job's credential."""
     out = tmp_path / "slurm"
     grid = "sweep.grid=[{trainer:[ddp],trainer.num_workers:[2,1]}]"
     # 1024 rows / 2 workers / 16 per batch = 32 steps per epoch: the stop check (every 10 steps) lands mid-epoch.
@@ -89,8 +93,20 @@ def test_preempted_sweep_requeues_and_continues_into_the_same_runs(slurm, tiny_m
     sweep_file = out / f"job-{job}" / "resume" / "mlflow_sweep.json"
     wait_until(sweep_file.exists, 600, "the sweep to open its MLflow runs")
     env_file = out / f"job-{job}" / "cluster.env"
-    uri = next(line.split("=", 1)[1] for line in env_file.read_text().split()
-               if line.startswith("MLFLOW_TRACKING_URI="))
+    wait_until(env_file.exists, 60, "cluster.env")
+    exported = dict(word.split("=", 1) for word in env_file.read_text().split() if "=" in word)
+    assert env_file.stat().st_mode & 0o077 == 0  # it holds the job's MLflow credential
+    uri = exported["MLFLOW_TRACKING_URI"]
+    with pytest.raises(urllib.error.HTTPError) as refused:  # the job's MLflow server wants the job's credential
+        urllib.request.urlopen(f"{uri}/api/2.0/mlflow/experiments/search?max_results=1", timeout=10)
+    assert refused.value.code == 401
+    wrong = subprocess.run([sys.executable, "-m", "pipelines.train", f"data.path={tiny_mnist}"], cwd=REPO, text=True,
+                           capture_output=True, env={**slurm, "MLFLOW_TRACKING_URI": uri, "MLFLOW_TRACKING_USERNAME":
+                                                     "intruder", "MLFLOW_TRACKING_PASSWORD": "guess"})
+    assert wrong.returncode == 2 and wrong.stderr.strip().startswith(
+        f"error: MLflow tracking server {uri} refused our credentials (HTTP 401)"), wrong.stderr
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.setenv(name, exported[name])
     live = mlflow.MlflowClient(uri)
     recorded = json.loads(sweep_file.read_text())
     wait_until(lambda: any(live.get_metric_history(run_id, "train_loss") for run_id in recorded["children"].values()),

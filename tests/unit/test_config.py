@@ -1,6 +1,7 @@
 """Config composition and validation: every bad input is one ConfigError naming the key."""
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 import sys
@@ -122,3 +123,14 @@ def test_cluster_scripts_set_storage_and_resume_dir_through_the_environment(data
     assert load_config([data_override, "run.resume_dir=rel"]).run.resume_dir == str(Path.cwd() / "rel")
     monkeypatch.delenv("PIPELINE_RESUME_DIR")
     assert load_config([data_override]).run.resume_dir is None
+
+
+def test_without_a_cluster_more_worker_threads_than_cpus_is_refused(data_override, monkeypatch, capsys):
+    from pipelines.train import main
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cpus = len(os.sched_getaffinity(0))
+    assert main([data_override, f"trainer.num_workers={cpus}", "trainer.threads_per_worker=2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: trainer.num_workers: {cpus} workers x 2 thread(s) need {2 * cpus} CPUs, this machine has {cpus} "
+        f"(at most {cpus // 2} such workers fit; set RAY_ADDRESS to train on a Ray cluster)")

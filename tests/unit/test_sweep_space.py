@@ -1,6 +1,8 @@
 """The sweep's plan before Ray starts: grid expansion, override merging, and every rejection reason."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from contract.config import TRAINER_SCHEMAS, parallel_degrees
@@ -113,3 +115,12 @@ def test_mnist_backends_sweep_has_every_backend_that_trains_the_mlp(tmp_path):
     trials = plan_trials(load_sweep("mnist_backends", []), [f"data.path={tmp_path}"])
     assert all(t.cfg is not None for t in trials), [t.reason for t in trials]
     assert {t.cfg.trainer.backend for t in trials} == set(TRAINER_SCHEMAS) - {"tp"}  # tp trains the bert model only
+
+
+def test_without_a_cluster_trials_with_more_worker_threads_than_cpus_are_rejected(fake_imdb, monkeypatch, capsys):
+    from pipelines.sweep import main
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    too_many = len(os.sched_getaffinity(0)) + 1
+    assert main(["sweep=smoke", fake_imdb, f"sweep.grid=[{{trainer:[ddp],trainer.num_workers:[{too_many}]}}]"]) == 2
+    assert f"trainer.num_workers: {too_many} workers x 1 thread(s) need {too_many} CPUs" in capsys.readouterr().err

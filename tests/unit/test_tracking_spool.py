@@ -1,0 +1,33 @@
+"""A worker's MLflow writes while the server is away (contract/tracking.py TrackingSpool): kept in the spool folder,
+never raised, and sent later exactly once, against a real MLflow store."""
+from __future__ import annotations
+
+import mlflow
+
+from contract.tracking import EpochLogger, TrackingSpool, flush_spools, spooled
+from tests.conftest import free_port
+
+
+def test_records_wait_in_the_spool_and_go_out_once(tmp_path, monkeypatch):
+    for name, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0"), ("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")):
+        monkeypatch.setenv(name, value)  # what TrackingSpool sets in a worker, undone after the test
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(store)
+    run_id = client.create_run(client.create_experiment("spool")).info.run_id
+    client.log_metric(run_id, "train_loss", 0.9, step=1)  # epoch 1 reached the server before it went away
+
+    away = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    folder = tmp_path / "spool"
+    logger = EpochLogger(TrackingSpool(away, run_id, folder, "rank0"))
+    logger.log(1, {"train_loss": 0.9, "test_accuracy": 0.5})  # a replayed epoch: must stay logged once
+    logger.log(2, {"train_loss": 0.7, "test_accuracy": 0.6})
+    logger.log_step_loss(40, 0.65)
+    logger.resumed_from(1)
+    assert spooled(folder) == 4  # nothing raised, nothing lost
+
+    assert flush_spools(away, run_id, folder) == 4  # still away: kept
+    assert flush_spools(store, run_id, folder) == 0  # back (here: the store the server serves)
+    assert flush_spools(store, run_id, folder) == 0 and list(folder.iterdir()) == []
+    steps = lambda key: sorted(m.step for m in client.get_metric_history(run_id, key))
+    assert steps("train_loss") == [1, 2] and steps("test_accuracy") == [2] and steps("step_loss") == [40]
+    assert client.get_run(run_id).data.tags["resumed_from_epoch"] == "1"
