@@ -78,6 +78,24 @@ def run_training(cfg: DictConfig, uri: str, run_id: str, first_attempt: bool = T
     return True
 
 
+def close_failed_run(uri: str, run_id: str, err: BaseException) -> str:
+    """Mark the run KILLED (an interrupt, tag `interrupted`) or FAILED (with the error); returns the one error
+    line to print, which also says when the tracking server could not be told."""
+    how = resume.interruption(err)
+    status = "KILLED" if how else "FAILED"
+    try:
+        if how:
+            tracking.mark_interrupted(uri, run_id, how)
+        else:
+            tracking.end_run(uri, run_id, error=f"{type(err).__name__}: {err}\n\n{traceback.format_exc()}")
+        outcome = f"the MLflow run is {status}"
+    except Exception as mark_err:  # the tracking server went away as well
+        outcome = f"the MLflow run could not be marked {status} ({type(mark_err).__name__})"
+    if how:
+        return f"error: interrupted ({how}); {outcome}"
+    return f"error: training failed: {type(err).__name__}: {err}; {outcome}"
+
+
 def open_run(cfg: DictConfig, manifest: dict, uri: str) -> tuple[str, str | None]:
     """The MLflow run to train into: the one recorded in `run.resume_dir` if there is one, else a new one.
     Returns (run id, status the run had before, None if new)."""
@@ -131,13 +149,7 @@ def train_into_run(cfg: DictConfig, manifest: dict, uri: str) -> int:
         print(f"mlflow_run_id={run_id}", flush=True)
         return 1
     except BaseException as err:  # interrupts too: the run must not stay RUNNING
-        how = resume.interruption(err)
-        if how:
-            tracking.mark_interrupted(uri, run_id, how)
-            print(f"error: interrupted ({how}); the MLflow run is KILLED", file=sys.stderr)
-        else:
-            tracking.end_run(uri, run_id, error=f"{type(err).__name__}: {err}\n\n{traceback.format_exc()}")
-            print(f"error: training failed: {type(err).__name__}: {err}", file=sys.stderr)
+        print(close_failed_run(uri, run_id, err), file=sys.stderr)
         print(f"mlflow_run_id={run_id}", flush=True)
         return 1
     if not finished:

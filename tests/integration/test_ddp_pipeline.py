@@ -83,29 +83,6 @@ def test_failed_run_is_marked_failed_with_the_error(tmp_path, tiny_mnist, mlflow
     assert "injected failure at epoch 1" in run.data.tags["error"]
 
 
-def test_ctrl_c_marks_the_run_killed_not_failed(tmp_path, tiny_mnist, mlflow_server, ray_head):
-    """Ctrl-C after the first epoch: Ray Train aborts the run, the driver exits 1 with one line, and the MLflow
-    run is KILLED with an `interrupted` tag (not FAILED, not left RUNNING)."""
-    cmd = [sys.executable, "-m", "pipelines.train", f"data.path={tiny_mnist}", "trainer.epochs=50",
-           f"run.storage_path={tmp_path / 'ray'}", *TINY]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=pipeline_env(mlflow_server, ray_head), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    client = MlflowClient(mlflow_server)
-    try:
-        run_id = next(line.split()[2] for line in proc.stdout if line.startswith("MLflow run "))
-        wait_until(lambda: client.get_metric_history(run_id, "train_loss"), 300, "the first epoch")
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 1, err[-3000:]
-    assert "error: interrupted (SIGINT); the MLflow run is KILLED" in err
-    run = client.get_run(run_id)
-    assert run.info.status == "KILLED" and run.data.tags["interrupted"] == "SIGINT"
-    assert "error" not in run.data.tags and len(client.get_metric_history(run_id, "train_loss")) < 50
-
-
 def test_a_run_the_cluster_can_never_hold_exits_2_before_opening_a_run(tmp_path, tiny_mnist, mlflow_server, ray_head):
     """The session's cluster has one node of 6 CPUs: 8 one-thread workers, or 2 workers on distinct nodes, would
     wait forever in Ray Train; the driver says so once connected, before any MLflow run exists."""
@@ -165,24 +142,43 @@ def test_a_tracking_server_away_at_the_end_loses_nothing_and_the_replay_finishes
         stop_mlflow_server(server)
 
 
-def test_a_run_whose_workers_wait_too_long_for_the_cluster_fails_naming_them(tmp_path, tiny_mnist, mlflow_server,
-                                                                             ray_head):
-    """Another job holds 5 of the session cluster's 6 CPUs: the run's 2 workers cannot start, and after
-    `fault.resource_timeout_s` the run fails (FAILED, exit 1) with one line naming what it needed and what is free."""
+def test_a_run_waiting_for_a_busy_cluster_ctrl_c_kills_it_and_the_timeout_fails_it(tmp_path, tiny_mnist,
+                                                                                     mlflow_server, ray_head):
+    """Another job holds 5 of the session cluster's 6 CPUs, so a run's 2 workers cannot start. Ctrl-C: Ray Train
+    aborts the run, the driver exits 1 with one line, and the MLflow run is KILLED with an `interrupted` tag (not
+    FAILED, not left RUNNING). `fault.resource_timeout_s`: the run fails (FAILED, exit 1) with one line naming what
+    it needed and what is free."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
+    env, client = pipeline_env(mlflow_server, ray_head), MlflowClient(mlflow_server)
+    args = [f"data.path={tiny_mnist}", "trainer.epochs=1", f"run.storage_path={tmp_path / 'ray'}", *TINY]
     ray.init(address=ray_head["RAY_ADDRESS"], log_to_driver=False)
     try:
         other_job = placement_group([{"CPU": 5}])
         ray.get(other_job.ready(), timeout=120)
-        proc = run_pipeline([f"data.path={tiny_mnist}", "fault.resource_timeout_s=5", "trainer.epochs=1",
-                             f"run.storage_path={tmp_path / 'ray'}", *TINY], pipeline_env(mlflow_server, ray_head))
+        waiting = subprocess.Popen([sys.executable, "-m", "pipelines.train", *args], cwd=ROOT, env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            interrupted = next(line.split()[2] for line in waiting.stdout if line.startswith("MLflow run "))
+            wait_until(lambda: client.get_run(interrupted).data.params.get("cluster.cpus"), 120, "fit to start")
+            waiting.send_signal(signal.SIGINT)
+            _, err = waiting.communicate(timeout=120)
+        finally:
+            if waiting.poll() is None:
+                waiting.kill()
+        timed_out = run_pipeline([*args, "fault.resource_timeout_s=5"], env)
         remove_placement_group(other_job)
     finally:
         ray.shutdown()
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert waiting.returncode == 1, err[-3000:]
+    assert "error: interrupted (SIGINT); the MLflow run is KILLED" in err.splitlines()
+    run = client.get_run(interrupted)
+    assert run.info.status == "KILLED" and run.data.tags["interrupted"] == "SIGINT" and "error" not in run.data.tags
+
+    assert timed_out.returncode == 1, timed_out.stderr[-3000:]
     assert re.fullmatch(r"error: training failed: RuntimeError: fault.resource_timeout_s: the Ray cluster did not "
                         r"free 2 CPUs and 0 GPUs for 2 workers within 5 s \(free now: [01] CPUs, 0 GPUs\); wait for "
-                        r"other jobs, or raise the timeout \(0: wait forever\)", proc.stderr.strip().splitlines()[-1])
-    assert MlflowClient(mlflow_server).get_run(run_id_from(proc.stdout)).info.status == "FAILED"
+                        r"other jobs, or raise the timeout \(0: wait forever\); the MLflow run is FAILED",
+                        timed_out.stderr.strip().splitlines()[-1])
+    assert client.get_run(run_id_from(timed_out.stdout)).info.status == "FAILED"

@@ -8,6 +8,7 @@ import pytest
 
 from pipelines.data.idx import DataError
 from pipelines.data.imdb import SplitReviews, clean_text, plan_splits, read_reviews, split_validation
+from tests.conftest import free_port
 from tests.imdb_fixtures import make_aclimdb, movie_of, tar_of
 
 
@@ -45,6 +46,19 @@ def test_corrupt_archive_is_an_error(tmp_path):
     archive.write_bytes(archive.read_bytes()[: archive.stat().st_size // 2])
     with pytest.raises(DataError, match="a.tar.gz: corrupt or truncated archive"):
         read_reviews(archive)
+
+
+def test_prepare_reports_a_corrupt_archive_before_starting_ray(tmp_path, capsys, monkeypatch):
+    import ray
+
+    from pipelines.prepare import main as prepare_main
+
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{free_port()}")  # no Ray there: connecting first would fail
+    archive = tar_of(make_aclimdb(tmp_path / "folder", per_label=20, bad_files=False), tmp_path / "a.tar.gz")
+    archive.write_bytes(archive.read_bytes()[: archive.stat().st_size // 2])
+    assert prepare_main(["imdb", "--source", str(archive), "--out", str(tmp_path / "out")]) == 2
+    assert "a.tar.gz: corrupt or truncated archive" in capsys.readouterr().err
+    assert not ray.is_initialized() and not (tmp_path / "out").exists()
 
 
 def test_validation_split_is_by_movie_deterministic_and_disjoint(tmp_path):
