@@ -2,7 +2,9 @@
 
 The driver creates the run (so it exists before any worker starts and can always be closed as FAILED),
 logs params and the resolved config; rank 0 of the trainer logs per-epoch metrics into that run; the
-driver logs the final model and the end status.
+driver logs the final model and the end status. Workers write through a `TrackingSpool`, so a tracking
+server that goes away loses nothing: what it missed waits in the run's storage (`spool_dir`) until the
+driver, or `python -m pipelines.replay`, sends it.
 """
 from __future__ import annotations
 
