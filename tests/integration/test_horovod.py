@@ -6,21 +6,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import ROOT, check_finished_run, pipeline_env, train_ok
+from tests.integration.horovod_checks import BATCHES_PER_EPOCH, check_replicas_identical, init_log, optimizer_steps
 
 pytestmark = pytest.mark.slow
 FRAMEWORKS = ["torch", "tf"]
 TINY = ["trainer=horovod", "trainer.batch_size=32", "model.hidden=[32]", "trainer.threads_per_worker=1",
         "trainer.epochs=3"]
-# tiny_mnist: 1024 training rows -> 512 per worker -> 16 batches of 32 per epoch.
-BATCHES_PER_EPOCH = 16
 
 
 def train(args: list[str], env: dict[str, str], base: list[str] = TINY) -> str:
@@ -31,30 +27,6 @@ def check_run(client: MlflowClient, run_id: str) -> str:
     """The shared run contract on 2 workers; returns the logged model's URI."""
     assert client.get_run(run_id).data.params["world_size"] == "2"
     return check_finished_run(client, run_id, "horovod", epochs=3)
-
-
-def final_weights(params_dir: Path, framework: str) -> list[list[np.ndarray]]:
-    """Each rank's final weights (`run.dump_params_dir`), as arrays in a fixed order."""
-    if framework == "torch":
-        states = [torch.load(params_dir / f"rank{r}.pt") for r in (0, 1)]
-        return [[state[k].numpy() for k in sorted(state)] for state in states]
-    files = [np.load(params_dir / f"rank{r}.npz") for r in (0, 1)]
-    return [[f[k] for k in f.files] for f in files]
-
-
-def check_replicas_identical(params_dir: Path, framework: str) -> list[np.ndarray]:
-    """Bitwise: ranks start from different seeds, so equal weights at the start need the broadcast, and at the
-    end every rank applied the same averaged gradients with the same ops."""
-    rank0, rank1 = final_weights(params_dir, framework)
-    assert len(rank0) == len(rank1) > 0
-    for a, b in zip(rank0, rank1):
-        np.testing.assert_array_equal(a, b)
-    return rank0
-
-
-def init_log(params_dir: Path) -> list[dict[str, str]]:
-    lines = (params_dir / "horovod_init.log").read_text().splitlines()
-    return [dict(field.split("=", 1) for field in line.split()) for line in lines]
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
@@ -82,13 +54,13 @@ def test_allreduce_of_known_values(tmp_path, ray_head, framework):
     assert ranks[0]["env"]["HOROVOD_HOSTNAME"] == ranks[1]["env"]["HOROVOD_HOSTNAME"]  # the Ray node id
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_trains_with_fp16_and_accumulation_and_resumes_after_failure(tmp_path, tiny_mnist, mlflow_server, ray_head,
-                                                                     framework):
+def test_tf_trains_with_fp16_and_accumulation_and_resumes_after_failure(tmp_path, tiny_mnist, mlflow_server, ray_head):
     """fp16 compression and 2 backward passes per step, and rank 1 failing at epoch 2: Ray Train restarts the
     worker group from epoch 1's checkpoint; the new workers (new processes) do a new rendezvous and train on.
     Still identical replicas, a falling loss, each epoch once in MLflow, the optimizer stepped once per 2 batches
-    (its step counter in the final checkpoint, restored across the restart) and the logged model the trained one."""
+    (its step counter in the final checkpoint, restored across the restart). The same for torch runs across the two
+    Slurm nodes (tests/slurm/test_ray_cluster.py), where a real network separates the ranks."""
+    framework = "tf"
     marker, params = tmp_path / "failed-once", tmp_path / "params"
     run_id = train([f"trainer.framework={framework}", f"data.path={tiny_mnist}", "trainer.compression=fp16",
                     "trainer.backward_passes_per_step=2", "fault.max_failures=1", "fault.inject_at_epoch=2",
@@ -96,9 +68,9 @@ def test_trains_with_fp16_and_accumulation_and_resumes_after_failure(tmp_path, t
                     f"run.dump_params_dir={params}"], pipeline_env(mlflow_server, ray_head))
     assert marker.read_text().startswith("failed at epoch 2 in rank 1")
     client = MlflowClient(mlflow_server)
-    model_uri = check_run(client, run_id)
+    check_run(client, run_id)
     assert client.get_run(run_id).data.tags["resumed_from_epoch"] == "1"
-    weights = check_replicas_identical(params, framework)
+    check_replicas_identical(params, framework)
     assert optimizer_steps(tmp_path / "ray", framework) == 3 * BATCHES_PER_EPOCH // 2
     first, second = init_log(params)[:2], init_log(params)[2:]
     assert len(second) == 2, init_log(params)
@@ -106,21 +78,3 @@ def test_trains_with_fp16_and_accumulation_and_resumes_after_failure(tmp_path, t
         assert sorted(line["rank"] for line in attempt) == ["0", "1"]
         assert len({line["rendezvous"] for line in attempt}) == 1  # both ranks met at the same server
     assert not {line["pid"] for line in first} & {line["pid"] for line in second}  # new processes
-    if framework == "torch":  # the logged model is the trained one
-        import mlflow
-
-        model = mlflow.pytorch.load_model(model_uri)
-        logged = [v.numpy() for _, v in sorted(model.state_dict().items())]
-        for a, b in zip(logged, weights):
-            np.testing.assert_array_equal(a, b)
-
-
-def optimizer_steps(storage: Path, framework: str) -> int:
-    """The optimizer's step counter in the newest checkpoint of the run."""
-    checkpoints = [p for p in storage.glob("run-*/checkpoint_*") if p.is_dir()]
-    newest = max(checkpoints, key=lambda p: p.stat().st_mtime)
-    if framework == "torch":
-        state = torch.load(newest / "state.pt", weights_only=False)["optimizer"]["state"]
-        return {int(s["step"]) for s in state.values()}.pop()
-    with np.load(newest / "optimizer.npz") as store:
-        return int(store["0"])  # tf-keras' optimizer variables start with `iterations`

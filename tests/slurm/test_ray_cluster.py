@@ -1,5 +1,5 @@
 """cluster/slurm/ray-cluster.sbatch on a real 2-node Slurm (cluster/dev/slurm-local.sh): every backend with one
-worker on each node, a preempted sweep requeued and continued, two concurrent jobs (one of them finding its port
+worker on each node (horovod restarting after a failure), a preempted sweep requeued and continued, two concurrent jobs (one of them finding its port
 block taken), and a node that never joins. (A training run's stop and resume, exit code 3, is the same protocol:
 tests/integration/test_stop_resume.py runs it through the driver.)"""
 from __future__ import annotations
@@ -18,6 +18,7 @@ import mlflow
 import pytest
 
 from tests.conftest import wait_until
+from tests.integration.horovod_checks import BATCHES_PER_EPOCH, check_replicas_identical, init_log, optimizer_steps
 from tests.slurm.conftest import (REPO, elapsed_s, job_info, job_output, ray_leftovers, sbatch, skip_requeue_delay,
                                  wait_gone, wait_job)
 
@@ -60,20 +61,31 @@ def assert_spread_run(client: mlflow.MlflowClient, run_id: str, epochs: int) -> 
     assert_each_epoch_once(client, run_id, epochs)
 
 
-def test_horovod_run_spreads_over_both_nodes(slurm, tiny_mnist, tmp_path):
-    """Horovod's Gloo rendezvous across two Ray nodes (ddp crosses them in the sweep test, tf_mwms and tp in the
-    concurrent-jobs test)."""
-    out = tmp_path / "slurm"
-    job = sbatch(slurm, out, ddp_command(tiny_mnist, "trainer.epochs=2", backend="horovod"))
+def test_horovod_across_both_nodes_with_fp16_and_accumulation_resumes_after_a_failure(slurm, tiny_mnist, tmp_path):
+    """Horovod torch across the two Ray nodes (ddp crosses them in the sweep test, tf_mwms and tp in the
+    concurrent-jobs test; horovod tf runs in tests/integration/test_horovod.py), with fp16 compression and 2
+    backward passes per step, and rank 1 failing at epoch 2: Ray Train restarts the worker group from epoch 1's
+    checkpoint, and the new processes do a new Gloo rendezvous across the nodes and train on. Identical replicas,
+    each epoch once in MLflow, the optimizer stepped once per 2 batches (its counter restored across the restart)."""
+    out, marker, params = tmp_path / "slurm", tmp_path / "failed-once", tmp_path / "params"
+    job = sbatch(slurm, out, ddp_command(tiny_mnist, "trainer.epochs=3", "model.hidden=[32]", "trainer.compression=fp16",
+                                         "trainer.backward_passes_per_step=2", "fault.max_failures=1",
+                                         "fault.inject_at_epoch=2", f"fault.inject_marker={marker}",
+                                         f"run.dump_params_dir={params}", backend="horovod"))
     info = wait_job(slurm, job, 900)
     log = job_output(out, job)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
-    assert "all 2 nodes joined" in log
+    assert "all 2 nodes joined" in log and marker.read_text().startswith("failed at epoch 2 in rank 1")
     client = local_store(out)
     run = only_run(client)
-    assert_spread_run(client, run.info.run_id, 2)
-    assert run.data.params["cluster.nodes"] == "2"
+    assert_spread_run(client, run.info.run_id, 3)
+    assert run.data.params["cluster.nodes"] == "2" and run.data.tags["resumed_from_epoch"] == "1"
     assert [m.value > 0 for m in client.get_metric_history(run.info.run_id, "cluster_startup_s")] == [True]
+    check_replicas_identical(params, "torch")
+    assert optimizer_steps(out / "ray-results", "torch") == 3 * BATCHES_PER_EPOCH // 2
+    attempts = init_log(params)
+    assert len(attempts) == 4 and attempts[0]["rendezvous"] == attempts[1]["rendezvous"]
+    assert not {a["pid"] for a in attempts[:2]} & {a["pid"] for a in attempts[2:]}  # new processes
     wait_gone(job)  # no stray raylets, temp dirs removed
     assert not (out / f"job-{job}" / "ray_auth_token").exists()  # the job's secret is gone with it
 
