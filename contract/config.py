@@ -143,6 +143,11 @@ def typed_config(plain: dict[str, Any]) -> DictConfig:
     return cfg
 
 
+def worker_resources(trainer: DictConfig) -> tuple[int, int]:
+    """(CPUs, GPUs) a run's workers take together: a CPU per thread, a GPU per worker when `use_gpu`."""
+    return trainer.num_workers * trainer.threads_per_worker, trainer.num_workers if trainer.use_gpu else 0
+
+
 def parallel_degrees(trainer: DictConfig) -> tuple[int, int]:
     """(dp, tp) of any backend: the data-parallel backends are tp=1, dp=num_workers."""
     if trainer.backend == "tp":

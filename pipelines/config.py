@@ -6,6 +6,7 @@ line and exits with code 2.
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from contract.config import MODEL_SCHEMAS, TRAINER_SCHEMAS, parallel_degrees, schema
+from contract.config import MODEL_SCHEMAS, TRAINER_SCHEMAS, parallel_degrees, schema, worker_resources
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -96,7 +97,8 @@ def _check_values(cfg: DictConfig) -> None:
     if cfg.fault.max_failures < 0:
         raise ConfigError(f"fault.max_failures: must be >= 0, got {cfg.fault.max_failures}")
     if cfg.fault.resource_timeout_s < 0:
-        raise ConfigError(f"fault.resource_timeout_s: must be >= 0 (0: wait forever), got {cfg.fault.resource_timeout_s}")
+        raise ConfigError(f"fault.resource_timeout_s: must be >= 0 (0: wait forever), "
+                          f"got {cfg.fault.resource_timeout_s}")
     if not 0 <= cfg.model.dropout < 1:
         raise ConfigError(f"model.dropout: must be in [0, 1), got {cfg.model.dropout}")
     if not (Path(cfg.data.path) / "manifest.json").is_file():
@@ -221,13 +223,11 @@ def load_config(overrides: list[str]) -> DictConfig:
 def check_fits_this_machine(cfg: DictConfig) -> None:
     """Without RAY_ADDRESS the pipeline starts a Ray of its own on this machine: refuse more worker threads than
     the CPUs this process may use (Ray would start them all and crawl, or wait forever for a GPU)."""
-    import os
-
     if os.environ.get("RAY_ADDRESS"):
         return  # a cluster: pipelines check its resources once connected
     trainer = cfg.trainer
     cpus = len(os.sched_getaffinity(0))
-    threads = trainer.num_workers * trainer.threads_per_worker
+    threads, _ = worker_resources(trainer)
     if threads > cpus:
         fit = cpus // trainer.threads_per_worker
         raise ConfigError(f"trainer.num_workers: {trainer.num_workers} workers x {trainer.threads_per_worker} "

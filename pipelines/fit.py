@@ -9,6 +9,7 @@ from typing import Any, Mapping
 from omegaconf import DictConfig, OmegaConf
 
 from contract import tracking
+from contract.config import worker_resources
 from contract.metrics import STOP_METRICS
 from pipelines.data.shards import read_manifest
 
@@ -72,7 +73,7 @@ def resource_wait(err: Exception, cfg: DictConfig) -> str | None:
     if not isinstance(getattr(err, "controller_failure", None), WorkerGroupStartupTimeoutError):
         return None
     trainer, free = cfg.trainer, ray.available_resources()
-    cpus, gpus = trainer.num_workers * trainer.threads_per_worker, trainer.num_workers if trainer.use_gpu else 0
+    cpus, gpus = worker_resources(trainer)
     return (f"fault.resource_timeout_s: the Ray cluster did not free {cpus} CPUs and {gpus} GPUs for "
             f"{trainer.num_workers} workers within {cfg.fault.resource_timeout_s:g} s (free now: "
             f"{free.get('CPU', 0):g} CPUs, {free.get('GPU', 0):g} GPUs); wait for other jobs, or raise the timeout "

@@ -13,7 +13,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from contract.config import parallel_degrees
+from contract.config import parallel_degrees, worker_resources
 from pipelines.config import ConfigError, load_config
 
 # CPUs a trial takes besides its workers: its Tune function (the Ray Train driver) and one for Ray Data's
@@ -159,11 +159,11 @@ def plan_trials(spec: DictConfig, train_overrides: list[str]) -> list[Trial]:
 
 
 def cpus_needed(cfg: DictConfig) -> float:
-    return cfg.trainer.num_workers * cfg.trainer.threads_per_worker + TRIAL_DRIVER_CPUS + DATA_CPUS
+    return worker_resources(cfg.trainer)[0] + TRIAL_DRIVER_CPUS + DATA_CPUS
 
 
 def gpus_needed(cfg: DictConfig) -> float:
-    return cfg.trainer.num_workers if cfg.trainer.use_gpu else 0
+    return worker_resources(cfg.trainer)[1]
 
 
 def reject_unfit(trials: list[Trial], cluster_cpus: float, cluster_gpus: float) -> None:

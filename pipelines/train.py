@@ -15,6 +15,7 @@ import traceback
 from omegaconf import DictConfig, OmegaConf
 
 from contract import resume, tracking
+from contract.config import worker_resources
 from pipelines.config import ConfigError, check_fits_this_machine, flatten, load_config, parallel_params
 from pipelines.data.idx import DataError
 from pipelines.data.shards import read_manifest, shard_paths
@@ -51,7 +52,7 @@ def check_cluster_fits(cfg: DictConfig) -> None:
 
     trainer = cfg.trainer
     total = ray.cluster_resources()
-    cpus, gpus = trainer.num_workers * trainer.threads_per_worker, trainer.num_workers if trainer.use_gpu else 0
+    cpus, gpus = worker_resources(trainer)
     if cpus > total.get("CPU", 0) or gpus > total.get("GPU", 0):
         raise ConfigError(f"trainer.num_workers: {trainer.num_workers} workers need {cpus} CPUs and {gpus} GPUs, "
                           f"the Ray cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs")
