@@ -15,10 +15,13 @@ import platform
 import socket
 import subprocess
 import time
+import traceback
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, Mapping
+
+from contract.resume import interruption
 
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 
@@ -233,27 +236,35 @@ class TrackingSpool:
         return True
 
     def _save(self) -> None:
-        """The pending records as one JSON file (replaced whole); no file when nothing is pending."""
-        if not self.pending:
-            self.file.unlink(missing_ok=True)
-            return
-        self.file.parent.mkdir(parents=True, exist_ok=True)
-        part = self.file.with_suffix(".part")
-        part.write_text(json.dumps({"run_id": self.run_id, "uri": self.uri, "records": self.pending}))
-        part.replace(self.file)
+        _write_spool_file(self.file, self.run_id, self.uri, self.pending)
+
+
+def _write_spool_file(path: Path, run_id: str, uri: str, records: list[dict[str, Any]]) -> None:
+    """A worker's pending records as one JSON file, replaced whole (atomic); no file when nothing is pending."""
+    if not records:
+        path.unlink(missing_ok=True)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_suffix(".part")
+    part.write_text(json.dumps({"run_id": run_id, "uri": uri, "records": records}))
+    part.replace(path)
+
+
+def _spool_files(folder: Path) -> list[Path]:
+    """The workers' spool files (not final.json, not a half-written .part)."""
+    return sorted(Path(folder).glob("rank*.json")) if Path(folder).is_dir() else []
 
 
 def spooled(folder: Path) -> int:
     """How many records the spool folder's worker files hold."""
-    files = sorted(Path(folder).glob("rank*.json")) if Path(folder).is_dir() else []
-    return sum(len(json.loads(path.read_text())["records"]) for path in files)
+    return sum(len(json.loads(path.read_text())["records"]) for path in _spool_files(folder))
 
 
 def flush_spools(uri: str, run_id: str, folder: Path) -> int:
     """Send every record left in the spool folder's files (workers that ended while the server was down);
     returns how many are still unsent. Files are rewritten as records go out, so a retry never repeats one."""
     client, unsent = _client(uri), 0
-    for path in sorted(Path(folder).glob("rank*.json")) if Path(folder).is_dir() else []:
+    for path in _spool_files(folder):
         records = json.loads(path.read_text())["records"]
         while records:
             try:
@@ -261,11 +272,8 @@ def flush_spools(uri: str, run_id: str, folder: Path) -> int:
             except Exception:
                 break
             records.pop(0)
-            path.write_text(json.dumps({"run_id": run_id, "uri": uri, "records": records}))
-        if records:
-            unsent += len(records)
-        else:
-            path.unlink()
+            _write_spool_file(path, run_id, uri, records)  # removes the file once it is empty
+        unsent += len(records)
     return unsent
 
 
@@ -354,6 +362,17 @@ def mark_interrupted(uri: str, run_id: str, how: str) -> None:
     client = _client(uri)
     client.set_tag(run_id, "interrupted", how)
     client.set_terminated(run_id, status="KILLED")
+
+
+def end_unfinished_run(uri: str, run_id: str, err: BaseException) -> str | None:
+    """End a run its driver could not finish: KILLED with the `interrupted` tag after an interrupt
+    (`contract.resume.interruption`), else FAILED with the error. Returns how it was interrupted, or None."""
+    how = interruption(err)
+    if how:
+        mark_interrupted(uri, run_id, how)
+    else:
+        end_run(uri, run_id, error=f"{type(err).__name__}: {err}\n\n{traceback.format_exc()}")
+    return how
 
 
 def log_cluster_startup(uri: str, run_id: str) -> None:

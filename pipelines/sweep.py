@@ -24,7 +24,6 @@ import json
 import os
 import sys
 import tempfile
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -288,11 +287,7 @@ def run_sweep(spec: DictConfig, trials: list[Trial], uri: str, resume_dir: str |
         if parent_id is None:
             raise
         close_children(uri, {i: r for i, r in pending.items() if i not in outcomes}, outcomes)
-        how = resume.interruption(err)
-        if how:
-            tracking.mark_interrupted(uri, parent_id, how)
-        else:
-            tracking.end_run(uri, parent_id, error=f"{type(err).__name__}: {err}\n\n{traceback.format_exc()}")
+        tracking.end_unfinished_run(uri, parent_id, err)
         raise SweepFailed(parent_id, err) from err
     finally:
         ray.shutdown()

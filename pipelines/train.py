@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -85,10 +84,7 @@ def close_failed_run(uri: str, run_id: str, err: BaseException) -> str:
     how = resume.interruption(err)
     status = "KILLED" if how else "FAILED"
     try:
-        if how:
-            tracking.mark_interrupted(uri, run_id, how)
-        else:
-            tracking.end_run(uri, run_id, error=f"{type(err).__name__}: {err}\n\n{traceback.format_exc()}")
+        tracking.end_unfinished_run(uri, run_id, err)
         outcome = f"the MLflow run is {status}"
     except Exception as mark_err:  # the tracking server went away as well
         outcome = f"the MLflow run could not be marked {status} ({type(mark_err).__name__})"
