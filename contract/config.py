@@ -11,6 +11,8 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from contract.recipe import Monitor, default_mode
+
 
 @dataclass
 class TrainerConfig:
@@ -20,8 +22,15 @@ class TrainerConfig:
     threads_per_worker: int = 1
     use_gpu: bool = False
     batch_size: int = 128
-    lr: float = 1e-3
-    optimizer: str = "adam"
+    lr: float = 1e-3                    # peak learning rate (after warmup)
+    optimizer: str = "adam"             # adam | adamw | sgd (contract/recipe.py)
+    weight_decay: float = 0.0           # decoupled for adamw, L2 for adam/sgd; never on biases and norms
+    momentum: float = 0.9               # sgd only
+    lr_schedule: str = "constant"       # constant | cosine | linear, stepped per optimizer step
+    warmup_steps: int = 0               # optimizer steps of linear warmup
+    grad_clip: Optional[float] = None   # clip the global gradient norm (over all shards) to this
+    grad_accum: int = 1                 # batches per optimizer step (gradients averaged over them)
+    precision: str = "fp32"             # fp32 | bf16 | fp16 (fp16: GPUs only)
     epochs: int = 5
     log_every_n_steps: int = 0          # rank 0 logs `step_loss` every n steps (0: off)
     max_steps_per_epoch: Optional[int] = None  # cut epochs short (benchmarks, smoke runs)
@@ -55,7 +64,6 @@ class HorovodConfig(TrainerConfig):
     backend: str = "horovod"
     framework: str = "torch"            # torch (hvd.DistributedOptimizer) | tf (DistributedGradientTape)
     compression: str = "none"           # gradient compression on the wire: none | fp16
-    backward_passes_per_step: int = 1   # batches whose gradients are summed locally per all-reduce
 
 
 TRAINER_SCHEMAS: dict[str, type[TrainerConfig]] = {"ddp": DDPConfig, "tp": TPConfig, "tf_mwms": TFMWMSConfig,
@@ -115,6 +123,10 @@ class RunSection:
     storage_path: str = "outputs/ray"
     dump_params_dir: Optional[str] = None
     resume_dir: Optional[str] = None  # stop-and-resume folder (preemption); see contract/resume.py
+    monitor: str = "test_accuracy"    # the epoch metric that picks the best epoch (contract/recipe.py)
+    monitor_mode: Optional[str] = None  # max | min; default: min for losses and times, else max
+    final_model: str = "best"         # the logged MLflow model: the best epoch's, or the last epoch's
+    patience: Optional[int] = None    # stop after this many epochs without a better `monitor` (None: never)
 
 
 @dataclass
@@ -141,6 +153,11 @@ def typed_config(plain: dict[str, Any]) -> DictConfig:
     cfg = OmegaConf.merge(schema(plain["trainer"]["backend"], plain["model"]["name"]), plain)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def monitor_of(run: DictConfig) -> Monitor:
+    """The run's `Monitor` (which epoch is best, early stopping)."""
+    return Monitor(run.monitor, run.monitor_mode or default_mode(run.monitor), run.patience)
 
 
 def worker_resources(trainer: DictConfig) -> tuple[int, int]:

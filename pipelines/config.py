@@ -14,7 +14,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from contract import recipe
 from contract.config import MODEL_SCHEMAS, TRAINER_SCHEMAS, parallel_degrees, schema, worker_resources
+from contract.metrics import metric_names
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -25,14 +27,13 @@ class ConfigError(ValueError):
 
 DATA_MODELS = {"mnist": ("mlp", "cnn"), "imdb": ("bert", "embed_pool")}  # which models fit which data
 KERAS_MODELS = ("mlp", "cnn", "embed_pool")  # trainers/models/keras_models.py
-OPTIMIZERS = ("adam", "sgd")
 TF_LOOPS = ("fit", "custom")
 TF_COMMUNICATIONS = ("auto", "ring", "nccl")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 HOROVOD_FRAMEWORKS = ("torch", "tf")
 HOROVOD_COMPRESSIONS = ("none", "fp16")
 POSITIVE = ("num_workers", "threads_per_worker", "batch_size", "lr", "epochs", "tf_steps_per_execution",
-            "tf_devices", "backward_passes_per_step")  # trainer keys, where the backend has them
+            "tf_devices", "grad_accum")  # trainer keys, where the backend has them
 
 
 def _schema_for(cfg: DictConfig) -> DictConfig:
@@ -80,8 +81,6 @@ def _check_values(cfg: DictConfig) -> None:
     for key in POSITIVE:
         if key in cfg.trainer and cfg.trainer[key] <= 0:
             raise ConfigError(f"trainer.{key}: must be > 0, got {cfg.trainer[key]}")
-    if cfg.trainer.optimizer not in OPTIMIZERS:
-        raise ConfigError(f"trainer.optimizer: unknown optimizer '{cfg.trainer.optimizer}' (choices: {OPTIMIZERS})")
     if cfg.trainer.placement_strategy not in PLACEMENT_STRATEGIES:
         raise ConfigError(f"trainer.placement_strategy: unknown strategy '{cfg.trainer.placement_strategy}' "
                           f"(choices: {PLACEMENT_STRATEGIES})")
@@ -91,6 +90,7 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"model.name: model '{cfg.model.name}' does not fit data '{cfg.data.name}' "
                           f"(choices: {DATA_MODELS[cfg.data.name]})")
     _check_model(cfg.model)
+    _check_recipe(cfg)
     _check_parallelism(cfg)
     _check_tensorflow(cfg)
     _check_horovod(cfg)
@@ -101,9 +101,72 @@ def _check_values(cfg: DictConfig) -> None:
                           f"got {cfg.fault.resource_timeout_s}")
     if not 0 <= cfg.model.dropout < 1:
         raise ConfigError(f"model.dropout: must be in [0, 1), got {cfg.model.dropout}")
-    if not (Path(cfg.data.path) / "manifest.json").is_file():
+    manifest = Path(cfg.data.path) / "manifest.json"
+    if not manifest.is_file():
         raise ConfigError(f"data.path: no prepared dataset at '{cfg.data.path}' (missing manifest.json); "
                           f"run `python -m pipelines.prepare {cfg.data.name} --out {cfg.data.path}`")
+    _check_warmup_fits(cfg, _manifest_json(manifest))
+
+
+def _manifest_json(path: Path) -> dict:
+    """The manifest as JSON, or {} when it is not (the data checks before training name what is wrong)."""
+    import json
+
+    try:
+        loaded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def _choice(section: str, key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{section}.{key}: unknown '{value}' (choices: {', '.join(map(str, choices))})")
+
+
+def _check_recipe(cfg: DictConfig) -> None:
+    """The recipe keys every backend shares (contract/recipe.py) and how the best epoch is picked."""
+    trainer, run = cfg.trainer, cfg.run
+    _choice("trainer", "optimizer", trainer.optimizer, recipe.OPTIMIZERS)
+    _choice("trainer", "lr_schedule", trainer.lr_schedule, recipe.LR_SCHEDULES)
+    _choice("trainer", "precision", trainer.precision, recipe.PRECISIONS)
+    if trainer.weight_decay < 0 or not 0 <= trainer.momentum < 1:
+        raise ConfigError(f"trainer.weight_decay: weight_decay must be >= 0 and momentum in [0, 1), got "
+                          f"weight_decay={trainer.weight_decay} momentum={trainer.momentum}")
+    if trainer.warmup_steps < 0:
+        raise ConfigError(f"trainer.warmup_steps: must be >= 0, got {trainer.warmup_steps}")
+    if trainer.grad_clip is not None and trainer.grad_clip <= 0:
+        raise ConfigError(f"trainer.grad_clip: must be > 0 (null: no clipping), got {trainer.grad_clip}")
+    if trainer.precision == "fp16" and not trainer.use_gpu:
+        raise ConfigError("trainer.precision: fp16 needs GPUs (loss scaling, fast half kernels); on CPU use bf16")
+    scheduled = trainer.lr_schedule != "constant" or trainer.warmup_steps > 0
+    torch_backend = trainer.backend in ("ddp", "tp") or trainer.get("framework") == "torch"
+    if scheduled and not cfg.data.cache_in_worker and torch_backend:
+        raise ConfigError("trainer.lr_schedule: a schedule needs the epoch's length, known only with "
+                          "data.cache_in_worker=true (PyTorch backends stream otherwise)")
+    _choice("run", "monitor", run.monitor, metric_names(text=cfg.data.name == "imdb"))
+    if run.monitor_mode is not None:
+        _choice("run", "monitor_mode", run.monitor_mode, recipe.MONITOR_MODES)
+    _choice("run", "final_model", run.final_model, recipe.FINAL_MODELS)
+    if run.patience is not None and run.patience < 1:
+        raise ConfigError(f"run.patience: must be >= 1 (null: no early stopping), got {run.patience}")
+
+
+def _check_warmup_fits(cfg: DictConfig, manifest: dict) -> None:
+    """Warmup must end before the run does: at most ceil(rows per data-parallel rank / batch) steps per epoch."""
+    trainer = cfg.trainer
+    rows = manifest.get("splits", {}).get("train", {}).get("rows")
+    if not trainer.warmup_steps or not isinstance(rows, int):
+        return
+    dp, _ = parallel_degrees(trainer)
+    steps = -(-(rows // (dp or trainer.num_workers)) // trainer.batch_size)
+    if trainer.max_steps_per_epoch:
+        steps = min(steps, trainer.max_steps_per_epoch)
+    updates = trainer.epochs * recipe.updates_per_epoch(steps, trainer.grad_accum)
+    if trainer.warmup_steps >= updates:
+        raise ConfigError(f"trainer.warmup_steps: {trainer.warmup_steps} warmup steps is not shorter than the run "
+                          f"({updates} optimizer steps: {trainer.epochs} epochs of {steps} batches, grad_accum="
+                          f"{trainer.grad_accum})")
 
 
 def _check_parallelism(cfg: DictConfig) -> None:

@@ -19,8 +19,8 @@ MODEL_INPUTS = {"vocab_size": 64, "max_len": 16}
 COMMON = ["trainer.epochs=2", "trainer.batch_size=16", "trainer.optimizer=sgd", "trainer.lr=0.01",
           "trainer.num_workers=1", "model.dropout=0"]
 BACKENDS = {
-    "horovod_torch": ["trainer=horovod", "trainer.backward_passes_per_step=2", "model.hidden=[32]", *COMMON],
-    "horovod_tf": ["trainer=horovod", "trainer.framework=tf", "trainer.backward_passes_per_step=2",
+    "horovod_torch": ["trainer=horovod", "trainer.grad_accum=2", "model.hidden=[32]", *COMMON],
+    "horovod_tf": ["trainer=horovod", "trainer.framework=tf", "trainer.grad_accum=2",
                    "model.hidden=[32]", *COMMON],
     # two logical CPU devices under MirroredStrategy: the strategy's gather and per-replica batches
     "tf_mwms_custom": ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.tf_devices=2", "model.hidden=[32]",

@@ -6,8 +6,9 @@ trainers/horovod_tf.py). Both are adapters on the shared loop (trainers/loop.py)
 metric names, checkpoints and MLflow contract as the other backends. This module imports neither framework, so
 a TF worker never imports torch.
 
-Options: `trainer.compression` (none | fp16: gradients travel as float16) and `trainer.backward_passes_per_step`
-(k: gradients of k batches are accumulated locally and all-reduced once, one optimizer step per k batches).
+Options: `trainer.compression` (none | fp16: gradients travel as float16); the recipe's `trainer.grad_accum` (k:
+gradients of k batches are accumulated locally and all-reduced once, one optimizer step per k batches) is
+Horovod's `backward_passes_per_step`.
 """
 from __future__ import annotations
 

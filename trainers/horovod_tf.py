@@ -40,7 +40,7 @@ def make_train_step(hvd: Any, tf: Any, keras: Any, model: Any, cfg: DictConfig) 
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     compression = hvd.Compression.fp16 if cfg.trainer.compression == "fp16" else hvd.Compression.none
     variables, optimizer = model.trainable_variables, model.optimizer
-    passes = cfg.trainer.backward_passes_per_step
+    passes = cfg.trainer.grad_accum
 
     @tf.function
     def synced_step(images, labels):
@@ -87,7 +87,7 @@ class HorovodTFAdapter(tfc.KerasAdapter):
 
     def __init__(self, hvd: Any, keras: Any, cfg: DictConfig, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.hvd, self.passes = hvd, cfg.trainer.backward_passes_per_step
+        self.hvd, self.passes = hvd, cfg.trainer.grad_accum
         self.step_fn, self.finish = make_train_step(hvd, self.tf, keras, self.model, cfg)
         self._reduce = tf_reducer(hvd, self.tf)
         self.calls = 0  # steps since the epoch's (re)start: a stop lands on a multiple of `passes`

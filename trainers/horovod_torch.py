@@ -13,6 +13,7 @@ from trainers import torch_common as tc
 from trainers.horovod import import_horovod, init_horovod, record_init
 from trainers.loop import WorkerContext
 from trainers.models import build_model
+from trainers.torch_recipe import build_recipe
 from trainers.torch_ddp import run_worker as run_loop
 
 
@@ -38,6 +39,10 @@ class HorovodTorchAdapter(tc.TorchAdapter):
         self.hvd = hvd
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
 
+    def step_optimizer(self) -> None:
+        with self.optimizer.skip_synchronize():  # `sync_gradients` (optimizer.synchronize) already ran
+            self.optimizer.step()
+
     def load_dense_state(self, model_state: dict[str, torch.Tensor], optimizer_state: dict | None) -> None:
         super().load_dense_state(model_state, optimizer_state)
         self.hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
@@ -49,14 +54,17 @@ def build_adapter(hvd: Any, cfg: DictConfig, model_inputs: dict, rank: int,
                   train_data: tc.TrainData) -> HorovodTorchAdapter:
     torch.manual_seed(cfg.run.seed + rank)  # different on purpose: the broadcast must align them
     model = build_model(cfg.model, model_inputs)
-    passes = cfg.trainer.backward_passes_per_step
-    optimizer = hvd.DistributedOptimizer(
-        tc.make_optimizer(model, cfg.trainer.optimizer, cfg.trainer.lr), named_parameters=model.named_parameters(),
-        compression=hvd.Compression.fp16 if cfg.trainer.compression == "fp16" else hvd.Compression.none,
-        backward_passes_per_step=passes)
     train, evaluation = train_data(cfg.run.seed + 1000 * rank)
-    return HorovodTorchAdapter(hvd, model, optimizer, train, evaluation, torch.device("cpu"), rank,
-                               reduce=hvd_reducer(hvd), passes=passes)
+
+    def distributed(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        # Horovod all-reduces each gradient once per `backward_passes_per_step` backward passes (accumulation).
+        return hvd.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), backward_passes_per_step=cfg.trainer.grad_accum,
+            compression=hvd.Compression.fp16 if cfg.trainer.compression == "fp16" else hvd.Compression.none)
+    device = torch.device("cpu")
+    recipe = build_recipe(model, cfg.trainer, train.steps(), device, wrap_optimizer=distributed)
+    return HorovodTorchAdapter(hvd, model, recipe, train, evaluation, device, rank, reduce=hvd_reducer(hvd),
+                               sync_gradients=recipe.optimizer.synchronize)
 
 
 def run_worker(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict,

@@ -3,6 +3,7 @@ state files, and the `TorchTrainer` they run on. Backends (ddp, tp, horovod torc
 wrap the model and optimizer, sync gradients, and turn state into the dense form a checkpoint holds."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -15,11 +16,13 @@ from torch import nn
 
 from contract.data import MNIST_MEAN, MNIST_STD
 from contract.metrics import Reducer, peak_rss_bytes
+from trainers.parallel.data_parallel import average_gradients
+from trainers.torch_recipe import TorchRecipe, clip_dense_grad_norm
 from trainers.worker import loop_config, run_config, scaling_config
 
 LOAD_BATCH = 8192  # rows per Ray Data batch when pulling a shard into memory
 EVAL_BATCH = 256
-STATE_FILE = "state.pt"  # {"model": dense state dict, "optimizer": dense optimizer state or None}
+STATE_FILE = "state.pt"  # {"model": dense state dict, "optimizer": dense optimizer state, "scheduler": ...}
 
 
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor, int]  # (model inputs, labels, tokens in batch)
@@ -132,26 +135,24 @@ def dist_reduce(values: list[float], op: str) -> list[float]:
     return tensor.tolist()
 
 
-def make_optimizer(model: nn.Module, name: str, lr: float) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    return torch.optim.Adam(model.parameters(), lr=lr)
-
-
 class TorchAdapter:
-    """The loop's `Adapter` for a PyTorch model. Subclasses override the state hooks (`dense_model_state`,
-    `dense_optimizer_state`, `load_dense_state`) and may pass `sync_gradients` (run between backward and the
-    optimizer step).
+    """The loop's `Adapter` for a PyTorch model, taking optimizer steps the recipe's way (trainers/torch_recipe.py).
+    Subclasses override the state hooks (`dense_model_state`, `dense_optimizer_state`, `load_dense_state`) and
+    may pass `sync_gradients` (run between the last backward of a step and the optimizer step) and `clip` (the
+    global-norm clipping for their layout; default: whole parameters on every rank).
 
-    `passes` batches per optimizer step (gradient accumulation, Horovod's `backward_passes_per_step`): the loss
-    is scaled by 1/passes so a step applies the mean gradient over those batches, as one larger batch would."""
+    Gradient accumulation (`recipe.passes` batches per optimizer step): the loss is scaled by 1/passes so a step
+    applies the mean gradient over those batches, as one larger batch would. A DDP model skips its all-reduce
+    (`no_sync`) on all but the last batch of a step."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, train: ShardBatches,
-                 evaluation: ShardBatches, device: torch.device, rank: int, reduce: Reducer = dist_reduce,
-                 passes: int = 1, sync_gradients: Callable[[], None] | None = None, replicas: int = 1):
-        self.model, self.optimizer, self.train, self.evaluation = model, optimizer, train, evaluation
-        self.device, self.rank, self._reduce, self.passes = device, rank, reduce, passes
-        self.sync_gradients, self.replicas = sync_gradients, replicas
+    def __init__(self, model: nn.Module, recipe: TorchRecipe, train: ShardBatches, evaluation: ShardBatches,
+                 device: torch.device, rank: int, reduce: Reducer = dist_reduce,
+                 sync_gradients: Callable[[], None] | None = None, replicas: int = 1,
+                 clip: Callable[[float], Any] | None = None):
+        self.model, self.recipe, self.optimizer = model, recipe, recipe.optimizer
+        self.train, self.evaluation, self.device, self.rank, self._reduce = train, evaluation, device, rank, reduce
+        self.passes, self.sync_gradients, self.replicas = recipe.passes, sync_gradients, replicas
+        self.clip = clip or (lambda max_norm: clip_dense_grad_norm(self.model, max_norm))
         self.load_s = train.load_s + evaluation.load_s
         self.loss_fn = nn.CrossEntropyLoss()
         self.pending = 0  # backward passes since the last optimizer step
@@ -165,26 +166,52 @@ class TorchAdapter:
 
     def train_step(self, batch: Batch) -> tuple[float, int, int]:
         inputs, labels = tuple(x.to(self.device) for x in batch[0]), batch[1].to(self.device)
+        recipe = self.recipe
         if self.pending == 0:
             self.optimizer.zero_grad()  # no arguments: Horovod's wrapper takes none (torch's default sets None)
-        loss = self.loss_fn(self.model(*inputs), labels)
-        (loss / self.passes if self.passes > 1 else loss).backward()
+        with torch.autocast(self.device.type, dtype=recipe.autocast_dtype, enabled=recipe.autocast_dtype is not None):
+            loss = self.loss_fn(self.model(*inputs), labels)
+        scaled = loss / self.passes if self.passes > 1 else loss
+        with self._local_backward():
+            (recipe.scaler.scale(scaled) if recipe.scaler is not None else scaled).backward()
         self.pending += 1
         if self.pending == self.passes:
             self._optimizer_step()
         return loss.item(), len(labels), batch[2]
 
+    def _local_backward(self) -> Any:
+        """DDP's `no_sync` for a batch that is not the last of an optimizer step, else nothing."""
+        if self.pending + 1 < self.passes and hasattr(self.model, "no_sync"):
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
     def _optimizer_step(self) -> None:
+        """Sync, unscale (fp16), clip the global norm, step, advance the schedule."""
+        recipe = self.recipe
         if self.sync_gradients is not None:
             self.sync_gradients()
-        self.optimizer.step()
+        if recipe.scaler is not None:
+            recipe.scaler.unscale_(self.optimizer)
+        if recipe.grad_clip is not None:
+            self.clip(recipe.grad_clip)
+        if recipe.scaler is not None:
+            recipe.scaler.step(self.optimizer)
+            recipe.scaler.update()
+        else:
+            self.step_optimizer()
+        recipe.scheduler.step()
         self.pending = 0
+
+    def step_optimizer(self) -> None:
+        self.optimizer.step()
 
     def at_update_boundary(self) -> bool:
         return self.pending == 0
 
     def finish_epoch(self) -> None:
         if self.pending:  # an epoch that is not a multiple of `passes`: step on what has accumulated
+            if hasattr(self.model, "no_sync"):  # DDP skipped the all-reduce of those batches
+                average_gradients(self.model, None)
             self._optimizer_step()
 
     @torch.no_grad()
@@ -224,13 +251,15 @@ class TorchAdapter:
             self.optimizer.load_state_dict(optimizer_state)
 
     def save(self, directory: str) -> None:
-        state = {"model": self.dense_model_state(), "optimizer": self.dense_optimizer_state()}  # may be collective
+        state = {"model": self.dense_model_state(), "optimizer": self.dense_optimizer_state(),  # may be collective
+                 **self.recipe.state_dict()}
         if self.rank == 0:  # the others' folders are discarded (contract/checkpoint.py)
             torch.save(state, os.path.join(directory, STATE_FILE))
 
     def load(self, directory: str) -> None:
         state = load_state_file(directory)
         self.load_dense_state(state["model"], state["optimizer"])
+        self.recipe.load_state_dict(state)
 
     def dump(self, directory: str | None) -> None:
         """Debugging aid (`run.dump_params_dir`): this rank's final dense parameters and, for cached text, the

@@ -11,6 +11,7 @@ from torch import nn
 from trainers import torch_common as tc
 from trainers.loop import TrainLoop, WorkerContext
 from trainers.models import build_model
+from trainers.torch_recipe import build_recipe
 
 
 def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, train_data: tc.TrainData, device: torch.device,
@@ -19,10 +20,10 @@ def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, train_data: tc
     this rank's shard, shuffled by its own seed."""
     torch.manual_seed(cfg.run.seed)  # same initial weights on every rank (DDP also broadcasts them)
     model = build_model(cfg.model, model_inputs).to(device)
-    optimizer = tc.make_optimizer(model, cfg.trainer.optimizer, cfg.trainer.lr)
-    model = wrap(model) if wrap is not None else model
     train, evaluation = train_data(cfg.run.seed + 1000 * rank)
-    return tc.TorchAdapter(model, optimizer, train, evaluation, device, rank)
+    recipe = build_recipe(model, cfg.trainer, train.steps(), device)
+    model = wrap(model) if wrap is not None else model
+    return tc.TorchAdapter(model, recipe, train, evaluation, device, rank)
 
 
 def run_worker(cfg: DictConfig, ctx: WorkerContext, adapter: tc.TorchAdapter) -> bool:

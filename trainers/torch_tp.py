@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from trainers import torch_common as tc
 from trainers.models import build_model
+from trainers.torch_recipe import build_recipe
 from trainers.torch_ddp import log_final_model, run_worker  # noqa: F401  (checkpoints hold the dense model)
 
 
@@ -102,6 +103,7 @@ def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: in
     """Mesh, the dense model from the shared seed, sharded by `parallelize_bert`; each TP group reads one DP
     shard (`train_data(seed)` -> (train, evaluation) batches), shuffled alike on its ranks."""
     from trainers.parallel.data_parallel import average_gradients
+    from trainers.parallel.grad_norm import clip_grad_norm
     from trainers.parallel.mesh import ParallelDims, build_mesh, rank_coords
     from trainers.parallel.plans import parallelize_bert
 
@@ -112,11 +114,12 @@ def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: in
     # Same seed everywhere: identical dense weights before sharding, identical dropout masks inside a TP group.
     torch.manual_seed(cfg.run.seed)
     model = parallelize_bert(build_model(cfg.model, model_inputs).to(device), mesh, impl=cfg.trainer.tp_impl)
-    optimizer = tc.make_optimizer(model, cfg.trainer.optimizer, cfg.trainer.lr)
-    dp_group = mesh.get_group("dp")
+    dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
     train, evaluation = train_data(cfg.run.seed + 1000 * dp_rank)  # same shuffle in a TP group
-    return TPAdapter(model, optimizer, train, evaluation, device, rank, replicas=dims.tp,
-                     sync_gradients=lambda: average_gradients(model, dp_group))
+    recipe = build_recipe(model, cfg.trainer, train.steps(), device)
+    return TPAdapter(model, recipe, train, evaluation, device, rank, replicas=dims.tp,
+                     sync_gradients=lambda: average_gradients(model, dp_group),
+                     clip=lambda max_norm: clip_grad_norm(model, max_norm, tp_group))
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:

@@ -69,7 +69,7 @@ def test_horovod_across_both_nodes_with_fp16_and_accumulation_resumes_after_a_fa
     each epoch once in MLflow, the optimizer stepped once per 2 batches (its counter restored across the restart)."""
     out, marker, params = tmp_path / "slurm", tmp_path / "failed-once", tmp_path / "params"
     job = sbatch(slurm, out, ddp_command(tiny_mnist, "trainer.epochs=3", "model.hidden=[32]", "trainer.compression=fp16",
-                                         "trainer.backward_passes_per_step=2", "fault.max_failures=1",
+                                         "trainer.grad_accum=2", "fault.max_failures=1",
                                          "fault.inject_at_epoch=2", f"fault.inject_marker={marker}",
                                          f"run.dump_params_dir={params}", backend="horovod"))
     info = wait_job(slurm, job, 900)

@@ -29,21 +29,21 @@ def test_horovod_is_installed():
 def test_horovod_defaults_and_options(data_override):
     cfg = load_config([data_override, "trainer=horovod"])
     assert (cfg.trainer.backend, cfg.trainer.framework, cfg.trainer.compression) == ("horovod", "torch", "none")
-    assert cfg.trainer.backward_passes_per_step == 1 and cfg.trainer.num_workers == 2
+    assert cfg.trainer.grad_accum == 1 and cfg.trainer.num_workers == 2
     cfg = load_config([data_override, "trainer=horovod", "trainer.framework=tf", "trainer.compression=fp16",
-                       "trainer.backward_passes_per_step=4", "model=cnn"])
-    assert (cfg.trainer.framework, cfg.trainer.compression, cfg.trainer.backward_passes_per_step) == ("tf", "fp16", 4)
+                       "trainer.grad_accum=4", "model=cnn"])
+    assert (cfg.trainer.framework, cfg.trainer.compression, cfg.trainer.grad_accum) == ("tf", "fp16", 4)
 
 
 @pytest.mark.parametrize("overrides, message", [
     (["trainer=horovod", "trainer.framework=jax"], r"^trainer\.framework: unknown 'jax'"),
     (["trainer=horovod", "trainer.compression=int8"], r"^trainer\.compression: unknown 'int8'"),
-    (["trainer=horovod", "trainer.backward_passes_per_step=0"], r"^trainer\.backward_passes_per_step: must be > 0"),
+    (["trainer=horovod", "trainer.grad_accum=0"], r"^trainer\.grad_accum: must be > 0"),
     (["trainer=horovod", "trainer.use_gpu=true"], r"^trainer\.use_gpu: our horovod build has Gloo CPU"),
     (["trainer=horovod", "trainer.tp=2"], r"^trainer\.tp: not a key of this config"),
     (["trainer=ddp", "+trainer.compression=fp16"], r"^trainer\.compression: Key 'compression' not in 'DDPConfig'"),
-    (["trainer=tf_mwms", "+trainer.backward_passes_per_step=2"],
-     r"^trainer\.backward_passes_per_step: Key 'backward_passes_per_step' not in 'TFMWMSConfig'"),
+    (["trainer=tf_mwms", "+trainer.compression=fp16"],
+     r"^trainer\.compression: Key 'compression' not in 'TFMWMSConfig'"),
 ])
 def test_bad_horovod_config_names_the_key(data_override, overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,0 +1,76 @@
+"""The training recipe (contract/recipe.py) as PyTorch objects: the optimizer with its weight-decay groups, the
+learning-rate schedule as a `LambdaLR` (checkpointed beside the optimizer), autocast for bf16/fp16 with a
+`GradScaler` for fp16, and the gradient clipping every PyTorch backend applies after its gradient sync."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from contract.recipe import lr_factor, no_weight_decay, updates_per_epoch
+
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_optimizer(model: nn.Module, trainer: Any) -> torch.optim.Optimizer:
+    """`trainer.optimizer` over two parameter groups: weight-decayed matrices, and biases and norm parameters
+    without decay. adamw decays decoupled from the gradient; adam and sgd add it to the gradient (L2)."""
+    decay, plain = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (plain if no_weight_decay(name, param.dim()) else decay).append(param)
+    groups = [group for group in ({"params": decay, "weight_decay": trainer.weight_decay},
+                                  {"params": plain, "weight_decay": 0.0}) if group["params"]]
+    if trainer.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=trainer.lr, momentum=trainer.momentum)
+    if trainer.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=trainer.lr)
+    return torch.optim.Adam(groups, lr=trainer.lr)
+
+
+@dataclass
+class TorchRecipe:
+    """What the adapter needs to take an optimizer step the recipe's way."""
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    passes: int = 1                                   # batches per optimizer step (`trainer.grad_accum`)
+    grad_clip: float | None = None                    # max global gradient norm
+    autocast_dtype: torch.dtype | None = None         # bf16 / fp16 forward passes
+    scaler: torch.amp.GradScaler | None = None        # fp16: loss scaling
+
+    def state_dict(self) -> dict:
+        """Scheduler (and scaler) state; the optimizer's is saved by the adapter (dense, for sharded models)."""
+        state = {"scheduler": self.scheduler.state_dict()}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def build_recipe(model: nn.Module, trainer: Any, steps_per_epoch: int, device: torch.device,
+                 wrap_optimizer: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None
+                 ) -> TorchRecipe:
+    """The recipe of `trainer` for `model` (plain or sharded parameters); `wrap_optimizer`: e.g. Horovod's
+    DistributedOptimizer, which the schedule must then drive. The schedule spans `trainer.epochs` epochs of
+    `steps_per_epoch` batches."""
+    optimizer = make_optimizer(model, trainer)
+    if wrap_optimizer is not None:
+        optimizer = wrap_optimizer(optimizer)
+    total = trainer.epochs * updates_per_epoch(steps_per_epoch, trainer.grad_accum)
+    schedule, warmup = trainer.lr_schedule, trainer.warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, schedule, warmup, total))
+    dtype = AUTOCAST_DTYPES[trainer.precision]
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    return TorchRecipe(optimizer, scheduler, trainer.grad_accum, trainer.grad_clip, dtype, scaler)
+
+
+def clip_dense_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip gradients of a model whose every rank holds whole parameters (DDP, Horovod) to `max_norm`."""
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
