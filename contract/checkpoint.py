@@ -11,6 +11,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from contract.recipe import Monitor
+
 STATE_FILE = "train_state.json"
 
 
@@ -27,11 +29,13 @@ class EpochTotals:
 
 @dataclass
 class TrainState:
-    """Where training stands: the last finished epoch and its metrics, plus the totals of the next epoch when
-    it stopped half-way on a stop request."""
+    """Where training stands: the last finished epoch and its metrics, the best epoch so far (`run.monitor`), plus
+    the totals of the next epoch when it stopped half-way on a stop request."""
     epoch: int = 0                              # last finished epoch; 0: none yet
     metrics: dict[str, float] | None = None     # that epoch's metrics
     partial: EpochTotals | None = None          # epoch + 1 stopped after `partial.steps` steps
+    best_epoch: int = 0                         # the epoch with the best monitored metric; 0: none yet
+    best_value: float | None = None             # its value
 
     def totals_for(self, epoch: int) -> EpochTotals:
         """The totals `epoch` starts from: those of a stopped epoch being continued, else zeros."""
@@ -47,3 +51,10 @@ class TrainState:
         raw = json.loads(Path(directory, STATE_FILE).read_text())
         partial = raw.pop("partial")
         return cls(**raw, partial=None if partial is None else EpochTotals(**partial))
+
+    def after_epoch(self, epoch: int, metrics: dict[str, float], monitor: Monitor) -> "TrainState":
+        """The state once `epoch` finished with `metrics`: the best epoch moves when the monitored metric improved."""
+        value = metrics[monitor.metric]
+        if monitor.better(value, self.best_value):
+            return TrainState(epoch=epoch, metrics=metrics, best_epoch=epoch, best_value=value)
+        return TrainState(epoch=epoch, metrics=metrics, best_epoch=self.best_epoch, best_value=self.best_value)

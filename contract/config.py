@@ -24,7 +24,7 @@ class TrainerConfig:
     batch_size: int = 128
     lr: float = 1e-3                    # peak learning rate (after warmup)
     optimizer: str = "adam"             # adam | adamw | sgd (contract/recipe.py)
-    weight_decay: float = 0.0           # decoupled for adamw, L2 for adam/sgd; never on biases and norms
+    weight_decay: float = 0.0           # adamw only (decoupled); never on biases and norms
     momentum: float = 0.9               # sgd only
     lr_schedule: str = "constant"       # constant | cosine | linear, stepped per optimizer step
     warmup_steps: int = 0               # optimizer steps of linear warmup

@@ -130,9 +130,14 @@ def _check_recipe(cfg: DictConfig) -> None:
     _choice("trainer", "optimizer", trainer.optimizer, recipe.OPTIMIZERS)
     _choice("trainer", "lr_schedule", trainer.lr_schedule, recipe.LR_SCHEDULES)
     _choice("trainer", "precision", trainer.precision, recipe.PRECISIONS)
-    if trainer.weight_decay < 0 or not 0 <= trainer.momentum < 1:
-        raise ConfigError(f"trainer.weight_decay: weight_decay must be >= 0 and momentum in [0, 1), got "
-                          f"weight_decay={trainer.weight_decay} momentum={trainer.momentum}")
+    if trainer.weight_decay < 0:
+        raise ConfigError(f"trainer.weight_decay: must be >= 0, got {trainer.weight_decay}")
+    if trainer.weight_decay > 0 and trainer.optimizer != "adamw":
+        # PyTorch's adam/sgd add decay to the gradient (L2), Keras' decouple it: only adamw means the same in both.
+        raise ConfigError(f"trainer.weight_decay: only adamw decays weights (decoupled, the same in every "
+                          f"framework); got optimizer={trainer.optimizer}")
+    if not 0 <= trainer.momentum < 1:
+        raise ConfigError(f"trainer.momentum: must be in [0, 1), got {trainer.momentum}")
     if trainer.warmup_steps < 0:
         raise ConfigError(f"trainer.warmup_steps: must be >= 0, got {trainer.warmup_steps}")
     if trainer.grad_clip is not None and trainer.grad_clip <= 0:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
 from contract.checkpoint import EpochTotals, TrainState
 from contract.metrics import Reducer, epoch_metrics, stop_metrics
+from contract.recipe import Monitor
 from contract.resume import STOP_CHECK_EVERY
 
 
@@ -69,6 +70,7 @@ class WorkerContext:
     log_every_n_steps: int = 0            # `step_loss` every n global steps; 0: off
     before_epoch: Callable[[int], None] | None = None  # testing hook (fault injection)
     stop_check_every: int = STOP_CHECK_EVERY
+    monitor: Monitor = Monitor()          # the best epoch and early stopping (`run.monitor`, `run.patience`)
 
 
 class StopAgreement:
@@ -109,6 +111,8 @@ class TrainLoop:
 
     def run(self) -> bool:
         """Train the remaining epochs. False: stopped on request, with a checkpoint of the half-done epoch."""
+        if self.early_stopped():
+            return True
         for epoch in range(self.first_epoch, self.ctx.epochs + 1):
             if self.ctx.before_epoch is not None:
                 self.ctx.before_epoch(epoch)
@@ -116,8 +120,13 @@ class TrainLoop:
             if not self.train_epoch(epoch, totals):
                 self._report_stop(epoch, totals)
                 return False
-            self.end_epoch(epoch, totals)
+            if self.end_epoch(epoch, totals):
+                break  # early stopping: the run is finished
         return True
+
+    def early_stopped(self) -> bool:
+        """The restored state had already run out of patience (a restart after early stopping trains no more)."""
+        return self.state.epoch > 0 and self.ctx.monitor.exhausted(self.state.epoch, self.state.best_epoch)
 
     def train_epoch(self, epoch: int, totals: EpochTotals) -> bool:
         """One pass, continuing `totals`; the wait for each batch is timed apart from the whole step. Returns
@@ -157,8 +166,10 @@ class TrainLoop:
         if (offset + step_in_epoch) // every > (offset + previous) // every:
             logger.log_step_loss(offset + step_in_epoch, loss)
 
-    def end_epoch(self, epoch: int, totals: EpochTotals) -> None:
-        """Evaluate, reduce the metrics over the ranks, checkpoint, report, and log (rank 0). Collective."""
+    def end_epoch(self, epoch: int, totals: EpochTotals) -> bool:
+        """Evaluate, reduce the metrics over the ranks, checkpoint, report, and log (rank 0). Collective. True when
+        `run.patience` epochs have passed without a better monitored metric (the same on every rank: the metrics
+        are reduced over all of them)."""
         adapter = self.adapter
         correct, total = adapter.evaluate(epoch)
         metrics = epoch_metrics(totals, correct, total, adapter.reduce, adapter.peak_memory_bytes(),
@@ -166,17 +177,20 @@ class TrainLoop:
         if epoch == self.first_epoch:
             metrics["data_load_s"] = adapter.load_s
         extras = adapter.epoch_extras()
-        self.state = TrainState(epoch=epoch, metrics=metrics)
+        self.state = self.state.after_epoch(epoch, metrics, self.ctx.monitor)
         self._checkpoint_and_report(metrics, self.state)
         if self.ctx.logger is not None:
             self.ctx.logger.log(epoch, metrics)
             if extras:
                 self.ctx.logger.log_extra(epoch, extras)
+        return self.ctx.monitor.exhausted(epoch, self.state.best_epoch)
 
     def _report_stop(self, epoch: int, totals: EpochTotals) -> None:
-        """Checkpoint the half-done epoch; the driver sees STOP_METRICS and marks the run as stopped."""
-        state = TrainState(epoch=epoch - 1, metrics=self.state.metrics, partial=totals)
-        self._checkpoint_and_report(stop_metrics(epoch, totals.steps), state)
+        """Checkpoint the half-done epoch; the driver sees STOP_METRICS and marks the run as stopped. The report
+        scores the monitored metric worst, so Ray Train never keeps this checkpoint as a best one."""
+        state = replace(self.state, partial=totals)
+        monitor = self.ctx.monitor
+        self._checkpoint_and_report({**stop_metrics(epoch, totals.steps), monitor.metric: monitor.worst()}, state)
 
     def _checkpoint_and_report(self, metrics: dict[str, float], state: TrainState) -> None:
         with tempfile.TemporaryDirectory() as directory:

@@ -120,7 +120,8 @@ def fit_epochs(keras: Any, loop: TrainLoop, adapter: MirroredAdapter, epochs: in
             totals = EpochTotals(loss_sum=float(logs["loss"]) * samples, samples=samples, steps=adapter.steps,
                                  train_s=time.perf_counter() - self.start,
                                  tokens=int(adapter.epoch_tokens(epoch + 1).sum()))
-            loop.end_epoch(epoch + 1, totals)
+            if loop.end_epoch(epoch + 1, totals):
+                self.model.stop_training = True  # early stopping (`run.patience`), decided alike on every worker
 
     class LogStepLoss(keras.callbacks.Callback):
         """Only added when step_loss is wanted: any batch hook makes Keras fetch the loss to the host."""
@@ -184,7 +185,7 @@ def run_worker(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict,
                                    data or tfc.worker_arrays(cfg.data.name))
     loop = TrainLoop(adapter, ctx)
     if cfg.trainer.tf_loop == "fit":
-        if loop.first_epoch <= ctx.epochs:
+        if loop.first_epoch <= ctx.epochs and not loop.early_stopped():
             fit_epochs(keras, loop, adapter, ctx.epochs)
     elif not loop.run():
         return False

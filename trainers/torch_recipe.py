@@ -16,7 +16,7 @@ AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def make_optimizer(model: nn.Module, trainer: Any) -> torch.optim.Optimizer:
     """`trainer.optimizer` over two parameter groups: weight-decayed matrices, and biases and norm parameters
-    without decay. adamw decays decoupled from the gradient; adam and sgd add it to the gradient (L2)."""
+    without decay (only adamw has `trainer.weight_decay` > 0: the config check)."""
     decay, plain = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:

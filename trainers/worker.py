@@ -7,7 +7,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from contract.config import typed_config
+from contract.config import monitor_of, typed_config
 from contract.resume import stop_file
 from trainers.loop import WorkerContext
 
@@ -42,6 +42,7 @@ def ray_context(config: dict[str, Any], cfg: DictConfig) -> WorkerContext:
         restored=ray.train.get_checkpoint(),
         logger=EpochLogger(spool) if rank == 0 else None,
         stop_file=stop_file(cfg.run.resume_dir), log_every_n_steps=cfg.trainer.log_every_n_steps,
+        monitor=monitor_of(cfg.run),
         before_epoch=lambda epoch: maybe_inject_failure(cfg.fault, epoch, rank, world_size))
 
 
