@@ -55,9 +55,11 @@ class Monitor:
     patience: int | None = None
 
     def better(self, value: float, best: float | None) -> bool:
+        """Whether `value` takes over as the best. A tie goes to the later epoch, as Ray Train ranks equal scores,
+        so the best epoch's checkpoint is always one Ray Train keeps."""
         if best is None:
             return True
-        return value > best if self.mode == "max" else value < best
+        return value >= best if self.mode == "max" else value <= best
 
     def worst(self) -> float:
         """A value every real one beats (what a checkpoint of a half-done epoch is scored with)."""

@@ -323,6 +323,12 @@ def log_torch_model(uri: str, run_id: str, model, input_example) -> None:
         mlflow.end_run()
 
 
+def set_tags(uri: str, run_id: str, tags: Mapping[str, str]) -> None:
+    client = _client(uri)
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+
+
 def end_run(uri: str, run_id: str, error: str | None = None) -> None:
     """FINISHED, or FAILED with the error recorded as a tag and a text artifact."""
     client = _client(uri)

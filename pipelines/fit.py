@@ -9,6 +9,7 @@ from typing import Any, Mapping
 from omegaconf import DictConfig, OmegaConf
 
 from contract import tracking
+from contract.checkpoint import TrainState
 from contract.config import worker_resources
 from contract.metrics import STOP_METRICS
 from pipelines.data.shards import read_manifest
@@ -38,14 +39,35 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
         raise RuntimeError("training ended without a checkpoint")
     stopped = stopped_at(result.metrics)
     if stopped is None:
-        log_final_model(backend, cfg, run_id, uri, result.checkpoint, inputs)
+        checkpoint, epoch = final_checkpoint(result, cfg.run.final_model)
+        log_final_model(backend, cfg, run_id, uri, checkpoint, inputs, {"final_model_epoch": str(epoch)})
     return stopped
 
 
-def log_final_model(backend: Any, cfg: DictConfig, run_id: str, uri: str, checkpoint: Any, inputs: dict) -> None:
-    """Send what the workers spooled while the tracking server was away, then log the final model. With the server
-    still away, keep all of it in the spool folder (final.json names the checkpoint) and raise `TrackingDown`:
-    `python -m pipelines.replay` finishes the run later."""
+def checkpoint_state(checkpoint: Any) -> TrainState:
+    with checkpoint.as_directory() as directory:
+        return TrainState.read(directory)
+
+
+def final_checkpoint(result: Any, final_model: str) -> tuple[Any, int]:
+    """The checkpoint whose model the run logs, and its epoch: the last epoch's, or (`run.final_model=best`) the
+    best epoch's by `run.monitor`, which the loop records and Ray Train keeps (trainers/worker.py: run_config)."""
+    last = checkpoint_state(result.checkpoint)
+    if final_model == "last" or last.best_epoch in (0, last.epoch):
+        return result.checkpoint, last.epoch
+    for checkpoint, _ in result.best_checkpoints or []:
+        state = checkpoint_state(checkpoint)
+        if state.epoch == last.best_epoch and state.partial is None:
+            return checkpoint, state.epoch
+    raise RuntimeError(f"the checkpoint of the best epoch ({last.best_epoch}) was not kept; "
+                       f"set run.final_model=last to log the last epoch's model")
+
+
+def log_final_model(backend: Any, cfg: DictConfig, run_id: str, uri: str, checkpoint: Any, inputs: dict,
+                    tags: dict[str, str]) -> None:
+    """Send what the workers spooled while the tracking server was away, then the final model and its `tags`.
+    With the server still away, keep all of it in the spool folder (final.json names the checkpoint) and raise
+    `TrackingDown`: `python -m pipelines.replay` finishes the run later."""
     folder = tracking.spool_dir(cfg.run.storage_path, run_id)
     try:
         if not tracking.answers(uri):  # a quick check first: the client itself retries for minutes
@@ -53,12 +75,13 @@ def log_final_model(backend: Any, cfg: DictConfig, run_id: str, uri: str, checkp
         unsent = tracking.flush_spools(uri, run_id, folder)
         if unsent:
             raise ConnectionError(f"{unsent} spooled record(s) not accepted")
+        tracking.set_tags(uri, run_id, tags)
         backend.log_final_model(uri, run_id, cfg, checkpoint, inputs)
     except Exception:
         if tracking.answers(uri):
             raise  # not the server: a real failure
         final = {"cfg": OmegaConf.to_container(cfg, resolve=True), "checkpoint": checkpoint.path,
-                 "model_inputs": dict(inputs), "run_id": run_id, "uri": uri}
+                 "model_inputs": dict(inputs), "run_id": run_id, "uri": uri, "tags": tags}
         folder.mkdir(parents=True, exist_ok=True)
         (folder / tracking.FINAL_FILE).write_text(json.dumps(final, indent=2))
         raise tracking.TrackingDown(uri, run_id, folder, tracking.spooled(folder)) from None

@@ -37,6 +37,7 @@ def replay(folder: Path) -> str:
     if final.is_file():
         spec = json.loads(final.read_text())
         cfg = typed_config(spec["cfg"])
+        tracking.set_tags(uri, run_id, spec.get("tags", {}))
         get_backend(cfg.trainer.backend).log_final_model(uri, run_id, cfg, Checkpoint(spec["checkpoint"]),
                                                          spec["model_inputs"])
         tracking.end_run(uri, run_id)

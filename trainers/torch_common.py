@@ -169,18 +169,20 @@ class TorchAdapter:
         recipe = self.recipe
         if self.pending == 0:
             self.optimizer.zero_grad()  # no arguments: Horovod's wrapper takes none (torch's default sets None)
-        with torch.autocast(self.device.type, dtype=recipe.autocast_dtype, enabled=recipe.autocast_dtype is not None):
-            loss = self.loss_fn(self.model(*inputs), labels)
-        scaled = loss / self.passes if self.passes > 1 else loss
-        with self._local_backward():
+        with self._local_step():
+            with torch.autocast(self.device.type, dtype=recipe.autocast_dtype,
+                                enabled=recipe.autocast_dtype is not None):
+                loss = self.loss_fn(self.model(*inputs), labels)
+            scaled = loss / self.passes if self.passes > 1 else loss
             (recipe.scaler.scale(scaled) if recipe.scaler is not None else scaled).backward()
         self.pending += 1
         if self.pending == self.passes:
             self._optimizer_step()
         return loss.item(), len(labels), batch[2]
 
-    def _local_backward(self) -> Any:
-        """DDP's `no_sync` for a batch that is not the last of an optimizer step, else nothing."""
+    def _local_step(self) -> Any:
+        """DDP's `no_sync` (around forward and backward: DDP arms its all-reduce in the forward) for a batch that
+        is not the last of an optimizer step, else nothing."""
         if self.pending + 1 < self.passes and hasattr(self.model, "no_sync"):
             return self.model.no_sync()
         return contextlib.nullcontext()

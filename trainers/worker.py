@@ -83,8 +83,13 @@ def run_config(cfg: DictConfig, run_id: str, callbacks: list | None, env: dict[s
     # Waiting for resources longer than `fault.resource_timeout_s` (pipelines/fit.py sets Ray Train's start timeout)
     # is a controller failure; with no retries of those the run fails instead of waiting forever.
     patient = cfg.fault.resource_timeout_s <= 0
+    # Ray Train keeps the 2 best checkpoints by `run.monitor` and always the latest (to resume from): the best
+    # epoch's model survives for `run.final_model=best`.
+    monitor = monitor_of(cfg.run)
+    checkpoints = CheckpointConfig(num_to_keep=2, checkpoint_score_attribute=monitor.metric,
+                                   checkpoint_score_order=monitor.mode)
     return RunConfig(name=f"run-{run_id}", storage_path=cfg.run.storage_path,
                      failure_config=FailureConfig(max_failures=cfg.fault.max_failures,
                                                   controller_failure_limit=-1 if patient else 0),
-                     checkpoint_config=CheckpointConfig(num_to_keep=2), callbacks=list(callbacks or []),
+                     checkpoint_config=checkpoints, callbacks=list(callbacks or []),
                      worker_runtime_env={"env_vars": env} if env else None)

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tests.parallel.checks import check_grads, close, local
 from tests.parallel.dist_utils import RankPools, seeded_float64
 from trainers.models.bert import BertClassifier, BertConfig
+from trainers.parallel.grad_norm import clip_grad_norm
 from trainers.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from trainers.parallel.mesh import ParallelDims, build_mesh, rank_coords
 from trainers.parallel.plans import parallelize_bert, shard_state_dict, unshard_state_dict
@@ -130,8 +131,14 @@ def _data_and_tensor_parallel(rank: int, n: int, impl: str) -> None:
         dist.all_reduce(grad, group=dp_group)
         grad /= 2
     check_grads(dense, par)
+    # Clipping by the global norm: the dense gradient's, not the norm of this rank's pieces (sharded parameters
+    # summed over the TP group, replicated ones counted once). Clipped to half of it, so clipping acts.
+    dense_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), float("inf"))
+    torch.nn.utils.clip_grad_norm_(dense.parameters(), float(dense_norm) / 2)
+    close(clip_grad_norm(par, float(dense_norm) / 2, mesh.get_group("tp")), dense_norm, "global gradient norm")
+    check_grads(dense, par)
 
 
 @pytest.mark.parametrize("impl", ["megatron", "dtensor"])
-def test_2d_data_and_tensor_parallel_matches_dense_on_the_whole_batch(run_ranks: RankPools, impl: str) -> None:
+def test_2d_data_and_tensor_parallel_matches_dense_on_the_whole_batch_and_clips_by_its_norm(run_ranks: RankPools, impl: str) -> None:
     run_ranks(_data_and_tensor_parallel, 4, impl)

@@ -14,7 +14,11 @@ from tests.parallel.dist_utils import RankPools
 
 MODEL_INPUTS = {"vocab_size": 64, "max_len": 16}
 OVERRIDES = ["trainer=tp", "data=imdb", "model=bert_tiny", "model.hidden=32", "model.heads=2", "model.dropout=0",
-             "trainer.batch_size=16", "trainer.lr=0.002", "trainer.num_workers=2", "trainer.tp=2", "trainer.epochs=2"]
+             "trainer.batch_size=16", "trainer.lr=0.002", "trainer.num_workers=2", "trainer.tp=2", "trainer.epochs=2",
+             # the recipe, the same through TP and the dense model: decoupled decay (not on biases and norms), the
+             # schedule (checkpointed), clipping by the global norm, 2 batches per update
+             "trainer.optimizer=adamw", "trainer.weight_decay=0.01", "trainer.lr_schedule=cosine",
+             "trainer.warmup_steps=4", "trainer.grad_clip=1.0", "trainer.grad_accum=2"]
 
 
 def _data(seed: int):

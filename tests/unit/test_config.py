@@ -37,6 +37,18 @@ def test_defaults_compose_and_flatten(data_override):
     ("model.name=resnet", r"^model\.name: unknown model 'resnet'"),
     ("data.path=/does/not/exist", r"^data\.path: no prepared dataset at '/does/not/exist'"),
     ("fault.max_failures=-1", r"^fault\.max_failures: must be >= 0"),
+    # the recipe (contract/recipe.py); tiny_mnist: 512 rows per worker, 4 batches of 128 x 5 epochs = 20 updates
+    ("trainer.optimizer=lamb", r"^trainer\.optimizer: unknown 'lamb' \(choices: adam, adamw, sgd\)"),
+    ("trainer.lr_schedule=step", r"^trainer\.lr_schedule: unknown 'step'"),
+    ("trainer.precision=fp8", r"^trainer\.precision: unknown 'fp8'"),
+    ("trainer.precision=fp16", r"^trainer\.precision: fp16 needs GPUs"),
+    ("trainer.grad_accum=0", r"^trainer\.grad_accum: must be > 0"),
+    ("trainer.grad_clip=0", r"^trainer\.grad_clip: must be > 0"),
+    ("trainer.weight_decay=0.1", r"^trainer\.weight_decay: only adamw decays weights"),
+    ("trainer.warmup_steps=20", r"^trainer\.warmup_steps: 20 warmup steps is not shorter than the run \(20 optimizer"),
+    ("run.monitor=accuracy", r"^run\.monitor: unknown 'accuracy' \(choices: train_loss, test_accuracy"),
+    ("run.final_model=first", r"^run\.final_model: unknown 'first'"),
+    ("run.patience=0", r"^run\.patience: must be >= 1"),
 ])
 def test_bad_config_names_the_key(data_override, override, message):
     with pytest.raises(ConfigError, match=message):

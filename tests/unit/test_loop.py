@@ -3,6 +3,7 @@ checkpoint schema with a pure-Python adapter, then stop/resume parity for the Py
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -13,6 +14,7 @@ import torch
 from contract.checkpoint import STATE_FILE, EpochTotals, TrainState
 from tests.loop_harness import (STOP_AT, check_metric_set, check_stop_resume_parity, config, mnist_columns,
                                 run_attempt)
+from contract.recipe import Monitor
 from trainers.loop import StopAgreement, TrainLoop
 
 
@@ -101,6 +103,23 @@ def test_checkpoint_schema_of_a_stopped_epoch(tmp_path):
     assert TrainState.read(halted.checkpoint).totals_for(4) == EpochTotals()
 
 
+def test_best_epoch_and_early_stopping(tmp_path):
+    """The state keeps the best epoch of `run.monitor`; `run.patience` epochs without a better value end the run
+    (finished, not stopped), and a restart from that checkpoint trains no more."""
+    monitor = Monitor("train_loss", "max", patience=2)  # the loss falls every epoch: epoch 1 stays the best
+    run = lambda ctx: TrainLoop(LineAdapter(), replace(ctx, monitor=monitor)).run()  # noqa: E731
+    attempt = run_attempt(run, 0, 1, 6, tmp_path / "a")
+    assert attempt.finished and sorted(attempt.recorder.epochs) == [1, 2, 3]
+    state = TrainState.read(attempt.checkpoint)
+    assert (state.epoch, state.best_epoch, state.best_value) == (3, 1, attempt.recorder.epochs[1]["train_loss"])
+    again = run_attempt(run, 0, 1, 6, tmp_path / "b", restored=attempt.checkpoint)
+    assert again.finished and again.reports == []
+    # The default monitor, test_accuracy (max): the best is the latest of the epochs with the top value.
+    plain = run_attempt(lambda ctx: TrainLoop(LineAdapter(), ctx).run(), 0, 1, 3, tmp_path / "c")
+    accuracy = [plain.recorder.epochs[e]["test_accuracy"] for e in (1, 2, 3)]
+    assert TrainState.read(plain.checkpoint).best_epoch == max((a, e + 1) for e, a in enumerate(accuracy))[1]
+
+
 def test_stop_waits_for_the_update_boundary(tmp_path):
     """With 3 batches per update the agreement at step 10 falls inside an update: the loop goes on to the next
     multiple of the check that is a boundary (step 30... here the epoch's end), never losing gradients."""
@@ -125,13 +144,17 @@ def test_stop_agreement_is_collective_and_periodic(tmp_path):
 
 
 def test_ddp_adapter_stop_resume_parity(tmp_path):
-    """The PyTorch adapter (one rank; DDP's loop) with SGD momentum: the resumed run restores weights, momentum
-    buffers and the epoch's totals, and its loss curve equals the uninterrupted one exactly."""
+    """The PyTorch adapter (one rank; DDP's loop) with SGD momentum, a cosine schedule with warmup, clipping and
+    2 batches per update: the resumed run restores weights, momentum buffers, the schedule's position and the
+    epoch's totals, and its loss curve equals the uninterrupted one exactly."""
     from trainers import torch_common as tc
     from trainers.torch_ddp import build_adapter, run_worker
 
     cfg = config(tmp_path, ["trainer.batch_size=16", "trainer.optimizer=sgd", "trainer.lr=0.01", "model.hidden=[32]",
-                            "model.dropout=0", "trainer.epochs=2", "trainer.num_workers=1"])
+                            "model.dropout=0", "trainer.epochs=2", "trainer.num_workers=1",
+                            # the recipe: the schedule's position must survive the stop (at update 5 of 20)
+                            "trainer.lr_schedule=cosine", "trainer.warmup_steps=3", "trainer.grad_clip=1.0",
+                            "trainer.grad_accum=2"])
     columns = {k: torch.from_numpy(v) for k, v in mnist_columns(320).items()}
     evaluation = {k: torch.from_numpy(v) for k, v in mnist_columns(64, seed=1).items()}
 
@@ -146,4 +169,5 @@ def test_ddp_adapter_stop_resume_parity(tmp_path):
     assert len(runs["straight"].recorder.step_losses) == 40  # 320 rows / 16 x 2 epochs
     state = torch.load(runs["stopped"].checkpoint / tc.STATE_FILE, weights_only=False)
     assert {"momentum_buffer"} <= set(state["optimizer"]["state"][0])
+    assert state["scheduler"]["last_epoch"] == STOP_AT // 2  # updates taken before the stop
     check_metric_set(runs["resumed"].recorder, 2, text=False)

@@ -1,0 +1,119 @@
+"""The recipe (contract/recipe.py) and its PyTorch form (trainers/torch_recipe.py), in-process on one rank: the
+schedule's curve, weight-decay groups, gradient accumulation as one larger batch, and bf16 autocast staying close
+to fp32. DDP's accumulation on 2 ranks and TP's clipping norm: tests/parallel."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from contract.recipe import Monitor, default_mode, lr_factor, updates_per_epoch
+from tests.loop_harness import config, mnist_columns, run_attempt
+
+SMALL = ["trainer.batch_size=16", "model.hidden=[32]", "model.dropout=0", "trainer.epochs=1", "trainer.num_workers=1"]
+
+
+def test_lr_factor_warms_up_then_decays_to_zero():
+    warm = [lr_factor(s, "cosine", 4, 20) for s in range(4)]
+    assert warm == [0.25, 0.5, 0.75, 1.0]  # the first update already moves
+    assert lr_factor(4, "cosine", 4, 20) == 1.0 and lr_factor(12, "cosine", 4, 20) == pytest.approx(0.5)
+    assert lr_factor(20, "cosine", 4, 20) == pytest.approx(0.0, abs=1e-12)
+    assert lr_factor(12, "linear", 4, 20) == 0.5 and lr_factor(30, "linear", 4, 20) == 0.0  # clamped past the end
+    assert lr_factor(100, "constant", 0, 20) == 1.0
+    cosine = [lr_factor(s, "cosine", 0, 10) for s in range(11)]
+    assert all(a > b for a, b in zip(cosine, cosine[1:]))
+    assert updates_per_epoch(5, 2) == 3 and updates_per_epoch(4, 2) == 2
+
+
+def test_monitor_picks_the_later_epoch_on_ties_and_runs_out_of_patience():
+    acc, loss = Monitor("test_accuracy", "max", patience=2), Monitor("train_loss", default_mode("train_loss"))
+    assert acc.better(0.9, None) and acc.better(0.9, 0.9) and not acc.better(0.8, 0.9)
+    assert loss.mode == "min" and loss.better(0.1, 0.2) and not loss.better(0.3, 0.2)
+    assert acc.worst() == -math.inf and loss.worst() == math.inf
+    assert not acc.exhausted(3, 2) and acc.exhausted(4, 2) and not loss.exhausted(99, 1)
+
+
+def test_torch_schedule_and_weight_decay_groups(tmp_path):
+    """LambdaLR applies lr * lr_factor(k) at update k; matrices decay, biases do not."""
+    from trainers.models import build_model
+    from trainers.torch_recipe import build_recipe
+
+    cfg = config(tmp_path, [*SMALL, "trainer.optimizer=adamw", "trainer.weight_decay=0.1", "trainer.lr=0.01",
+                            "trainer.lr_schedule=cosine", "trainer.warmup_steps=3", "trainer.grad_accum=2"])
+    model = build_model(cfg.model, {})
+    recipe = build_recipe(model, cfg.trainer, steps_per_epoch=9, device=torch.device("cpu"))  # 5 updates
+    assert isinstance(recipe.optimizer, torch.optim.AdamW)
+    decayed, plain = recipe.optimizer.param_groups
+    assert decayed["weight_decay"] == 0.1 and all(p.dim() == 2 for p in decayed["params"])
+    assert plain["weight_decay"] == 0.0 and all(p.dim() == 1 for p in plain["params"])
+    lrs = []
+    for _ in range(5):
+        lrs.append(recipe.optimizer.param_groups[0]["lr"])
+        recipe.optimizer.step()
+        recipe.scheduler.step()
+    np.testing.assert_allclose(lrs, [0.01 * lr_factor(k, "cosine", 3, 5) for k in range(5)], rtol=1e-12)
+
+
+def _train(tmp_path, overrides: list[str], batch: int):
+    """One epoch of the DDP adapter (one rank, no DDP wrapper) on 320 rows; its final weights and step losses."""
+    from trainers import torch_common as tc
+    from trainers.torch_ddp import build_adapter, run_worker
+
+    cfg = config(tmp_path, [*SMALL, f"trainer.batch_size={batch}", *overrides])
+    columns = {k: torch.from_numpy(v) for k, v in mnist_columns(320).items()}
+    evaluation = {k: torch.from_numpy(v) for k, v in mnist_columns(32, seed=1).items()}
+
+    def data(seed):
+        return (tc.ShardBatches.from_columns(columns, "mnist", batch, seed),
+                tc.ShardBatches.from_columns(evaluation, "mnist", 32, seed))
+    adapter = build_adapter(cfg, {}, 0, data, torch.device("cpu"))
+    attempt = run_attempt(lambda ctx: run_worker(cfg, ctx, adapter), 0, 1, 1, tmp_path / "run")
+    return adapter.dense_model_state(), attempt.recorder.curve()
+
+
+def test_accumulating_k_batches_of_b_is_one_batch_of_k_times_b(tmp_path):
+    """grad_accum=2 with 16 rows per batch takes the same 10 updates as 32 rows per batch (the epoch's row order
+    is the same permutation, cut into halves): SGD with momentum and a schedule, both per update. (No clipping
+    here: it would hide a gradient of the wrong scale; tests/parallel/test_ddp_recipe.py clips.)"""
+    recipe = ["trainer.optimizer=sgd", "trainer.lr=0.05", "trainer.lr_schedule=linear", "trainer.warmup_steps=2"]
+    accumulated, _ = _train(tmp_path / "a", [*recipe, "trainer.grad_accum=2"], 16)
+    whole, _ = _train(tmp_path / "b", recipe, 32)
+    for name, value in whole.items():
+        # float32: the mean of two half-batch means vs one mean, summed in another order (~1e-7 relative a step)
+        torch.testing.assert_close(accumulated[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_autocast_stays_close_to_fp32(tmp_path):
+    """bf16 keeps 8 bits of mantissa (relative error 2^-8 = 0.4% per rounding): over 20 Adam steps of a small MLP
+    the loss curve stays within 5% of fp32's, yet differs (autocast really ran in bf16)."""
+    _, fp32 = _train(tmp_path / "fp32", ["trainer.log_every_n_steps=1"], 16)
+    _, bf16 = _train(tmp_path / "bf16", ["trainer.precision=bf16"], 16)
+    assert not np.array_equal(fp32, bf16)
+    np.testing.assert_allclose(bf16, fp32, rtol=0.05, atol=0.02)
+    assert bf16[-5:].mean() < bf16[:5].mean()  # and it learns
+
+
+def test_final_model_is_the_best_epochs_checkpoint_that_ray_kept(tmp_path):
+    """`pipelines.fit.final_checkpoint` over a real Ray Train Result: the best epoch (recorded by the loop in the
+    last checkpoint) unless `run.final_model=last`, and a clear error if its checkpoint is gone."""
+    from ray.train import Checkpoint, Result
+
+    from contract.checkpoint import TrainState
+    from pipelines.fit import final_checkpoint
+
+    def checkpoint(epoch: int) -> Checkpoint:
+        folder = tmp_path / f"checkpoint_{epoch}"
+        folder.mkdir()
+        TrainState(epoch=epoch, metrics={}, best_epoch=2, best_value=0.9).write(folder)
+        return Checkpoint.from_directory(str(folder))
+
+    second, third = checkpoint(2), checkpoint(3)
+    result = Result(metrics={}, checkpoint=third, error=None, path=str(tmp_path),
+                    best_checkpoints=[(third, {}), (second, {})])
+    assert final_checkpoint(result, "best") == (second, 2)
+    assert final_checkpoint(result, "last") == (third, 3)
+    result.best_checkpoints = [(third, {})]
+    with pytest.raises(RuntimeError, match=r"the checkpoint of the best epoch \(2\) was not kept"):
+        final_checkpoint(result, "best")
