@@ -2,7 +2,7 @@
 
     python -m tests.loop_backends BACKEND FOLDER ATTEMPT [RESTORE]
 
-BACKEND: horovod_torch | horovod_tf | tf_mwms_custom | tf_mwms_fit; ATTEMPT: straight | stopped | resumed.
+BACKEND: a key of BACKENDS; ATTEMPT: straight | stopped | resumed.
 Prints the attempt as JSON (tests/loop_harness.py) on its last line. A fresh process per attempt: TensorFlow fixes
 its threads and logical devices at its first op, and tf-keras needs TF_USE_LEGACY_KERAS=1 before TF is imported.
 Horovod runs as a lone process (size 1, no rendezvous). The TF backends also check they never import torch.
@@ -18,20 +18,31 @@ from tests.loop_harness import attempt_to_json, config, imdb_columns, mnist_colu
 MODEL_INPUTS = {"vocab_size": 64, "max_len": 16}
 COMMON = ["trainer.epochs=2", "trainer.batch_size=16", "trainer.optimizer=sgd", "trainer.lr=0.01",
           "trainer.num_workers=1", "model.dropout=0"]
+# The recipe (contract/recipe.py) on the TF runs: 2 batches per update, so the stop at step 10 lands on an update
+# boundary; clipping at 1.0 is active in the first updates (gradient norms of 5-20 there).
+TF_RECIPE = ["trainer.optimizer=adamw", "trainer.weight_decay=0.01", "trainer.lr_schedule=cosine",
+             "trainer.warmup_steps=5", "trainer.grad_clip=1.0", "trainer.grad_accum=2"]
+ONE_DEVICE = ["trainer=tf_mwms", "trainer.tf_loop=custom", "model.hidden=[32]", *COMMON, *TF_RECIPE]
 BACKENDS = {
     "horovod_torch": ["trainer=horovod", "trainer.grad_accum=2", "model.hidden=[32]", *COMMON],
-    "horovod_tf": ["trainer=horovod", "trainer.framework=tf", "trainer.grad_accum=2",
-                   "model.hidden=[32]", *COMMON],
+    "horovod_tf": ["trainer=horovod", "trainer.framework=tf", "model.hidden=[32]", *COMMON,
+                   "trainer.optimizer=adamw", "trainer.weight_decay=0.01", "trainer.lr_schedule=linear",
+                   "trainer.warmup_steps=3", "trainer.grad_clip=1.0", "trainer.grad_accum=2"],
     # two logical CPU devices under MirroredStrategy: the strategy's gather and per-replica batches
     "tf_mwms_custom": ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.tf_devices=2", "model.hidden=[32]",
-                       *COMMON],
+                       *COMMON, *TF_RECIPE],
     # one device with 32 rows vs two with 16 each (and fit over the same two): the same steps
-    "tf_one_device": ["trainer=tf_mwms", "trainer.tf_loop=custom", "model.hidden=[32]", *COMMON,
-                      "trainer.batch_size=32"],
+    "tf_one_device": [*ONE_DEVICE, "trainer.batch_size=32"],
     "tf_two_devices_fit": ["trainer=tf_mwms", "trainer.tf_loop=fit", "trainer.tf_devices=2", "model.hidden=[32]",
-                           "trainer.tf_steps_per_execution=2", "trainer.log_every_n_steps=2", *COMMON],
+                           "trainer.tf_steps_per_execution=2", "trainer.log_every_n_steps=2", *COMMON, *TF_RECIPE],
+    # the updates of all three: 64 rows each, in one batch
+    "tf_big_batch": [*ONE_DEVICE, "trainer.batch_size=64", "trainer.grad_accum=1"],
+    "tf_bf16": [*ONE_DEVICE, "trainer.batch_size=32", "trainer.precision=bf16"],
+    # 20 batches per epoch in groups of 3 (the last of 2), in bf16
     "tf_mwms_fit": ["trainer=tf_mwms", "trainer.tf_loop=fit", "data=imdb", "model=embed_pool", "model.embed_dim=8",
-                    "model.hidden=8", "trainer.tf_steps_per_execution=4", *COMMON],
+                    "model.hidden=8", "trainer.tf_steps_per_execution=4", *COMMON, "trainer.optimizer=adamw",
+                    "trainer.weight_decay=0.01", "trainer.lr_schedule=linear", "trainer.warmup_steps=2",
+                    "trainer.grad_accum=3", "trainer.precision=bf16"],
 }
 
 
@@ -65,7 +76,9 @@ def runner(backend: str, cfg):
 
 def main(backend: str, folder: str, attempt: str, restore: str | None = None) -> None:
     base = Path(folder)
-    cfg = config(base / "cfg", BACKENDS[backend])
+    # The TF runs leave their final weights in `ATTEMPT/params/rank0.npz` (run.dump_params_dir).
+    dump = [f"run.dump_params_dir={base / attempt / 'params'}"] if backend != "horovod_torch" else []
+    cfg = config(base / "cfg", [*BACKENDS[backend], *dump])
     result = run_attempt(runner(backend, cfg), 0, 1, cfg.trainer.epochs, base / attempt,
                          restored=Path(restore) if restore else None, stop=attempt == "stopped")
     if backend.startswith("tf") or backend == "horovod_tf":

@@ -67,9 +67,17 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
     assert rank0.keys() == rank1.keys()
     for key in rank0:
         torch.testing.assert_close(rank0[key], rank1[key], rtol=0, atol=0)  # DDP keeps replicas identical
-    # The logged model is the trained one, not a fresh initialisation.
+    # The logged model is the best epoch's by test_accuracy (ties: the later epoch), from the checkpoint Ray Train
+    # kept for it; the last checkpoint holds the final weights.
+    accuracy = {m.step: m.value for m in client.get_metric_history(run_id, "test_accuracy")}
+    best = max((value, epoch) for epoch, value in accuracy.items())[1]
+    assert run.data.tags["final_model_epoch"] == str(best)
+    folders = [p for p in (tmp_path / "ray").glob("run-*/checkpoint_*") if p.is_dir()]
+    kept = {json.loads((p / "train_state.json").read_text())["epoch"]:
+            torch.load(p / "state.pt", weights_only=False)["model"] for p in folders}
     for key, value in model.state_dict().items():
-        torch.testing.assert_close(value, rank0[key], rtol=0, atol=0)
+        torch.testing.assert_close(value, kept[best][key], rtol=0, atol=0)
+        torch.testing.assert_close(kept[3][key], rank0[key], rtol=0, atol=0)
 
 
 def test_failed_run_is_marked_failed_with_the_error(tmp_path, tiny_mnist, mlflow_server, ray_head):
@@ -136,7 +144,8 @@ def test_a_tracking_server_away_at_the_end_loses_nothing_and_the_replay_finishes
         assert replay.returncode == 0, replay.stderr[-3000:]
         assert run_id_from(replay.stdout) == run_id
         check_finished_run(client, run_id, "ddp", 3)  # each epoch's metrics once, the model logged
-        assert {"rank0.node", "rank1.node"} <= set(client.get_run(run_id).data.tags)
+        tags = client.get_run(run_id).data.tags
+        assert {"rank0.node", "rank1.node", "final_model_epoch"} <= set(tags)  # the driver's tag went via final.json
         assert list(folder.glob("*.json")) == []
     finally:
         stop_mlflow_server(server)
