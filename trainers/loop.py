@@ -4,7 +4,9 @@ A backend supplies an `Adapter` (model, optimizer, data shard, one training step
 an all-reduce) and a `WorkerContext` (rank, how to report, the checkpoint to resume from; trainers/worker.py
 builds it from Ray Train). The loop owns everything the contract promises: epochs and the resume point,
 skipping the steps a stopped epoch already trained on, the STOP agreement between ranks, `step_loss`, the
-epoch metrics (contract/metrics.py), the checkpoint schema (contract/checkpoint.py) and what rank 0 logs.
+epoch metrics (contract/metrics.py), the best epoch and early stopping (`run.monitor`, `run.patience`), the
+checkpoint schema (contract/checkpoint.py) and what rank 0 logs. The optimizer-step recipe (schedule, clipping,
+accumulation, precision) is the adapter's, from contract/recipe.py.
 Keras `fit` keeps its own loop and calls `end_epoch` from a callback (trainers/tf_mwms.py).
 """
 from __future__ import annotations
