@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from contract.metrics import Reducer
 from trainers import tf_common as tfc
+from trainers import tf_recipe as tfr
 from trainers.horovod import import_horovod, init_horovod, record_init
 from trainers.loop import TrainLoop, WorkerContext
 
@@ -36,7 +37,7 @@ def make_train_step(hvd: Any, tf: Any, keras: Any, model: Any, cfg: DictConfig) 
     over k batches) and averaged over ranks with Horovod's grouped allreduce every k-th step, when the optimizer
     steps; `finish()` applies what is left at the end of an epoch (as the PyTorch side does).
     `DistributedGradientTape` has no `backward_passes_per_step`; Horovod's wrappers that do are for TF1 graph
-    mode or Keras."""
+    mode or Keras. The optimizer gets averaged gradients: its `global_clipnorm` clips the averaged norm."""
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     compression = hvd.Compression.fp16 if cfg.trainer.compression == "fp16" else hvd.Compression.none
     variables, optimizer = model.trainable_variables, model.optimizer
@@ -46,8 +47,9 @@ def make_train_step(hvd: Any, tf: Any, keras: Any, model: Any, cfg: DictConfig) 
     def synced_step(images, labels):
         with tf.GradientTape() as tape:
             loss = loss_fn(labels, model(images, training=True))
+            scaled = tfr.scaled_loss(optimizer, loss)  # fp16: loss scaling
         tape = hvd.DistributedGradientTape(tape, compression=compression)
-        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        optimizer.apply_gradients(zip(tfr.unscaled(optimizer, tape.gradient(scaled, variables)), variables))
         return loss
 
     if passes == 1:
@@ -66,8 +68,10 @@ def make_train_step(hvd: Any, tf: Any, keras: Any, model: Any, cfg: DictConfig) 
     def accumulating_step(images, labels):
         with tf.GradientTape() as tape:
             loss = loss_fn(labels, model(images, training=True))
-        for total, grad in zip(sums, tape.gradient(loss, variables)):
-            total.assign_add(grad / passes)
+            scaled = tfr.scaled_loss(optimizer, loss)
+        grads = tfr.unscaled(optimizer, tape.gradient(scaled, variables))
+        for total, share in zip(sums, tfr.accumulation_share(tf, grads, passes)):
+            total.assign_add(share)
         pending.assign_add(1)
         if pending == passes:
             apply_sums()
@@ -87,7 +91,7 @@ class HorovodTFAdapter(tfc.KerasAdapter):
 
     def __init__(self, hvd: Any, keras: Any, cfg: DictConfig, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.hvd, self.passes = hvd, cfg.trainer.grad_accum
+        self.hvd = hvd
         self.step_fn, self.finish = make_train_step(hvd, self.tf, keras, self.model, cfg)
         self._reduce = tf_reducer(hvd, self.tf)
         self.calls = 0  # steps since the epoch's (re)start: a stop lands on a multiple of `passes`
@@ -134,12 +138,14 @@ def run_worker(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict,
     record_init(cfg.run.dump_params_dir, ctx.rank)
     import tf_keras as keras
 
+    tfr.set_precision(keras, cfg.trainer.precision)
     keras.utils.set_random_seed(cfg.run.seed + ctx.rank)  # different on purpose: the broadcast must align them
-    model = tfc.build_compiled_model(keras, cfg, model_inputs)
     train, evaluation = data or tfc.worker_arrays(cfg.data.name)
+    steps = train.steps(cfg.trainer.batch_size, cfg.trainer.max_steps_per_epoch)  # for the LR schedule
+    model = tfc.build_compiled_model(keras, cfg, model_inputs, steps_per_epoch=steps)
     adapter = HorovodTFAdapter(hvd, keras, cfg, tf, tf.distribute.get_strategy(), model, train, evaluation,
                                cfg.trainer.batch_size, ctx.rank, cfg.run.seed + 1000 * ctx.rank,
-                               cfg.trainer.max_steps_per_epoch)
+                               cfg.trainer.max_steps_per_epoch, grad_accum=cfg.trainer.grad_accum)
     if not TrainLoop(adapter, ctx).run():
         return False
     adapter.dump(cfg.run.dump_params_dir)

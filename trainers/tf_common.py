@@ -119,48 +119,72 @@ def input_example(dataset: str, model_inputs: dict) -> np.ndarray:
     return np.zeros((2, model_inputs["max_len"]), dtype=np.int32)
 
 
-def build_compiled_model(keras: Any, cfg: Any, model_inputs: dict, steps_per_execution: int = 1) -> Any:
-    """The Keras model of `cfg.model` compiled with the trainer's optimizer. `steps_per_execution` > 1 only
-    matters to `fit` (tf_mwms' `trainer.tf_steps_per_execution`)."""
+def build_compiled_model(keras: Any, cfg: Any, model_inputs: dict, steps_per_execution: int = 1,
+                         steps_per_epoch: int = 1) -> Any:
+    """The Keras model of `cfg.model` compiled with the trainer's recipe optimizer (trainers/tf_recipe.py; its
+    LR schedule spans `trainer.epochs` epochs of `steps_per_epoch` batches). `steps_per_execution` > 1 only
+    matters to `fit` (tf_mwms' `trainer.tf_steps_per_execution`). The dtype policy (`set_precision`) is the
+    caller's: the logged model is built in float32."""
     from trainers.models.keras_models import build_keras_model
+    from trainers.tf_recipe import make_optimizer
 
     model = build_keras_model(cfg.model, keras, model_inputs)
-    optimizer = (keras.optimizers.SGD(cfg.trainer.lr, momentum=0.9) if cfg.trainer.optimizer == "sgd"
-                 else keras.optimizers.Adam(cfg.trainer.lr))
+    optimizer = make_optimizer(keras, cfg.trainer, model.trainable_variables, steps_per_epoch)
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   # Several steps per tf.function call (fit): cuts the per-step host overhead of the strategy.
                   steps_per_execution=steps_per_execution)
     return model
 
 
+def optimizer_state(optimizer: Any) -> tuple[Any, list]:
+    """(the optimizer whose `variables` a checkpoint keeps, further variables it keeps). Those variables start
+    with `iterations`, the LR schedule's position. fp16's LossScaleOptimizer keeps its dynamic loss scale and
+    growth counter apart from its inner optimizer's variables (as PyTorch's GradScaler state is kept beside the
+    optimizer's), and cannot `set_weights` itself (tf-keras 2.21 never marks the wrapper built)."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is None:
+        return optimizer, []
+    return inner, [optimizer._loss_scale.current_loss_scale, optimizer.dynamic_counter]
+
+
 def save_keras_state(directory: str, model: Any) -> None:
     """Native Keras weights file + the optimizer's variables (Keras' own `save_own_variables` store)."""
     model.save_weights(os.path.join(directory, WEIGHTS))
+    optimizer, extra = optimizer_state(model.optimizer)
     store: dict[str, np.ndarray] = {}
-    model.optimizer.save_own_variables(store)
+    optimizer.save_own_variables(store)  # keys "0", "1", ...
+    store.update({f"loss_scale_{i}": variable.numpy() for i, variable in enumerate(extra)})
     np.savez(os.path.join(directory, OPTIMIZER), **store)
 
 
 def load_keras_state(directory: str, model: Any, strategy: Any) -> None:
     """Weights and optimizer state written by `save_keras_state`; the optimizer's slots are created under
-    `strategy` (mirrored where it mirrors)."""
+    `strategy` (mirrored where it mirrors). Built before `load_weights`, which also reads the optimizer
+    variables the weights file holds: for an unbuilt fp16 LossScaleOptimizer, its variable-count warning
+    raises instead (tf-keras 2.21 formats `self.name`, which that wrapper lacks)."""
+    optimizer, extra = optimizer_state(model.optimizer)
+    with strategy.scope():
+        optimizer.build(model.trainable_variables)
     model.load_weights(os.path.join(directory, WEIGHTS))
     with np.load(os.path.join(directory, OPTIMIZER)) as store, strategy.scope():
-        model.optimizer.build(model.trainable_variables)
-        model.optimizer.set_weights([store[str(i)] for i in range(len(store.files))])
+        optimizer.set_weights([store[str(i)] for i in range(sum(key.isdigit() for key in store.files))])
+        for i, variable in enumerate(extra):
+            variable.assign(store[f"loss_scale_{i}"])
 
 
 class KerasAdapter:
     """What the TF adapters share: evaluation, state files, tokens per step, memory. Subclasses give
-    `batches`, `train_step` and `reduce`."""
+    `batches`, `train_step` and `reduce`, and with `grad_accum` > 1 the update boundaries (one optimizer step per
+    `passes` batches, the rest of an epoch applied by `finish_epoch`)."""
 
     replicas = 1
 
     def __init__(self, tf: Any, strategy: Any, model: Any, train: ShardArrays, evaluation: ShardArrays,
                  batch_size: int, rank: int, seed: int, max_steps: int | None, local_replicas: int = 1,
-                 save_on_every_rank: bool = False):
+                 save_on_every_rank: bool = False, grad_accum: int = 1):
         self.tf, self.strategy, self.model, self.train, self.evaluation = tf, strategy, model, train, evaluation
         self.batch_size, self.rank, self.seed, self.local_replicas = batch_size, rank, seed, local_replicas
+        self.passes = grad_accum
         self.rows_per_step = batch_size * local_replicas  # this worker's rows per step, over its replicas
         self.steps = train.steps(self.rows_per_step, max_steps)
         self.save_on_every_rank = save_on_every_rank
@@ -217,7 +241,9 @@ def _log_model_task(uri: str, run_id: str, cfg_dict: dict, checkpoint: Any, mode
     import tf_keras as keras
     from contract.config import typed_config
 
-    cfg = typed_config(cfg_dict)
+    # The logged model is float32 (no dtype policy is set here), so without fp16's LossScaleOptimizer too: an
+    # unbuilt one cannot skip the optimizer variables in the weights file (see `load_keras_state`).
+    cfg = typed_config({**cfg_dict, "trainer": {**cfg_dict["trainer"], "precision": "fp32"}})
     model = build_compiled_model(keras, cfg, model_inputs)
     with checkpoint.as_directory() as directory:
         model.load_weights(os.path.join(directory, WEIGHTS))

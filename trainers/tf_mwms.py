@@ -4,7 +4,9 @@ Two loops, one contract (`trainer.tf_loop`): the shared loop (trainers/loop.py) 
 (`strategy.run` of a `tf.function` with `GradientTape`; stops mid-epoch on STOP), or tf-keras `model.fit` with a
 callback that hands each epoch to the same loop's `end_epoch` (metrics, checkpoint, report, MLflow).
 `trainer.tf_devices > 1` gives a worker several replicas: its GPUs, or logical CPU devices (one worker:
-`MirroredStrategy`, one machine). Keras: tf-keras, see trainers/tf_common.py.
+`MirroredStrategy`, one machine). Keras: tf-keras, see trainers/tf_common.py. The training recipe (optimizer, LR
+schedule, clipping, precision): trainers/tf_recipe.py; gradient accumulation: `MirroredAdapter` (custom loop) and
+`accumulating_train_step` (fit), the same arithmetic.
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import numpy as np
 from omegaconf import DictConfig
 
 from contract.checkpoint import EpochTotals
+from contract.recipe import updates_per_epoch
 from trainers import tf_common as tfc
+from trainers import tf_recipe as tfr
 from trainers.loop import TrainLoop, WorkerContext
 
 log_final_model = tfc.log_final_model  # the backend's logged-model flavour (MLflow tensorflow)
@@ -53,15 +57,40 @@ def local_devices(tf: Any, count: int, use_gpu: bool) -> list[str]:
 class MirroredAdapter(tfc.KerasAdapter):
     """The loop's adapter under a strategy. The per-example loss is averaged over the GLOBAL batch (per-replica
     batch x replicas): the all-reduce sums gradients, so this gives the mean. Every worker writes the
-    checkpoint files: saving under a strategy must not be rank-dependent."""
+    checkpoint files: saving under a strategy must not be rank-dependent.
+
+    Gradient accumulation (`passes` batches per optimizer step): each replica adds its batches' shares to its own
+    sums (SyncOnRead variables: no all-reduce until the update, like DDP's no_sync); every `passes`-th batch the
+    optimizer all-reduces the sums, clips and steps. Python picks which of two compiled steps runs: a `tf.cond`
+    around `apply_gradients` fails under MirroredStrategy (a RuntimeError from its merge_call in the branch)."""
 
     def __init__(self, keras: Any, world_size: int, *args: Any, **kwargs: Any):
         super().__init__(*args, save_on_every_rank=True, **kwargs)
         self.world_size = world_size
-        self.step_fn = self._make_step(keras)
+        self.pending = 0  # batches accumulated since the last optimizer step
+        self.sums = self._accumulators()
+        self.update_step = self._make_step(keras, apply=True)
+        self.accumulate_step = self._make_step(keras, apply=False) if self.sums else None
+        self.finish_step = self.tf.function(lambda: self.strategy.run(self._apply_sums))
 
-    def _make_step(self, keras: Any) -> Any:
-        tf, strategy, model = self.tf, self.strategy, self.model
+    def _accumulators(self) -> list:
+        tf = self.tf
+        if self.passes == 1:
+            return []
+        with self.strategy.scope():
+            return [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
+                                synchronization=tf.VariableSynchronization.ON_READ,
+                                aggregation=tf.VariableAggregation.SUM) for v in self.model.trainable_variables]
+
+    def _apply_sums(self) -> None:
+        """In a replica context: one optimizer step on the accumulated sums (all-reduced by the optimizer)."""
+        self.model.optimizer.apply_gradients(zip([s.read_value() for s in self.sums], self.model.trainable_variables))
+        for total in self.sums:
+            total.assign(self.tf.zeros_like(total))
+
+    def _make_step(self, keras: Any, apply: bool) -> Any:
+        tf, strategy, model, optimizer = self.tf, self.strategy, self.model, self.model.optimizer
+        variables = model.trainable_variables
         global_batch = self.batch_size * strategy.num_replicas_in_sync
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                              reduction=keras.losses.Reduction.NONE)
@@ -70,8 +99,15 @@ class MirroredAdapter(tfc.KerasAdapter):
             with tf.GradientTape() as tape:
                 per_example = loss_fn(labels, model(images, training=True))
                 loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch)
-            grads = tape.gradient(loss, model.trainable_variables)
-            model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+                scaled = tfr.scaled_loss(optimizer, loss)
+            grads = tfr.unscaled(optimizer, tape.gradient(scaled, variables))
+            if not self.sums:
+                optimizer.apply_gradients(zip(grads, variables))
+                return loss
+            for total, share in zip(self.sums, tfr.accumulation_share(tf, grads, self.passes)):
+                total.assign_add(share)
+            if apply:
+                self._apply_sums()
             return loss
 
         @tf.function
@@ -88,7 +124,37 @@ class MirroredAdapter(tfc.KerasAdapter):
 
     def train_step(self, batch: Any) -> tuple[float, int, int]:
         (images, labels), tokens = batch
-        return float(self.step_fn(images, labels)), self.rows_per_step, tokens
+        self.pending += 1
+        if self.pending == self.passes:
+            loss, self.pending = self.update_step(images, labels), 0
+        else:
+            loss = self.accumulate_step(images, labels)
+        return float(loss), self.rows_per_step, tokens
+
+    def at_update_boundary(self) -> bool:
+        return self.pending == 0
+
+    def finish_epoch(self) -> None:
+        if self.pending:  # an epoch that is not a multiple of `passes`: step on what has accumulated
+            self.finish_step()
+            self.pending = 0
+
+    def fit_steps(self) -> int:
+        """Keras `fit` steps per epoch: one per optimizer step (with accumulation, a group of batches)."""
+        return updates_per_epoch(self.steps, self.passes)
+
+    def fit_dataset(self, epoch: int) -> Any:
+        """The epoch for `fit`: per-replica batches, or with accumulation per-replica groups [g, batch, ...] of
+        g <= passes consecutive batches (an epoch's last group may be short)."""
+        ds = self.epoch_dataset(epoch)
+        if self.passes == 1:
+            return ds
+        tf = self.tf
+        # Batches go to the replicas in turn (step s of replica r is element s * replicas + r): stack each step's,
+        # group `passes` steps, then hand each replica its own [g, batch, ...] in the same turns.
+        swap = lambda t: tf.transpose(t, [1, 0, *range(2, t.shape.rank)])  # noqa: E731
+        ds = ds.batch(self.local_replicas, drop_remainder=True).batch(self.passes)
+        return ds.flat_map(lambda x, y: tf.data.Dataset.from_tensor_slices((swap(x), swap(y))))
 
     def reduce(self, values: list[float], op: str) -> list[float]:
         rows = self._gather(values)
@@ -130,9 +196,9 @@ def fit_epochs(keras: Any, loop: TrainLoop, adapter: MirroredAdapter, epochs: in
             self.epoch, self.seen, self.mean = epoch + 1, 0, 0.0
 
         def on_train_batch_end(self, batch, logs=None):
-            # Called every tf_steps_per_execution steps with the epoch's running mean loss: the steps since
-            # the last call had mean (mean_k * k - mean_j * j) / (k - j).
-            done, mean = batch + 1, float(logs["loss"])
+            # Called every tf_steps_per_execution fit steps (of `passes` batches each) with the epoch's running
+            # mean loss per batch: the batches since the last call had mean (mean_k * k - mean_j * j) / (k - j).
+            done, mean = min((batch + 1) * adapter.passes, adapter.steps), float(logs["loss"])
             window = (mean * done - self.mean * self.seen) / (done - self.seen)
             loop.log_step_loss(self.epoch, done, window, since_step=self.seen)
             self.seen, self.mean = done, mean
@@ -141,39 +207,79 @@ def fit_epochs(keras: Any, loop: TrainLoop, adapter: MirroredAdapter, epochs: in
     if ctx.logger is not None and ctx.log_every_n_steps > 0:
         callbacks.append(LogStepLoss())
 
+    run_fit(adapter, loop.first_epoch, epochs, callbacks)
+
+
+def run_fit(adapter: MirroredAdapter, first_epoch: int, epochs: int, callbacks: list | None = None) -> None:
+    """tf-keras `model.fit` over epochs `first_epoch`..`epochs` (1-based) of the adapter's data."""
+    if adapter.passes > 1:
+        adapter.model.train_step = accumulating_train_step(adapter.tf, adapter.model, adapter.passes)
+
     def all_epochs(_):  # one dataset per epoch, each with its own shuffle seed, chained
         chained = None
-        for epoch in range(loop.first_epoch, epochs + 1):
-            ds = adapter.epoch_dataset(epoch)
+        for epoch in range(first_epoch, epochs + 1):
+            ds = adapter.fit_dataset(epoch)
             chained = ds if chained is None else chained.concatenate(ds)
         return chained
 
     distributed = adapter.strategy.distribute_datasets_from_function(all_epochs)
-    adapter.model.fit(distributed, epochs=epochs, initial_epoch=loop.first_epoch - 1,
-                      steps_per_epoch=adapter.steps, callbacks=callbacks, verbose=0)
+    adapter.model.fit(distributed, epochs=epochs, initial_epoch=first_epoch - 1, steps_per_epoch=adapter.fit_steps(),
+                      callbacks=callbacks or [], verbose=0)
+
+
+def accumulating_train_step(tf: Any, model: Any, passes: int) -> Any:
+    """Keras `fit`'s step for a group [g, batch, ...] of g <= passes batches (`fit_dataset`): g forward and
+    backward passes summing the batches' shares, then one optimizer step (it all-reduces, clips and steps). The
+    same arithmetic as the custom loop's accumulation; `compute_loss` gives each batch to fit's loss metric, so
+    fit still reports the mean loss per batch."""
+    def train_step(data):
+        images, labels = data
+        variables, optimizer = model.trainable_variables, model.optimizer
+
+        def one_batch(i, sums):
+            with tf.GradientTape() as tape:
+                # the replica's mean loss / replicas (Keras scales it for the strategy's gradient sum)
+                loss = model.compute_loss(y=labels[i], y_pred=model(images[i], training=True))
+                scaled = tfr.scaled_loss(optimizer, loss)
+            grads = tfr.unscaled(optimizer, tape.gradient(scaled, variables))
+            return i + 1, [total + share for total, share in zip(sums, tfr.accumulation_share(tf, grads, passes))]
+
+        # An explicit while_loop: with steps_per_execution > 1, fit traced a `for i in tf.range(...)` here
+        # unconverted by AutoGraph ("Iterating over a symbolic tf.Tensor is not allowed").
+        zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
+        _, sums = tf.while_loop(lambda i, _: i < tf.shape(labels)[0], one_batch, (tf.constant(0), zeros))
+        optimizer.apply_gradients(zip(sums, variables))
+        return model.get_metrics_result()
+    return train_step
 
 
 def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: int,
-                  data: tuple[tfc.ShardArrays, tfc.ShardArrays]) -> tuple[Any, MirroredAdapter]:
-    """(keras, adapter): the strategy first (before any other TF op), then the model inside it."""
+                  data: tuple[tfc.ShardArrays, tfc.ShardArrays], strategy: Any = None) -> tuple[Any, MirroredAdapter]:
+    """(keras, adapter): the strategy first (before any other TF op; `strategy`: one made already, for a
+    second model in the same process), the precision policy, then the model inside the strategy."""
     import tensorflow as tf
 
-    strategy = make_strategy(tf, cfg.trainer)
+    if strategy is None:
+        strategy = make_strategy(tf, cfg.trainer)
     import tf_keras as keras
 
     from trainers.models.keras_models import build_keras_model
 
+    trainer = cfg.trainer
+    tfr.set_precision(keras, trainer.precision)
     # Same initial weights everywhere and for every device layout: they are drawn outside the strategy, whose
     # variable creation uses up random ops differently (default vs Mirrored strategy), then copied in.
     keras.utils.set_random_seed(cfg.run.seed)
     initial = build_keras_model(cfg.model, keras, model_inputs).get_weights()
-    with strategy.scope():
-        model = tfc.build_compiled_model(keras, cfg, model_inputs, cfg.trainer.tf_steps_per_execution)
-        model.set_weights(initial)
     local_replicas = strategy.num_replicas_in_sync // world_size  # tf_devices under MirroredStrategy, else 1
     train, evaluation = data
-    adapter = MirroredAdapter(keras, world_size, tf, strategy, model, train, evaluation, cfg.trainer.batch_size,
-                              rank, cfg.run.seed + 1000 * rank, cfg.trainer.max_steps_per_epoch, local_replicas)
+    steps = train.steps(trainer.batch_size * local_replicas, trainer.max_steps_per_epoch)  # for the LR schedule
+    with strategy.scope():
+        model = tfc.build_compiled_model(keras, cfg, model_inputs, trainer.tf_steps_per_execution, steps)
+        model.set_weights(initial)
+    adapter = MirroredAdapter(keras, world_size, tf, strategy, model, train, evaluation, trainer.batch_size,
+                              rank, cfg.run.seed + 1000 * rank, trainer.max_steps_per_epoch, local_replicas,
+                              grad_accum=trainer.grad_accum)
     return keras, adapter
 
 

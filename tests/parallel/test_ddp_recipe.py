@@ -54,6 +54,7 @@ def _accumulate(rank: int, world_size: int, tmp: str) -> None:
     from trainers.models import build_model
     from trainers.torch_ddp import build_adapter, run_worker
 
+    torch.set_default_dtype(torch.float32)  # the pool's ranks may have run a float64 test before
     cfg = config(Path(tmp) / f"cfg{rank}", OVERRIDES)
     adapter = build_adapter(cfg, {}, rank, _batches(rank), torch.device("cpu"),
                             wrap=lambda m: nn.parallel.DistributedDataParallel(m))

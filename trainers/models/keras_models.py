@@ -3,6 +3,8 @@
 `keras` is passed in (the tf_mwms backend uses tf-keras, see `trainers/tf_mwms.py`); the code runs unchanged
 on Keras 3. MNIST: normalised float images [B, 784] -> logits [B, 10]. IMDb (`embed_pool`): token ids [B, T]
 with [PAD] = 0 -> logits [B, 2]; `mask_zero` keeps padding out of the mean, as `trainers/models/text.py` does.
+The logits layer is float32 under any mixed-precision policy (`trainer.precision`), so the softmax and the loss
+are computed in float32; under the default float32 policy this changes nothing.
 """
 from __future__ import annotations
 
@@ -18,14 +20,14 @@ def build_keras_model(model_cfg: Any, keras: Any, model_inputs: dict | None = No
             layers.GlobalAveragePooling1D(),  # masked mean over real tokens
             layers.Dropout(model_cfg.dropout),
             layers.Dense(model_cfg.hidden, activation="relu"), layers.Dropout(model_cfg.dropout),
-            layers.Dense(2),
+            layers.Dense(2, dtype="float32"),
         ], name="embed_pool")
     classes = 10
     if model_cfg.name == "mlp":
         stack = [layers.Input(shape=(784,))]
         for size in model_cfg.hidden:
             stack += [layers.Dense(size, activation="relu"), layers.Dropout(model_cfg.dropout)]
-        return keras.Sequential([*stack, layers.Dense(classes)], name="mlp")
+        return keras.Sequential([*stack, layers.Dense(classes, dtype="float32")], name="mlp")
     if model_cfg.name == "cnn":
         c1, c2 = model_cfg.channels
         return keras.Sequential([
@@ -35,6 +37,6 @@ def build_keras_model(model_cfg: Any, keras: Any, model_inputs: dict | None = No
             layers.Conv2D(c2, 3, padding="same", activation="relu"), layers.MaxPooling2D(2),  # (B, 7, 7, c2)
             layers.Flatten(), layers.Dropout(model_cfg.dropout),
             layers.Dense(model_cfg.hidden, activation="relu"), layers.Dropout(model_cfg.dropout),
-            layers.Dense(classes),
+            layers.Dense(classes, dtype="float32"),
         ], name="cnn")
     raise ValueError(f"no Keras model for '{model_cfg.name}' (choices: mlp, cnn, embed_pool)")

@@ -1,0 +1,113 @@
+"""The TensorFlow recipe measured in this (fresh) process, for tests/unit/test_tf_recipe.py to assert:
+
+    python -m tests.tf_recipe_checks FOLDER
+
+Prints the measurements as JSON on its last line. The models are tf_mwms adapters (trainers/tf_mwms.py) on one
+MirroredStrategy over two logical CPU devices, so that gradients really are summed across replicas; several
+adapters share it (a process can split its CPU once). Needs TF_USE_LEGACY_KERAS=1 from process start.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tests.loop_backends import MODEL_INPUTS
+from tests.loop_harness import config, mnist_columns
+
+BASE = ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.tf_devices=2", "trainer.num_workers=1",
+        "trainer.batch_size=16", "trainer.epochs=1", "model.hidden=[32]", "model.dropout=0"]
+SCHEDULES = {"cosine": 3, "linear": 2}  # schedule: warmup steps (2 epochs of 5 batches, 2 per update: 6 updates)
+
+
+def flat(weights: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate([w.ravel() for w in weights])
+
+
+def learning_rates(folder: Path, keras, tf, schedule: str, warmup: int, updates: int) -> list[float]:
+    """The LR the optimizer applies at each of `updates` updates (zero gradients: only the counter moves)."""
+    from trainers.tf_recipe import make_optimizer
+
+    cfg = config(folder / schedule, [*BASE, "trainer.optimizer=sgd", "trainer.lr=0.1", "trainer.epochs=2",
+                                     "trainer.grad_accum=2", f"trainer.lr_schedule={schedule}",
+                                     f"trainer.warmup_steps={warmup}"])
+    variable = tf.Variable([1.0])
+    optimizer = make_optimizer(keras, cfg.trainer, [variable], steps_per_epoch=5)
+
+    @tf.function  # in a graph, as the training steps run it
+    def update():
+        optimizer.apply_gradients([(tf.zeros([1]), variable)])
+
+    rates = []
+    for _ in range(updates):
+        update()
+        rates.append(float(optimizer.learning_rate))  # computed from `iterations` as the update began
+    return rates
+
+
+def adapter(folder: Path, name: str, overrides: list[str], data, strategy=None):
+    from trainers.tf_mwms import build_adapter
+
+    return build_adapter(config(folder / name, [*BASE, *overrides]), MODEL_INPUTS, 0, 1, data, strategy)[1]
+
+
+def decay_exclusion(tf, model) -> dict:
+    """AdamW (lr 0.1, weight_decay 0.1) on zero gradients: Adam's step is 0, what moves is the decay. Every
+    weight is 1 first (biases start at 0, where decay could not show)."""
+    model.set_weights([np.ones_like(w) for w in model.get_weights()])
+    before = [v.numpy() for v in model.trainable_variables]
+    def zero_step():
+        model.optimizer.apply_gradients([(tf.zeros_like(v), v) for v in model.trainable_variables])
+
+    tf.function(lambda: model.distribute_strategy.run(zero_step))()
+    ratios = {}
+    for variable, old in zip(model.trainable_variables, before):
+        ratios.setdefault(f"ndim{variable.shape.rank}", []).append(float(np.max(np.abs(variable.numpy() / old - 1))))
+    return ratios
+
+
+def accumulated_clipped_steps(folder: Path, data, strategy) -> dict:
+    """SGD (no momentum, lr 0.5), gradients clipped to norm 1e-3, grad_accum=2, over an epoch of 3 batches (the
+    last group short): the custom loop batch by batch (the weight change after each batch and at the epoch's
+    end), and Keras `fit` over the same epoch from the same initial weights."""
+    from trainers.tf_mwms import run_fit
+
+    recipe = ["trainer.optimizer=sgd", "trainer.momentum=0", "trainer.lr=0.5", "trainer.grad_clip=0.001",
+              "trainer.grad_accum=2", "trainer.max_steps_per_epoch=3"]
+    custom = adapter(folder, "custom", recipe, data, strategy)
+    weights = [flat(custom.model.get_weights())]
+    for batch in custom.batches(1, 0):
+        custom.train_step(batch)
+        weights.append(flat(custom.model.get_weights()))
+    custom.finish_epoch()
+    weights.append(flat(custom.model.get_weights()))
+    fit = adapter(folder, "fit", [*recipe, "trainer.tf_loop=fit"], data, strategy)
+    run_fit(fit, 1, 1)
+    return {"moved": [float(np.linalg.norm(after - before)) for before, after in zip(weights, weights[1:])],
+            "iterations": [int(run.model.optimizer.iterations.numpy()) for run in (custom, fit)],
+            "custom": weights[-1].tolist(), "fit": flat(fit.model.get_weights()).tolist()}
+
+
+def main(folder: str) -> None:
+    import tensorflow as tf
+
+    from trainers.tf_common import ShardArrays
+    from trainers.tf_mwms import make_strategy
+
+    base = Path(folder)
+    strategy = make_strategy(tf, config(base / "strategy", BASE).trainer)  # first: it splits the CPU
+    import tf_keras as keras
+
+    data = tuple(ShardArrays.from_columns(mnist_columns(rows, seed), "mnist") for rows, seed in ((160, 0), (32, 1)))
+    adamw = adapter(base, "adamw", ["trainer.optimizer=adamw", "trainer.lr=0.1", "trainer.weight_decay=0.1"],
+                    data, strategy)
+    result = {"lr": {name: learning_rates(base, keras, tf, name, warmup, 8) for name, warmup in SCHEDULES.items()},
+              "decay": decay_exclusion(tf, adamw.model), "steps": accumulated_clipped_steps(base, data, strategy)}
+    assert "torch" not in sys.modules, "a TensorFlow worker imported torch"
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

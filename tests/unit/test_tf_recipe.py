@@ -1,0 +1,55 @@
+"""The training recipe on the TensorFlow side (trainers/tf_recipe.py, trainers/tf_mwms.py), measured in one fresh
+process (tests/tf_recipe_checks.py: MirroredStrategy over two logical CPU devices). The recipe inside whole runs
+(stop/resume, accumulation against the larger batch, bf16): tests/unit/test_loop_backends.py."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from contract.recipe import lr_factor
+from tests.conftest import ROOT
+from tests.tf_recipe_checks import SCHEDULES
+
+# Weights of |w| < 0.5 (these) are float32 to within 3e-8: a few roundings apart at most.
+DELTA_ATOL = 1e-7
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict:
+    env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "tests.tf_recipe_checks", str(tmp_path_factory.mktemp("tf_recipe"))]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_learning_rate_follows_the_recipe_curve(measured, schedule):
+    """Update k of the optimizer applies lr * lr_factor(k) over 2 epochs of 5 batches with grad_accum=2
+    (3 updates per epoch, the last one short: 6 in all), warmup included, clamped at 0 past the end. float32."""
+    expected = [0.1 * lr_factor(k, schedule, SCHEDULES[schedule], 6) for k in range(8)]
+    np.testing.assert_allclose(measured["lr"][schedule], expected, rtol=1e-6, atol=1e-9)
+
+
+def test_adamw_decays_matrices_not_biases(measured):
+    """AdamW, lr 0.1, weight_decay 0.1, zero gradients: kernels shrink by lr * wd, biases (ndim 1) not at all."""
+    np.testing.assert_allclose(measured["decay"]["ndim2"], 0.01, rtol=1e-5)
+    assert measured["decay"]["ndim1"] == [0.0, 0.0]
+
+
+def test_accumulated_clipped_steps_in_both_loops(measured):
+    """SGD (lr 0.5, no momentum), clip 1e-3, grad_accum=2, an epoch of 3 batches on 2 replicas: the weights move
+    only after batch 2 and at the epoch's end (the short group), by exactly lr * 1e-3 each time (unclipped, the
+    gradient norm is ~20): the norm clipped is the global one of the accumulated, all-reduced gradient. Clipping
+    each replica's sum before the all-reduce would give another norm. Keras `fit` ends on the same weights."""
+    steps = measured["steps"]
+    moved = np.array(steps["moved"])
+    assert list(moved > 0) == [False, True, False, True]
+    np.testing.assert_allclose(moved[[1, 3]], 0.5 * 1e-3, rtol=1e-4)
+    assert steps["iterations"] == [2, 2]
+    np.testing.assert_allclose(steps["fit"], steps["custom"], rtol=0, atol=DELTA_ATOL)
