@@ -7,6 +7,7 @@ come from here, so a cosine schedule with warmup is the same curve under PyTorch
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -62,8 +63,9 @@ class Monitor:
         return value >= best if self.mode == "max" else value <= best
 
     def worst(self) -> float:
-        """A value every real one beats (what a checkpoint of a half-done epoch is scored with)."""
-        return -math.inf if self.mode == "max" else math.inf
+        """A value every real one beats (what a checkpoint of a half-done epoch is scored with). Finite: Ray
+        Train's checkpoint snapshot is JSON, and an infinity comes back from it as None, failing the resume."""
+        return -sys.float_info.max if self.mode == "max" else sys.float_info.max
 
     def exhausted(self, epoch: int, best_epoch: int) -> bool:
         """Early stopping: `patience` epochs have passed since the best one."""

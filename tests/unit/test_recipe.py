@@ -3,7 +3,7 @@ schedule's curve, weight-decay groups, gradient accumulation as one larger batch
 to fp32. DDP's accumulation on 2 ranks and TP's clipping norm: tests/parallel."""
 from __future__ import annotations
 
-import math
+import sys
 
 import numpy as np
 import pytest
@@ -31,7 +31,7 @@ def test_monitor_picks_the_later_epoch_on_ties_and_runs_out_of_patience():
     acc, loss = Monitor("test_accuracy", "max", patience=2), Monitor("train_loss", default_mode("train_loss"))
     assert acc.better(0.9, None) and acc.better(0.9, 0.9) and not acc.better(0.8, 0.9)
     assert loss.mode == "min" and loss.better(0.1, 0.2) and not loss.better(0.3, 0.2)
-    assert acc.worst() == -math.inf and loss.worst() == math.inf
+    assert acc.worst() == -sys.float_info.max and loss.worst() == sys.float_info.max  # JSON-safe
     assert not acc.exhausted(3, 2) and acc.exhausted(4, 2) and not loss.exhausted(99, 1)
 
 
