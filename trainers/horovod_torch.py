@@ -13,8 +13,8 @@ from trainers import torch_common as tc
 from trainers.horovod import import_horovod, init_horovod, record_init
 from trainers.loop import WorkerContext
 from trainers.models import build_model
-from trainers.torch_recipe import build_recipe
 from trainers.torch_ddp import run_worker as run_loop
+from trainers.torch_recipe import build_recipe
 
 
 def hvd_reducer(hvd: Any) -> Reducer:
