@@ -28,6 +28,7 @@ class TrainerConfig:
     momentum: float = 0.9               # sgd only
     lr_schedule: str = "constant"       # constant | cosine | linear, stepped per optimizer step
     warmup_steps: int = 0               # optimizer steps of linear warmup
+    warmup_fraction: float = 0.0        # or warmup over this fraction of the run's optimizer steps
     grad_clip: Optional[float] = None   # clip the global gradient norm (over all shards) to this
     grad_accum: int = 1                 # batches per optimizer step (gradients averaged over them)
     precision: str = "fp32"             # fp32 | bf16 | fp16 (fp16: GPUs only)

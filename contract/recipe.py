@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -39,6 +40,13 @@ def updates_per_epoch(steps_per_epoch: int, grad_accum: int) -> int:
     """Optimizer steps in an epoch of `steps_per_epoch` batches: one per `grad_accum` batches, and one more for
     the batches left at the epoch's end (the loop's `finish_epoch` applies them)."""
     return -(-steps_per_epoch // grad_accum)  # ceil
+
+
+def schedule_steps(trainer: Any, steps_per_epoch: int) -> tuple[int, int]:
+    """(warmup, total) optimizer steps of a run's schedule: `trainer.epochs` epochs of `steps_per_epoch` batches;
+    warmup is `trainer.warmup_steps`, or `trainer.warmup_fraction` of the total (rounded)."""
+    total = trainer.epochs * updates_per_epoch(steps_per_epoch, trainer.grad_accum)
+    return trainer.warmup_steps or round(trainer.warmup_fraction * total), total
 
 
 def no_weight_decay(name: str, ndim: int) -> bool:

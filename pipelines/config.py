@@ -140,11 +140,15 @@ def _check_recipe(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.momentum: must be in [0, 1), got {trainer.momentum}")
     if trainer.warmup_steps < 0:
         raise ConfigError(f"trainer.warmup_steps: must be >= 0, got {trainer.warmup_steps}")
+    if not 0 <= trainer.warmup_fraction < 1:
+        raise ConfigError(f"trainer.warmup_fraction: must be in [0, 1), got {trainer.warmup_fraction}")
+    if trainer.warmup_steps and trainer.warmup_fraction:
+        raise ConfigError("trainer.warmup_fraction: set warmup_steps or warmup_fraction, not both")
     if trainer.grad_clip is not None and trainer.grad_clip <= 0:
         raise ConfigError(f"trainer.grad_clip: must be > 0 (null: no clipping), got {trainer.grad_clip}")
     if trainer.precision == "fp16" and not trainer.use_gpu:
         raise ConfigError("trainer.precision: fp16 needs GPUs (loss scaling, fast half kernels); on CPU use bf16")
-    scheduled = trainer.lr_schedule != "constant" or trainer.warmup_steps > 0
+    scheduled = trainer.lr_schedule != "constant" or trainer.warmup_steps > 0 or trainer.warmup_fraction > 0
     torch_backend = trainer.backend in ("ddp", "tp") or trainer.get("framework") == "torch"
     if scheduled and not cfg.data.cache_in_worker and torch_backend:
         raise ConfigError("trainer.lr_schedule: a schedule needs the epoch's length, known only with "
@@ -161,17 +165,17 @@ def _check_warmup_fits(cfg: DictConfig, manifest: dict) -> None:
     """Warmup must end before the run does: at most ceil(rows per data-parallel rank / batch) steps per epoch."""
     trainer = cfg.trainer
     rows = manifest.get("splits", {}).get("train", {}).get("rows")
-    if not trainer.warmup_steps or not isinstance(rows, int):
+    if not isinstance(rows, int):
         return
     dp, _ = parallel_degrees(trainer)
     steps = -(-(rows // (dp or trainer.num_workers)) // trainer.batch_size)
     if trainer.max_steps_per_epoch:
         steps = min(steps, trainer.max_steps_per_epoch)
-    updates = trainer.epochs * recipe.updates_per_epoch(steps, trainer.grad_accum)
-    if trainer.warmup_steps >= updates:
-        raise ConfigError(f"trainer.warmup_steps: {trainer.warmup_steps} warmup steps is not shorter than the run "
-                          f"({updates} optimizer steps: {trainer.epochs} epochs of {steps} batches, grad_accum="
-                          f"{trainer.grad_accum})")
+    warmup, updates = recipe.schedule_steps(trainer, steps)
+    if warmup and warmup >= updates:
+        key = "warmup_steps" if trainer.warmup_steps else "warmup_fraction"
+        raise ConfigError(f"trainer.{key}: {warmup} warmup steps is not shorter than the run ({updates} optimizer "
+                          f"steps: {trainer.epochs} epochs of {steps} batches, grad_accum={trainer.grad_accum})")
 
 
 def _check_parallelism(cfg: DictConfig) -> None:

@@ -16,7 +16,7 @@ import functools
 import math
 from typing import Any
 
-from contract.recipe import no_weight_decay, updates_per_epoch
+from contract.recipe import no_weight_decay, schedule_steps
 
 POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
 TORCH_ADAM_EPSILON = 1e-8  # PyTorch's default (Keras' is 1e-7): one recipe, the same numbers in both frameworks
@@ -63,10 +63,10 @@ def schedule_class(keras: Any) -> type:
 
 def learning_rate(keras: Any, trainer: Any, steps_per_epoch: int) -> Any:
     """`trainer.lr`, or its schedule over `trainer.epochs` epochs of `steps_per_epoch` batches."""
-    if trainer.lr_schedule == "constant" and not trainer.warmup_steps:
+    warmup, total = schedule_steps(trainer, steps_per_epoch)
+    if trainer.lr_schedule == "constant" and not warmup:
         return trainer.lr
-    total = trainer.epochs * updates_per_epoch(steps_per_epoch, trainer.grad_accum)
-    return schedule_class(keras)(trainer.lr, trainer.lr_schedule, trainer.warmup_steps, total)
+    return schedule_class(keras)(trainer.lr, trainer.lr_schedule, warmup, total)
 
 
 def make_optimizer(keras: Any, trainer: Any, variables: list, steps_per_epoch: int) -> Any:

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from contract.recipe import lr_factor, no_weight_decay, updates_per_epoch
+from contract.recipe import lr_factor, no_weight_decay, schedule_steps
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -63,8 +63,8 @@ def build_recipe(model: nn.Module, trainer: Any, steps_per_epoch: int, device: t
     optimizer = make_optimizer(model, trainer)
     if wrap_optimizer is not None:
         optimizer = wrap_optimizer(optimizer)
-    total = trainer.epochs * updates_per_epoch(steps_per_epoch, trainer.grad_accum)
-    schedule, warmup = trainer.lr_schedule, trainer.warmup_steps
+    warmup, total = schedule_steps(trainer, steps_per_epoch)
+    schedule = trainer.lr_schedule
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, schedule, warmup, total))
     dtype = AUTOCAST_DTYPES[trainer.precision]
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None

@@ -46,6 +46,7 @@ def test_defaults_compose_and_flatten(data_override):
     ("trainer.grad_clip=0", r"^trainer\.grad_clip: must be > 0"),
     ("trainer.weight_decay=0.1", r"^trainer\.weight_decay: only adamw decays weights"),
     ("trainer.warmup_steps=20", r"^trainer\.warmup_steps: 20 warmup steps is not shorter than the run \(20 optimizer"),
+    ("trainer.warmup_fraction=1.0", r"^trainer\.warmup_fraction: must be in \[0, 1\)"),
     ("run.monitor=accuracy", r"^run\.monitor: unknown 'accuracy' \(choices: train_loss, test_accuracy"),
     ("run.final_model=first", r"^run\.final_model: unknown 'first'"),
     ("run.patience=0", r"^run\.patience: must be >= 1"),

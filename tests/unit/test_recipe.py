@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from contract.recipe import Monitor, default_mode, lr_factor, updates_per_epoch
+from contract.recipe import Monitor, default_mode, lr_factor, schedule_steps, updates_per_epoch
+from pipelines.config import ConfigError
 from tests.loop_harness import config, mnist_columns, run_attempt
 
 SMALL = ["trainer.batch_size=16", "model.hidden=[32]", "model.dropout=0", "trainer.epochs=1", "trainer.num_workers=1"]
@@ -54,6 +55,13 @@ def test_torch_schedule_and_weight_decay_groups(tmp_path):
         recipe.optimizer.step()
         recipe.scheduler.step()
     np.testing.assert_allclose(lrs, [0.01 * lr_factor(k, "cosine", 3, 5) for k in range(5)], rtol=1e-12)
+
+    # warmup_fraction: the same curve with round(0.6 * 5) = 3 warmup updates; and both keys at once is an error
+    fraction = config(tmp_path / "fraction", [*SMALL, "trainer.lr_schedule=cosine", "trainer.warmup_fraction=0.6",
+                                              "trainer.grad_accum=2"])
+    assert schedule_steps(fraction.trainer, 9) == (3, 5)
+    with pytest.raises(ConfigError, match=r"^trainer\.warmup_fraction: set warmup_steps or warmup_fraction"):
+        config(tmp_path / "both", [*SMALL, "trainer.warmup_steps=2", "trainer.warmup_fraction=0.5"])
 
 
 def _train(tmp_path, overrides: list[str], batch: int):
