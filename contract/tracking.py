@@ -45,8 +45,10 @@ def _auth_header() -> dict[str, str]:
 
 def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
     """Fail fast, before any cluster resource is taken, when an HTTP tracking server does not answer or refuses
-    our credentials (its /health answers anyone; an API call tells whether we may use it)."""
+    our credentials (its /health answers anyone; an API call tells whether we may use it), or when a local store
+    cannot be opened."""
     if not uri.startswith(("http://", "https://")):
+        _check_local_store(uri)
         return
     base = uri.rstrip("/")
     try:
@@ -68,6 +70,17 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
                 "folder's cluster.env)") from err
     except (urllib.error.URLError, OSError):
         pass  # it answered /health a moment ago; the run's first request will tell more
+
+
+def _check_local_store(uri: str) -> None:
+    """Open a local store (sqlite, file) once, so that a refused one is a config error and not a traceback."""
+    try:
+        _client(uri)
+    except Exception as err:  # which store refuses how is MLflow's business; the user needs one line
+        first = str(err).split(". ", 1)[0].strip()
+        hint = ("; MLflow 3 opens file stores only with MLFLOW_ALLOW_FILE_STORE=true: use sqlite:///mlflow.db"
+                if "MLFLOW_ALLOW_FILE_STORE" in str(err) else "")
+        raise TrackingUnavailable(f"MLflow tracking URI {uri} cannot be opened ({first}){hint}") from err
 
 
 def answers(uri: str) -> bool:

@@ -15,14 +15,14 @@ from tests.conftest import ROOT, check_finished_run, pipeline_env, train_ok
 
 pytestmark = pytest.mark.slow
 TINY = ["trainer=tf_mwms", "trainer.tf_communication=ring", "trainer.batch_size=32", "model.hidden=[32]",
-        "trainer.threads_per_worker=1", "trainer.epochs=3"]
+        "trainer.threads_per_worker=1", "trainer.epochs=2"]
 
 
 def train(args: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, str]:
     return train_ok([*TINY, *args], env)
 
 
-def check_run(client: MlflowClient, run_id: str, epochs: int = 3) -> str:
+def check_run(client: MlflowClient, run_id: str, epochs: int = 2) -> str:
     """The shared run contract (a Keras model logged), plus data_load_s."""
     model_uri = check_finished_run(client, run_id, "tf_mwms", epochs)
     assert len(client.get_metric_history(run_id, "data_load_s")) >= 1

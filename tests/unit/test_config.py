@@ -67,14 +67,20 @@ def test_cli_exits_2_with_one_line_before_touching_ray_or_mlflow(tmp_path, data_
     assert not (tmp_path / "never.db").exists()  # MLflow was never touched
 
 
-def test_unreachable_mlflow_is_a_clear_error_before_ray(tmp_path, data_override):
+@pytest.mark.parametrize("store", ["http", "file"])
+def test_unreachable_mlflow_is_a_clear_error_before_ray(tmp_path, data_override, store):
+    """A server that does not answer, or a local store MLflow refuses (MLflow 3: file stores): one line, exit 2,
+    before Ray starts."""
     from tests.conftest import free_port
 
+    uri, expected = {"http": (f"http://127.0.0.1:{free_port()}", "is unreachable"),
+                     "file": (f"file://{tmp_path}/mlruns", "MLFLOW_ALLOW_FILE_STORE=true")}[store]
     proc = subprocess.run([sys.executable, "-m", "pipelines.train", data_override],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}", "PATH": "/usr/bin:/bin"})
+                          env={"MLFLOW_TRACKING_URI": uri, "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 2
-    assert "is unreachable" in proc.stderr and "mlflow_run_id" not in proc.stdout
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert expected in proc.stderr and "mlflow_run_id" not in proc.stdout
 
 
 @pytest.fixture()
