@@ -7,7 +7,9 @@ import pytest
 import torch
 from torch import nn
 
+from contract.data import PAD_ID
 from trainers.models.bert import BERT_FLAVOURS, BertClassifier, BertConfig, SelfAttention, bert_config
+from trainers.models.text import EmbedPool
 
 # float64 and tiny sizes: identical math up to summation order gives ~1e-15 differences.
 TOL = {"atol": 1e-10, "rtol": 1e-8}
@@ -55,6 +57,18 @@ def test_tokens_at_masked_positions_do_not_change_logits() -> None:
     torch.testing.assert_close(model(other, mask), model(ids, mask), **TOL)
     # An all-padding row must not produce NaN (it may attend anywhere; pooling ignores it).
     assert torch.isfinite(model(ids, torch.zeros_like(mask))).all()
+
+
+@pytest.mark.parametrize("name", ["bert", "embed_pool"])
+def test_without_a_mask_the_pad_ids_are_the_padding(name: str) -> None:
+    """What a logged model sees (MLflow passes token ids only): the same logits as training's explicit mask."""
+    torch.manual_seed(0)
+    model = tiny_model() if name == "bert" else EmbedPool(50, 16, 16, 0.0).double().eval()
+    lengths = torch.tensor([8, 5, 2])
+    mask = torch.arange(8) < lengths[:, None]
+    ids = torch.randint(1, 50, (3, 8)).masked_fill(~mask, PAD_ID)
+    torch.testing.assert_close(model(ids), model(ids, mask), **TOL)
+    assert not torch.allclose(model(ids), model(ids, torch.ones_like(mask)))  # the padding does matter
 
 
 def test_attention_scales_by_sqrt_head_dim() -> None:

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from contract.data import PAD_ID
+
 
 @dataclass
 class BertConfig:
@@ -140,12 +142,13 @@ class BertClassifier(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids (B, T) long, attention_mask (B, T) with 1 = token, 0 = pad (None: all tokens) -> (B, C)."""
+        """input_ids (B, T) long, attention_mask (B, T) with 1 = token, 0 = pad -> (B, C). Without a mask the
+        [PAD] ids are the padding, as Keras' `mask_zero` reads them (what a logged model's caller passes)."""
         B, T = input_ids.shape
         if T > self.cfg.max_len:
             raise ValueError(f"sequence length {T} exceeds max_len={self.cfg.max_len}")
         if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
+            attention_mask = input_ids != PAD_ID
         key_mask = attention_mask.bool()  # (B, T)
         positions = torch.arange(T, device=input_ids.device)  # (T,)
         x = self.emb_drop(self.tok_emb(input_ids) + self.pos_emb(positions))  # (B, T, h)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from contract.data import PAD_ID
+
 
 class EmbedPool(nn.Module):
     def __init__(self, vocab_size: int, embed_dim: int, hidden: int, dropout: float, num_classes: int = 2):
@@ -14,8 +16,11 @@ class EmbedPool(nn.Module):
         self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(embed_dim, hidden), nn.ReLU(),
                                   nn.Dropout(dropout), nn.Linear(hidden, num_classes))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """input_ids (B, T), attention_mask (B, T) with 1/True for real tokens -> logits (B, classes)."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids (B, T), attention_mask (B, T) with 1/True for real tokens (None: the non-[PAD] ids) -> logits
+        (B, classes)."""
+        if attention_mask is None:
+            attention_mask = input_ids != PAD_ID
         mask = attention_mask.to(self.embed.weight.dtype).unsqueeze(-1)  # (B, T, 1)
         summed = (self.embed(input_ids) * mask).sum(dim=1)
         return self.head(summed / mask.sum(dim=1).clamp(min=1.0))
