@@ -1,5 +1,17 @@
 """Facts about the prepared datasets that training code needs (the preparation itself is pipelines/data/)."""
 from __future__ import annotations
 
+import numpy as np
+
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # the usual MNIST train-set statistics; workers normalise with them
 PAD_ID = 0  # IMDb token shards: [PAD] is id 0, so a row's real tokens are its first `length` ids
+FEATURE_COLUMNS = {"mnist": "image", "imdb": "input_ids"}  # the model's input column in each dataset's shards
+
+
+def model_input(dataset: str, column: np.ndarray) -> np.ndarray:
+    """A shard column as a logged model takes it: MNIST images normalised to float32 [N, 784] (what the workers
+    feed), IMDb token ids [N, T] as stored ([PAD] marks the padding)."""
+    features = np.stack(column) if column.dtype == object else np.asarray(column)  # fixed-size lists, as Ray gives
+    if dataset == "mnist":
+        return ((features.astype(np.float32) / 255.0 - MNIST_MEAN) / MNIST_STD).astype(np.float32)
+    return features

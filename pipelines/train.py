@@ -78,7 +78,7 @@ def run_training(cfg: DictConfig, uri: str, run_id: str, first_attempt: bool = T
     return True
 
 
-def close_failed_run(uri: str, run_id: str, err: BaseException) -> str:
+def close_failed_run(uri: str, run_id: str, err: BaseException, what: str = "training") -> str:
     """Mark the run KILLED (an interrupt, tag `interrupted`) or FAILED (with the error); returns the one error
     line to print, which also says when the tracking server could not be told."""
     how = resume.interruption(err)
@@ -90,7 +90,7 @@ def close_failed_run(uri: str, run_id: str, err: BaseException) -> str:
         outcome = f"the MLflow run could not be marked {status} ({type(mark_err).__name__})"
     if how:
         return f"error: interrupted ({how}); {outcome}"
-    return f"error: training failed: {type(err).__name__}: {err}; {outcome}"
+    return f"error: {what} failed: {type(err).__name__}: {err}; {outcome}"
 
 
 def open_run(cfg: DictConfig, manifest: dict, uri: str) -> tuple[str, str | None]:

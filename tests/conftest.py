@@ -175,6 +175,31 @@ def run_id_from(stdout: str) -> str:
     return lines[-1].split("=", 1)[1]
 
 
+def evaluate_ok(model: str, env: dict[str, str]) -> str:
+    """`python -m pipelines.evaluate model=<model>` (its data: the training run's), require exit 0; the
+    evaluation's MLflow run id."""
+    proc = subprocess.run([sys.executable, "-m", "pipelines.evaluate", f"model={model}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return run_id_from(proc.stdout)
+
+
+def read_split(data_path: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """(model inputs, labels) of a prepared split, read straight from its Parquet shards in manifest order."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from contract.data import FEATURE_COLUMNS, model_input
+
+    manifest = json.loads((data_path / "manifest.json").read_text())
+    tables = [pq.read_table(data_path / shard["file"]) for shard in manifest["splits"][split]["shards"]]
+    column = FEATURE_COLUMNS[manifest["dataset"]]
+    features = np.concatenate([np.stack(t.column(column).to_numpy(zero_copy_only=False)) for t in tables])
+    labels = np.concatenate([t.column("label").to_numpy() for t in tables]).astype(np.int64)
+    return model_input(manifest["dataset"], features), labels
+
+
 def train_ok(args: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, str]:
     """Run the pipeline, require exit 0; (the process, its MLflow run id)."""
     proc = run_pipeline(args, env)

@@ -65,5 +65,5 @@ def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, mod
 
 def example_input(dataset: str, model_inputs: dict) -> Any:
     if dataset == "imdb":
-        return np.ones((2, model_inputs["max_len"]), dtype=np.int64)  # token ids; no mask = all tokens
+        return np.ones((2, model_inputs["max_len"]), dtype=np.int64)  # token ids; [PAD] ids are the padding
     return np.zeros((2, 784), dtype=np.float32)

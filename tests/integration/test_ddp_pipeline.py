@@ -7,15 +7,19 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from mlflow.tracking import MlflowClient
 
 from contract.metrics import EPOCH_METRICS
 from contract.tracking import FINAL_FILE, spooled
-from tests.conftest import (ROOT, check_finished_run, free_port, metric_steps, pipeline_env, run_id_from,
-                            run_pipeline, start_mlflow_server, stop_mlflow_server, wait_until)
+from tests.conftest import (ROOT, check_finished_run, evaluate_ok, free_port, metric_steps, pipeline_env,
+                            read_split, run_id_from, run_pipeline, start_mlflow_server, stop_mlflow_server,
+                            wait_until)
 
 pytestmark = pytest.mark.slow
 TINY = ["trainer.batch_size=32", "model.hidden=[64]", "trainer.threads_per_worker=1"]
@@ -78,6 +82,31 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, kept[best][key], rtol=0, atol=0)
         torch.testing.assert_close(kept[3][key], rank0[key], rtol=0, atol=0)
+    check_evaluation(client, run_id, model, accuracy[best], tiny_mnist, pipeline_env(mlflow_server, ray_head),
+                     tmp_path)
+
+
+def check_evaluation(client: MlflowClient, run_id: str, model: torch.nn.Module, accuracy: float, data: Path,
+                     env: dict[str, str], tmp_path: Path) -> None:
+    """`pipelines.evaluate model=<run id>` on the Ray head: the training run's data and test split, scored by
+    Ray Data actors holding the logged model, in an evaluation run linked to the training run. Its loss is the
+    logged model's own on the split (float64 reference); its accuracy the training run's at the logged epoch."""
+    evaluation = client.get_run(evaluate_ok(run_id, env))
+    assert evaluation.info.status == "FINISHED"
+    assert evaluation.data.tags["training_run_id"] == evaluation.data.params["training_run_id"] == run_id
+    assert evaluation.info.experiment_id == client.get_run(run_id).info.experiment_id
+    features, labels = read_split(data, "test")
+    with torch.no_grad():
+        loss = F.cross_entropy(model(torch.from_numpy(features)).double(), torch.from_numpy(labels))
+    metrics = evaluation.data.metrics
+    assert metrics["test_rows"] == len(labels)
+    torch.testing.assert_close(torch.tensor(metrics["test_loss"], dtype=torch.float64), loss, rtol=1e-5, atol=1e-7)
+    assert abs(metrics["test_accuracy"] - accuracy) <= 1 / len(labels)  # float32 in another batching: 1 row at most
+    folder = client.download_artifacts(evaluation.info.run_id, "", str(tmp_path))
+    confusion = np.loadtxt(f"{folder}/confusion_matrix.csv", delimiter=",", dtype=np.int64)
+    assert confusion.shape == (10, 10) and confusion.sum() == len(labels)
+    assert confusion.trace() == round(metrics["test_accuracy"] * len(labels))
+    assert (Path(folder) / "confusion_matrix.png").stat().st_size > 1000
 
 
 def test_a_run_the_cluster_can_never_hold_exits_2_before_opening_a_run(tmp_path, tiny_mnist, mlflow_server, ray_head):

@@ -5,13 +5,12 @@ optimizer state are checked in-process (tests/unit/test_loop_backends.py)."""
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import ROOT, check_finished_run, pipeline_env, train_ok
+from tests.conftest import check_finished_run, evaluate_ok, pipeline_env, read_split, train_ok
 
 pytestmark = pytest.mark.slow
 TINY = ["trainer=tf_mwms", "trainer.tf_communication=ring", "trainer.batch_size=32", "model.hidden=[32]",
@@ -50,18 +49,25 @@ def test_fit_loop_syncs_trains_logs_and_resumes_after_a_failure(tmp_path, tiny_m
                          pipeline_env(mlflow_server, ray_head))
     assert marker.read_text().startswith("failed at epoch 2 in rank 1")
     client = MlflowClient(mlflow_server)
-    model_uri = check_run(client, run_id)
+    check_run(client, run_id)
     assert client.get_run(run_id).data.tags["resumed_from_epoch"] == "1"
     weights = check_replicas_identical(tmp_path / "params")
-    # The logged model loads (tf-keras: with TF_USE_LEGACY_KERAS=1) and holds the trained weights.
-    np.savez(tmp_path / "expected.npz", *weights)
-    code = ("import sys, numpy as np, mlflow; mlflow.set_tracking_uri(sys.argv[1]);"
-            "import mlflow.tensorflow as mt;"
-            "m = mt.load_model(sys.argv[2]); e = np.load(sys.argv[3]);"
-            "w = m.get_weights(); assert len(w) == len(e.files);"
-            "assert all(np.array_equal(a, e[k]) for a, k in zip(w, e.files));"
-            "assert m.predict(np.zeros((4, 784), np.float32), verbose=0).shape == (4, 10); print('ok')")
-    env = {**pipeline_env(mlflow_server), "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    load = subprocess.run([sys.executable, "-c", code, mlflow_server, model_uri, str(tmp_path / "expected.npz")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert load.returncode == 0 and load.stdout.strip().endswith("ok"), load.stderr[-3000:]
+    check_evaluation(client, run_id, weights, tiny_mnist, pipeline_env(mlflow_server, ray_head))
+
+
+def check_evaluation(client: MlflowClient, run_id: str, weights: list[np.ndarray], data, env) -> None:
+    """`pipelines.evaluate` loads the logged tf-keras model in Ray Data actors (TF_USE_LEGACY_KERAS=1 there) and
+    scores the training run's test split: the loss is that of the trained weights (the replicas' dump, the MLP's
+    forward in float64 numpy) and the accuracy the training run's last one."""
+    evaluation = client.get_run(evaluate_ok(run_id, env))
+    assert evaluation.info.status == "FINISHED" and evaluation.data.tags["training_run_id"] == run_id
+    features, labels = read_split(data, "test")
+    w1, b1, w2, b2 = (w.astype(np.float64) for w in weights)  # Dense(32, relu) -> Dense(10); dropout off
+    logits = np.maximum(features @ w1 + b1, 0.0) @ w2 + b2
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    loss = -log_probs[np.arange(len(labels)), labels].mean()
+    metrics = evaluation.data.metrics
+    np.testing.assert_allclose(metrics["test_loss"], loss, rtol=1e-4, atol=1e-6)  # TF computes in float32
+    last = max(client.get_metric_history(run_id, "test_accuracy"), key=lambda m: m.step).value
+    assert abs(metrics["test_accuracy"] - last) <= 1 / len(labels) and metrics["test_rows"] == len(labels)

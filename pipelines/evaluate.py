@@ -1,0 +1,206 @@
+"""Evaluate a trained model on a prepared split: `python -m pipelines.evaluate model=<model> [key=value ...]`.
+
+`model`: a training run id, `runs:/<run id>/model`, `models:/<name>/<version>`, `models:/<name>@<alias>` or
+`models:/<model id>`. Keys (all optional): `data.path` and `data.split` (default: the training run's data and
+evaluation split), `batch_size`, `concurrency` (scoring actors, one CPU each, or one GPU each with
+`use_gpu=true`), `experiment` (default: the training run's).
+
+Ray Data reads the split's Parquet shards and scores them with actors that each load the MLflow model once
+(pipelines/scoring.py). A new MLflow run gets `<split>_accuracy`, `<split>_loss` and `<split>_rows` (also linked
+to the logged model), for two classes `<split>_roc_auc` and `<split>_average_precision`, the confusion matrix
+(PNG and CSV) and, for two classes, the ROC and precision-recall curves; tag and param `training_run_id` link it
+to the run that trained the model. Uses the cluster at RAY_ADDRESS when set, else starts a local Ray.
+
+Last stdout line: `mlflow_run_id=<id>` (the evaluation run). Exit codes: 0 done, 1 scoring failed (the run is
+FAILED, or KILLED when interrupted), 2 bad arguments, model, data or tracking server (nothing was started).
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from contract import tracking
+from pipelines.config import ConfigError
+from pipelines.data.idx import DataError
+from pipelines.data.shards import read_manifest, shard_paths
+from pipelines.train import close_failed_run
+
+RUN_ID = re.compile(r"[0-9a-f]{32}")
+FEATURE_WIDTH = {"mnist": lambda inputs: 784, "imdb": lambda inputs: inputs["max_len"]}
+
+
+@dataclass
+class EvalData:
+    path: Optional[str] = None  # default: the training run's data.path
+    split: Optional[str] = None  # default: the training run's data.eval_split
+
+
+@dataclass
+class EvaluateConfig:
+    model: str = MISSING
+    data: EvalData = field(default_factory=EvalData)
+    batch_size: int = 256
+    concurrency: int = 1
+    use_gpu: bool = False
+    experiment: Optional[str] = None  # default: the training run's experiment
+
+
+@dataclass
+class Plan:
+    """What was resolved before anything starts."""
+    cfg: Any
+    model_uri: str
+    model_id: Optional[str]
+    training_run: Any  # mlflow Run, or None for a model logged outside a run
+    dataset: str
+    data_path: str
+    split: str
+    shards: list[str]
+
+
+def parse(argv: list[str]) -> Any:
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(EvaluateConfig), OmegaConf.from_dotlist(argv))
+        model = cfg.model  # MISSING raises here
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "arguments"
+        raise ConfigError(f"{key}: {str(err).strip().splitlines()[0]}") from err
+    if not model:
+        raise ConfigError("model: give a run id, runs:/<run id>/model or models:/<name>/<version>")
+    if cfg.batch_size < 1 or cfg.concurrency < 1:
+        raise ConfigError(f"batch_size and concurrency must be >= 1, got {cfg.batch_size} and {cfg.concurrency}")
+    return cfg
+
+
+def resolve(cfg: Any, uri: str) -> Plan:
+    """The model, the run that trained it and the data to score, all checked; raises ConfigError/DataError."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    mlflow.set_tracking_uri(uri)
+    model_uri = f"runs:/{cfg.model}/model" if RUN_ID.fullmatch(cfg.model) else cfg.model
+    try:
+        info = mlflow.models.get_model_info(model_uri)
+        training_run = mlflow.MlflowClient(uri).get_run(info.run_id) if info.run_id else None
+    except (MlflowException, OSError) as err:
+        raise ConfigError(f"model: {model_uri}: {str(err).strip().splitlines()[0]}") from err
+    trained_on = training_run.data.params if training_run else {}
+    data_path = cfg.data.path or trained_on.get("data.path")
+    split = cfg.data.split or trained_on.get("data.eval_split")
+    if not data_path or not split:
+        raise ConfigError(f"data.path, data.split: {model_uri} was not logged by a training run of ours (which "
+                          "names its data); give both")
+    manifest = read_manifest(data_path)
+    shards = shard_paths(data_path, manifest, split)
+    dataset = manifest["dataset"]
+    if trained_on.get("data.name", dataset) != dataset:
+        raise ConfigError(f"data.path: {data_path} holds {dataset}, the model was trained on "
+                          f"{trained_on['data.name']}")
+    width = FEATURE_WIDTH[dataset](manifest.get("model_inputs", {}))
+    expected = info.signature.inputs.inputs[0].shape[-1] if info.signature else width
+    if expected != width:
+        raise ConfigError(f"data.path: {data_path} has {width} features per row, the model takes {expected}")
+    return Plan(cfg, model_uri, info.model_id, training_run, dataset, data_path, split, shards)
+
+
+def check_fits(cfg: Any) -> None:
+    """Without RAY_ADDRESS a local Ray holds the scoring actors: as many as this machine has CPUs (or GPUs)."""
+    if os.environ.get("RAY_ADDRESS"):
+        return
+    cpus = len(os.sched_getaffinity(0))
+    if cfg.concurrency > cpus:
+        raise ConfigError(f"concurrency: {cfg.concurrency} scoring actors need a CPU each, this machine has {cpus}"
+                          " (set RAY_ADDRESS to score on a Ray cluster)")
+    if cfg.use_gpu:
+        import torch
+
+        if cfg.concurrency > torch.cuda.device_count():
+            raise ConfigError(f"use_gpu: {cfg.concurrency} scoring actors need a GPU each, this machine has "
+                              f"{torch.cuda.device_count()}")
+
+
+def open_run(plan: Plan, uri: str) -> str:
+    import mlflow
+
+    client = mlflow.MlflowClient(uri)
+    run = plan.training_run
+    experiment = plan.cfg.experiment or (client.get_experiment(run.info.experiment_id).name if run
+                                         else "evaluate")
+    trained = {"training_run_id": run.info.run_id} if run else {}
+    name = f"evaluate-{run.info.run_name if run else plan.dataset}-{plan.split}"
+    params = {"model_uri": plan.model_uri, "model_id": plan.model_id or "", "data.path": plan.data_path,
+              "data.split": plan.split, "data.name": plan.dataset, "batch_size": plan.cfg.batch_size,
+              "concurrency": plan.cfg.concurrency, "use_gpu": plan.cfg.use_gpu, **trained}
+    return tracking.start_run(uri, experiment, name, params, OmegaConf.to_yaml(plan.cfg),
+                              tags={"model_uri": plan.model_uri, **trained})
+
+
+def evaluate_into_run(plan: Plan, uri: str, run_id: str) -> dict[str, float]:
+    """Score the split on the connected Ray and log metrics and plots to the run; returns the metrics."""
+    import mlflow
+    import ray.data
+
+    from pipelines.scoring import save_plots, score, summarise
+
+    ds = ray.data.read_parquet(plan.shards)
+    labels, logits = score(ds, plan.model_uri, uri, plan.dataset, plan.cfg.batch_size, plan.cfg.concurrency,
+                           plan.cfg.use_gpu)
+    metrics, confusion = summarise(labels, logits, plan.split)
+    client = mlflow.MlflowClient(uri)
+    for name, value in metrics.items():  # linked to the logged model too: its page in the UI lists them
+        client.log_metric(run_id, name, value, model_id=plan.model_id)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        np.savetxt(folder / "confusion_matrix.csv", confusion, fmt="%d", delimiter=",")
+        for path in [folder / "confusion_matrix.csv", *save_plots(labels, logits, confusion, folder)]:
+            client.log_artifact(run_id, str(path))
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # errors stay one line
+    try:
+        cfg = parse(argv)
+        uri = tracking.tracking_uri()
+        tracking.check_reachable(uri)
+        plan = resolve(cfg, uri)
+        check_fits(cfg)
+    except (ConfigError, DataError, tracking.TrackingUnavailable) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    import ray
+
+    run_id = open_run(plan, uri)
+    print(f"MLflow run {run_id} ({uri}): scoring {plan.model_uri} on {plan.data_path} split {plan.split}",
+          flush=True)
+    code = 0
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+    else:  # our own Ray (never another one on this machine); +1 CPU for the Parquet reads beside the actors
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, cfg.concurrency + 1), include_dashboard=False)
+    try:
+        metrics = evaluate_into_run(plan, uri, run_id)
+        tracking.end_run(uri, run_id)
+        print(" ".join(f"{name}={value:.6g}" for name, value in metrics.items()), flush=True)
+    except BaseException as err:  # interrupts too: the run must not stay RUNNING
+        print(close_failed_run(uri, run_id, err, "evaluation"), file=sys.stderr)
+        code = 1
+    finally:
+        ray.shutdown()
+    sys.stdout.write(f"mlflow_run_id={run_id}\n")  # after the shutdown: no worker log line inside it
+    sys.stdout.flush()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Evaluation without Ray: the metrics against direct computations, the scoring actor's callable on real logged
+PyTorch models (a local sqlite MLflow store) against the models themselves, and bad input: one line, exit 2,
+no evaluation run. The whole path through Ray Data and a tracking server is end to end
+(tests/integration/test_ddp_pipeline.py for PyTorch, test_tf_mwms.py for tf-keras)."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from contract.data import PAD_ID, model_input
+from pipelines import evaluate
+from pipelines.scoring import ModelScorer, save_plots, summarise
+from trainers.models.bert import BertClassifier, BertConfig
+from trainers.models.mnist import MLP
+from trainers.torch_common import normalise
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_metrics_match_direct_computation(tmp_path):
+    rng = np.random.default_rng(0)
+    logits, labels = rng.normal(size=(200, 10)) * 3, rng.integers(0, 10, size=200)
+    metrics, confusion = summarise(labels, logits, "test")
+    predicted = logits.argmax(axis=1)
+    assert metrics["test_accuracy"] == pytest.approx(np.mean(predicted == labels))
+    expected_loss = F.cross_entropy(torch.from_numpy(logits), torch.from_numpy(labels)).item()
+    assert metrics["test_loss"] == pytest.approx(expected_loss, rel=1e-9)
+    assert metrics["test_rows"] == 200 and "test_roc_auc" not in metrics
+    for true in range(10):
+        for guess in range(10):
+            assert confusion[true, guess] == np.sum((labels == true) & (predicted == guess))
+    assert [p.name for p in save_plots(labels, logits, confusion, tmp_path)] == ["confusion_matrix.png"]
+
+    # Two classes: ranking metrics of the positive class. Positives scored above every negative: AUC 1; the
+    # reverse order: 0.
+    labels = np.array([0, 0, 1, 1, 1])
+    separable = np.stack([np.zeros(5), np.array([-2.0, -1.0, 1.0, 2.0, 3.0])], axis=1)
+    metrics, _ = summarise(labels, separable, "validation")
+    assert metrics["validation_roc_auc"] == 1.0 and metrics["validation_average_precision"] == 1.0
+    assert summarise(labels, -separable, "validation")[0]["validation_roc_auc"] == 0.0
+    plots = save_plots(labels, separable, np.eye(2, dtype=int), tmp_path)
+    assert [p.name for p in plots] == ["confusion_matrix.png", "roc_curve.png", "pr_curve.png"]
+    assert all(p.stat().st_size > 1000 for p in plots)
+
+
+def test_images_are_normalised_as_the_workers_do():
+    images = np.random.default_rng(0).integers(0, 256, size=(4, 784)).astype(np.uint8)
+    torch.testing.assert_close(torch.from_numpy(model_input("mnist", images)),
+                               normalise(torch.from_numpy(images)))
+
+
+def log_model(uri: str, model: torch.nn.Module, example: np.ndarray, params: dict) -> str:
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    with mlflow.start_run() as run:
+        mlflow.log_params(params)
+        mlflow.pytorch.log_model(model, name="model", input_example=example,
+                                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+    return run.info.run_id
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory) -> dict:
+    """A local sqlite store holding two runs, each with a logged model: an MNIST MLP and an IMDb BERT."""
+    uri = f"sqlite:///{tmp_path_factory.mktemp('evaluate')}/mlflow.db"
+    torch.manual_seed(0)
+    mlp = MLP(hidden=[16]).eval()
+    bert = BertClassifier(BertConfig(vocab_size=40, max_len=8, hidden=16, layers=1, heads=2, dropout=0.0)).eval()
+    return {"uri": uri,
+            "mnist": (log_model(uri, mlp, np.zeros((2, 784), np.float32), {"data.name": "mnist"}), mlp),
+            "imdb": (log_model(uri, bert, np.ones((2, 8), np.int64), {"data.name": "imdb"}), bert)}
+
+
+def test_scorer_gives_the_models_logits(logged):
+    """The MNIST MLP scores shard rows (uint8 images) as the workers' normalised input; the BERT scores padded
+    token ids as training's explicit mask does."""
+    run_id, mlp = logged["mnist"]
+    images = np.random.default_rng(1).integers(0, 256, size=(8, 784)).astype(np.uint8)
+    scored = ModelScorer(f"runs:/{run_id}/model", logged["uri"], "mnist")({"image": images, "label": np.arange(8)})
+    with torch.no_grad():
+        expected = mlp(normalise(torch.from_numpy(images)))
+    torch.testing.assert_close(torch.from_numpy(scored["logits"]), expected.double())
+    assert scored["label"].tolist() == list(range(8))
+
+    run_id, bert = logged["imdb"]
+    lengths = torch.tensor([8, 3, 5])
+    mask = torch.arange(8) < lengths[:, None]
+    ids = torch.randint(1, 40, (3, 8)).masked_fill(~mask, PAD_ID).int()  # as stored: int32
+    column = np.empty(3, dtype=object)
+    column[:] = list(ids.numpy())  # fixed-size lists arrive as an object array of rows
+    scored = ModelScorer(f"runs:/{run_id}/model", logged["uri"], "imdb")({"input_ids": column, "label": np.zeros(3)})
+    with torch.no_grad():
+        expected = bert(ids.long(), mask)
+    torch.testing.assert_close(torch.from_numpy(scored["logits"]), expected.double())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["model=abc", "bogus=1"], r"^error: bogus: Key 'bogus' not in 'EvaluateConfig'"),
+    ([], r"^error: model: Missing mandatory value"),
+    (["model=0123456789abcdef0123456789abcdef"],
+     r"^error: model: runs:/0123456789abcdef0123456789abcdef/model: Run with id=\S+ not found"),
+    (["model=models:/nope/1"], r"^error: model: models:/nope/1: Registered Model with name=nope not found"),
+    (["model=MNIST_RUN", "data.path=MISSING", "data.split=test"], r"^error: \S+/missing/manifest.json: no manifest"),
+    (["model=MNIST_RUN", "data.path=MNIST", "data.split=validation"], r"^error: \S+: no split 'validation'"),
+    (["model=IMDB_RUN", "data.path=MNIST", "data.split=test"], r"^error: data.path: \S+ holds mnist, the model was trained on imdb"),
+    (["model=MNIST_RUN", "data.path=MNIST", "data.split=test", "concurrency=64"],
+     r"^error: concurrency: 64 scoring actors need"),
+    (["model=MNIST_RUN"], r"^error: data.path, data.split: runs:/\S+ was not logged by a training run of ours"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message, logged, tiny_mnist, tmp_path, monkeypatch, capsys):
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", logged["uri"])
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    names = {"MNIST_RUN": logged["mnist"][0], "IMDB_RUN": logged["imdb"][0], "MNIST": str(tiny_mnist),
+             "MISSING": str(tmp_path / "missing")}
+    args = [f"{key}={names.get(value, value)}" for key, value in (arg.split("=", 1) for arg in args)]
+    mlflow.set_tracking_uri(logged["uri"])
+    before = len(mlflow.search_runs(experiment_ids=["0"], output_format="list"))
+    assert evaluate.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.match(message, err), err
+    assert len(mlflow.search_runs(experiment_ids=["0"], output_format="list")) == before  # no evaluation run
