@@ -128,6 +128,7 @@ class RunSection:
     monitor_mode: Optional[str] = None  # max | min; default: min for losses and times, else max
     final_model: str = "best"         # the logged MLflow model: the best epoch's, or the last epoch's
     patience: Optional[int] = None    # stop after this many epochs without a better `monitor` (None: never)
+    register_model: Optional[str] = None  # register the logged model as a new version of this registered model
 
 
 @dataclass

@@ -159,6 +159,9 @@ def _check_recipe(cfg: DictConfig) -> None:
     _choice("run", "final_model", run.final_model, recipe.FINAL_MODELS)
     if run.patience is not None and run.patience < 1:
         raise ConfigError(f"run.patience: must be >= 1 (null: no early stopping), got {run.patience}")
+    name = run.register_model
+    if name is not None and (not name.strip() or "/" in name or ":" in name):
+        raise ConfigError(f"run.register_model: '{name}' is not a model name MLflow accepts (not blank, no / or :)")
 
 
 def _check_warmup_fits(cfg: DictConfig, manifest: dict) -> None:

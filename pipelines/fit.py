@@ -77,6 +77,8 @@ def log_final_model(backend: Any, cfg: DictConfig, run_id: str, uri: str, checkp
             raise ConnectionError(f"{unsent} spooled record(s) not accepted")
         tracking.set_tags(uri, run_id, tags)
         backend.log_final_model(uri, run_id, cfg, checkpoint, inputs)
+        if cfg.run.register_model:
+            tracking.register_logged_model(uri, run_id, cfg.run.register_model)
     except Exception:
         if tracking.answers(uri):
             raise  # not the server: a real failure

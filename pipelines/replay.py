@@ -40,6 +40,8 @@ def replay(folder: Path) -> str:
         tracking.set_tags(uri, run_id, spec.get("tags", {}))
         get_backend(cfg.trainer.backend).log_final_model(uri, run_id, cfg, Checkpoint(spec["checkpoint"]),
                                                          spec["model_inputs"])
+        if cfg.run.register_model:
+            tracking.register_logged_model(uri, run_id, cfg.run.register_model)
         tracking.end_run(uri, run_id)
         final.unlink()
     return run_id

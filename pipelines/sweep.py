@@ -163,13 +163,20 @@ def make_scheduler(spec: DictConfig, valid: list[Trial]) -> Any:
                          max_t=max(t.cfg.trainer.epochs for t in valid))
 
 
+def trial_config(cfg: DictConfig) -> dict[str, Any]:
+    """A trial's config as plain data for its Tune actor. Trials register no model: the sweep registers its best
+    trial's (`run.register_model`, in `report`)."""
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain["run"]["register_model"] = None
+    return plain
+
+
 def run_tune(spec: DictConfig, valid: list[Trial], children: dict[int, str], uri: str, parent_id: str,
              concurrency: int) -> dict[int, Outcome]:
     """Run every valid trial; returns {trial index: how it ended}."""
     from ray import tune
 
-    specs = {t.index: {"cfg": OmegaConf.to_container(t.cfg, resolve=True), "run_id": children[t.index],
-                       "tracking_uri": uri} for t in valid}
+    specs = {t.index: {"cfg": trial_config(t.cfg), "run_id": children[t.index], "tracking_uri": uri} for t in valid}
     # Only the Tune function's own CPU here: the trainer reserves its workers itself, outside Tune.
     trainable = tune.with_resources(tune.with_parameters(run_trial, specs=specs), {"cpu": 1})
     tuner = tune.Tuner(
@@ -204,8 +211,9 @@ def close_children(uri: str, children: dict[int, str], outcomes: dict[int, Outco
             tracking.end_run(uri, run_id, error=outcome.message if outcome.status == "FAILED" else None)
 
 
-def report(uri: str, spec: DictConfig, parent_id: str) -> str:
-    """Build the scaling report from the child runs and log it to the parent run; returns the Markdown."""
+def report(uri: str, spec: DictConfig, parent_id: str, register_model: str | None) -> str:
+    """Build the scaling report from the child runs and log it to the parent run, and register the best trial's
+    model as `register_model` if given; returns the Markdown."""
     from pipelines.scaling_report import build_report, read_trials
 
     client = _client(uri)
@@ -217,6 +225,12 @@ def report(uri: str, spec: DictConfig, parent_id: str) -> str:
         client.set_tag(parent_id, "best.run_id", result.best["run_id"])
         client.set_tag(parent_id, "best.trial", result.best["trial"])
         client.log_metric(parent_id, f"best.{spec.metric}", result.best[spec.metric])
+        if register_model:  # the best trial may be one ASHA stopped early, without a model: say so, go on
+            try:
+                version = tracking.register_logged_model(uri, result.best["run_id"], register_model)
+                client.set_tag(parent_id, "registered_model", f"{register_model}/{version}")
+            except RuntimeError as err:
+                print(f"warning: {err}", file=sys.stderr)
     return result.markdown
 
 
@@ -281,7 +295,7 @@ def run_sweep(spec: DictConfig, trials: list[Trial], uri: str, resume_dir: str |
             tracking.mark_preempted(uri, parent_id, f"{failed} of {len(children)} trials unfinished")
             return parent_id, failed, True
         _client(uri).log_metric(parent_id, "trials_failed", failed)
-        print(report(uri, spec, parent_id), flush=True)
+        print(report(uri, spec, parent_id, valid[0].cfg.run.register_model), flush=True)
         return parent_id, failed, False
     except BaseException as err:  # KeyboardInterrupt too: no run may stay RUNNING
         if parent_id is None:

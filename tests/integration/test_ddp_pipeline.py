@@ -27,8 +27,9 @@ TINY = ["trainer.batch_size=32", "model.hidden=[64]", "trainer.threads_per_worke
 
 def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny_mnist, mlflow_server, ray_head):
     """`ray job submit --working-dir .` of the real pipeline against the test's own Ray head; rank 1 fails at
-    epoch 2 and Ray Train restarts the workers from epoch 1's checkpoint (not from scratch)."""
-    marker = tmp_path / "failed-once"
+    epoch 2 and Ray Train restarts the workers from epoch 1's checkpoint (not from scratch). The final model is
+    registered, and evaluated through the registry."""
+    marker, registered = tmp_path / "failed-once", f"mnist-ddp-{tmp_path.name}"
     env = pipeline_env(mlflow_server, ray_head)
     runtime_env = {"excludes": ["/.venv", "/.git", "/data", "/outputs", "/mlflow.db", "/mlartifacts"],
                    "env_vars": {k: env[k] for k in ("MLFLOW_TRACKING_URI", "OMP_NUM_THREADS",
@@ -37,7 +38,8 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
            "--runtime-env-json", json.dumps(runtime_env), "--",
            "python", "-m", "pipelines.train", f"data.path={tiny_mnist}", "trainer.epochs=3",
            f"run.storage_path={tmp_path / 'ray'}", f"run.dump_params_dir={tmp_path / 'params'}", *TINY,
-           "fault.max_failures=1", "fault.inject_at_epoch=2", f"fault.inject_marker={marker}"]
+           "fault.max_failures=1", "fault.inject_at_epoch=2", f"fault.inject_marker={marker}",
+           f"run.register_model={registered}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     run_id = run_id_from(proc.stdout)
@@ -82,16 +84,21 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, kept[best][key], rtol=0, atol=0)
         torch.testing.assert_close(kept[3][key], rank0[key], rtol=0, atol=0)
-    check_evaluation(client, run_id, model, accuracy[best], tiny_mnist, pipeline_env(mlflow_server, ray_head),
-                     tmp_path)
+
+    [version] = client.search_model_versions(f"name = '{registered}'")
+    assert version.run_id == run_id and version.tags["training_run_id"] == run_id
+    assert client.get_run(run_id).data.tags["registered_model"] == f"{registered}/{version.version}"
+    client.set_registered_model_alias(registered, "champion", version.version)
+    check_evaluation(client, run_id, f"models:/{registered}@champion", model, accuracy[best], tiny_mnist,
+                     pipeline_env(mlflow_server, ray_head), tmp_path)
 
 
-def check_evaluation(client: MlflowClient, run_id: str, model: torch.nn.Module, accuracy: float, data: Path,
-                     env: dict[str, str], tmp_path: Path) -> None:
-    """`pipelines.evaluate model=<run id>` on the Ray head: the training run's data and test split, scored by
+def check_evaluation(client: MlflowClient, run_id: str, model_uri: str, model: torch.nn.Module, accuracy: float,
+                     data: Path, env: dict[str, str], tmp_path: Path) -> None:
+    """`pipelines.evaluate model=<model_uri>` on the Ray head: the training run's data and test split, scored by
     Ray Data actors holding the logged model, in an evaluation run linked to the training run. Its loss is the
     logged model's own on the split (float64 reference); its accuracy the training run's at the logged epoch."""
-    evaluation = client.get_run(evaluate_ok(run_id, env))
+    evaluation = client.get_run(evaluate_ok(model_uri, env))
     assert evaluation.info.status == "FINISHED"
     assert evaluation.data.tags["training_run_id"] == evaluation.data.params["training_run_id"] == run_id
     assert evaluation.info.experiment_id == client.get_run(run_id).info.experiment_id

@@ -43,7 +43,8 @@ def test_smoke_sweep_nests_runs_rejects_points_and_reports(tmp_path, tiny_imdb, 
     marker = tmp_path / "failed-once"
     # fault.max_failures=0: the injected failure fails the Ray Train run, so Tune restarts the whole trial.
     proc = submit_sweep(["sweep=smoke", f"data.path={tiny_imdb}", f"run.storage_path={tmp_path / 'ray'}",
-                         "fault.max_failures=0", "fault.inject_at_epoch=2", f"fault.inject_marker={marker}"],
+                         "fault.max_failures=0", "fault.inject_at_epoch=2", f"fault.inject_marker={marker}",
+                         f"run.register_model=smoke-best-{tmp_path.name}"],
                         mlflow_server, ray_head)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     parent_id = parent_id_from(proc.stdout)
@@ -85,6 +86,10 @@ def test_smoke_sweep_nests_runs_rejects_points_and_reports(tmp_path, tiny_imdb, 
     assert len(resumed) == 1 and resumed[0].data.tags["resumed_from_epoch"] == "1"
 
     check_report(client, download(mlflow_server, parent_id, "report", tmp_path), parent_id, children)
+    # The best trial's model is registered, no other (trials register nothing themselves).
+    [version] = client.search_model_versions(f"name = 'smoke-best-{tmp_path.name}'")
+    assert version.run_id == parent.data.tags["best.run_id"]
+    assert parent.data.tags["registered_model"] == f"smoke-best-{tmp_path.name}/{version.version}"
     by_layout = {(c.data.params["backend"], c.data.params["world_size"]): c for c in children}
     check_text_run(client, by_layout[("ddp", "2")])
     # Dropout 0, same seed and batches: TP's sharded layers compute the dense model's first-epoch loss (16 steps;
