@@ -74,6 +74,10 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
 
 def _check_local_store(uri: str) -> None:
     """Open a local store (sqlite, file) once, so that a refused one is a config error and not a traceback."""
+    import logging
+
+    for name in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..." and such:
+        logging.getLogger(name).setLevel(logging.WARNING)  # a new local store is no news worth two lines
     try:
         _client(uri)
     except Exception as err:  # which store refuses how is MLflow's business; the user needs one line

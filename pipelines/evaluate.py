@@ -81,18 +81,24 @@ def parse(argv: list[str]) -> Any:
     return cfg
 
 
-def resolve(cfg: Any, uri: str) -> Plan:
-    """The model, the run that trained it and the data to score, all checked; raises ConfigError/DataError."""
+def find_model(spec: str, uri: str) -> tuple[str, Any, Any]:
+    """(model URI, its MLflow ModelInfo, the run that logged it or None) of a `model=` value; ConfigError if
+    MLflow does not know it."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
     mlflow.set_tracking_uri(uri)
-    model_uri = f"runs:/{cfg.model}/model" if RUN_ID.fullmatch(cfg.model) else cfg.model
+    model_uri = f"runs:/{spec}/model" if RUN_ID.fullmatch(spec) else spec
     try:
         info = mlflow.models.get_model_info(model_uri)
-        training_run = mlflow.MlflowClient(uri).get_run(info.run_id) if info.run_id else None
+        return model_uri, info, mlflow.MlflowClient(uri).get_run(info.run_id) if info.run_id else None
     except (MlflowException, OSError) as err:
         raise ConfigError(f"model: {model_uri}: {str(err).strip().splitlines()[0]}") from err
+
+
+def resolve(cfg: Any, uri: str) -> Plan:
+    """The model, the run that trained it and the data to score, all checked; raises ConfigError/DataError."""
+    model_uri, info, training_run = find_model(cfg.model, uri)
     trained_on = training_run.data.params if training_run else {}
     data_path = cfg.data.path or trained_on.get("data.path")
     split = cfg.data.split or trained_on.get("data.eval_split")
@@ -112,7 +118,7 @@ def resolve(cfg: Any, uri: str) -> Plan:
     return Plan(cfg, model_uri, info.model_id, training_run, dataset, data_path, split, shards)
 
 
-def check_fits(cfg: Any) -> None:
+def check_actors_fit(cfg: Any) -> None:
     """Without RAY_ADDRESS a local Ray holds the scoring actors: as many as this machine has CPUs (or GPUs)."""
     if os.environ.get("RAY_ADDRESS"):
         return
@@ -126,6 +132,15 @@ def check_fits(cfg: Any) -> None:
         if cfg.concurrency > torch.cuda.device_count():
             raise ConfigError(f"use_gpu: {cfg.concurrency} scoring actors need a GPU each, this machine has "
                               f"{torch.cuda.device_count()}")
+
+
+def init_ray(actors: int) -> None:
+    import ray
+
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+    else:  # our own Ray (never another one on this machine); +1 CPU for the reads beside the actors
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, actors + 1), include_dashboard=False)
 
 
 def open_run(plan: Plan, uri: str) -> str:
@@ -154,6 +169,7 @@ def evaluate_into_run(plan: Plan, uri: str, run_id: str) -> dict[str, float]:
     ds = ray.data.read_parquet(plan.shards)
     labels, logits = score(ds, plan.model_uri, uri, plan.dataset, plan.cfg.batch_size, plan.cfg.concurrency,
                            plan.cfg.use_gpu)
+    labels = labels.astype(np.int64)
     metrics, confusion = summarise(labels, logits, plan.split)
     client = mlflow.MlflowClient(uri)
     for name, value in metrics.items():  # linked to the logged model too: its page in the UI lists them
@@ -174,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         uri = tracking.tracking_uri()
         tracking.check_reachable(uri)
         plan = resolve(cfg, uri)
-        check_fits(cfg)
+        check_actors_fit(cfg)
     except (ConfigError, DataError, tracking.TrackingUnavailable) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -184,10 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"MLflow run {run_id} ({uri}): scoring {plan.model_uri} on {plan.data_path} split {plan.split}",
           flush=True)
     code = 0
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
-    else:  # our own Ray (never another one on this machine); +1 CPU for the Parquet reads beside the actors
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, cfg.concurrency + 1), include_dashboard=False)
+    init_ray(cfg.concurrency)
     try:
         metrics = evaluate_into_run(plan, uri, run_id)
         tracking.end_run(uri, run_id)

@@ -19,7 +19,8 @@ SCORER_ENV = {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
 class ModelScorer:
-    """Ray Data `map_batches` callable: {feature column, label} rows -> {label, logits [B, classes]}."""
+    """Ray Data `map_batches` callable: rows with the dataset's feature column -> the other columns as they came
+    (labels, row numbers) and `logits` [B, classes]."""
 
     def __init__(self, model_uri: str, tracking_uri: str, dataset: str, threads: int = 1):
         import mlflow
@@ -40,9 +41,10 @@ class ModelScorer:
             tf_keras.utils.disable_interactive_logging()  # no progress bar per batch in the driver's log
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        features = model_input(self.dataset, batch[FEATURE_COLUMNS[self.dataset]]).astype(self.dtype, copy=False)
+        column = FEATURE_COLUMNS[self.dataset]
+        features = model_input(self.dataset, batch[column]).astype(self.dtype, copy=False)
         logits = np.asarray(self.model.predict(features), dtype=np.float64)
-        return {"label": np.asarray(batch["label"], dtype=np.int64), "logits": logits}
+        return {**{name: values for name, values in batch.items() if name != column}, "logits": logits}
 
 
 def summarise(labels: np.ndarray, logits: np.ndarray, split: str) -> tuple[dict[str, float], np.ndarray]:
@@ -89,15 +91,16 @@ def save_plots(labels: np.ndarray, logits: np.ndarray, confusion: np.ndarray, fo
 
 
 def score(ds: Any, model_uri: str, tracking_uri: str, dataset: str, batch_size: int, concurrency: int,
-          use_gpu: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(labels, logits) of every row of the Ray Dataset `ds`, scored by `concurrency` model-holding actors."""
+          use_gpu: bool, key: str = "label") -> tuple[np.ndarray, np.ndarray]:
+    """(`key` column, logits) of every row of the Ray Dataset `ds`, scored by `concurrency` model-holding
+    actors."""
     from ray.data import ActorPoolStrategy
 
     scored = ds.map_batches(ModelScorer, fn_constructor_args=(model_uri, tracking_uri, dataset),
                             batch_size=batch_size, batch_format="numpy", compute=ActorPoolStrategy(size=concurrency),
                             num_cpus=1, num_gpus=1 if use_gpu else 0, runtime_env={"env_vars": SCORER_ENV})
-    labels, logits = [], []
+    keys, logits = [], []
     for batch in scored.iter_batches(batch_size=None, batch_format="numpy"):
-        labels.append(batch["label"])
+        keys.append(batch[key])
         logits.append(np.stack(batch["logits"]) if batch["logits"].dtype == object else batch["logits"])
-    return np.concatenate(labels), np.concatenate(logits)
+    return np.concatenate(keys), np.concatenate(logits)

@@ -7,12 +7,19 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
+import sys
+from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
 from contract.metrics import EPOCH_METRICS, TEXT_METRICS
+from pipelines.data.raw_inputs import read_texts
+from pipelines.data.tokenize import Tokenise
 from tests.conftest import ROOT, pipeline_env
 
 pytestmark = pytest.mark.slow
@@ -90,6 +97,8 @@ def test_smoke_sweep_nests_runs_rejects_points_and_reports(tmp_path, tiny_imdb, 
     [version] = client.search_model_versions(f"name = 'smoke-best-{tmp_path.name}'")
     assert version.run_id == parent.data.tags["best.run_id"]
     assert parent.data.tags["registered_model"] == f"smoke-best-{tmp_path.name}/{version.version}"
+    check_text_prediction(f"models:/smoke-best-{tmp_path.name}/{version.version}", tiny_imdb, mlflow_server,
+                          ray_head, tmp_path)
     by_layout = {(c.data.params["backend"], c.data.params["world_size"]): c for c in children}
     check_text_run(client, by_layout[("ddp", "2")])
     # Dropout 0, same seed and batches: TP's sharded layers compute the dense model's first-epoch loss (16 steps;
@@ -99,6 +108,31 @@ def test_smoke_sweep_nests_runs_rejects_points_and_reports(tmp_path, tiny_imdb, 
     sharded = history(client, by_layout[("tp", "2")].info.run_id, "train_loss")[0]
     torch.testing.assert_close(torch.tensor(sharded, dtype=torch.float64), torch.tensor(dense, dtype=torch.float64),
                                rtol=1e-5, atol=1e-6)
+
+
+def check_text_prediction(model_uri: str, data: Path, mlflow_server: str, ray_head: dict, tmp_path: Path) -> None:
+    """`pipelines.predict` on the folder of raw reviews the tiny IMDb data was prepared from: Ray Data tokenises
+    them with the training data's tokenizer (logged with the run) and scores them; the probabilities are the
+    registered model's own on the same token ids, and they tell positive from negative reviews."""
+    import mlflow
+
+    output = tmp_path / "predictions.parquet"
+    proc = subprocess.run([sys.executable, "-m", "pipelines.predict", f"model={model_uri}",
+                           f"input={data.parent / 'src'}", f"output={output}"], cwd=ROOT,
+                          env=pipeline_env(mlflow_server, ray_head), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sources, texts = read_texts(data.parent / "src")
+    ids = Tokenise((data / "tokenizer.json").read_text(), 48)(pa.table({"text": texts})).column("input_ids")
+    model = mlflow.pytorch.load_model(model_uri)  # MLflow 3 logs torch.export programs: already in eval mode
+    with torch.no_grad():
+        expected = torch.softmax(model(torch.from_numpy(np.stack(ids.to_numpy(zero_copy_only=False))).long())
+                                 .double(), dim=1)
+    table = pq.read_table(output)
+    assert table.column("source").to_pylist() == sources
+    probabilities = torch.from_numpy(np.stack(table.column("probabilities").to_numpy(zero_copy_only=False)))
+    torch.testing.assert_close(probabilities.double(), expected, rtol=1e-4, atol=1e-6)
+    positive = np.array(["/pos/" in source for source in sources])
+    assert np.mean(np.array(table.column("prediction").to_pylist()) == positive) >= 0.75
 
 
 def check_text_run(client: MlflowClient, run) -> None:

@@ -1,0 +1,94 @@
+"""Prediction input without Ray: raw images and reviews read as the prepared shards hold them (the same pixels,
+the same token ids as `prepare` wrote), and bad input as one line with exit 2. The Ray Data path (tokenising
+and scoring actors) runs end to end in tests/integration/test_sweep.py (IMDb: the tokenising step too)."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from PIL import Image
+
+from pipelines import predict
+from pipelines.data.idx import DataError
+from pipelines.data.raw_inputs import read_images, read_texts
+from pipelines.data.tokenize import Tokenise
+from tests.conftest import make_mnist_like, read_split
+
+
+def test_images_from_idx_and_from_a_folder_of_files(tmp_path):
+    raw = make_mnist_like(tmp_path / "raw", 4, 6)
+    sources, images = read_images(raw / "t10k-images-idx3-ubyte.gz")
+    assert images.shape == (6, 784) and images.dtype == np.uint8
+    assert sources[0] == "t10k-images-idx3-ubyte.gz[0]"
+    folder = tmp_path / "pngs"
+    folder.mkdir()
+    for i, image in enumerate(images[:3]):  # 28x28 grayscale files come back as the same pixels
+        Image.fromarray(image.reshape(28, 28)).save(folder / f"digit{i}.png")
+    Image.fromarray(np.full((56, 56, 3), 200, np.uint8)).save(folder / "z_big_rgb.jpg")  # converted, resized
+    sources, from_files = read_images(folder)
+    assert sources == ["digit0.png", "digit1.png", "digit2.png", "z_big_rgb.jpg"]
+    np.testing.assert_array_equal(from_files[:3], images[:3])
+    assert np.all(np.abs(from_files[3].astype(int) - 200) <= 1)
+
+
+def test_reviews_from_lines_csv_and_folders_tokenise_as_prepare_did(tmp_path, tiny_imdb):
+    lines = tmp_path / "reviews.txt"
+    lines.write_text("A great film.<br />Loved it!\nDull and   boring.\n")
+    assert read_texts(lines) == (["reviews.txt:1", "reviews.txt:2"], ["A great film. Loved it!", "Dull and boring."])
+    table = tmp_path / "reviews.csv"
+    table.write_text('id,text\n7,"Superb, moving."\n')
+    assert read_texts(table) == (["reviews.csv[0]"], ["Superb, moving."])
+
+    # The generated aclImdb folder the tiny IMDb shards were prepared from: every review, tokenised with the
+    # shards' tokenizer as `predict` does, gives exactly the token ids `prepare` stored (train + validation).
+    sources, texts = read_texts(tiny_imdb.parent / "src")
+    assert len(texts) == 320 and not any("urls_" in s for s in sources)
+    tokenised = Tokenise((tiny_imdb / "tokenizer.json").read_text(), 48)(pa.table({"text": texts}))
+    ours = sorted(map(tuple, np.stack(tokenised.column("input_ids").to_numpy(zero_copy_only=False))))
+    stored = [read_split(tiny_imdb, split)[0] for split in ("train", "validation")]
+    assert ours == sorted(map(tuple, np.concatenate(stored)))
+
+
+def corrupt_png(folder):
+    (folder / "x.png").write_bytes(b"not a png")
+    return folder
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda folder: folder, r"no image files"),
+    (corrupt_png, r"x.png: not a readable image"),
+    (lambda folder: folder / "nothing.idx", r"nothing.idx: not found"),
+])
+def test_bad_images_are_data_errors(tmp_path, make, message):
+    with pytest.raises(DataError, match=message):
+        read_images(make(tmp_path))
+
+
+@pytest.mark.parametrize("content, name, message", [
+    ("good\n\nalso good\n", "r.txt", r"1 empty review\(s\) \(first: r.txt:2\)"),
+    ("review,label\nfine,1\n", "r.csv", r"no 'text' column"),
+    ("", "r.txt", r"no reviews"),
+])
+def test_bad_reviews_are_data_errors(tmp_path, content, name, message):
+    (tmp_path / name).write_text(content)
+    with pytest.raises(DataError, match=message):
+        read_texts(tmp_path / name)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["model=m", "input=i", "output=o.parquet", "bogus=1"], r"^error: bogus: Key 'bogus' not in 'PredictConfig'"),
+    (["model=m", "output=o.parquet"], r"^error: input: Missing mandatory value"),
+    (["model=m", "input=i", "output=predictions.csv"], r"^error: output: \S+ must be a .parquet file"),
+    (["model=m", "input=i", "output=/no/such/folder/p.parquet"], r"^error: output: \S+ must be a .parquet file"),
+    (["model=0123456789abcdef0123456789abcdef", "input=i", "output=o.parquet"],
+     r"^error: model: runs:/0123456789abcdef0123456789abcdef/model: Run with id=\S+ not found"),
+])
+def test_bad_arguments_are_one_line_and_exit_2(args, expected, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.chdir(tmp_path)
+    assert predict.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.match(expected, err), err
+    assert not list(tmp_path.glob("*.parquet"))
