@@ -206,6 +206,8 @@ def _send(client: Any, run_id: str, record: dict[str, Any], resend: bool) -> Non
             client.log_batch(run_id, metrics=metrics)
     elif record["op"] == "tag":
         client.set_tag(run_id, record["key"], record["value"])
+    elif record["op"] == "artifacts":  # files the worker wrote (a profile): sent again whole if need be
+        client.log_artifacts(run_id, record["folder"], record["path"])
     elif record["op"] == "append_tag":  # comma-separated history, e.g. every epoch the run resumed from
         previous = client.get_run(run_id).data.tags.get(record["key"])
         values = previous.split(",") if previous else []
@@ -313,6 +315,10 @@ class EpochLogger:
         """Per-epoch diagnostics (per-rank stats) logged as they come, without the once-per-epoch check."""
         now = _now_ms()
         self.spool.write({"op": "metrics", "metrics": [[k, float(v), now, epoch] for k, v in metrics.items()]})
+
+    def log_artifacts(self, folder: str, path: str) -> None:
+        """The files in `folder` (on this worker's node) as the run's artifacts under `path`."""
+        self.spool.write({"op": "artifacts", "folder": folder, "path": path})
 
     def log(self, epoch: int, metrics: Mapping[str, float]) -> None:
         now = _now_ms()

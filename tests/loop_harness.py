@@ -29,6 +29,7 @@ class Recorder:
     extras: dict[int, dict[str, float]] = field(default_factory=dict)
     step_losses: dict[int, float] = field(default_factory=dict)
     resumed: list[int] = field(default_factory=list)
+    artifacts: list[tuple[str, str]] = field(default_factory=list)
 
     def log(self, epoch: int, metrics: dict[str, float]) -> None:
         self.epochs.setdefault(epoch, dict(metrics))  # idempotent per epoch, as contract.tracking.EpochLogger
@@ -42,6 +43,9 @@ class Recorder:
 
     def resumed_from(self, epoch: int) -> None:
         self.resumed.append(epoch)
+
+    def log_artifacts(self, folder: str, path: str) -> None:
+        self.artifacts.append((folder, path))
 
     def curve(self) -> np.ndarray:
         steps = sorted(self.step_losses)

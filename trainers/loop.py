@@ -23,6 +23,14 @@ from contract.recipe import Monitor
 from contract.resume import STOP_CHECK_EVERY
 
 
+class StepProfiler(Protocol):
+    """A framework's profiler over some training steps (the adapter makes it; the loop drives it on rank 0)."""
+
+    def start(self) -> None: ...
+    def step(self) -> bool: ...   # one training step ended; True: the profile is complete
+    def stop(self) -> None: ...   # the trace is in the folder it was made for
+
+
 class Adapter(Protocol):
     """What a backend provides to the loop. Methods marked collective are called by every rank in step."""
 
@@ -48,6 +56,8 @@ class Adapter(Protocol):
     def save(self, directory: str) -> None:
         """Model and optimizer state into `directory` (collective; see contract/checkpoint.py)."""
     def load(self, directory: str) -> None: ...
+    def profiler(self, folder: str, steps: int) -> StepProfiler:
+        """A profiler recording `steps` training steps into `folder` (`trainer.profile_steps`)."""
 
 
 class MetricsSink(Protocol):
@@ -57,6 +67,7 @@ class MetricsSink(Protocol):
     def log_extra(self, epoch: int, metrics: dict[str, float]) -> None: ...
     def log_step_loss(self, step: int, loss: float) -> None: ...
     def resumed_from(self, epoch: int) -> None: ...
+    def log_artifacts(self, folder: str, path: str) -> None: ...
 
 
 @dataclass
@@ -73,6 +84,8 @@ class WorkerContext:
     before_epoch: Callable[[int], None] | None = None  # testing hook (fault injection)
     stop_check_every: int = STOP_CHECK_EVERY
     monitor: Monitor = Monitor()          # the best epoch and early stopping (`run.monitor`, `run.patience`)
+    profile_steps: int = 0                # `trainer.profile_steps`: profile this many steps (rank 0) ...
+    profile_dir: Path | None = None       # ... into this folder, logged as the run's `profile/` artifacts
 
 
 class StopAgreement:
@@ -98,6 +111,8 @@ class TrainLoop:
         self.should_stop = StopAgreement(ctx.stop_file, adapter.reduce, ctx.stop_check_every)
         self.state = self._restore()
         self.first_epoch = self.state.epoch + 1  # of this attempt
+        self.profiler: StepProfiler | None = None
+        self.profiled = False  # this attempt has profiled its steps
 
     def _restore(self) -> TrainState:
         if self.ctx.restored is None:
@@ -135,6 +150,7 @@ class TrainLoop:
         False when the ranks agreed to stop (only at an update boundary: no accumulated gradient is lost)."""
         adapter = self.adapter
         batches = adapter.batches(epoch, skip=totals.steps)
+        self.start_profile(epoch)
         start = time.perf_counter()
         stopped = False
         while True:
@@ -149,13 +165,36 @@ class TrainLoop:
             totals.steps += 1
             totals.tokens += tokens
             self.log_step_loss(epoch, totals.steps, loss)
+            self.profile_step()
             if adapter.at_update_boundary() and self.should_stop(totals.steps):
                 stopped = True
                 break
         if not stopped:
             adapter.finish_epoch()
         totals.train_s += time.perf_counter() - start
+        self.stop_profile()  # a short epoch: fewer steps than asked
         return not stopped
+
+    def start_profile(self, epoch: int) -> None:
+        """Rank 0, the first epoch of the attempt: start the adapter's profiler (`trainer.profile_steps`)."""
+        ctx = self.ctx
+        if ctx.profile_steps and ctx.profile_dir is not None and epoch == self.first_epoch and not self.profiled:
+            self.profiler = self.adapter.profiler(str(ctx.profile_dir), ctx.profile_steps)
+            self.profiler.start()
+            self.profiled = True
+
+    def profile_step(self) -> None:
+        if self.profiler is not None and self.profiler.step():
+            self.stop_profile()
+
+    def stop_profile(self) -> None:
+        """Stop and write the trace; rank 0's logger sends the folder to the run (`profile/`)."""
+        if self.profiler is None:
+            return
+        self.profiler.stop()
+        self.profiler = None
+        if self.ctx.logger is not None:
+            self.ctx.logger.log_artifacts(str(self.ctx.profile_dir), "profile")
 
     def log_step_loss(self, epoch: int, step_in_epoch: int, loss: float, since_step: int | None = None) -> None:
         """Rank 0 logs `step_loss` when the global step crosses a multiple of `log_every_n_steps`; `loss` covers

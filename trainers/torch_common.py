@@ -135,6 +135,36 @@ def dist_reduce(values: list[float], op: str) -> list[float]:
     return tensor.tolist()
 
 
+class TorchProfiler:
+    """`torch.profiler` over `steps` training steps after one warmup step (the first step pays one-time costs);
+    the trace is a Chrome/Perfetto JSON (`trace_rank0.json`: chrome://tracing or ui.perfetto.dev; steps are
+    `ProfilerStep#1`...), CUDA kernels included on GPUs."""
+
+    def __init__(self, folder: str, steps: int, cuda: bool):
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        self.folder, self.steps, self.taken = Path(folder), steps, 0
+        self.profile = profile(activities=activities, record_shapes=True,
+                               schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
+                               on_trace_ready=self._export)
+
+    def _export(self, profile: Any) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        profile.export_chrome_trace(str(self.folder / "trace_rank0.json"))
+
+    def start(self) -> None:
+        self.profile.start()
+
+    def step(self) -> bool:
+        self.profile.step()
+        self.taken += 1
+        return self.taken > self.steps  # the warmup step and `steps` recorded ones
+
+    def stop(self) -> None:
+        self.profile.stop()
+
+
 class TorchAdapter:
     """The loop's `Adapter` for a PyTorch model, taking optimizer steps the recipe's way (trainers/torch_recipe.py).
     Subclasses override the state hooks (`dense_model_state`, `dense_optimizer_state`, `load_dense_state`) and
@@ -179,6 +209,9 @@ class TorchAdapter:
         if self.pending == self.passes:
             self._optimizer_step()
         return loss.item(), len(labels), batch[2]
+
+    def profiler(self, folder: str, steps: int) -> TorchProfiler:
+        return TorchProfiler(folder, steps, cuda=self.device.type == "cuda")
 
     def _local_step(self) -> Any:
         """DDP's `no_sync` (around forward and backward: DDP arms its all-reduce in the forward) for a batch that

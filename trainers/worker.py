@@ -42,7 +42,8 @@ def ray_context(config: dict[str, Any], cfg: DictConfig) -> WorkerContext:
         restored=ray.train.get_checkpoint(),
         logger=EpochLogger(spool) if rank == 0 else None,
         stop_file=stop_file(cfg.run.resume_dir), log_every_n_steps=cfg.trainer.log_every_n_steps,
-        monitor=monitor_of(cfg.run),
+        monitor=monitor_of(cfg.run), profile_steps=cfg.trainer.profile_steps,
+        profile_dir=Path(cfg.run.storage_path) / f"run-{config['run_id']}" / "profile" if rank == 0 else None,
         before_epoch=lambda epoch: maybe_inject_failure(cfg.fault, epoch, rank, world_size))
 
 

@@ -51,6 +51,7 @@ def test_defaults_compose_and_flatten(data_override):
     ("run.final_model=first", r"^run\.final_model: unknown 'first'"),
     ("run.register_model=team/mnist", r"^run\.register_model: 'team/mnist' is not a model name MLflow accepts"),
     ("run.patience=0", r"^run\.patience: must be >= 1"),
+    ("trainer.profile_steps=-1", r"^trainer\.profile_steps: must be >= 0"),
 ])
 def test_bad_config_names_the_key(data_override, override, message):
     with pytest.raises(ConfigError, match=message):
@@ -111,6 +112,14 @@ def test_each_backend_has_its_own_trainer_keys(data_override, fake_imdb):
     cfg = load_config(["trainer=tp", "data=imdb", "model=bert_tiny", fake_imdb, "trainer.num_workers=4"])
     assert (cfg.trainer.dp, cfg.trainer.tp) == (2, 2)
     assert "tp" not in load_config([data_override]).trainer
+
+
+def test_profiling_is_for_the_pytorch_backends(data_override):
+    with pytest.raises(ConfigError, match=r"^trainer\.profile_steps: not a key of this config"):
+        load_config([data_override, "trainer=tf_mwms", "trainer.profile_steps=2"])  # not in its yaml
+    with pytest.raises(ConfigError, match=r"^trainer\.profile_steps: the profiler is wired for the PyTorch"):
+        load_config([data_override, "trainer=horovod", "trainer.framework=tf", "trainer.profile_steps=2"])
+    assert load_config([data_override, "trainer=horovod", "trainer.profile_steps=2"]).trainer.profile_steps == 2
 
 
 def test_schemas_cover_every_backend_module():

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from contract.checkpoint import STATE_FILE, EpochTotals, TrainState
-from tests.loop_harness import (STOP_AT, check_metric_set, check_stop_resume_parity, config, mnist_columns,
-                                run_attempt)
+from tests.loop_harness import (STOP_AT, Recorder, check_metric_set, check_stop_resume_parity, config,
+                                make_context, mnist_columns, run_attempt)
 from contract.recipe import Monitor
 from trainers.loop import StopAgreement, TrainLoop
 
@@ -171,3 +171,31 @@ def test_ddp_adapter_stop_resume_parity(tmp_path):
     assert {"momentum_buffer"} <= set(state["optimizer"]["state"][0])
     assert state["scheduler"]["last_epoch"] == STOP_AT // 2  # updates taken before the stop
     check_metric_set(runs["resumed"].recorder, 2, text=False)
+
+
+def test_rank0_profiles_its_first_steps_into_the_run(tmp_path):
+    """`trainer.profile_steps=3` with the PyTorch adapter: rank 0 records 3 training steps (forward, backward,
+    optimizer) after a warmup step with torch.profiler, writes a Chrome trace and hands the folder to its logger for the
+    run's `profile/` artifacts; training goes on unprofiled."""
+    from trainers import torch_common as tc
+    from trainers.torch_ddp import build_adapter, run_worker
+
+    cfg = config(tmp_path, ["trainer.batch_size=16", "trainer.optimizer=sgd", "model.hidden=[16]",
+                            "trainer.epochs=1", "trainer.num_workers=1", "trainer.profile_steps=3"])
+    columns = {k: torch.from_numpy(v) for k, v in mnist_columns(128).items()}
+
+    def data(seed):
+        return (tc.ShardBatches.from_columns(columns, "mnist", 16, seed),
+                tc.ShardBatches.from_columns(columns, "mnist", 64, seed))
+
+    recorder, reports = Recorder(), []
+    ctx = replace(make_context(0, 1, 1, tmp_path / "checkpoints", recorder, reports),
+                  profile_steps=cfg.trainer.profile_steps, profile_dir=tmp_path / "profile")
+    assert run_worker(cfg, ctx, build_adapter(cfg, {}, 0, data, torch.device("cpu")))
+    events = json.loads((tmp_path / "profile" / "trace_rank0.json").read_text())["traceEvents"]
+    names = [event.get("name", "") for event in events]
+    assert sorted({name for name in names if name.startswith("ProfilerStep#")}) == [
+        "ProfilerStep#1", "ProfilerStep#2", "ProfilerStep#3"]  # after one warmup step
+    assert sum(name.startswith("Optimizer.step#SGD") for name in names) == 3
+    assert recorder.artifacts == [(str(tmp_path / "profile"), "profile")]
+    assert len(recorder.step_losses) == 8  # all 128 / 16 steps trained

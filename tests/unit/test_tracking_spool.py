@@ -11,6 +11,7 @@ from tests.conftest import free_port
 def test_records_wait_in_the_spool_and_go_out_once(tmp_path, monkeypatch):
     for name, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0"), ("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")):
         monkeypatch.setenv(name, value)  # what TrackingSpool sets in a worker, undone after the test
+    monkeypatch.chdir(tmp_path)  # the local store keeps its artifacts under the working directory
     store = f"sqlite:///{tmp_path}/mlflow.db"
     client = mlflow.MlflowClient(store)
     run_id = client.create_run(client.create_experiment("spool")).info.run_id
@@ -23,11 +24,16 @@ def test_records_wait_in_the_spool_and_go_out_once(tmp_path, monkeypatch):
     logger.log(2, {"train_loss": 0.7, "test_accuracy": 0.6})
     logger.log_step_loss(40, 0.65)
     logger.resumed_from(1)
-    assert spooled(folder) == 4  # nothing raised, nothing lost
+    profile = tmp_path / "profile"
+    profile.mkdir()
+    (profile / "trace_rank0.json").write_text("{}")
+    logger.log_artifacts(str(profile), "profile")
+    assert spooled(folder) == 5  # nothing raised, nothing lost
 
-    assert flush_spools(away, run_id, folder) == 4  # still away: kept
+    assert flush_spools(away, run_id, folder) == 5  # still away: kept
     assert flush_spools(store, run_id, folder) == 0  # back (here: the store the server serves)
     assert flush_spools(store, run_id, folder) == 0 and list(folder.iterdir()) == []
     steps = lambda key: sorted(m.step for m in client.get_metric_history(run_id, key))
     assert steps("train_loss") == [1, 2] and steps("test_accuracy") == [2] and steps("step_loss") == [40]
     assert client.get_run(run_id).data.tags["resumed_from_epoch"] == "1"
+    assert [a.path for a in client.list_artifacts(run_id, "profile")] == ["profile/trace_rank0.json"]
