@@ -12,14 +12,18 @@ import base64
 import json
 import os
 import platform
+import shlex
 import socket
 import subprocess
+import sys
 import time
 import traceback
 import urllib.error
 import urllib.request
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from contract.resume import interruption
 
@@ -135,6 +139,25 @@ def library_versions() -> dict[str, str]:
     return out
 
 
+def command_line() -> tuple[str, str]:
+    """(entry point, the command that started this process as one would type it: `python -m pipelines.train
+    ...`); a script outside the project keeps its path."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        entry = ".".join(script.relative_to(PROJECT_DIR).with_suffix("").parts)
+        words = ["python", "-m", entry]
+    except ValueError:
+        entry, words = sys.argv[0], ["python", sys.argv[0]]
+    return entry, shlex.join([*words, *sys.argv[1:]])
+
+
+def source_tags() -> dict[str, str]:
+    """MLflow's own source tags (the UI's "Source" field) and the run's description: the command line."""
+    entry, command = command_line()
+    return {"mlflow.source.name": entry, "mlflow.source.type": "JOB",
+            "mlflow.note.content": f"Started on {socket.gethostname()} with:\n\n    {command}\n"}
+
+
 def start_run(uri: str, experiment: str, run_name: str, params: Mapping[str, Any],
               config_yaml: str, tags: Mapping[str, str] | None = None) -> str:
     """Create the run, log params/tags and the resolved config; return its id. The run stays RUNNING.
@@ -142,7 +165,7 @@ def start_run(uri: str, experiment: str, run_name: str, params: Mapping[str, Any
     from mlflow.entities import Param, RunTag
 
     client = _client(uri)
-    tags = {"mlflow.runName": run_name, "mlflow.source.git.commit": git_commit(),
+    tags = {"mlflow.runName": run_name, "mlflow.source.git.commit": git_commit(), **source_tags(),
             "host": socket.gethostname(), "ray_address": os.environ.get("RAY_ADDRESS", "local"), **(tags or {})}
     run = client.create_run(_experiment_id(client, experiment, uri), tags=tags, run_name=run_name)
     run_id = run.info.run_id
@@ -163,6 +186,37 @@ def log_data_files(uri: str, run_id: str, data_dir: str, manifest: Mapping[str, 
     client.log_text(run_id, json.dumps(manifest, indent=2, sort_keys=True), "data_manifest.json")
     if manifest.get("tokenizer"):
         client.log_artifact(run_id, str(Path(data_dir) / manifest["tokenizer"]))
+
+
+@dataclass
+class DatasetRef:
+    """A split a run reads, as MLflow lists it among the run's inputs (the UI's "Datasets")."""
+    name: str                # e.g. mnist-train
+    uri: str                 # where it lives (the prepared folder)
+    digest: str              # changes whenever the data does
+    columns: dict[str, str]  # column -> MLflow type: integer, long, float, double, string, or array<integer> ...
+    context: str             # training | eval | evaluation
+
+
+def log_dataset_inputs(uri: str, run_id: str, datasets: Sequence[DatasetRef]) -> None:
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.types.schema import Array, ColSpec, DataType, Schema
+
+    def spec(name: str, kind: str) -> ColSpec:
+        inner = kind.removeprefix("array<").removesuffix(">")
+        return ColSpec(Array(DataType[inner]) if kind.startswith("array<") else DataType[kind], name)
+
+    inputs = []
+    for ref in datasets:
+        with warnings.catch_warnings():  # a file:// URI fits two of MLflow's local source types; either is right
+            warnings.simplefilter("ignore")
+            source = resolve_dataset_source(ref.uri)
+        schema = Schema([spec(name, kind) for name, kind in ref.columns.items()])
+        dataset = MetaDataset(source, name=ref.name, digest=ref.digest, schema=schema)._to_mlflow_entity()
+        inputs.append(DatasetInput(dataset, tags=[InputTag("mlflow.data.context", ref.context)]))
+    _client(uri).log_inputs(run_id, datasets=inputs)
 
 
 def log_params(uri: str, run_id: str, params: Mapping[str, Any]) -> None:

@@ -31,7 +31,7 @@ from omegaconf.errors import OmegaConfBaseException
 from contract import tracking
 from pipelines.config import ConfigError
 from pipelines.data.idx import DataError
-from pipelines.data.shards import read_manifest, shard_paths
+from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
 from pipelines.train import close_failed_run
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
@@ -155,8 +155,11 @@ def open_run(plan: Plan, uri: str) -> str:
     params = {"model_uri": plan.model_uri, "model_id": plan.model_id or "", "data.path": plan.data_path,
               "data.split": plan.split, "data.name": plan.dataset, "batch_size": plan.cfg.batch_size,
               "concurrency": plan.cfg.concurrency, "use_gpu": plan.cfg.use_gpu, **trained}
-    return tracking.start_run(uri, experiment, name, params, OmegaConf.to_yaml(plan.cfg),
-                              tags={"model_uri": plan.model_uri, **trained})
+    run_id = tracking.start_run(uri, experiment, name, params, OmegaConf.to_yaml(plan.cfg),
+                                tags={"model_uri": plan.model_uri, **trained})
+    tracking.log_dataset_inputs(uri, run_id, dataset_refs(plan.data_path, read_manifest(plan.data_path),
+                                                          {"evaluation": plan.split}))
+    return run_id
 
 
 def evaluate_into_run(plan: Plan, uri: str, run_id: str) -> dict[str, float]:

@@ -34,7 +34,7 @@ from contract import resume, tracking
 from contract.config import typed_config
 from pipelines.config import ConfigError, check_fits_this_machine, flatten, parallel_params
 from pipelines.data.idx import DataError
-from pipelines.data.shards import read_manifest, shard_paths
+from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
 from pipelines.fit import fit_backend, stopped_at
 from pipelines.sweep_space import (Trial, cpus_needed, load_sweep, max_concurrent, plan_trials,
                                    reject_unfit, split_argv, trial_name)
@@ -132,6 +132,9 @@ def start_children(uri: str, parent_id: str, valid: list[Trial]) -> dict[int, st
         params = {**flatten(trial.cfg), **parallel_params(trial.cfg)}
         children[trial.index] = tracking.start_run(uri, trial.cfg.run.experiment, trial_name(trial.cfg), params,
                                                    OmegaConf.to_yaml(trial.cfg), tags=tags)
+        data = trial.cfg.data
+        tracking.log_dataset_inputs(uri, children[trial.index], dataset_refs(
+            data.path, read_manifest(data.path), {"training": "train", "eval": data.eval_split}))
     return children
 
 

@@ -17,7 +17,7 @@ from contract import resume, tracking
 from contract.config import worker_resources
 from pipelines.config import ConfigError, check_fits_this_machine, flatten, load_config, parallel_params
 from pipelines.data.idx import DataError
-from pipelines.data.shards import read_manifest, shard_paths
+from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
 from pipelines.fit import fit_backend
 
 
@@ -103,6 +103,8 @@ def open_run(cfg: DictConfig, manifest: dict, uri: str) -> tuple[str, str | None
     run_id = tracking.start_run(uri, cfg.run.experiment, run_name, {**flatten(cfg), **parallel_params(cfg)},
                                 OmegaConf.to_yaml(cfg))
     tracking.log_data_files(uri, run_id, cfg.data.path, manifest)
+    tracking.log_dataset_inputs(uri, run_id, dataset_refs(cfg.data.path, manifest,
+                                                          {"training": "train", "eval": cfg.data.eval_split}))
     resume.record_run_id(cfg.run.resume_dir, run_id)
     return run_id, None
 

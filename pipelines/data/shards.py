@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from contract.tracking import DatasetRef
 from pipelines.data.idx import DataError
 
 MANIFEST = "manifest.json"
@@ -146,3 +147,28 @@ def shard_paths(data_dir: str | Path, manifest: dict[str, Any], split: str) -> l
         raise DataError(f"{data_dir}: no split '{split}' (have {sorted(manifest['splits'])})")
     check_not_empty({split: manifest["splits"][split]["rows"]}, data_dir)
     return [str(Path(data_dir) / s["file"]) for s in manifest["splits"][split]["shards"]]
+
+
+ARROW_TO_MLFLOW = {"int8": "integer", "int16": "integer", "int32": "integer", "uint8": "integer",
+                   "uint16": "integer", "int64": "long", "float": "float", "double": "double", "string": "string"}
+
+
+def dataset_refs(data_dir: str | Path, manifest: dict[str, Any], contexts: dict[str, str]) -> list[DatasetRef]:
+    """The splits a run reads ({context: split}) as `contract.tracking.DatasetRef`s: the folder's URI, a digest
+    of how the split was made (the manifest without the other splits: source checksums, preparation settings, the
+    split's shards and rows), the shards' columns."""
+    refs = []
+    for context, split in contexts.items():
+        lineage = {key: value for key, value in manifest.items() if key != "splits"}
+        lineage["split"] = {split: manifest["splits"][split]}
+        digest = hashlib.sha256(json.dumps(lineage, sort_keys=True).encode()).hexdigest()[:16]
+        schema = pq.read_schema(shard_paths(data_dir, manifest, split)[0])
+        columns = {}
+        for field in schema:
+            kind = field.type.value_type if pa.types.is_list(field.type) or pa.types.is_fixed_size_list(field.type) \
+                else field.type
+            name = ARROW_TO_MLFLOW.get(str(kind), "string")
+            columns[field.name] = f"array<{name}>" if kind is not field.type else name
+        refs.append(DatasetRef(f"{manifest['dataset']}-{split}", Path(data_dir).resolve().as_uri(), digest, columns,
+                               context))
+    return refs

@@ -51,6 +51,16 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
     assert params["trainer.num_workers"] == "2" and params["world_size"] == "2" and params["backend"] == "ddp"
     assert params["version.ray"] == "2.60.0" and params["version.torch"].startswith("2.13.0")
     assert "mlflow.source.git.commit" in run.data.tags
+    # MLflow's own conventions, for its UI: the source, the command as the description, the data as inputs
+    tags = run.data.tags
+    assert tags["mlflow.source.name"] == "pipelines.train" and tags["mlflow.source.type"] == "JOB"
+    assert "python -m pipelines.train data.path=" in tags["mlflow.note.content"]
+    assert "trainer.profile_steps=2" in tags["mlflow.note.content"]
+    datasets = inputs_by_context(run)
+    assert {context: d.name for context, d in datasets.items()} == {"training": "mnist-train", "eval": "mnist-test"}
+    assert datasets["training"].digest != datasets["eval"].digest
+    assert datasets["training"].source == json.dumps({"uri": tiny_mnist.resolve().as_uri()})
+    assert [c["name"] for c in json.loads(datasets["eval"].schema)["mlflow_colspec"]] == ["image", "label"]
     assert marker.read_text().startswith("failed at epoch 2 in rank 1")
     assert run.data.tags["resumed_from_epoch"] == "1"  # restarted from epoch 1's checkpoint, not from scratch
     for name in EPOCH_METRICS:
@@ -94,6 +104,12 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
                      pipeline_env(mlflow_server, ray_head), tmp_path)
 
 
+def inputs_by_context(run) -> dict:
+    """The run's MLflow dataset inputs by their `mlflow.data.context` tag."""
+    return {next(t.value for t in i.tags if t.key == "mlflow.data.context"): i.dataset
+            for i in run.inputs.dataset_inputs}
+
+
 def check_evaluation(client: MlflowClient, run_id: str, model_uri: str, model: torch.nn.Module, accuracy: float,
                      data: Path, env: dict[str, str], tmp_path: Path) -> None:
     """`pipelines.evaluate model=<model_uri>` on the Ray head: the training run's data and test split, scored by
@@ -103,6 +119,10 @@ def check_evaluation(client: MlflowClient, run_id: str, model_uri: str, model: t
     assert evaluation.info.status == "FINISHED"
     assert evaluation.data.tags["training_run_id"] == evaluation.data.params["training_run_id"] == run_id
     assert evaluation.info.experiment_id == client.get_run(run_id).info.experiment_id
+    # the same split of the same data as the training run's evaluation: the same MLflow dataset
+    trained_on = inputs_by_context(client.get_run(run_id))["eval"]
+    assert inputs_by_context(evaluation)["evaluation"].digest == trained_on.digest
+    assert evaluation.data.tags["mlflow.source.name"] == "pipelines.evaluate"
     features, labels = read_split(data, "test")
     with torch.no_grad():
         loss = F.cross_entropy(model(torch.from_numpy(features)).double(), torch.from_numpy(labels))
