@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf
@@ -29,7 +30,7 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
         os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.fault.resource_timeout_s)
     trainer = backend.build_trainer(cfg, datasets, run_id, uri, inputs, callbacks=callbacks)
     try:
-        result = trainer.fit()
+        result = fit_in_thread(trainer)
     except Exception as err:
         waited = resource_wait(err, cfg)
         if waited:
@@ -42,6 +43,28 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
         checkpoint, epoch = final_checkpoint(result, cfg.run.final_model)
         log_final_model(backend, cfg, run_id, uri, checkpoint, inputs, {"final_model_epoch": str(epoch)})
     return stopped
+
+
+def fit_in_thread(trainer: Any) -> Any:
+    """`trainer.fit()` in a helper thread, so that Ctrl-C and SIGTERM interrupt this thread at once. On the main
+    thread Ray Train installs a SIGINT handler that waits for its controller to abort, and the controller does not
+    listen while it waits for the workers' resources (up to `fault.resource_timeout_s`): measured, Ctrl-C then
+    did nothing for minutes. Interrupted here, the driver marks the run KILLED and shuts Ray down, which ends the
+    controller and its workers with it."""
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as err:  # handed to the caller's thread as it is
+            outcome["error"] = err
+
+    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+    thread.start()
+    thread.join()  # a signal's exception (KeyboardInterrupt, resume.Interrupted) is raised here
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 def checkpoint_state(checkpoint: Any) -> TrainState:

@@ -126,38 +126,40 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        code, run_id = train_into_run(cfg, manifest, uri)
+        code, run_id, message = train_into_run(cfg, manifest, uri)
     finally:
         ray.shutdown()
-    # After the shutdown: Ray's thread that forwards worker logs can no longer write into the middle of it.
+    # After the shutdown, so that they are the last lines: Ray's thread that forwards the workers' logs can no
+    # longer write after them, or into the middle of them.
+    if message:
+        print(message, file=sys.stderr, flush=True)
     sys.stdout.write(f"mlflow_run_id={run_id}\n")
     sys.stdout.flush()
     return code
 
 
-def train_into_run(cfg: DictConfig, manifest: dict, uri: str) -> tuple[int, str]:
-    """Open (or continue) the MLflow run and train into it on the connected Ray; returns (exit code, run id)."""
+def train_into_run(cfg: DictConfig, manifest: dict, uri: str) -> tuple[int, str, str | None]:
+    """Open (or continue) the MLflow run and train into it on the connected Ray; returns (exit code, run id, the
+    one line to end stderr with, if any)."""
     run_id, previous_status = open_run(cfg, manifest, uri)
     if previous_status == "FINISHED":
         print(f"MLflow run {run_id} recorded in {cfg.run.resume_dir} has already finished; nothing to do")
-        return 0, run_id
+        return 0, run_id, None
     print(f"MLflow run {run_id} ({uri}){' continued' if previous_status else ''}", flush=True)
     tracking.log_cluster_startup(uri, run_id)
     resume.raise_on_sigterm()
     try:
         finished = run_training(cfg, uri, run_id, first_attempt=previous_status is None)
     except tracking.TrackingDown as err:  # trained; the server cannot hear it: nothing to mark the run with
-        print(f"error: {err}", file=sys.stderr)
-        return 1, run_id
+        return 1, run_id, f"error: {err}"
     except BaseException as err:  # interrupts too: the run must not stay RUNNING
-        print(close_failed_run(uri, run_id, err), file=sys.stderr)
-        return 1, run_id
+        return 1, run_id, close_failed_run(uri, run_id, err)
     if not finished:
-        print(f"stopped on request with a checkpoint: delete {resume.stop_file(cfg.run.resume_dir)} and run "
-              f"again with run.resume_dir={cfg.run.resume_dir} to continue", file=sys.stderr)
-        return resume.EXIT_PREEMPTED, run_id
+        return resume.EXIT_PREEMPTED, run_id, (
+            f"stopped on request with a checkpoint: delete {resume.stop_file(cfg.run.resume_dir)} and run again "
+            f"with run.resume_dir={cfg.run.resume_dir} to continue")
     tracking.end_run(uri, run_id)
-    return 0, run_id
+    return 0, run_id, None
 
 
 if __name__ == "__main__":
