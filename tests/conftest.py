@@ -54,6 +54,18 @@ def make_mnist_like(folder: Path, n_train: int, n_test: int, seed: int = 0) -> P
     return folder
 
 
+@pytest.fixture()
+def one_torch_thread():
+    """Torch on one thread for the test (two cores are shared with other jobs here); the setting restored after,
+    so other tests are unaffected."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def wait_until(predicate, timeout_s: float, what: str) -> None:
     """Poll a condition (bounded); used to wait for servers to answer, never as a fixed sleep."""
     deadline = time.monotonic() + timeout_s

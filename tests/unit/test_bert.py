@@ -15,13 +15,7 @@ from trainers.models.text import EmbedPool
 TOL = {"atol": 1e-10, "rtol": 1e-8}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two cores are shared with other jobs here; restore the setting so other tests are unaffected."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_model(**overrides) -> BertClassifier:

@@ -19,12 +19,7 @@ from trainers.models.mnist import MLP
 from trainers.torch_common import normalise
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_metrics_match_direct_computation(tmp_path):
