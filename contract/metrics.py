@@ -18,6 +18,7 @@ TEXT_METRICS = ("tokens_per_s",)
 FIRST_EPOCH_METRICS = ("data_load_s",)
 STEP_METRIC = "step_loss"
 STOP_METRICS = ("stopped_at_epoch", "stopped_at_step")  # what the driver sees in a stopped run's result
+REPORTED_EPOCH = "epoch"  # beside an epoch's metrics in its report to Ray Train (and Tune): the epoch's number
 
 # (values, "sum" | "max") -> each value reduced over all ranks. Every backend supplies one over its own
 # collectives (torch.distributed, Horovod, a TF strategy); the loop uses it for metrics and the stop agreement.

@@ -16,8 +16,6 @@ FAILED, or KILLED when interrupted), 2 bad arguments, model, data or tracking se
 """
 from __future__ import annotations
 
-import os
-import re
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -25,16 +23,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
-from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import OmegaConf
 
 from contract import tracking
 from pipelines.config import ConfigError
-from pipelines.data.idx import DataError
 from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
+from pipelines.scoring_cli import USAGE_ERRORS, ScoringConfig, find_model, init_ray, parse_args, plan_before_start
 from pipelines.train import close_failed_run
 
-RUN_ID = re.compile(r"[0-9a-f]{32}")
 FEATURE_WIDTH = {"mnist": lambda inputs: 784, "imdb": lambda inputs: inputs["max_len"]}
 
 
@@ -45,12 +41,8 @@ class EvalData:
 
 
 @dataclass
-class EvaluateConfig:
-    model: str = MISSING
+class EvaluateConfig(ScoringConfig):
     data: EvalData = field(default_factory=EvalData)
-    batch_size: int = 256
-    concurrency: int = 1
-    use_gpu: bool = False
     experiment: Optional[str] = None  # default: the training run's experiment
 
 
@@ -68,32 +60,7 @@ class Plan:
 
 
 def parse(argv: list[str]) -> Any:
-    try:
-        cfg = OmegaConf.merge(OmegaConf.structured(EvaluateConfig), OmegaConf.from_dotlist(argv))
-        model = cfg.model  # MISSING raises here
-    except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", None) or "arguments"
-        raise ConfigError(f"{key}: {str(err).strip().splitlines()[0]}") from err
-    if not model:
-        raise ConfigError("model: give a run id, runs:/<run id>/model or models:/<name>/<version>")
-    if cfg.batch_size < 1 or cfg.concurrency < 1:
-        raise ConfigError(f"batch_size and concurrency must be >= 1, got {cfg.batch_size} and {cfg.concurrency}")
-    return cfg
-
-
-def find_model(spec: str, uri: str) -> tuple[str, Any, Any]:
-    """(model URI, its MLflow ModelInfo, the run that logged it or None) of a `model=` value; ConfigError if
-    MLflow does not know it."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    mlflow.set_tracking_uri(uri)
-    model_uri = f"runs:/{spec}/model" if RUN_ID.fullmatch(spec) else spec
-    try:
-        info = mlflow.models.get_model_info(model_uri)
-        return model_uri, info, mlflow.MlflowClient(uri).get_run(info.run_id) if info.run_id else None
-    except (MlflowException, OSError) as err:
-        raise ConfigError(f"model: {model_uri}: {str(err).strip().splitlines()[0]}") from err
+    return parse_args(EvaluateConfig, argv)
 
 
 def resolve(cfg: Any, uri: str) -> Plan:
@@ -116,31 +83,6 @@ def resolve(cfg: Any, uri: str) -> Plan:
     if expected != width:
         raise ConfigError(f"data.path: {data_path} has {width} features per row, the model takes {expected}")
     return Plan(cfg, model_uri, info.model_id, training_run, dataset, data_path, split, shards)
-
-
-def check_actors_fit(cfg: Any) -> None:
-    """Without RAY_ADDRESS a local Ray holds the scoring actors: as many as this machine has CPUs (or GPUs)."""
-    if os.environ.get("RAY_ADDRESS"):
-        return
-    cpus = len(os.sched_getaffinity(0))
-    if cfg.concurrency > cpus:
-        raise ConfigError(f"concurrency: {cfg.concurrency} scoring actors need a CPU each, this machine has {cpus}"
-                          " (set RAY_ADDRESS to score on a Ray cluster)")
-    if cfg.use_gpu:
-        import torch
-
-        if cfg.concurrency > torch.cuda.device_count():
-            raise ConfigError(f"use_gpu: {cfg.concurrency} scoring actors need a GPU each, this machine has "
-                              f"{torch.cuda.device_count()}")
-
-
-def init_ray(actors: int) -> None:
-    import ray
-
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
-    else:  # our own Ray (never another one on this machine); +1 CPU for the reads beside the actors
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, actors + 1), include_dashboard=False)
 
 
 def open_run(plan: Plan, uri: str) -> str:
@@ -187,14 +129,9 @@ def evaluate_into_run(plan: Plan, uri: str, run_id: str) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # errors stay one line
     try:
-        cfg = parse(argv)
-        uri = tracking.tracking_uri()
-        tracking.check_reachable(uri)
-        plan = resolve(cfg, uri)
-        check_actors_fit(cfg)
-    except (ConfigError, DataError, tracking.TrackingUnavailable) as err:
+        cfg, uri, plan = plan_before_start(argv, parse, resolve)
+    except USAGE_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     import ray

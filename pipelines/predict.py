@@ -16,7 +16,6 @@ arguments, model, input or tracking server (nothing was started).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,24 +23,17 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import MISSING
 
-from contract import tracking
 from pipelines.config import ConfigError
-from pipelines.data.idx import DataError
 from pipelines.data.raw_inputs import read_images, read_texts
-from pipelines.evaluate import check_actors_fit, find_model, init_ray
+from pipelines.scoring_cli import USAGE_ERRORS, ScoringConfig, find_model, init_ray, parse_args, plan_before_start
 
 
 @dataclass
-class PredictConfig:
-    model: str = MISSING
+class PredictConfig(ScoringConfig):
     input: str = MISSING
     output: str = MISSING
-    batch_size: int = 256
-    concurrency: int = 1  # scoring actors, a CPU each (a GPU each with use_gpu)
-    use_gpu: bool = False
 
 
 @dataclass
@@ -54,17 +46,9 @@ class Plan:
 
 
 def parse(argv: list[str]) -> Any:
-    try:
-        cfg = OmegaConf.merge(OmegaConf.structured(PredictConfig), OmegaConf.from_dotlist(argv))
-        for key in ("model", "input", "output"):
-            cfg[key]  # MISSING raises here
-    except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", None) or "arguments"
-        raise ConfigError(f"{key}: {str(err).strip().splitlines()[0]}") from err
+    cfg = parse_args(PredictConfig, argv)
     if Path(cfg.output).suffix != ".parquet" or not Path(cfg.output).resolve().parent.is_dir():
         raise ConfigError(f"output: {cfg.output} must be a .parquet file in an existing folder")
-    if cfg.batch_size < 1 or cfg.concurrency < 1:
-        raise ConfigError(f"batch_size and concurrency must be >= 1, got {cfg.batch_size} and {cfg.concurrency}")
     return cfg
 
 
@@ -138,14 +122,9 @@ def write(table: pa.Table, output: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # errors stay one line
     try:
-        cfg = parse(argv)
-        uri = tracking.tracking_uri()
-        tracking.check_reachable(uri)
-        work = plan(cfg, uri)
-        check_actors_fit(cfg)
-    except (ConfigError, DataError, tracking.TrackingUnavailable) as err:
+        cfg, uri, work = plan_before_start(argv, parse, plan)
+    except USAGE_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     import ray

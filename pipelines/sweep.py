@@ -32,12 +32,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from contract import resume, tracking
 from contract.config import typed_config
+from contract.metrics import REPORTED_EPOCH
 from pipelines.config import ConfigError, check_fits_this_machine, flatten, parallel_params
 from pipelines.data.idx import DataError
 from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
 from pipelines.fit import fit_backend, stopped_at
-from pipelines.sweep_space import (Trial, cpus_needed, load_sweep, max_concurrent, plan_trials,
-                                   reject_unfit, split_argv, trial_name)
+from pipelines.sweep_space import (Trial, cpus_needed, load_sweep, max_concurrent, plan_trials, reject_unfit,
+                                   split_argv, stop_thresholds, trial_name)
 
 
 def _client(uri: str) -> Any:
@@ -155,15 +156,26 @@ def run_trial(config: dict[str, Any], specs: dict[int, dict[str, Any]]) -> None:
 class Outcome:
     status: str                 # MLflow run status: FINISHED | FAILED | KILLED
     message: str | None = None
+    early_stop: int | None = None  # the last epoch of a trial the scheduler or `sweep.stop` ended early
 
 
 def make_scheduler(spec: DictConfig, valid: list[Trial]) -> Any:
     if spec.scheduler != "asha":
-        return None  # FIFO: every trial of the grid runs to its last epoch
+        return None  # FIFO: every trial runs to its last epoch (or its `sweep.stop`)
     from ray.tune.schedulers import ASHAScheduler
 
     return ASHAScheduler(metric=spec.metric, mode=spec.mode, grace_period=spec.asha_grace_period,
                          max_t=max(t.cfg.trainer.epochs for t in valid))
+
+
+@dataclass
+class ReachedStop:
+    """Tune's stop condition from `sweep.stop`: a trial stops once an epoch reaches one of the thresholds."""
+    thresholds: dict[str, tuple[float, str]]  # {metric: (value, "max" | "min")}
+
+    def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
+        return any(metric in result and (result[metric] >= value if mode == "max" else result[metric] <= value)
+                   for metric, (value, mode) in self.thresholds.items())
 
 
 def trial_config(cfg: DictConfig) -> dict[str, Any]:
@@ -188,7 +200,7 @@ def run_tune(spec: DictConfig, valid: list[Trial], children: dict[int, str], uri
         tune_config=tune.TuneConfig(max_concurrent_trials=concurrency, scheduler=make_scheduler(spec, valid)),
         run_config=tune.RunConfig(name=f"sweep-{parent_id}", storage_path=valid[0].cfg.run.storage_path,
                                   failure_config=tune.FailureConfig(max_failures=spec.trial_max_failures),
-                                  verbose=1),
+                                  stop=ReachedStop(stop_thresholds(spec)) if spec.stop else None, verbose=1),
     )
     outcomes = {t.index: Outcome("KILLED", "not run: the sweep stopped first") for t in valid}
     for result in tuner.fit():
@@ -199,8 +211,10 @@ def run_tune(spec: DictConfig, valid: list[Trial], children: dict[int, str], uri
             outcomes[index] = Outcome("KILLED", f"stopped on request at {stopped}")
         elif not result.metrics or "train_loss" not in result.metrics:
             outcomes[index] = Outcome("KILLED", "stopped before its first epoch ended")
-        else:  # ran to the end, or stopped early by ASHA after at least one epoch
-            outcomes[index] = Outcome("FINISHED")
+        else:  # ran to the end, or stopped early (ASHA, `sweep.stop`) after at least one epoch
+            epochs = next(t.cfg.trainer.epochs for t in valid if t.index == index)
+            last = result.metrics.get(REPORTED_EPOCH, epochs)
+            outcomes[index] = Outcome("FINISHED", early_stop=last if last < epochs else None)
     return outcomes
 
 
@@ -211,6 +225,8 @@ def close_children(uri: str, children: dict[int, str], outcomes: dict[int, Outco
             _client(uri).set_tag(run_id, "sweep.not_finished", outcome.message)
             _client(uri).set_terminated(run_id, status="KILLED")
         else:
+            if outcome.early_stop is not None:  # such a trial logged no final model: say why
+                _client(uri).set_tag(run_id, "sweep.stopped_early_at_epoch", str(outcome.early_stop))
             tracking.end_run(uri, run_id, error=outcome.message if outcome.status == "FAILED" else None)
 
 

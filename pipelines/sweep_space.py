@@ -1,16 +1,26 @@
-"""The sweep's plan, before Ray starts: the sweep config (`conf/sweep/*.yaml`), its grid expanded into trials,
-and every impossible combination rejected with its reason.
+"""The sweep's plan, before Ray starts: the sweep config (`conf/sweep/*.yaml`), its search space expanded into
+trials, and every impossible combination rejected with its reason.
+
+The search space (`grid`) maps override keys to a list of values (a grid axis: every value is tried) or to one
+distribution: `{choice: [values]}`, `{uniform: [low, high]}`, `{loguniform: [low, high]}` or
+`{randint: [low, high]}` (high excluded), Ray Tune's semantics. `num_samples` repeats the grid, each time with
+fresh draws of the distributions. The draws are made here, seeded by `seed`, rather than by a Tune search
+algorithm: every trial is then a concrete config, validated before launch and the same when a stopped sweep
+is continued.
 
 A trial is a list of Hydra overrides on top of the training config; it is valid when `load_config` accepts it
 (the same validation as `pipelines.train`: tp*dp = workers, tp | heads, ...) and the cluster can hold it.
 """
 from __future__ import annotations
 
+import difflib
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from contract.config import parallel_degrees, worker_resources
@@ -20,16 +30,22 @@ from pipelines.config import ConfigError, load_config
 # read/split tasks, which would wait forever if the trials' workers held every CPU.
 TRIAL_DRIVER_CPUS = 1
 DATA_CPUS = 1
-SCHEDULERS = ("grid", "asha")
+SCHEDULERS = ("fifo", "grid", "asha")  # grid: the former name of fifo
 MODES = ("min", "max")
+DISTRIBUTIONS = ("choice", "uniform", "loguniform", "randint")
+SIGNIFICANT_DIGITS = 4  # of a drawn float: what the trial runs with, its override and its run name agree
 
 
 @dataclass
 class SweepConfig:
     name: str = "parallelism"
     overrides: list[str] = field(default_factory=list)  # training overrides every trial starts from
-    grid: Any = None                    # a mapping {override key: [values]} or a list of them (their union)
-    scheduler: str = "grid"             # grid: every trial runs to the end | asha: stop poor trials early
+    grid: Any = None                    # the search space: {override key: [values] | {distribution: args}} or a
+                                        # list of such mappings (their union)
+    num_samples: int = 1                # the grid this many times, each with fresh draws of its distributions
+    seed: int = 0                       # of the draws
+    stop: Any = None                    # {epoch metric: value}: a trial stops once it reaches one (losses: <=)
+    scheduler: str = "fifo"             # fifo: every trial runs to the end | asha: stop poor trials early
     metric: str = "test_accuracy"       # best configuration (and ASHA) by this metric of the report
     mode: str = "max"                   # max | min
     target_accuracy: float = 0.8        # report: training time until test_accuracy first reaches this
@@ -64,6 +80,15 @@ def load_sweep(name: str, overrides: list[str]) -> DictConfig:
     """Compose `conf/sweep/<name>.yaml` (the config group `sweep`) with `sweep.*` overrides, and validate."""
     from pipelines.config import _compose
 
+    keys = list(SweepConfig.__dataclass_fields__)
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~").removeprefix("sweep.").split(".")[0]
+        if key not in keys:
+            close = difflib.get_close_matches(key, keys, n=1)
+            raise ConfigError(f"sweep.{key}: not a sweep key{f' (did you mean sweep.{close[0]}?)' if close else ''}"
+                              f" (keys: {', '.join(keys)})")
+    # Every SweepConfig key can be set, including those a yaml file leaves at their default (`++`: add or set).
+    overrides = [o if o.startswith("~") else f"++{o.lstrip('+')}" for o in overrides]
     raw = _compose([f"+sweep={name}", *overrides]).sweep
     try:
         spec = OmegaConf.merge(OmegaConf.structured(SweepConfig), raw)
@@ -90,10 +115,55 @@ def _check_sweep(spec: DictConfig) -> None:
         raise ConfigError(f"sweep.max_concurrent_trials: must be >= 1, got {spec.max_concurrent_trials}")
     if spec.trial_max_failures < 0:
         raise ConfigError(f"sweep.trial_max_failures: must be >= 0, got {spec.trial_max_failures}")
+    if spec.num_samples < 1:
+        raise ConfigError(f"sweep.num_samples: must be >= 1, got {spec.num_samples}")
+    stop_thresholds(spec)
     for grid in grids(spec):
-        for key, values in grid.items():
-            if not isinstance(values, (list, ListConfig)) or len(values) == 0:
-                raise ConfigError(f"sweep.grid: '{key}' needs a non-empty list of values, got {values}")
+        for key, axis in grid.items():
+            _check_axis(key, axis)
+
+
+def _check_axis(key: str, axis: Any) -> None:
+    """A grid axis is a non-empty list; a distribution is one of DISTRIBUTIONS with valid arguments."""
+    if isinstance(axis, list):
+        if not axis:
+            raise ConfigError(f"sweep.grid: '{key}' needs a non-empty list of values")
+        return
+    if not isinstance(axis, dict) or len(axis) != 1 or next(iter(axis)) not in DISTRIBUTIONS:
+        raise ConfigError(f"sweep.grid: '{key}' needs a list of values or one of {{{'|'.join(DISTRIBUTIONS)}: "
+                          f"...}}, got {axis}")
+    kind, args = next(iter(axis.items()))
+    if kind == "choice":
+        if not isinstance(args, list) or not args:
+            raise ConfigError(f"sweep.grid: '{key}': choice needs a non-empty list, got {args}")
+        return
+    numbers = isinstance(args, list) and len(args) == 2 and all(isinstance(a, (int, float)) for a in args)
+    if not numbers or not args[0] < args[1]:
+        raise ConfigError(f"sweep.grid: '{key}': {kind} needs [low, high] with low < high, got {args}")
+    if kind == "loguniform" and args[0] <= 0:
+        raise ConfigError(f"sweep.grid: '{key}': loguniform needs low > 0, got {args}")
+    if kind == "randint" and not all(isinstance(a, int) for a in args):
+        raise ConfigError(f"sweep.grid: '{key}': randint needs integers, got {args}")
+
+
+def stop_thresholds(spec: DictConfig) -> dict[str, tuple[float, str]]:
+    """`sweep.stop` as {metric: (threshold, "max" | "min")}: a loss is reached from above, the rest from below."""
+    from contract.metrics import EPOCH_METRICS, TEXT_METRICS
+
+    raw = OmegaConf.to_container(spec.stop) if OmegaConf.is_config(spec.stop) else spec.stop
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError(f"sweep.stop: expected {{epoch metric: value}}, got {raw}")
+    thresholds = {}
+    for metric, value in raw.items():
+        if metric not in (*EPOCH_METRICS, *TEXT_METRICS):
+            raise ConfigError(f"sweep.stop: '{metric}' is not an epoch metric (choices: "
+                              f"{(*EPOCH_METRICS, *TEXT_METRICS)})")
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ConfigError(f"sweep.stop: '{metric}' needs a number, got {value}")
+        thresholds[metric] = (float(value), "min" if metric.endswith("loss") else "max")
+    return thresholds
 
 
 def grids(spec: DictConfig) -> list[dict[str, list]]:
@@ -107,16 +177,36 @@ def grids(spec: DictConfig) -> list[dict[str, list]]:
     return raw
 
 
-def expand_grid(grid_list: list[dict[str, list]]) -> list[dict[str, Any]]:
-    """Every point of every grid (cartesian product of its value lists), in order, duplicates once."""
-    points: list[dict[str, Any]] = []
+def expand_grid(grid_list: list[dict[str, Any]], num_samples: int = 1, seed: int = 0) -> list[dict[str, Any]]:
+    """Every point of every grid (cartesian product of its value lists; a point of two grids once), in order,
+    `num_samples` times, each time with fresh draws of the distributions (Tune's order: sample by sample)."""
+    rng = np.random.default_rng(seed)
+    points: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (grid point, its grid's distributions)
     for grid in grid_list:
-        keys = list(grid)
-        for values in itertools.product(*(grid[k] for k in keys)):
-            point = dict(zip(keys, values))
+        axes = {key: axis for key, axis in grid.items() if isinstance(axis, list)}
+        distributions = {key: axis for key, axis in grid.items() if not isinstance(axis, list)}
+        for values in itertools.product(*axes.values()):
+            point = (dict(zip(axes, values)), distributions)
             if point not in points:
                 points.append(point)
-    return points
+    expanded = []
+    for _ in range(num_samples):
+        for point, distributions in points:
+            drawn = {**point, **{key: draw(axis, rng) for key, axis in distributions.items()}}
+            expanded.append({key: drawn[key] for key in [*point, *distributions]})
+    return expanded
+
+
+def draw(distribution: dict[str, Any], rng: np.random.Generator) -> Any:
+    """One value of `{choice|uniform|loguniform|randint: args}`; floats to SIGNIFICANT_DIGITS."""
+    kind, args = next(iter(distribution.items()))
+    if kind == "choice":
+        return args[int(rng.integers(len(args)))]
+    if kind == "randint":
+        return int(rng.integers(args[0], args[1]))
+    low, high = (math.log(args[0]), math.log(args[1])) if kind == "loguniform" else args
+    value = rng.uniform(low, high)
+    return float(f"{math.exp(value) if kind == 'loguniform' else value:.{SIGNIFICANT_DIGITS}g}")
 
 
 def format_override(key: str, value: Any) -> str:
@@ -143,10 +233,10 @@ def merge_overrides(*lists: list[str]) -> list[str]:
 
 
 def plan_trials(spec: DictConfig, train_overrides: list[str]) -> list[Trial]:
-    """Every grid point as a trial, validated like `pipelines.train` validates a run; invalid ones keep
+    """Every point of the search space as a trial, validated like `pipelines.train` validates a run; invalid ones keep
     their `ConfigError` message as the reason."""
     trials = []
-    for index, combo in enumerate(expand_grid(grids(spec))):
+    for index, combo in enumerate(expand_grid(grids(spec), spec.num_samples, spec.seed)):
         combo_overrides = [format_override(k, v) for k, v in combo.items()]
         overrides = merge_overrides(list(spec.overrides), train_overrides, combo_overrides)
         trial = Trial(index=index, combo=combo, overrides=overrides)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
 from contract.checkpoint import EpochTotals, TrainState
-from contract.metrics import Reducer, epoch_metrics, stop_metrics
+from contract.metrics import REPORTED_EPOCH, Reducer, epoch_metrics, stop_metrics
 from contract.recipe import Monitor
 from contract.resume import STOP_CHECK_EVERY
 
@@ -219,7 +219,7 @@ class TrainLoop:
             metrics["data_load_s"] = adapter.load_s
         extras = adapter.epoch_extras()
         self.state = self.state.after_epoch(epoch, metrics, self.ctx.monitor)
-        self._checkpoint_and_report(metrics, self.state)
+        self._checkpoint_and_report({**metrics, REPORTED_EPOCH: epoch}, self.state)
         if self.ctx.logger is not None:
             self.ctx.logger.log(epoch, metrics)
             if extras:

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from contract.config import TRAINER_SCHEMAS, parallel_degrees
 from pipelines.config import ConfigError
 from pipelines.sweep_space import (expand_grid, load_sweep, max_concurrent, merge_overrides, plan_trials,
-                                   reject_unfit, split_argv)
+                                   reject_unfit, split_argv, stop_thresholds)
 
 
 @pytest.fixture()
@@ -23,6 +24,54 @@ def test_expand_grid_is_the_union_of_products_in_order_without_duplicates():
     assert expand_grid(grids) == [
         {"trainer": "ddp", "trainer.num_workers": 1}, {"trainer": "ddp", "trainer.num_workers": 2},
         {"trainer": "tp", "trainer.num_workers": 2}]  # (ddp, 2) of the second grid is already there
+
+
+def test_distributions_are_drawn_per_sample_within_their_bounds_and_repeatably():
+    space = [{"trainer": ["ddp", "tp"], "trainer.lr": {"loguniform": [1e-4, 1e-2]},
+              "trainer.batch_size": {"randint": [8, 64]}, "trainer.optimizer": {"choice": ["adam", "sgd"]},
+              "model.dropout": {"uniform": [0.0, 0.5]}}]
+    points = expand_grid(space, num_samples=3, seed=7)
+    assert [p["trainer"] for p in points] == ["ddp", "tp"] * 3  # Tune's order: the whole grid per sample
+    assert all(list(p) == list(space[0]) for p in points)
+    assert all(1e-4 <= p["trainer.lr"] <= 1e-2 and 0.0 <= p["model.dropout"] <= 0.5 for p in points)
+    assert all(isinstance(p["trainer.batch_size"], int) and 8 <= p["trainer.batch_size"] < 64 for p in points)
+    assert {p["trainer.optimizer"] for p in points} <= {"adam", "sgd"}
+    assert len({p["trainer.lr"] for p in points}) == 6  # a fresh draw for every trial
+    assert all(p["trainer.lr"] == float(f"{p['trainer.lr']:.4g}") for p in points)  # as its override says
+    assert expand_grid(space, num_samples=3, seed=7) == points
+    assert expand_grid(space, num_samples=3, seed=8) != points
+
+
+def test_loguniform_draws_spread_over_the_decades():
+    points = expand_grid([{"trainer.lr": {"loguniform": [1e-5, 1e-1]}}], num_samples=400, seed=0)
+    decades = np.floor(np.log10([p["trainer.lr"] for p in points]))
+    assert set(np.unique(decades)) == {-5, -4, -3, -2}
+    assert min(np.bincount((decades + 5).astype(int))) > 60  # ~100 each; uniform on the value would put ~90% in one
+
+
+def test_random_trials_are_validated_like_grid_points(fake_imdb):
+    spec = load_sweep("smoke", ["sweep.num_samples=2", "sweep.seed=3",
+                                "sweep.grid=[{trainer:[tp],trainer.num_workers:[2],trainer.tp:{choice:[1,2]},"
+                                "trainer.dp:[1],trainer.lr:{loguniform:[0.0001,0.01]}}]"])
+    trials = plan_trials(spec, [fake_imdb])
+    assert len(trials) == 2
+    for trial in trials:
+        assert f"trainer.lr={trial.combo['trainer.lr']}" in trial.overrides
+        if trial.combo["trainer.tp"] == 1:
+            assert trial.cfg is None and trial.reason.startswith("trainer.dp: tp*dp=1*1=1 != num_workers=2")
+        else:
+            assert trial.cfg.trainer.lr == trial.combo["trainer.lr"]
+
+
+def test_stop_thresholds_are_reached_from_below_and_losses_from_above():
+    from pipelines.sweep import ReachedStop
+
+    spec = load_sweep("smoke", ["sweep.stop={test_accuracy: 0.9, train_loss: 0.2}"])
+    stop = ReachedStop(stop_thresholds(spec))
+    assert stop.thresholds == {"test_accuracy": (0.9, "max"), "train_loss": (0.2, "min")}
+    assert not stop("t", {"test_accuracy": 0.89, "train_loss": 0.21})
+    assert stop("t", {"test_accuracy": 0.9, "train_loss": 0.5}) and stop("t", {"train_loss": 0.2})
+    assert not stop("t", {"samples_per_s": 1e9})
 
 
 def test_merge_overrides_last_wins_and_groups_come_first():
@@ -82,7 +131,18 @@ def test_max_concurrent_follows_the_largest_trial(fake_imdb):
     ("sweep.metric=nope", r"^sweep\.metric: 'nope' is not a report column"),
     ("sweep.max_concurrent_trials=0", r"^sweep\.max_concurrent_trials: must be >= 1"),
     ("sweep.grid=[]", r"^sweep\.grid: expected a mapping or a list of non-empty mappings"),
-    ("sweep.grid=[{trainer.lr: 0.1}]", r"^sweep\.grid: 'trainer.lr' needs a non-empty list"),
+    ("sweep.grid=[{trainer.lr: 0.1}]", r"^sweep\.grid: 'trainer.lr' needs a list of values or one of \{choice"),
+    ("sweep.grid=[{trainer.lr: []}]", r"^sweep\.grid: 'trainer.lr' needs a non-empty list"),
+    ("sweep.grid=[{trainer.lr: {normal: [0, 1]}}]", r"^sweep\.grid: 'trainer.lr' needs a list of values or one of"),
+    ("sweep.grid=[{trainer.lr: {uniform: [0.1, 0.01]}}]", r"^sweep\.grid: 'trainer.lr': uniform needs \[low, high\]"),
+    ("sweep.grid=[{trainer.lr: {loguniform: [0, 0.1]}}]", r"^sweep\.grid: 'trainer.lr': loguniform needs low > 0"),
+    ("sweep.grid=[{trainer.batch_size: {randint: [8, 64.5]}}]", r"^sweep\.grid: 'trainer.batch_size': randint needs "
+                                                                 r"integers"),
+    ("sweep.grid=[{trainer.batch_size: {choice: []}}]", r"^sweep\.grid: 'trainer.batch_size': choice needs a non-empty"),
+    ("sweep.num_sample=3", r"^sweep\.num_sample: not a sweep key \(did you mean sweep\.num_samples\?\)"),
+    ("sweep.num_samples=0", r"^sweep\.num_samples: must be >= 1"),
+    ("sweep.stop={efficiency: 0.9}", r"^sweep\.stop: 'efficiency' is not an epoch metric"),
+    ("sweep.stop={test_accuracy: high}", r"^sweep\.stop: 'test_accuracy' needs a number"),
 ])
 def test_bad_sweep_config_names_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -115,6 +175,8 @@ def test_mnist_backends_sweep_has_every_backend_that_trains_the_mlp(tmp_path):
     trials = plan_trials(load_sweep("mnist_backends", []), [f"data.path={tmp_path}"])
     assert all(t.cfg is not None for t in trials), [t.reason for t in trials]
     assert {t.cfg.trainer.backend for t in trials} == set(TRAINER_SCHEMAS) - {"tp"}  # tp trains the bert model only
+    assert {t.cfg.trainer.tf_loop for t in trials if t.cfg.trainer.backend == "tf_mwms"} == {"fit", "custom"}
+    assert {t.cfg.trainer.framework for t in trials if t.cfg.trainer.backend == "horovod"} == {"torch", "tf"}
 
 
 def test_without_a_cluster_trials_with_more_worker_threads_than_cpus_are_rejected(fake_imdb, monkeypatch, capsys):

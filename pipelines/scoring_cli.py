@@ -1,0 +1,101 @@
+"""What `pipelines.evaluate` and `pipelines.predict` share before scoring starts: their common arguments, the
+model lookup in MLflow, the checks that the scoring actors fit, and the Ray they score on."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from contract import tracking
+from pipelines.config import ConfigError
+from pipelines.data.idx import DataError
+
+RUN_ID = re.compile(r"[0-9a-f]{32}")
+# What main() reports in one line with exit code 2: nothing was started.
+USAGE_ERRORS = (ConfigError, DataError, tracking.TrackingUnavailable)
+
+
+@dataclass
+class ScoringConfig:
+    model: str = MISSING  # a run id, runs:/<run id>/model, models:/<name>/<version>, models:/<name>@<alias>
+    batch_size: int = 256
+    concurrency: int = 1  # scoring actors, a CPU each (a GPU each with use_gpu)
+    use_gpu: bool = False
+
+
+def parse_args(schema: type, argv: list[str]) -> Any:
+    """`key=value` arguments checked against `schema` (a ScoringConfig dataclass); ConfigError names the key."""
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(argv))
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "arguments"
+        raise ConfigError(f"{key}: {str(err).strip().splitlines()[0]}") from err
+    for key in sorted(OmegaConf.missing_keys(cfg)):
+        raise ConfigError(f"{key}: Missing mandatory value")
+    if not cfg.model:
+        raise ConfigError("model: give a run id, runs:/<run id>/model or models:/<name>/<version>")
+    if cfg.batch_size < 1 or cfg.concurrency < 1:
+        raise ConfigError(f"batch_size and concurrency must be >= 1, got {cfg.batch_size} and {cfg.concurrency}")
+    return cfg
+
+
+def find_model(spec: str, uri: str) -> tuple[str, Any, Any]:
+    """(model URI, its MLflow ModelInfo, the run that logged it or None) of a `model=` value; ConfigError if
+    MLflow does not know it."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    mlflow.set_tracking_uri(uri)
+    model_uri = f"runs:/{spec}/model" if RUN_ID.fullmatch(spec) else spec
+    try:
+        info = mlflow.models.get_model_info(model_uri)
+        return model_uri, info, mlflow.MlflowClient(uri).get_run(info.run_id) if info.run_id else None
+    except (MlflowException, OSError) as err:
+        raise ConfigError(f"model: {model_uri}: {str(err).strip().splitlines()[0]}") from err
+
+
+def check_actors_fit(cfg: Any) -> None:
+    """Without RAY_ADDRESS a local Ray holds the scoring actors: as many as this machine has CPUs (or GPUs)."""
+    if os.environ.get("RAY_ADDRESS"):
+        return
+    cpus = len(os.sched_getaffinity(0))
+    if cfg.concurrency > cpus:
+        raise ConfigError(f"concurrency: {cfg.concurrency} scoring actors need a CPU each, this machine has {cpus}"
+                          " (set RAY_ADDRESS to score on a Ray cluster)")
+    if cfg.use_gpu:
+        import torch
+
+        if cfg.concurrency > torch.cuda.device_count():
+            raise ConfigError(f"use_gpu: {cfg.concurrency} scoring actors need a GPU each, this machine has "
+                              f"{torch.cuda.device_count()}")
+
+
+def checked_tracking_uri() -> str:
+    """The tracking URI, its server answering; quiet artifact downloads, so that errors stay one line."""
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    uri = tracking.tracking_uri()
+    tracking.check_reachable(uri)
+    return uri
+
+
+def plan_before_start(argv: list[str], parse: Callable[[list[str]], Any],
+                      resolve: Callable[[Any, str], Any]) -> tuple[Any, str, Any]:
+    """(config, tracking URI, plan): every check that needs no Ray, in order; raises one of USAGE_ERRORS."""
+    cfg = parse(argv)
+    uri = checked_tracking_uri()
+    plan = resolve(cfg, uri)
+    check_actors_fit(cfg)
+    return cfg, uri, plan
+
+
+def init_ray(actors: int) -> None:
+    import ray
+
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+    else:  # our own Ray (never another one on this machine); +1 CPU for the reads beside the actors
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, actors + 1), include_dashboard=False)
