@@ -130,6 +130,8 @@ class RunSection:
     final_model: str = "best"         # the logged MLflow model: the best epoch's, or the last epoch's
     patience: Optional[int] = None    # stop after this many epochs without a better `monitor` (None: never)
     register_model: Optional[str] = None  # register the logged model as a new version of this registered model
+    system_metrics: bool = True       # MLflow system metrics of the driver and rank 0 (contract/tracking.py)
+    system_metrics_interval_s: float = 10.0
 
 
 @dataclass

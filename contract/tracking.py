@@ -100,6 +100,27 @@ def answers(uri: str) -> bool:
         return False
 
 
+class SystemMetrics:
+    """MLflow's system metrics monitor (CPU, memory, disk, network; GPUs when NVML is there) for one process of a
+    run: a thread that logs `system/<node>/<metric>` every `interval_s` and ends by itself when the run does. It
+    starts after the run's last system metrics step, so a restarted worker logs no step twice. Best effort: a tracking server that does not answer ends the
+    thread with a warning and never the training."""
+
+    def __init__(self, uri: str, run_id: str, node: str, interval_s: float):
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        self.uri = uri
+        self.monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s, node_id=node, tracking_uri=uri,
+                                            resume_logging=True)
+        self.monitor.start()
+
+    def stop(self) -> None:
+        """Log what is sampled and stop; with the server away, leave the (daemon) thread instead: MLflow's client
+        would retry for minutes."""
+        if answers(self.uri):
+            self.monitor.finish()
+
+
 def _client(uri: str):
     from mlflow.tracking import MlflowClient
 

@@ -99,6 +99,8 @@ def _check_values(cfg: DictConfig) -> None:
     if cfg.fault.resource_timeout_s < 0:
         raise ConfigError(f"fault.resource_timeout_s: must be >= 0 (0: wait forever), "
                           f"got {cfg.fault.resource_timeout_s}")
+    if cfg.run.system_metrics_interval_s < 1:  # a request per sample per process: more would flood the server
+        raise ConfigError(f"run.system_metrics_interval_s: must be >= 1, got {cfg.run.system_metrics_interval_s}")
     if not 0 <= cfg.model.dropout < 1:
         raise ConfigError(f"model.dropout: must be in [0, 1), got {cfg.model.dropout}")
     manifest = Path(cfg.data.path) / "manifest.json"

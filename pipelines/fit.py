@@ -29,6 +29,8 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
     if cfg.fault.resource_timeout_s > 0:  # read by Ray Train's controller (trainers/worker.py: run_config)
         os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.fault.resource_timeout_s)
     trainer = backend.build_trainer(cfg, datasets, run_id, uri, inputs, callbacks=callbacks)
+    system = tracking.SystemMetrics(uri, run_id, "driver", cfg.run.system_metrics_interval_s) \
+        if cfg.run.system_metrics else None
     try:
         result = fit_in_thread(trainer)
     except Exception as err:
@@ -36,6 +38,9 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
         if waited:
             raise RuntimeError(waited) from None
         raise
+    finally:
+        if system is not None:
+            system.stop()
     if result.checkpoint is None:
         raise RuntimeError("training ended without a checkpoint")
     stopped = stopped_at(result.metrics)

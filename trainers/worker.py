@@ -25,11 +25,12 @@ def worker_config(config: dict[str, Any]) -> DictConfig:
 
 def ray_context(config: dict[str, Any], cfg: DictConfig) -> WorkerContext:
     """This Ray Train worker's context: rank, report, checkpoint to restore, rank 0's MLflow logger, STOP file,
-    fault injection. Tags `rank<r>.node` with the IP of the Ray node the worker landed on."""
+    fault injection. Tags `rank<r>.node` with the IP of the Ray node the worker landed on; rank 0 starts its
+    system metrics."""
     import ray.train
     import ray.util
 
-    from contract.tracking import EpochLogger, TrackingSpool, spool_dir
+    from contract.tracking import EpochLogger, SystemMetrics, TrackingSpool, spool_dir
 
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
@@ -37,6 +38,8 @@ def ray_context(config: dict[str, Any], cfg: DictConfig) -> WorkerContext:
     spool = TrackingSpool(config["tracking_uri"], config["run_id"], spool_dir(cfg.run.storage_path, config["run_id"]),
                           f"rank{rank}")
     spool.write({"op": "tag", "key": f"rank{rank}.node", "value": ray.util.get_node_ip_address()})
+    if rank == 0 and cfg.run.system_metrics:  # its thread lives as long as this worker process
+        SystemMetrics(config["tracking_uri"], config["run_id"], "rank0", cfg.run.system_metrics_interval_s)
     return WorkerContext(
         rank=rank, world_size=world_size, report=ray_report, epochs=cfg.trainer.epochs,
         restored=ray.train.get_checkpoint(),

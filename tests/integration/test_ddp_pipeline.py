@@ -28,7 +28,8 @@ TINY = ["trainer.batch_size=32", "model.hidden=[64]", "trainer.threads_per_worke
 def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny_mnist, mlflow_server, ray_head):
     """`ray job submit --working-dir .` of the real pipeline against the test's own Ray head; rank 1 fails at
     epoch 2 and Ray Train restarts the workers from epoch 1's checkpoint (not from scratch). Rank 0 profiles 2
-    steps into the run's artifacts. The final model is registered, and evaluated through the registry."""
+    steps into the run's artifacts; the driver and rank 0 log system metrics. The final model is registered, and
+    evaluated through the registry."""
     marker, registered = tmp_path / "failed-once", f"mnist-ddp-{tmp_path.name}"
     env = pipeline_env(mlflow_server, ray_head)
     runtime_env = {"excludes": ["/.venv", "/.git", "/data", "/outputs", "/mlflow.db", "/mlartifacts"],
@@ -39,7 +40,7 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
            "python", "-m", "pipelines.train", f"data.path={tiny_mnist}", "trainer.epochs=3",
            f"run.storage_path={tmp_path / 'ray'}", f"run.dump_params_dir={tmp_path / 'params'}", *TINY,
            "fault.max_failures=1", "fault.inject_at_epoch=2", f"fault.inject_marker={marker}",
-           f"run.register_model={registered}", "trainer.profile_steps=2"]
+           f"run.register_model={registered}", "trainer.profile_steps=2", "run.system_metrics_interval_s=1"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     run_id = run_id_from(proc.stdout)
@@ -70,6 +71,10 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
     artifacts = {a.path for a in client.list_artifacts(run_id)}
     assert "config.yaml" in artifacts
     assert [a.path for a in client.list_artifacts(run_id, "profile")] == ["profile/trace_rank0.json"]
+    for node in ("driver", "rank0"):  # MLflow's system metrics of both processes, one sample a second
+        memory = client.get_metric_history(run_id, f"system/{node}/system_memory_usage_megabytes")
+        assert len(memory) >= 2 and all(m.value > 0 for m in memory), node
+        assert len({m.step for m in memory}) == len(memory), node  # rank 0's restart continued the steps
 
     import mlflow
 

@@ -183,3 +183,46 @@ def check_report(client: MlflowClient, local: str, parent_id: str, children: lis
     for name in ("throughput_vs_workers.png", "efficiency_vs_workers.png", "loss_curves.png"):
         data = open(f"{local}/{name}", "rb").read()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+
+
+def test_random_search_draws_its_samples_and_asha_stops_the_trials_that_lag(tmp_path, tiny_mnist, mlflow_server,
+                                                                             ray_head):
+    """Random search under ASHA, one trial at a time: a loguniform learning rate drawn twice (num_samples=2),
+    each draw followed by a learning rate too small to learn. Every child run trains with its planned draw, and
+    ASHA (train_loss at epoch 1, the first trial there sets the bar) stops the trials that cannot learn after
+    one epoch (tag, one epoch of metrics, no model), while the first trial runs to its last epoch."""
+    from pipelines.sweep_space import expand_grid, grids, load_sweep
+
+    space = ["sweep.grid=[{trainer:[ddp],trainer.lr:{loguniform:[0.003,0.01]}},{trainer:[ddp],trainer.lr:[1e-6]}]",
+             "sweep.num_samples=2", "sweep.seed=5"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipelines.sweep", "sweep=mnist_backends", *space, "sweep.scheduler=asha",
+         "sweep.asha_grace_period=1", "sweep.max_concurrent_trials=1", f"data.path={tiny_mnist}",
+         "trainer.num_workers=1", "trainer.epochs=2", "trainer.batch_size=32", "model.hidden=[32]",
+         f"run.storage_path={tmp_path / 'ray'}"],
+        cwd=ROOT, env=pipeline_env(mlflow_server, ray_head), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    parent_id = parent_id_from(proc.stdout)
+    planned = [point["trainer.lr"] for point in expand_grid(grids(load_sweep("mnist_backends", space)), 2, 5)]
+    assert len(set(planned)) == 3 and all(0.003 <= lr <= 0.01 for lr in planned[::2]) and planned[1::2] == [1e-6] * 2
+
+    client = MlflowClient(mlflow_server)
+    assert client.get_run(parent_id).info.status == "FINISHED"
+    children = client.search_runs([client.get_run(parent_id).info.experiment_id],
+                                  filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    by_index = {int(c.data.tags["sweep.trial_index"]): c for c in children}
+    assert sorted(by_index) == [0, 1, 2, 3]
+    import mlflow
+
+    mlflow.set_tracking_uri(mlflow_server)
+    for index, child in by_index.items():
+        run_id = child.info.run_id
+        assert child.info.status == "FINISHED" and float(child.data.params["trainer.lr"]) == planned[index]
+        epochs = [m.step for m in client.get_metric_history(run_id, "train_loss")]
+        models = mlflow.search_logged_models(experiment_ids=[child.info.experiment_id], output_format="list",
+                                             filter_string=f"source_run_id = '{run_id}'")
+        stopped = child.data.tags.get("sweep.stopped_early_at_epoch")
+        assert (epochs, len(models)) == (([1], 0) if stopped == "1" else ([1, 2], 1)), (index, stopped)
+    assert "sweep.stopped_early_at_epoch" not in by_index[0].data.tags  # alone at epoch 1: the bar
+    assert by_index[1].data.tags["sweep.stopped_early_at_epoch"] == "1"
+    assert by_index[3].data.tags["sweep.stopped_early_at_epoch"] == "1"

@@ -45,11 +45,13 @@ def test_fit_loop_syncs_trains_logs_and_resumes_after_a_failure(tmp_path, tiny_m
     marker = tmp_path / "failed-once"
     proc, run_id = train([f"data.path={tiny_mnist}", "trainer.tf_loop=fit", f"run.storage_path={tmp_path / 'ray'}",
                           f"run.dump_params_dir={tmp_path / 'params'}", "fault.max_failures=1",
-                          "fault.inject_at_epoch=2", f"fault.inject_marker={marker}"],
+                          "fault.inject_at_epoch=2", f"fault.inject_marker={marker}", "run.system_metrics=false",
+                          "run.system_metrics_interval_s=1"],
                          pipeline_env(mlflow_server, ray_head))
     assert marker.read_text().startswith("failed at epoch 2 in rank 1")
     client = MlflowClient(mlflow_server)
     check_run(client, run_id)
+    assert not [name for name in client.get_run(run_id).data.metrics if name.startswith("system/")]  # turned off
     assert client.get_run(run_id).data.tags["resumed_from_epoch"] == "1"
     weights = check_replicas_identical(tmp_path / "params")
     check_evaluation(client, run_id, weights, tiny_mnist, pipeline_env(mlflow_server, ray_head))

@@ -37,6 +37,7 @@ def test_defaults_compose_and_flatten(data_override):
     ("model.name=resnet", r"^model\.name: unknown model 'resnet'"),
     ("data.path=/does/not/exist", r"^data\.path: no prepared dataset at '/does/not/exist'"),
     ("fault.max_failures=-1", r"^fault\.max_failures: must be >= 0"),
+    ("run.system_metrics_interval_s=0.5", r"^run\.system_metrics_interval_s: must be >= 1"),
     # the recipe (contract/recipe.py); tiny_mnist: 512 rows per worker, 4 batches of 128 x 5 epochs = 20 updates
     ("trainer.optimizer=lamb", r"^trainer\.optimizer: unknown 'lamb' \(choices: adam, adamw, sgd\)"),
     ("trainer.lr_schedule=step", r"^trainer\.lr_schedule: unknown 'step'"),
