@@ -131,6 +131,7 @@ class RunSection:
     patience: Optional[int] = None    # stop after this many epochs without a better `monitor` (None: never)
     register_model: Optional[str] = None  # register the logged model as a new version of this registered model
     system_metrics: bool = True       # MLflow system metrics of the driver and rank 0 (contract/tracking.py)
+    tensorboard: bool = False         # rank 0 also writes TensorBoard event files: the run's tensorboard/ artifacts
     system_metrics_interval_s: float = 10.0
 
 

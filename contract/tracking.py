@@ -103,8 +103,8 @@ def answers(uri: str) -> bool:
 class SystemMetrics:
     """MLflow's system metrics monitor (CPU, memory, disk, network; GPUs when NVML is there) for one process of a
     run: a thread that logs `system/<node>/<metric>` every `interval_s` and ends by itself when the run does. It
-    starts after the run's last system metrics step, so a restarted worker logs no step twice. Best effort: a tracking server that does not answer ends the
-    thread with a warning and never the training."""
+    starts after the run's last system metrics step, so a restarted worker logs no step twice. Best effort: a
+    tracking server that does not answer ends the thread with a warning and never the training."""
 
     def __init__(self, uri: str, run_id: str, node: str, interval_s: float):
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
@@ -374,13 +374,33 @@ def flush_spools(uri: str, run_id: str, folder: Path) -> int:
 class EpochLogger:
     """Rank 0's per-epoch metrics, through its `TrackingSpool`. Logging is idempotent per (metric, epoch): after a
     worker failure the resumed run may replay an epoch whose metrics were already logged, and MLflow must hold
-    each once."""
+    each once. With `tensorboard_dir` the same epoch metrics (step = epoch) and step losses (step = global step)
+    also go to a TensorBoard event file there, logged as the run's `tensorboard/` artifacts after every epoch."""
 
-    def __init__(self, spool: TrackingSpool):
+    def __init__(self, spool: TrackingSpool, tensorboard_dir: Path | None = None):
         self.spool = spool
+        self.tensorboard_dir = tensorboard_dir
+        self._events: Any = None
+
+    def _to_tensorboard(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Written at once: tensorboardX's EventsWriter (its SummaryWriter queues events for a thread, so a flush
+        does not promise they are in the file yet); no framework needed."""
+        if self.tensorboard_dir is None:
+            return
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import scalar
+
+        if self._events is None:
+            self.tensorboard_dir.mkdir(parents=True, exist_ok=True)
+            self._events = EventsWriter(str(self.tensorboard_dir / "events"))
+        for name, value in metrics.items():
+            self._events.write_event(Event(wall_time=time.time(), step=step, summary=scalar(name, float(value))))
+        self._events.flush()
 
     def log_step_loss(self, step: int, loss: float) -> None:
         self.spool.write({"op": "metrics", "metrics": [["step_loss", float(loss), _now_ms(), step]]})
+        self._to_tensorboard(step, {"step_loss": loss})
 
     def resumed_from(self, epoch: int) -> None:
         """Record a restart from the checkpoint of `epoch` (tag `resumed_from_epoch`, comma-separated)."""
@@ -399,6 +419,9 @@ class EpochLogger:
         now = _now_ms()
         self.spool.write({"op": "metrics", "once_per": "train_loss",
                           "metrics": [[k, float(v), now, epoch] for k, v in metrics.items()]})
+        if self.tensorboard_dir is not None:
+            self._to_tensorboard(epoch, metrics)
+            self.log_artifacts(str(self.tensorboard_dir), "tensorboard")
 
 
 def _now_ms() -> int:

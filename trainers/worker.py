@@ -32,6 +32,7 @@ def ray_context(config: dict[str, Any], cfg: DictConfig) -> WorkerContext:
 
     from contract.tracking import EpochLogger, SystemMetrics, TrackingSpool, spool_dir
 
+    run_folder = Path(cfg.run.storage_path) / f"run-{config['run_id']}"  # the Ray Train run's, on shared storage
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     # Every MLflow write of a worker goes through its spool: a tracking server that blinks loses nothing.
@@ -43,10 +44,10 @@ def ray_context(config: dict[str, Any], cfg: DictConfig) -> WorkerContext:
     return WorkerContext(
         rank=rank, world_size=world_size, report=ray_report, epochs=cfg.trainer.epochs,
         restored=ray.train.get_checkpoint(),
-        logger=EpochLogger(spool) if rank == 0 else None,
+        logger=EpochLogger(spool, run_folder / "tensorboard" if cfg.run.tensorboard else None) if rank == 0 else None,
         stop_file=stop_file(cfg.run.resume_dir), log_every_n_steps=cfg.trainer.log_every_n_steps,
         monitor=monitor_of(cfg.run), profile_steps=cfg.trainer.profile_steps,
-        profile_dir=Path(cfg.run.storage_path) / f"run-{config['run_id']}" / "profile" if rank == 0 else None,
+        profile_dir=run_folder / "profile" if rank == 0 else None,
         before_epoch=lambda epoch: maybe_inject_failure(cfg.fault, epoch, rank, world_size))
 
 

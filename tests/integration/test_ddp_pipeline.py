@@ -28,8 +28,8 @@ TINY = ["trainer.batch_size=32", "model.hidden=[64]", "trainer.threads_per_worke
 def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny_mnist, mlflow_server, ray_head):
     """`ray job submit --working-dir .` of the real pipeline against the test's own Ray head; rank 1 fails at
     epoch 2 and Ray Train restarts the workers from epoch 1's checkpoint (not from scratch). Rank 0 profiles 2
-    steps into the run's artifacts; the driver and rank 0 log system metrics. The final model is registered, and
-    evaluated through the registry."""
+    steps into the run's artifacts; the driver and rank 0 log system metrics; TensorBoard event files too. The
+    final model is registered, and evaluated through the registry."""
     marker, registered = tmp_path / "failed-once", f"mnist-ddp-{tmp_path.name}"
     env = pipeline_env(mlflow_server, ray_head)
     runtime_env = {"excludes": ["/.venv", "/.git", "/data", "/outputs", "/mlflow.db", "/mlartifacts"],
@@ -40,7 +40,8 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
            "python", "-m", "pipelines.train", f"data.path={tiny_mnist}", "trainer.epochs=3",
            f"run.storage_path={tmp_path / 'ray'}", f"run.dump_params_dir={tmp_path / 'params'}", *TINY,
            "fault.max_failures=1", "fault.inject_at_epoch=2", f"fault.inject_marker={marker}",
-           f"run.register_model={registered}", "trainer.profile_steps=2", "run.system_metrics_interval_s=1"]
+           f"run.register_model={registered}", "trainer.profile_steps=2", "run.system_metrics_interval_s=1",
+           "run.tensorboard=true"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     run_id = run_id_from(proc.stdout)
@@ -71,6 +72,8 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
     artifacts = {a.path for a in client.list_artifacts(run_id)}
     assert "config.yaml" in artifacts
     assert [a.path for a in client.list_artifacts(run_id, "profile")] == ["profile/trace_rank0.json"]
+    board = {a.path.split("/")[1].split(".")[0] for a in client.list_artifacts(run_id, "tensorboard")}
+    assert board == {"events"}  # an event file per attempt of rank 0 (contents: tests/unit/test_tracking_spool.py)
     for node in ("driver", "rank0"):  # MLflow's system metrics of both processes, one sample a second
         memory = client.get_metric_history(run_id, f"system/{node}/system_memory_usage_megabytes")
         assert len(memory) >= 2 and all(m.value > 0 for m in memory), node

@@ -2,6 +2,8 @@
 never raised, and sent later exactly once, against a real MLflow store."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlflow
 
 from contract.tracking import EpochLogger, TrackingSpool, flush_spools, spooled
@@ -37,3 +39,41 @@ def test_records_wait_in_the_spool_and_go_out_once(tmp_path, monkeypatch):
     assert steps("train_loss") == [1, 2] and steps("test_accuracy") == [2] and steps("step_loss") == [40]
     assert client.get_run(run_id).data.tags["resumed_from_epoch"] == "1"
     assert [a.path for a in client.list_artifacts(run_id, "profile")] == ["profile/trace_rank0.json"]
+
+
+def read_scalars(folder) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} from the TensorBoard event files in `folder` (TFRecord framing: length, its CRC, the
+    Event proto, its CRC)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    scalars: dict[str, dict[int, float]] = {}
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            event = Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars
+
+
+def test_tensorboard_event_files_hold_the_logged_metrics_and_become_artifacts(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(store)
+    run_id = client.create_run(client.create_experiment("board")).info.run_id
+    board = tmp_path / "run" / "tensorboard"
+    logger = EpochLogger(TrackingSpool(store, run_id, tmp_path / "spool", "rank0"), board)
+    logger.log_step_loss(10, 0.875)
+    logger.log(1, {"train_loss": 0.75, "test_accuracy": 0.5})
+    logger.log_step_loss(20, 0.625)
+    logger.log(2, {"train_loss": 0.5625, "test_accuracy": 0.625})
+    expected = {"step_loss": {10: 0.875, 20: 0.625}, "train_loss": {1: 0.75, 2: 0.5625},
+                "test_accuracy": {1: 0.5, 2: 0.625}}
+    assert read_scalars(board) == expected  # exact: each value is a float32 here
+    [artifact] = client.list_artifacts(run_id, "tensorboard")
+    local = client.download_artifacts(run_id, artifact.path, str(tmp_path / "download"))
+    assert read_scalars(Path(local).parent) == expected  # the epoch-2 upload holds it all
