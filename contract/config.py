@@ -34,7 +34,7 @@ class TrainerConfig:
     precision: str = "fp32"             # fp32 | bf16 | fp16 (fp16: GPUs only)
     epochs: int = 5
     log_every_n_steps: int = 0          # rank 0 logs `step_loss` every n steps (0: off)
-    profile_steps: int = 0              # rank 0 profiles n steps after a warmup step (PyTorch): artifact profile/
+    profile_steps: int = 0              # rank 0 profiles n steps after a warmup step: artifact profile/
     max_steps_per_epoch: Optional[int] = None  # cut epochs short (benchmarks, smoke runs)
     placement_strategy: str = "PACK"    # Ray placement of the workers: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
 

@@ -163,9 +163,6 @@ def _check_recipe(cfg: DictConfig) -> None:
         raise ConfigError(f"run.patience: must be >= 1 (null: no early stopping), got {run.patience}")
     if trainer.profile_steps < 0:
         raise ConfigError(f"trainer.profile_steps: must be >= 0 (0: off), got {trainer.profile_steps}")
-    if trainer.profile_steps and not torch_backend:
-        raise ConfigError("trainer.profile_steps: the profiler is wired for the PyTorch backends only (ddp, tp, "
-                          "horovod with trainer.framework=torch)")
     name = run.register_model
     if name is not None and (not name.strip() or "/" in name or ":" in name):
         raise ConfigError(f"run.register_model: '{name}' is not a model name MLflow accepts (not blank, no / or :)")

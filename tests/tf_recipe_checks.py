@@ -90,6 +90,40 @@ def accumulated_clipped_steps(folder: Path, data, strategy) -> dict:
             "custom": weights[-1].tolist(), "fit": flat(fit.model.get_weights()).tolist()}
 
 
+def profiles(folder: Path, keras, data, strategy) -> dict:
+    """`trainer.profile_steps=2` through the shared loop on rank 0, in the custom loop and in Keras `fit` (one step
+    per compiled call): the names of the events TensorFlow's profiler recorded on the host (XPlane), how often
+    each, and what the loop handed to the logger."""
+    from dataclasses import replace
+
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    from tests.loop_harness import Recorder, make_context
+    from trainers.loop import TrainLoop
+    from trainers.tf_mwms import fit_epochs
+
+    found = {}
+    for kind in ("custom", "fit"):
+        model = adapter(folder, f"profile-{kind}", [f"trainer.tf_loop={kind}", "trainer.tf_steps_per_execution=1",
+                                                    "trainer.max_steps_per_epoch=5"], data, strategy)
+        recorder, trace = Recorder(), folder / f"profile-{kind}"
+        ctx = replace(make_context(0, 1, 1, folder / f"checkpoints-{kind}", recorder, []), profile_steps=2,
+                      profile_dir=trace)
+        loop = TrainLoop(model, ctx)
+        fit_epochs(keras, loop, model, 1) if kind == "fit" else loop.run()
+        counts: dict[str, int] = {}
+        for path in trace.rglob("*.xplane.pb"):
+            space = xplane_pb2.XSpace.FromString(path.read_bytes())
+            for plane in space.planes:
+                names = {key: meta.name for key, meta in plane.event_metadata.items()}
+                for event in (event for line in plane.lines for event in line.events):
+                    name = names.get(event.metadata_id, "")
+                    counts[name] = counts.get(name, 0) + 1
+        found[kind] = {"files": [str(p.relative_to(trace)) for p in trace.rglob("*.xplane.pb")],
+                       "events": counts, "artifacts": [[f, p] for f, p in recorder.artifacts]}
+    return found
+
+
 def main(folder: str) -> None:
     import tensorflow as tf
 
@@ -104,7 +138,8 @@ def main(folder: str) -> None:
     adamw = adapter(base, "adamw", ["trainer.optimizer=adamw", "trainer.lr=0.1", "trainer.weight_decay=0.1"],
                     data, strategy)
     result = {"lr": {name: learning_rates(base, keras, tf, name, warmup, 8) for name, warmup in SCHEDULES.items()},
-              "decay": decay_exclusion(tf, adamw.model), "steps": accumulated_clipped_steps(base, data, strategy)}
+              "decay": decay_exclusion(tf, adamw.model), "steps": accumulated_clipped_steps(base, data, strategy),
+              "profiles": profiles(base, keras, data, strategy)}
     assert "torch" not in sys.modules, "a TensorFlow worker imported torch"
     print(json.dumps(result))
 

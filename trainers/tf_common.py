@@ -172,6 +172,30 @@ def load_keras_state(directory: str, model: Any, strategy: Any) -> None:
             variable.assign(store[f"loss_scale_{i}"])
 
 
+class TFProfiler:
+    """TensorFlow's profiler over `steps` training steps after one warmup step (the first pays tracing and
+    compilation): an XPlane trace in `<folder>/plugins/profile/<time>/<host>.xplane.pb`, for TensorBoard's Profile
+    tab (`pip install tensorboard tensorboard-plugin-profile`, then `tensorboard --logdir <folder>`)."""
+
+    def __init__(self, tf: Any, folder: str, steps: int):
+        self.tf, self.folder, self.steps, self.taken, self.recording = tf, folder, steps, 0, False
+
+    def start(self) -> None:
+        pass  # at the end of the warmup step
+
+    def step(self) -> bool:
+        self.taken += 1
+        if self.taken == 1:
+            self.tf.profiler.experimental.start(self.folder)
+            self.recording = True
+        return self.taken > self.steps  # the warmup step and `steps` recorded ones
+
+    def stop(self) -> None:
+        if self.recording:
+            self.tf.profiler.experimental.stop()
+            self.recording = False
+
+
 class KerasAdapter:
     """What the TF adapters share: evaluation, state files, tokens per step, memory. Subclasses give
     `batches`, `train_step` and `reduce`, and with `grad_accum` > 1 the update boundaries (one optimizer step per
@@ -217,6 +241,9 @@ class KerasAdapter:
 
     def peak_memory_bytes(self) -> float:
         return peak_rss_bytes()
+
+    def profiler(self, folder: str, steps: int) -> TFProfiler:
+        return TFProfiler(self.tf, folder, steps)
 
     def epoch_extras(self) -> dict[str, float]:
         return {}

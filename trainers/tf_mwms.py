@@ -203,9 +203,24 @@ def fit_epochs(keras: Any, loop: TrainLoop, adapter: MirroredAdapter, epochs: in
             loop.log_step_loss(self.epoch, done, window, since_step=self.seen)
             self.seen, self.mean = done, mean
 
+    class ProfileSteps(keras.callbacks.Callback):
+        """Drives the loop's profiler (`trainer.profile_steps`, rank 0). A batch hook here ends a compiled call of
+        `tf_steps_per_execution` steps: each profiled "step" is one such call."""
+
+        def on_epoch_begin(self, epoch, logs=None):
+            loop.start_profile(epoch + 1)
+
+        def on_train_batch_end(self, batch, logs=None):
+            loop.profile_step()
+
+        def on_epoch_end(self, epoch, logs=None):
+            loop.stop_profile()
+
     callbacks = [ReportEachEpoch()]
     if ctx.logger is not None and ctx.log_every_n_steps > 0:
         callbacks.append(LogStepLoss())
+    if ctx.profile_steps and ctx.profile_dir is not None:
+        callbacks.insert(0, ProfileSteps())  # before ReportEachEpoch: the trace is sent before the epoch's report
 
     run_fit(adapter, loop.first_epoch, epochs, callbacks)
 

@@ -115,12 +115,9 @@ def test_each_backend_has_its_own_trainer_keys(data_override, fake_imdb):
     assert "tp" not in load_config([data_override]).trainer
 
 
-def test_profiling_is_for_the_pytorch_backends(data_override):
-    with pytest.raises(ConfigError, match=r"^trainer\.profile_steps: not a key of this config"):
-        load_config([data_override, "trainer=tf_mwms", "trainer.profile_steps=2"])  # not in its yaml
-    with pytest.raises(ConfigError, match=r"^trainer\.profile_steps: the profiler is wired for the PyTorch"):
-        load_config([data_override, "trainer=horovod", "trainer.framework=tf", "trainer.profile_steps=2"])
-    assert load_config([data_override, "trainer=horovod", "trainer.profile_steps=2"]).trainer.profile_steps == 2
+@pytest.mark.parametrize("backend", ["trainer=ddp", "trainer=tf_mwms", "trainer=horovod"])
+def test_every_backend_can_profile(data_override, backend):
+    assert load_config([data_override, backend, "trainer.profile_steps=2"]).trainer.profile_steps == 2
 
 
 def test_schemas_cover_every_backend_module():

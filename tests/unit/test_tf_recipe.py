@@ -53,3 +53,15 @@ def test_accumulated_clipped_steps_in_both_loops(measured):
     np.testing.assert_allclose(moved[[1, 3]], 0.5 * 1e-3, rtol=1e-4)
     assert steps["iterations"] == [2, 2]
     np.testing.assert_allclose(steps["fit"], steps["custom"], rtol=0, atol=DELTA_ATOL)
+
+
+@pytest.mark.parametrize("loop", ["custom", "fit"])
+def test_rank0_profiles_two_steps_after_a_warmup_step(measured, loop):
+    """`trainer.profile_steps=2` on the TF backends: rank 0's profile holds an XPlane trace of exactly two training
+    steps (each all-reduces its packed gradients once per replica: 2 steps x 2 replicas), not the warmup step and
+    not the rest of the epoch, and its folder goes to the logger as the run's `profile/` artifacts."""
+    profile = measured["profiles"][loop]
+    [trace] = profile["files"]
+    assert trace.startswith("plugins/profile/") and trace.endswith(".xplane.pb")
+    assert profile["events"]["CollectiveOpV2Kernel::Run"] == 4
+    assert [path for _, path in profile["artifacts"]] == ["profile"]
