@@ -3,6 +3,7 @@
 Definitions (also printed under the table):
 - throughput: `samples_per_s` (global, each sample once even under TP), mean over the epochs after the first
   (the first one includes start-up and caching), or the only epoch; `tokens_per_s` likewise for text;
+  `samples_per_s_per_worker`: throughput / workers (what a layout makes of each worker it takes);
 - speedup: throughput / throughput of the 1-worker trial of the same backend and per-worker batch size;
   efficiency: speedup / workers (1.0 = linear scaling);
 - time to target: summed training time (`epoch_time_s`) of the epochs up to the first whose `test_accuracy`
@@ -23,10 +24,10 @@ from typing import Any, Optional
 HISTORY_METRICS = ("train_loss", "test_accuracy", "samples_per_s", "tokens_per_s", "epoch_time_s",
                    "peak_memory_bytes")
 COLUMNS = ("trial", "backend", "workers", "tp", "dp", "batch_size", "lr", "status", "epochs", "samples_per_s",
-           "tokens_per_s", "speedup", "efficiency", "time_to_target_s", "peak_memory_mib", "test_accuracy",
-           "train_loss", "run_id")
-NUMERIC = ("samples_per_s", "tokens_per_s", "speedup", "efficiency", "time_to_target_s", "peak_memory_mib",
-           "test_accuracy", "train_loss")
+           "samples_per_s_per_worker", "tokens_per_s", "speedup", "efficiency", "time_to_target_s",
+           "peak_memory_mib", "test_accuracy", "train_loss", "run_id")
+NUMERIC = ("samples_per_s", "samples_per_s_per_worker", "tokens_per_s", "speedup", "efficiency", "time_to_target_s",
+           "peak_memory_mib", "test_accuracy", "train_loss")
 
 
 @dataclass
@@ -71,9 +72,11 @@ def summarise(trial: TrialRecord, target_accuracy: float) -> dict[str, Any]:
     """A report row (speedup and efficiency come from `add_scaling`)."""
     h = trial.history
     peak = h.get("peak_memory_bytes")
+    throughput = steady(h.get("samples_per_s"))
     return {"trial": trial.name, "backend": trial.backend, "workers": trial.workers, "tp": trial.tp,
             "dp": trial.dp, "batch_size": trial.batch_size, "lr": trial.lr, "status": trial.status,
-            "epochs": len(h.get("train_loss", [])), "samples_per_s": steady(h.get("samples_per_s")),
+            "epochs": len(h.get("train_loss", [])), "samples_per_s": throughput,
+            "samples_per_s_per_worker": throughput / trial.workers if throughput is not None else None,
             "tokens_per_s": steady(h.get("tokens_per_s")), "speedup": None, "efficiency": None,
             "time_to_target_s": time_to_target(h.get("test_accuracy", []), h.get("epoch_time_s", []),
                                                target_accuracy),

@@ -39,6 +39,8 @@ def test_speedup_and_efficiency_against_the_one_worker_trial_of_the_same_backend
     assert by_name["d1"]["speedup"] == 1.0 and by_name["d1"]["efficiency"] == 1.0
     assert by_name["d2"]["speedup"] == pytest.approx(1.5) and by_name["d2"]["efficiency"] == pytest.approx(0.75)
     assert by_name["d4"]["efficiency"] == pytest.approx(0.5)
+    assert by_name["d4"]["samples_per_s_per_worker"] == pytest.approx(50.0)
+    assert best_row(rows, "samples_per_s_per_worker", "max")["trial"] == "d2b"  # 150 per worker
     assert by_name["t2"]["speedup"] is None          # no 1-worker tp trial
     assert by_name["d2b"]["speedup"] is None         # no 1-worker ddp trial with batch size 64
     assert by_name["d2"]["time_to_target_s"] == 4.0 and by_name["d1"]["time_to_target_s"] is None
