@@ -13,8 +13,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 MNIST = ROOT / "data" / "mnist" / "parquet"
-QUIET_ENV = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "RAY_TRAIN_ENABLE_PROGRESS_BAR": "0",
-             "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
+QUIET_ENV = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
 
 
 def mnist_parser(description: str | None) -> argparse.ArgumentParser:

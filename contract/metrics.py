@@ -53,6 +53,13 @@ def epoch_metrics(totals: EpochTotals, correct: int, total: int, reduce: Reducer
     return {name: float(value) for name, value in metrics.items()}
 
 
+def epoch_line(epoch: int, epochs: int, metrics: dict[str, float]) -> str:
+    """Rank 0's progress line for an epoch, printed at its end (in the driver's output through Ray's log)."""
+    return (f"epoch {epoch}/{epochs}: train_loss {metrics['train_loss']:.4f}, "
+            f"test_accuracy {metrics['test_accuracy']:.4f}, {metrics['samples_per_s']:,.0f} samples/s, "
+            f"{metrics['epoch_time_s']:.1f} s")
+
+
 def peak_rss_bytes() -> float:
     """This process's peak resident memory so far (Linux reports KiB)."""
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

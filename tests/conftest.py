@@ -166,7 +166,7 @@ def ray_head(tmp_path_factory) -> dict[str, str]:
 
 def pipeline_env(tracking_uri: str, ray_env: dict[str, str] | None = None) -> dict[str, str]:
     env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri, "OMP_NUM_THREADS": "1",
-           "RAY_TRAIN_ENABLE_PROGRESS_BAR": "0", "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
+           "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
            "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}
     env.pop("RAY_ADDRESS", None)
     if ray_env:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
 from contract.checkpoint import EpochTotals, TrainState
-from contract.metrics import REPORTED_EPOCH, Reducer, epoch_metrics, stop_metrics
+from contract.metrics import REPORTED_EPOCH, Reducer, epoch_line, epoch_metrics, stop_metrics
 from contract.recipe import Monitor
 from contract.resume import STOP_CHECK_EVERY
 
@@ -220,6 +220,8 @@ class TrainLoop:
         extras = adapter.epoch_extras()
         self.state = self.state.after_epoch(epoch, metrics, self.ctx.monitor)
         self._checkpoint_and_report({**metrics, REPORTED_EPOCH: epoch}, self.state)
+        if self.ctx.rank == 0:
+            print(epoch_line(epoch, self.ctx.epochs, metrics), flush=True)
         if self.ctx.logger is not None:
             self.ctx.logger.log(epoch, metrics)
             if extras:

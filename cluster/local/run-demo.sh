@@ -22,7 +22,7 @@ log=outputs/demo-job.log
 runtime_env=$(cat <<JSON
 {"excludes": ["/.venv", "/.git", "/data", "/outputs", "/mlflow.db", "/mlartifacts"],
  "env_vars": {"MLFLOW_TRACKING_URI": "$MLFLOW_TRACKING_URI", "PIPELINE_GIT_COMMIT": "$PIPELINE_GIT_COMMIT",
-              "OMP_NUM_THREADS": "1", "RAY_TRAIN_ENABLE_PROGRESS_BAR": "0", "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}}
+              "OMP_NUM_THREADS": "1"}}
 JSON
 )
 status=0

@@ -34,7 +34,7 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
     env = pipeline_env(mlflow_server, ray_head)
     runtime_env = {"excludes": ["/.venv", "/.git", "/data", "/outputs", "/mlflow.db", "/mlartifacts"],
                    "env_vars": {k: env[k] for k in ("MLFLOW_TRACKING_URI", "OMP_NUM_THREADS",
-                                                    "RAY_TRAIN_ENABLE_PROGRESS_BAR")}}
+                                                    "RAY_DATA_DISABLE_PROGRESS_BARS")}}
     cmd = ["ray", "job", "submit", "--address", ray_head["RAY_DASHBOARD_ADDRESS"], "--working-dir", ".",
            "--runtime-env-json", json.dumps(runtime_env), "--",
            "python", "-m", "pipelines.train", f"data.path={tiny_mnist}", "trainer.epochs=3",

@@ -30,7 +30,7 @@ def submit_sweep(args: list[str], mlflow_server: str, ray_head: dict) -> subproc
     env = pipeline_env(mlflow_server, ray_head)
     runtime_env = {"excludes": ["/.venv", "/.git", "/data", "/outputs", "/mlflow.db", "/mlartifacts"],
                    "env_vars": {k: env[k] for k in ("MLFLOW_TRACKING_URI", "OMP_NUM_THREADS",
-                                                    "RAY_TRAIN_ENABLE_PROGRESS_BAR")}}
+                                                    "RAY_DATA_DISABLE_PROGRESS_BARS")}}
     cmd = ["ray", "job", "submit", "--address", ray_head["RAY_DASHBOARD_ADDRESS"], "--working-dir", ".",
            "--runtime-env-json", json.dumps(runtime_env), "--", "python", "-m", "pipelines.sweep", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

@@ -87,6 +87,19 @@ def test_loop_stop_resume_parity_and_metric_set(tmp_path, text):
         assert epoch["tokens_per_s"] == pytest.approx(25 * 7 / epoch["epoch_time_s"])
 
 
+def test_rank0_prints_a_progress_line_per_epoch(tmp_path, capsys):
+    """One line per epoch from rank 0 (the driver shows it through Ray's log), with the epoch's logged metrics;
+    other ranks stay quiet."""
+    quiet = run_attempt(lambda ctx: TrainLoop(LineAdapter(), ctx).run(), 1, 2, 2, tmp_path / "rank1")
+    assert quiet.finished and capsys.readouterr().out == ""
+    attempt = run_attempt(lambda ctx: TrainLoop(LineAdapter(), ctx).run(), 0, 1, 2, tmp_path / "rank0")
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["epoch 1/2", "epoch 2/2"]
+    for line, epoch in zip(lines, (1, 2)):
+        metrics = attempt.recorder.epochs[epoch]
+        assert f"train_loss {metrics['train_loss']:.4f}, test_accuracy {metrics['test_accuracy']:.4f}," in line
+
+
 def test_checkpoint_schema_of_a_stopped_epoch(tmp_path):
     """train_state.json: the last finished epoch, its metrics, and the stopped epoch's totals."""
     run = lambda ctx: TrainLoop(LineAdapter(), ctx).run()  # noqa: E731
