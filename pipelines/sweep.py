@@ -156,7 +156,7 @@ def run_trial(config: dict[str, Any], specs: dict[int, dict[str, Any]]) -> None:
 class Outcome:
     status: str                 # MLflow run status: FINISHED | FAILED | KILLED
     message: str | None = None
-    early_stop: int | None = None  # the last epoch of a trial the scheduler or `sweep.stop` ended early
+    early_stop: int | None = None  # the epoch whose report made the scheduler or `sweep.stop` end the trial
 
 
 def make_scheduler(spec: DictConfig, valid: list[Trial]) -> Any:
@@ -225,8 +225,8 @@ def close_children(uri: str, children: dict[int, str], outcomes: dict[int, Outco
             _client(uri).set_tag(run_id, "sweep.not_finished", outcome.message)
             _client(uri).set_terminated(run_id, status="KILLED")
         else:
-            if outcome.early_stop is not None:  # such a trial logged no final model: say why
-                _client(uri).set_tag(run_id, "sweep.stopped_early_at_epoch", str(outcome.early_stop))
+            if outcome.early_stop is not None:  # why it has fewer epochs and, usually, no final model
+                _client(uri).set_tag(run_id, "sweep.stopped_early_after_epoch", str(outcome.early_stop))
             tracking.end_run(uri, run_id, error=outcome.message if outcome.status == "FAILED" else None)
 
 
