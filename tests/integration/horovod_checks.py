@@ -35,9 +35,10 @@ def init_log(params_dir: Path) -> list[dict[str, str]]:
     return [dict(field.split("=", 1) for field in line.split()) for line in lines]
 
 
-def optimizer_steps(storage: Path, framework: str) -> int:
-    """The optimizer's step counter in the newest checkpoint of the run."""
-    checkpoints = [p for p in storage.glob("run-*/checkpoint_*") if p.is_dir()]
+def optimizer_steps(storage: Path, framework: str, run_id: str = "*") -> int:
+    """The optimizer's step counter in the newest checkpoint of the run (`run_id`: where several runs share
+    `storage`)."""
+    checkpoints = [p for p in storage.glob(f"run-{run_id}/checkpoint_*") if p.is_dir()]
     newest = max(checkpoints, key=lambda p: p.stat().st_mtime)
     if framework == "torch":
         state = torch.load(newest / "state.pt", weights_only=False)["optimizer"]["state"]

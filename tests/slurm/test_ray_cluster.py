@@ -1,7 +1,9 @@
-"""cluster/slurm/ray-cluster.sbatch on a real 2-node Slurm (cluster/dev/slurm-local.sh): every backend with one
-worker on each node (horovod restarting after a failure), a preempted sweep requeued and continued, two concurrent jobs (one of them finding its port
-block taken), and a node that never joins. (A training run's stop and resume, exit code 3, is the same protocol:
-tests/integration/test_stop_resume.py runs it through the driver.)"""
+"""cluster/slurm/ray-cluster.sbatch on a real 2-node Slurm (cluster/dev/slurm-local.sh): the data-parallel backends
+with one worker on each node (ddp in a preempted sweep requeued and continued; tf_mwms and horovod, restarting after
+a failure, in two concurrent jobs, one of them finding its port block taken), and a node that never joins. (A
+training run's stop and resume, exit code 3, is the same protocol: tests/integration/test_stop_resume.py runs it
+through the driver. TP's collectives run over the same Gloo process groups as DDP's: tests/integration and
+tests/parallel cover it.)"""
 from __future__ import annotations
 
 import json
@@ -28,10 +30,9 @@ NODE_ADDRS = {"127.0.0.2", "127.0.0.3"}
 EPOCH_METRICS = ("train_loss", "test_accuracy", "samples_per_s")
 
 
-def ddp_command(data: Path, *overrides: str, backend: str = "ddp", groups: tuple[str, ...] = ()) -> list[str]:
-    # One worker per node (STRICT_SPREAD), one thread each: both Slurm nodes really take part. Config groups
-    # (`data=imdb`) come before `data.path`, so that the key lands in the chosen group.
-    return ["python", "-m", "pipelines.train", f"trainer={backend}", *groups, "trainer.num_workers=2",
+def ddp_command(data: Path, *overrides: str, backend: str = "ddp") -> list[str]:
+    # One worker per node (STRICT_SPREAD), one thread each: both Slurm nodes really take part.
+    return ["python", "-m", "pipelines.train", f"trainer={backend}", "trainer.num_workers=2",
             "trainer.placement_strategy=STRICT_SPREAD", f"data.path={data}", "trainer.batch_size=32",
             "data.cache_in_worker=true", *overrides]
 
@@ -39,12 +40,6 @@ def ddp_command(data: Path, *overrides: str, backend: str = "ddp", groups: tuple
 def local_store(out_dir: Path) -> mlflow.MlflowClient:
     """The MLflow store the job's own server wrote (sqlite on the shared folder), read after the job."""
     return mlflow.MlflowClient(f"sqlite:///{out_dir}/mlflow/mlflow.db")
-
-
-def only_run(client: mlflow.MlflowClient):
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    assert len(runs) == 1, [r.info.run_id for r in runs]
-    return runs[0]
 
 
 def assert_each_epoch_once(client: mlflow.MlflowClient, run_id: str, epochs: int) -> None:
@@ -59,35 +54,6 @@ def assert_spread_run(client: mlflow.MlflowClient, run_id: str, epochs: int) -> 
     assert run.info.status == "FINISHED"
     assert {run.data.tags["rank0.node"], run.data.tags["rank1.node"]} == NODE_ADDRS  # one worker per node
     assert_each_epoch_once(client, run_id, epochs)
-
-
-def test_horovod_across_both_nodes_with_fp16_and_accumulation_resumes_after_a_failure(slurm, tiny_mnist, tmp_path):
-    """Horovod torch across the two Ray nodes (ddp crosses them in the sweep test, tf_mwms and tp in the
-    concurrent-jobs test; horovod tf runs in tests/integration/test_horovod.py), with fp16 compression and 2
-    backward passes per step, and rank 1 failing at epoch 2: Ray Train restarts the worker group from epoch 1's
-    checkpoint, and the new processes do a new Gloo rendezvous across the nodes and train on. Identical replicas,
-    each epoch once in MLflow, the optimizer stepped once per 2 batches (its counter restored across the restart)."""
-    out, marker, params = tmp_path / "slurm", tmp_path / "failed-once", tmp_path / "params"
-    job = sbatch(slurm, out, ddp_command(tiny_mnist, "trainer.epochs=2", "model.hidden=[32]", "trainer.compression=fp16",
-                                         "trainer.grad_accum=2", "fault.max_failures=1",
-                                         "fault.inject_at_epoch=2", f"fault.inject_marker={marker}",
-                                         f"run.dump_params_dir={params}", backend="horovod"))
-    info = wait_job(slurm, job, 900)
-    log = job_output(out, job)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
-    assert "all 2 nodes joined" in log and marker.read_text().startswith("failed at epoch 2 in rank 1")
-    client = local_store(out)
-    run = only_run(client)
-    assert_spread_run(client, run.info.run_id, 2)
-    assert run.data.params["cluster.nodes"] == "2" and run.data.tags["resumed_from_epoch"] == "1"
-    assert [m.value > 0 for m in client.get_metric_history(run.info.run_id, "cluster_startup_s")] == [True]
-    check_replicas_identical(params, "torch")
-    assert optimizer_steps(out / "ray-results", "torch") == 2 * BATCHES_PER_EPOCH // 2  # 2 epochs, grad_accum=2
-    attempts = init_log(params)
-    assert len(attempts) == 4 and attempts[0]["rendezvous"] == attempts[1]["rendezvous"]
-    assert not {a["pid"] for a in attempts[:2]} & {a["pid"] for a in attempts[2:]}  # new processes
-    wait_gone(job)  # no stray raylets, temp dirs removed
-    assert not (out / f"job-{job}" / "ray_auth_token").exists()  # the job's secret is gone with it
 
 
 def test_preempted_sweep_requeues_and_continues_into_the_same_runs(slurm, tiny_mnist, tmp_path, monkeypatch):
@@ -174,20 +140,26 @@ def hold_a_port(base: int, size: int = 400) -> socket.socket | None:
     return None
 
 
-def test_two_concurrent_jobs_do_not_interfere(slurm, tiny_mnist, tiny_imdb, tmp_path, mlflow_server):
-    """Two jobs released at the same moment, each a backend whose collectives then cross the node boundary: tf_mwms
-    (custom loop, RING) and tp=2 (all-reduces inside every layer). The first job finds a port of its preferred
-    block held (a listener the test holds) and moves on, typically to the second job's preferred block, which
-    both jobs then find free at once: the host's port lock must give it to one of them only. The site's MLflow
-    server (MLFLOW_TRACKING_URI) this time; each job brings its own Ray cluster."""
-    out = tmp_path / "slurm"
+def test_two_concurrent_jobs_do_not_interfere(slurm, tiny_mnist, tmp_path, mlflow_server):
+    """Two jobs released at the same moment, each a backend whose collectives then cross the node boundary:
+    tf_mwms (custom loop, RING) and horovod torch. The first job finds a port of its preferred block held (a
+    listener the test holds) and moves on, typically to the second job's preferred block, which both jobs then
+    find free at once: the host's port lock must give it to one of them only. The site's MLflow server
+    (MLFLOW_TRACKING_URI) this time; each job brings its own Ray cluster.
+
+    The horovod job uses fp16 compression and 2 backward passes per step, and its rank 1 fails at epoch 2: Ray
+    Train restarts the worker group from epoch 1's checkpoint, and the new processes do a new Gloo rendezvous
+    across the nodes and train on. Identical replicas, each epoch once in MLflow, the optimizer stepped once per
+    2 batches (its counter restored across the restart)."""
+    out, marker, params = tmp_path / "slurm", tmp_path / "failed-once", tmp_path / "params"
     site = {"MLFLOW_TRACKING_URI": mlflow_server}
     experiment = f"concurrent-{tmp_path.name}"
-    named = ("trainer.epochs=1", f"run.experiment={experiment}")
-    commands = [ddp_command(tiny_mnist, *named, "run.name=job0", "trainer.tf_loop=custom",
-                            "trainer.tf_communication=ring", "model.hidden=[32]", backend="tf_mwms"),
-                ddp_command(tiny_imdb, *named, "run.name=job1", "model.hidden=32", "model.heads=2", "trainer.tp=2",
-                            backend="tp", groups=("data=imdb", "model=bert_tiny"))]
+    named = (f"run.experiment={experiment}", "model.hidden=[32]")
+    commands = [ddp_command(tiny_mnist, *named, "trainer.epochs=1", "run.name=job0", "trainer.tf_loop=custom",
+                            "trainer.tf_communication=ring", backend="tf_mwms"),
+                ddp_command(tiny_mnist, *named, "trainer.epochs=2", "run.name=job1", "trainer.compression=fp16",
+                            "trainer.grad_accum=2", "fault.max_failures=1", "fault.inject_at_epoch=2",
+                            f"fault.inject_marker={marker}", f"run.dump_params_dir={params}", backend="horovod")]
     jobs = [sbatch(slurm, out, command, sbatch_args=["--hold"], extra_env=site) for command in commands]
     preferred = free_block_base(int(jobs[0]))
     holder = hold_a_port(preferred)
@@ -200,6 +172,7 @@ def test_two_concurrent_jobs_do_not_interfere(slurm, tiny_mnist, tiny_imdb, tmp_
     logs = [job_output(out, job) for job in jobs]
     for info, log in zip(infos, logs):
         assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
+        assert "all 2 nodes joined" in log
     bases = [int(log.split(", ports ", 1)[1].split("..", 1)[0]) for log in logs]
     # A later block (not always the next: ports in use by anything, e.g. outgoing connections, also count).
     assert bases[0] != preferred and (bases[0] - 20000) % 400 == 0, bases
@@ -208,15 +181,25 @@ def test_two_concurrent_jobs_do_not_interfere(slurm, tiny_mnist, tiny_imdb, tmp_
     assert infos[1]["StartTime"] <= infos[0]["EndTime"] and infos[0]["StartTime"] <= infos[1]["EndTime"]
 
     client = mlflow.MlflowClient(mlflow_server)
-    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
-    assert sorted(r.info.run_name for r in runs) == ["job0", "job1"]
-    assert all(r.info.status == "FINISHED" for r in runs)
-    for run in runs:  # one worker per node
-        assert {run.data.tags["rank0.node"], run.data.tags["rank1.node"]} == NODE_ADDRS, run.info.run_name
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name(experiment).experiment_id])}
+    assert sorted(runs) == ["job0", "job1"]
+    assert_spread_run(client, runs["job0"].info.run_id, 1)
+    horovod = runs["job1"]
+    assert_spread_run(client, horovod.info.run_id, 2)
+    assert marker.read_text().startswith("failed at epoch 2 in rank 1")
+    assert horovod.data.params["cluster.nodes"] == "2" and horovod.data.tags["resumed_from_epoch"] == "1"
+    assert [m.value > 0 for m in client.get_metric_history(horovod.info.run_id, "cluster_startup_s")] == [True]
+    check_replicas_identical(params, "torch")
+    steps = optimizer_steps(out / "ray-results", "torch", run_id=horovod.info.run_id)
+    assert steps == 2 * BATCHES_PER_EPOCH // 2  # 2 epochs, grad_accum=2
+    attempts = init_log(params)
+    assert len(attempts) == 4 and attempts[0]["rendezvous"] == attempts[1]["rendezvous"]
+    assert not {a["pid"] for a in attempts[:2]} & {a["pid"] for a in attempts[2:]}  # new processes
     tokens = [(out / f"job-{job}" / "cluster.env").read_text() for job in jobs]
     assert tokens[0] != tokens[1]  # per-job secrets and addresses
     for job in jobs:
         wait_gone(job)
+        assert not (out / f"job-{job}" / "ray_auth_token").exists()  # the job's secret is gone with it
 
 
 def test_node_that_never_joins_fails_fast_and_releases_the_allocation(slurm, tiny_mnist, tmp_path):
