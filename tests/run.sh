@@ -5,6 +5,8 @@ cd "$(dirname "$0")/.."
 bash cluster/local/setup-env.sh
 # The horovod tests need horovod 0.28.1 built from source (first run ~10 min on 2 cores, then cached).
 bash cluster/local/build-horovod.sh
+# The MLflow UI test drives Debian's chromium (installed once, as root).
+bash cluster/local/install-browser.sh
 export PATH="$PWD/.venv/bin:$PATH" OMP_NUM_THREADS=1 RAY_AUTH_MODE=disabled
 export RAY_DATA_DISABLE_PROGRESS_BARS=1 TF_CPP_MIN_LOG_LEVEL=2
 unset RAY_ADDRESS MLFLOW_TRACKING_URI

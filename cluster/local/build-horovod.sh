@@ -18,6 +18,7 @@ PY=.venv/bin/python
 CACHE_DIR="${XDG_CACHE_HOME:-$HOME/.cache}/ray-train-pipelines/horovod"
 
 die() { echo "build-horovod: ERROR: $*" >&2; exit 1; }
+source cluster/lib/apt-packages.sh
 say() { echo "build-horovod: $*"; }
 
 [ -x "$PY" ] || die "missing .venv: run cluster/local/setup-env.sh first"
@@ -33,20 +34,6 @@ versions=$(framework_versions) || die "torch and tensorflow must be installed in
 
 installed_version() {
   "$PY" -c 'import importlib.metadata as md; print(md.version("horovod"))' 2>/dev/null || true
-}
-
-ensure_apt_packages() {
-  local missing=()
-  for p in "${APT_PACKAGES[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-  done
-  [ ${#missing[@]} -eq 0 ] && return 0
-  if [ "$(id -u)" -ne 0 ]; then
-    die "missing system packages: ${missing[*]} (install them as root: apt-get install -y ${missing[*]})"
-  fi
-  say "installing system packages: ${missing[*]}"
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"; } >/dev/null \
-    || die "apt-get could not install: ${missing[*]}"
 }
 
 check_python_build_deps() {
@@ -120,7 +107,7 @@ fi
 mkdir -p "$CACHE_DIR"
 wheel_dir="$CACHE_DIR/wheels/$key"
 if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
-  ensure_apt_packages
+  ensure_apt_packages build-horovod "${APT_PACKAGES[@]}" || exit 1
   check_python_build_deps
   sdist=$(fetch_sdist "$CACHE_DIR")
   start=$SECONDS

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,7 @@ def test_smoke_sweep_nests_runs_rejects_points_and_reports(tmp_path, tiny_imdb, 
     assert len(resumed) == 1 and resumed[0].data.tags["resumed_from_epoch"] == "1"
 
     check_report(client, download(mlflow_server, parent_id, "report", tmp_path), parent_id, children)
+    check_ui_screenshots(mlflow_server, parent_id, children, tmp_path / "ui")
     # The best trial's model is registered, no other (trials register nothing themselves).
     [version] = client.search_model_versions(f"name = 'smoke-best-{tmp_path.name}'")
     assert version.run_id == parent.data.tags["best.run_id"]
@@ -108,6 +110,23 @@ def test_smoke_sweep_nests_runs_rejects_points_and_reports(tmp_path, tiny_imdb, 
     sharded = history(client, by_layout[("tp", "2")].info.run_id, "train_loss")[0]
     torch.testing.assert_close(torch.tensor(sharded, dtype=torch.float64), torch.tensor(dense, dtype=torch.float64),
                                rtol=1e-5, atol=1e-6)
+
+
+def check_ui_screenshots(mlflow_server: str, parent_id: str, children: list, out: Path) -> None:
+    """`pipelines.ui_screenshots` opens the sweep in the MLflow UI in headless Chromium: the comparison page shows
+    every trial, its layout params and the shared metric names; the metric page, every trial's curves."""
+    proc = subprocess.run([sys.executable, "-m", "pipelines.ui_screenshots", parent_id, "--out", str(out)], cwd=ROOT,
+                          env=pipeline_env(mlflow_server), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    compare, curves = (out / "compare_runs.txt").read_text(), (out / "metric_curves.txt").read_text()
+    for child in children:
+        name = child.info.run_name
+        assert name in compare and f"{name} (train_loss)" in curves and f"{name} (test_accuracy)" in curves
+    for name in ("world_size", "tp", "dp", "trainer.lr", "trainer.batch_size", *EPOCH_METRICS, *TEXT_METRICS):
+        assert re.search(rf"^{re.escape(name)}( |$)", compare, re.MULTILINE), name  # a row of a table
+    for shot in ("compare_runs", "compare_runs_table", "metric_curves"):
+        data = (out / f"{shot}.png").read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 50_000, shot
 
 
 def check_text_prediction(model_uri: str, data: Path, mlflow_server: str, ray_head: dict, tmp_path: Path) -> None:
