@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,7 +157,12 @@ def run_trial(config: dict[str, Any], specs: dict[int, dict[str, Any]]) -> None:
 class Outcome:
     status: str                 # MLflow run status: FINISHED | FAILED | KILLED
     message: str | None = None
-    early_stop: int | None = None  # the epoch whose report made the scheduler or `sweep.stop` end the trial
+    early_stop: int | None = None  # the epoch whose report made the scheduler, `sweep.stop` or the budget end it
+    out_of_time: bool = False      # cut short by `sweep.time_budget_s`: not a failure
+
+    @property
+    def failed(self) -> bool:
+        return self.status != "FINISHED" and not self.out_of_time
 
 
 def make_scheduler(spec: DictConfig, valid: list[Trial]) -> Any:
@@ -197,25 +203,33 @@ def run_tune(spec: DictConfig, valid: list[Trial], children: dict[int, str], uri
     tuner = tune.Tuner(
         trainable,
         param_space={"trial_index": tune.grid_search([t.index for t in valid])},
-        tune_config=tune.TuneConfig(max_concurrent_trials=concurrency, scheduler=make_scheduler(spec, valid)),
+        tune_config=tune.TuneConfig(max_concurrent_trials=concurrency, scheduler=make_scheduler(spec, valid),
+                                    time_budget_s=spec.time_budget_s),
         run_config=tune.RunConfig(name=f"sweep-{parent_id}", storage_path=valid[0].cfg.run.storage_path,
                                   failure_config=tune.FailureConfig(max_failures=spec.trial_max_failures),
                                   stop=ReachedStop(stop_thresholds(spec)) if spec.stop else None, verbose=1),
     )
-    outcomes = {t.index: Outcome("KILLED", "not run: the sweep stopped first") for t in valid}
-    for result in tuner.fit():
-        index = result.config["trial_index"]
-        if result.error is not None:
-            outcomes[index] = Outcome("FAILED", f"{type(result.error).__name__}: {result.error}")
-        elif (stopped := stopped_at(result.metrics)) is not None:
-            outcomes[index] = Outcome("KILLED", f"stopped on request at {stopped}")
-        elif not result.metrics or "train_loss" not in result.metrics:
-            outcomes[index] = Outcome("KILLED", "stopped before its first epoch ended")
-        else:  # ran to the end, or stopped early (ASHA, `sweep.stop`) after at least one epoch
-            epochs = next(t.cfg.trainer.epochs for t in valid if t.index == index)
-            last = result.metrics.get(REPORTED_EPOCH, epochs)
-            outcomes[index] = Outcome("FINISHED", early_stop=last if last < epochs else None)
-    return outcomes
+    start = time.monotonic()
+    results = {result.config["trial_index"]: result for result in tuner.fit()}
+    out_of_time = spec.time_budget_s is not None and time.monotonic() - start >= spec.time_budget_s
+    return {t.index: outcome_of(results.get(t.index), t.cfg.trainer.epochs, out_of_time) for t in valid}
+
+
+def outcome_of(result: Any, epochs: int, out_of_time: bool) -> Outcome:
+    """How a trial ended, from its Tune result (None: Tune never started it). `out_of_time`: the sweep's time
+    budget ran out, so a trial that did not complete an epoch was cut short by it, not failed."""
+    if result is not None and result.error is not None:
+        return Outcome("FAILED", f"{type(result.error).__name__}: {result.error}")
+    metrics = result.metrics if result is not None else None
+    if (stopped := stopped_at(metrics)) is not None:
+        return Outcome("KILLED", f"stopped on request at {stopped}")
+    if not metrics or "train_loss" not in metrics:
+        if out_of_time:
+            return Outcome("KILLED", "the sweep's time budget ran out before its first epoch ended", out_of_time=True)
+        return Outcome("KILLED", "stopped before its first epoch ended" if result is not None
+                       else "not run: the sweep stopped first")
+    last = metrics.get(REPORTED_EPOCH, epochs)  # ran to the end, or was stopped early after at least one epoch
+    return Outcome("FINISHED", early_stop=last if last < epochs else None)
 
 
 def close_children(uri: str, children: dict[int, str], outcomes: dict[int, Outcome]) -> None:
@@ -309,7 +323,7 @@ def run_sweep(spec: DictConfig, trials: list[Trial], uri: str, resume_dir: str |
         outcomes = run_tune(spec, runnable, children, uri, parent_id, concurrency) if runnable else {}
         outcomes.update({i: Outcome("KILLED", "does not fit this cluster") for i in pending if i not in outcomes})
         close_children(uri, pending, outcomes)
-        failed = sum(o.status != "FINISHED" for o in outcomes.values())
+        failed = sum(o.failed for o in outcomes.values())
         if failed and stop_requested(resume_dir):
             tracking.mark_preempted(uri, parent_id, f"{failed} of {len(children)} trials unfinished")
             return parent_id, failed, True

@@ -45,6 +45,7 @@ class SweepConfig:
     num_samples: int = 1                # the grid this many times, each with fresh draws of its distributions
     seed: int = 0                       # of the draws
     stop: Any = None                    # {epoch metric: value}: a trial stops once it reaches one (losses: <=)
+    time_budget_s: Optional[float] = None  # the whole sweep: after this, Tune stops its trials and starts no more
     scheduler: str = "fifo"             # fifo: every trial runs to the end | asha: stop poor trials early
     metric: str = "test_accuracy"       # best configuration (and ASHA) by this metric of the report
     mode: str = "max"                   # max | min
@@ -115,6 +116,8 @@ def _check_sweep(spec: DictConfig) -> None:
         raise ConfigError(f"sweep.max_concurrent_trials: must be >= 1, got {spec.max_concurrent_trials}")
     if spec.trial_max_failures < 0:
         raise ConfigError(f"sweep.trial_max_failures: must be >= 0, got {spec.trial_max_failures}")
+    if spec.time_budget_s is not None and spec.time_budget_s <= 0:
+        raise ConfigError(f"sweep.time_budget_s: must be > 0 (null: no budget), got {spec.time_budget_s}")
     if spec.num_samples < 1:
         raise ConfigError(f"sweep.num_samples: must be >= 1, got {spec.num_samples}")
     stop_thresholds(spec)

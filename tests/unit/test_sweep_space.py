@@ -140,6 +140,7 @@ def test_max_concurrent_follows_the_largest_trial(fake_imdb):
                                                                  r"integers"),
     ("sweep.grid=[{trainer.batch_size: {choice: []}}]", r"^sweep\.grid: 'trainer.batch_size': choice needs a non-empty"),
     ("sweep.num_sample=3", r"^sweep\.num_sample: not a sweep key \(did you mean sweep\.num_samples\?\)"),
+    ("sweep.time_budget_s=0", r"^sweep\.time_budget_s: must be > 0"),
     ("sweep.num_samples=0", r"^sweep\.num_samples: must be >= 1"),
     ("sweep.stop={efficiency: 0.9}", r"^sweep\.stop: 'efficiency' is not an epoch metric"),
     ("sweep.stop={test_accuracy: high}", r"^sweep\.stop: 'test_accuracy' needs a number"),
@@ -186,3 +187,27 @@ def test_without_a_cluster_trials_with_more_worker_threads_than_cpus_are_rejecte
     too_many = len(os.sched_getaffinity(0)) + 1
     assert main(["sweep=smoke", fake_imdb, f"sweep.grid=[{{trainer:[ddp],trainer.num_workers:[{too_many}]}}]"]) == 2
     assert f"trainer.num_workers: {too_many} workers x 1 thread(s) need {too_many} CPUs" in capsys.readouterr().err
+
+
+def test_trial_outcomes_from_tune_results():
+    """How each way a trial can end is recorded, from real Tune `Result`s: early stops finish, a failure fails,
+    and trials the time budget cut short before their first epoch are KILLED without counting as failures."""
+    from ray.tune import Result
+
+    from pipelines.sweep import outcome_of
+
+    def result(metrics=None, error=None) -> Result:
+        return Result(metrics=metrics, checkpoint=None, error=error, path="")
+
+    full, early = outcome_of(result({"train_loss": 0.5, "epoch": 3}), 3, False), outcome_of(
+        result({"train_loss": 0.5, "epoch": 1}), 3, False)
+    assert (full.status, full.early_stop, full.failed) == ("FINISHED", None, False)
+    assert (early.status, early.early_stop, early.failed) == ("FINISHED", 1, False)
+    broken = outcome_of(result(error=RuntimeError("boom")), 3, False)
+    assert (broken.status, broken.message, broken.failed) == ("FAILED", "RuntimeError: boom", True)
+    stopped = outcome_of(result({"stopped_at_epoch": 1.0, "stopped_at_step": 5.0}), 3, False)
+    assert (stopped.status, stopped.message, stopped.failed) == ("KILLED", "stopped on request at epoch 1 step 5", True)
+    assert outcome_of(None, 3, False).message == "not run: the sweep stopped first" and outcome_of(None, 3, False).failed
+    for cut in (outcome_of(None, 3, True), outcome_of(result({}), 3, True)):
+        assert (cut.status, cut.failed) == ("KILLED", False) and "time budget" in cut.message
+    assert outcome_of(result({}), 3, False).failed  # no budget: a trial without an epoch did not finish
