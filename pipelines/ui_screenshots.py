@@ -62,13 +62,16 @@ def browser() -> Any:
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
 
 
-def show(driver: Any, url: str, expected: list[str]) -> str:
-    """Open `url` and wait until the page's text holds every string of `expected`; returns the text."""
+def show(driver: Any, url: str | None, expected: list[str]) -> str:
+    """Open `url` (None: stay on the page) and wait until the page's text holds every string of `expected`;
+    returns the text."""
     from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    driver.get(url)
+    if url is not None:
+        driver.get(url)
+    url = driver.current_url
     text = lambda: driver.find_element(By.TAG_NAME, "body").text  # noqa: E731
     try:
         WebDriverWait(driver, PAGE_TIMEOUT_S, poll_frequency=0.5).until(lambda d: all(s in text() for s in expected))
@@ -86,6 +89,24 @@ def close_assistant(driver: Any) -> None:
         if button.is_displayed():
             button.click()
             return
+
+
+def plot_metric(driver: Any, metric: str) -> None:
+    """Put `metric` (alone) on the parallel coordinates plot: MLflow picks one by name order, often a system
+    metric. The plot's second select holds its metrics (MLflow 3.17's Du Bois select: remove the chips, type)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    selects = driver.find_elements(By.CSS_SELECTOR, ".du-bois-light-select-multiple")
+    if len(selects) < 2:
+        raise RuntimeError(f"no metrics select on {driver.current_url}")
+    chooser = selects[1]
+    for remove in chooser.find_elements(By.CSS_SELECTOR, ".du-bois-light-select-selection-item-remove"):
+        remove.click()
+    chooser.click()
+    search = chooser.find_element(By.CSS_SELECTOR, "input")
+    search.send_keys(metric, Keys.ENTER)
+    search.send_keys(Keys.ESCAPE)
 
 
 def scroll_to_text(driver: Any, label: str) -> None:
@@ -119,6 +140,8 @@ def take_screenshots(uri: str, parent_id: str, out: Path) -> dict[str, str]:
         texts["compare_runs"] = show(driver, f"{base}/#/compare-runs?runs={runs}&experiments={experiments}",
                                      [*names, "Parallel Coordinates Plot", "Parameters", "Metrics"])
         close_assistant(driver)
+        plot_metric(driver, "test_accuracy")
+        texts["compare_runs"] = show(driver, None, ["test_accuracy"])
         capture(driver, out, "compare_runs", texts["compare_runs"])
         scroll_to_text(driver, "Parameters")
         texts["compare_runs_table"] = texts["compare_runs"]
