@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import platform
 import shlex
@@ -109,15 +110,19 @@ class SystemMetrics:
     def __init__(self, uri: str, run_id: str, node: str, interval_s: float):
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-        self.uri = uri
-        self.monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s, node_id=node, tracking_uri=uri,
-                                            resume_logging=True)
-        self.monitor.start()
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start and stop lines are noise
+        self.uri, self.monitor = uri, None
+        try:  # asks the server for the last step: a worker restarted while the server is away goes on without
+            self.monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s, node_id=node,
+                                                tracking_uri=uri, resume_logging=True)
+            self.monitor.start()
+        except Exception as err:
+            print(f"tracking: no system metrics for {node} ({type(err).__name__}: {err})", flush=True)
 
     def stop(self) -> None:
         """Log what is sampled and stop; with the server away, leave the (daemon) thread instead: MLflow's client
         would retry for minutes."""
-        if answers(self.uri):
+        if self.monitor is not None and answers(self.uri):
             self.monitor.finish()
 
 
