@@ -157,3 +157,28 @@ def test_manifest_shape_shard_schema_and_empty_split_are_checked_before_training
     write_manifest(out, empty)
     assert train_main(train_args) == 2
     assert capsys.readouterr().err.strip() == f"error: {out}: split 'test' has no rows"
+
+
+class Terminal:
+    """A stand-in for sys.stdout that says whether it is a terminal (the only thing asked of it here)."""
+
+    def __init__(self, tty: bool):
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize("tty, asked, wanted", [
+    (True, None, True), (False, None, False),  # a terminal draws them, a log file does not
+    (False, "0", True), (True, "1", False),     # RAY_DATA_DISABLE_PROGRESS_BARS decides when it is set
+])
+def test_ray_data_progress_bars_only_where_someone_watches(monkeypatch, tty, asked, wanted):
+    from pipelines.data.readers import progress_bars_wanted
+
+    monkeypatch.setattr("sys.stdout", Terminal(tty))
+    if asked is None:
+        monkeypatch.delenv("RAY_DATA_DISABLE_PROGRESS_BARS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_DATA_DISABLE_PROGRESS_BARS", asked)
+    assert progress_bars_wanted() is wanted
