@@ -92,6 +92,14 @@ def _check_local_store(uri: str) -> None:
         raise TrackingUnavailable(f"MLflow tracking URI {uri} cannot be opened ({first}){hint}") from err
 
 
+def say(line: str) -> None:
+    """One line to stdout, in a Ray Train worker too. Not print(): Ray Train 2.60 replaces it in workers with one
+    that, when a library has wrapped sys.stdout (ours are), writes the line and also logs it to stdout: each line
+    showed twice in the driver's output."""
+    sys.stdout.write(f"{line}\n")
+    sys.stdout.flush()
+
+
 def answers(uri: str) -> bool:
     """Whether the tracking server answers now (a local store always does)."""
     try:
@@ -117,7 +125,7 @@ class SystemMetrics:
                                                 tracking_uri=uri, resume_logging=True)
             self.monitor.start()
         except Exception as err:
-            print(f"tracking: no system metrics for {node} ({type(err).__name__}: {err})", flush=True)
+            say(f"tracking: no system metrics for {node} ({type(err).__name__}: {err})")
 
     def stop(self) -> None:
         """Log what is sampled and stop; with the server away, leave the (daemon) thread instead: MLflow's client
@@ -322,14 +330,13 @@ class TrackingSpool:
                 _send(self.client, self.run_id, self.pending[0], resend=self.failing)
             except Exception as err:  # server down or erroring: keep the record, keep training
                 if not self.failing:
-                    print(f"tracking: {self.uri} did not answer ({type(err).__name__}); spooling to {self.file}",
-                          flush=True)
+                    say(f"tracking: {self.uri} did not answer ({type(err).__name__}); spooling to {self.file}")
                 self.failing = True
                 self._save()
                 return False
             self.pending.pop(0)
         if self.failing:
-            print(f"tracking: {self.uri} answers again; the spool is sent", flush=True)
+            say(f"tracking: {self.uri} answers again; the spool is sent")
             self.failing = False
             self._save()
         return True

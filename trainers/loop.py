@@ -21,6 +21,7 @@ from contract.checkpoint import EpochTotals, TrainState
 from contract.metrics import REPORTED_EPOCH, Reducer, epoch_line, epoch_metrics, stop_metrics
 from contract.recipe import Monitor
 from contract.resume import STOP_CHECK_EVERY
+from contract.tracking import say
 
 
 class StepProfiler(Protocol):
@@ -221,7 +222,7 @@ class TrainLoop:
         self.state = self.state.after_epoch(epoch, metrics, self.ctx.monitor)
         self._checkpoint_and_report({**metrics, REPORTED_EPOCH: epoch}, self.state)
         if self.ctx.rank == 0:
-            print(epoch_line(epoch, self.ctx.epochs, metrics), flush=True)
+            say(epoch_line(epoch, self.ctx.epochs, metrics))
         if self.ctx.logger is not None:
             self.ctx.logger.log(epoch, metrics)
             if extras:
