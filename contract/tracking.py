@@ -263,9 +263,19 @@ SPOOL_DIR = "mlflow_spool"  # in the Ray Train run's folder: shared storage on a
 FINAL_FILE = "final.json"   # in it: the final model still to log (config, checkpoint), then the run to end
 
 
+def ray_run_name(run_id: str) -> str:
+    """The Ray Train run of an MLflow run is named after it: a rerun finds its checkpoints (trainers/worker.py)."""
+    return f"run-{run_id}"
+
+
+def run_dir(storage_path: str, run_id: str) -> Path:
+    """The Ray Train run's folder in `run.storage_path`: its checkpoints, spool, profile and TensorBoard files."""
+    return Path(storage_path) / ray_run_name(run_id)
+
+
 def spool_dir(storage_path: str, run_id: str) -> Path:
-    """Where a run's unsent MLflow records wait (the Ray Train run is named after the MLflow run: worker.py)."""
-    return Path(storage_path) / f"run-{run_id}" / SPOOL_DIR
+    """Where a run's unsent MLflow records wait."""
+    return run_dir(storage_path, run_id) / SPOOL_DIR
 
 
 class TrackingDown(RuntimeError):

@@ -30,9 +30,9 @@ def ray_context(config: dict[str, Any], cfg: DictConfig) -> WorkerContext:
     import ray.train
     import ray.util
 
-    from contract.tracking import EpochLogger, SystemMetrics, TrackingSpool, spool_dir
+    from contract.tracking import EpochLogger, SystemMetrics, TrackingSpool, run_dir, spool_dir
 
-    run_folder = Path(cfg.run.storage_path) / f"run-{config['run_id']}"  # the Ray Train run's, on shared storage
+    run_folder = run_dir(cfg.run.storage_path, config["run_id"])  # on shared storage
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     # Every MLflow write of a worker goes through its spool: a tracking server that blinks loses nothing.
@@ -85,6 +85,8 @@ def run_config(cfg: DictConfig, run_id: str, callbacks: list | None, env: dict[s
     processes must have from their start (tf-keras)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
 
+    from contract.tracking import ray_run_name
+
     # Waiting for resources longer than `fault.resource_timeout_s` (pipelines/fit.py sets Ray Train's start timeout)
     # is a controller failure; with no retries of those the run fails instead of waiting forever.
     patient = cfg.fault.resource_timeout_s <= 0
@@ -93,7 +95,7 @@ def run_config(cfg: DictConfig, run_id: str, callbacks: list | None, env: dict[s
     monitor = monitor_of(cfg.run)
     checkpoints = CheckpointConfig(num_to_keep=2, checkpoint_score_attribute=monitor.metric,
                                    checkpoint_score_order=monitor.mode)
-    return RunConfig(name=f"run-{run_id}", storage_path=cfg.run.storage_path,
+    return RunConfig(name=ray_run_name(run_id), storage_path=cfg.run.storage_path,
                      failure_config=FailureConfig(max_failures=cfg.fault.max_failures,
                                                   controller_failure_limit=-1 if patient else 0),
                      checkpoint_config=checkpoints, callbacks=list(callbacks or []),
