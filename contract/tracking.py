@@ -261,6 +261,7 @@ def log_params(uri: str, run_id: str, params: Mapping[str, Any]) -> None:
 
 SPOOL_DIR = "mlflow_spool"  # in the Ray Train run's folder: shared storage on a cluster, like the checkpoints
 FINAL_FILE = "final.json"   # in it: the final model still to log (config, checkpoint), then the run to end
+SWEEP_FILE = "sweep.json"   # in a sweep's parent run's spool: how each trial ended, for the closing left to do
 
 
 def ray_run_name(run_id: str) -> str:
@@ -366,21 +367,23 @@ def _write_spool_file(path: Path, run_id: str, uri: str, records: list[dict[str,
     part.replace(path)
 
 
-def _spool_files(folder: Path) -> list[Path]:
-    """The workers' spool files (not final.json, not a half-written .part)."""
-    return sorted(Path(folder).glob("rank*.json")) if Path(folder).is_dir() else []
+def spool_files(folder: Path) -> list[Path]:
+    """The workers' and the driver's spool files (not final.json or sweep.json, not a half-written .part)."""
+    if not Path(folder).is_dir():
+        return []
+    return sorted(path for path in Path(folder).glob("*.json") if path.name not in (FINAL_FILE, SWEEP_FILE))
 
 
 def spooled(folder: Path) -> int:
     """How many records the spool folder's worker files hold."""
-    return sum(len(json.loads(path.read_text())["records"]) for path in _spool_files(folder))
+    return sum(len(json.loads(path.read_text())["records"]) for path in spool_files(folder))
 
 
 def flush_spools(uri: str, run_id: str, folder: Path) -> int:
     """Send every record left in the spool folder's files (workers that ended while the server was down);
     returns how many are still unsent. Files are rewritten as records go out, so a retry never repeats one."""
     client, unsent = _client(uri), 0
-    for path in _spool_files(folder):
+    for path in spool_files(folder):
         records = json.loads(path.read_text())["records"]
         while records:
             try:
@@ -513,13 +516,20 @@ def reopen_run(uri: str, run_id: str) -> str:
     return status
 
 
-def mark_preempted(uri: str, run_id: str, stopped_at: str) -> None:
+def mark_preempted(uri: str, run_id: str, stopped_at: str, folder: Path | None = None) -> bool:
     """The run stopped on request with a checkpoint and will be continued: KILLED until then (MLflow has no
-    'suspended' state), with the stop point recorded."""
+    'suspended' state), with the stop point recorded. With a spool `folder`, a server that does not answer is not
+    an error: the stop point waits there for the continued run (`flush_spools`), the run stays RUNNING, and the
+    answer is False."""
+    if folder is not None and not answers(uri):
+        _write_spool_file(Path(folder) / f"driver-{os.getpid()}-{time.time_ns()}.json", run_id, uri,
+                          [{"op": "append_tag", "key": "preempted_at", "value": stopped_at}])
+        return False
     client = _client(uri)
     previous = client.get_run(run_id).data.tags.get("preempted_at")
     client.set_tag(run_id, "preempted_at", f"{previous},{stopped_at}" if previous else stopped_at)
     client.set_terminated(run_id, status="KILLED")
+    return True
 
 
 def mark_interrupted(uri: str, run_id: str, how: str) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import threading
+from pathlib import Path
 from typing import Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
 from contract import tracking
 from contract.checkpoint import TrainState
-from contract.config import worker_resources
+from contract.config import typed_config, worker_resources
 from contract.metrics import STOP_METRICS
 from pipelines.data.shards import read_manifest
 
@@ -115,6 +116,38 @@ def log_final_model(backend: Any, cfg: DictConfig, run_id: str, uri: str, checkp
         folder.mkdir(parents=True, exist_ok=True)
         (folder / tracking.FINAL_FILE).write_text(json.dumps(final, indent=2))
         raise tracking.TrackingDown(uri, run_id, folder, tracking.spooled(folder)) from None
+
+
+def replay_run(folder: Path, uri: str | None = None) -> str:
+    """Finish a run from its spool folder once the tracking server is back: send the spooled records (none twice)
+    and, when `final.json` is there, log the final model from its checkpoint and end the run FINISHED. `uri`:
+    the server to send to (it may have moved), else the one the run used. Returns the run id. Raises
+    TrackingUnavailable, ValueError (nothing to replay), RuntimeError (the server refused records)."""
+    from ray.train import Checkpoint
+    from trainers import get_backend
+
+    final = folder / tracking.FINAL_FILE
+    files = [*tracking.spool_files(folder), final]
+    recorded = next((json.loads(path.read_text()) for path in files if path.is_file()), None)
+    if recorded is None:
+        raise ValueError(f"{folder}: no spooled records (nothing to replay)")
+    run_id = recorded["run_id"]
+    uri = uri or recorded["uri"]
+    tracking.check_reachable(uri)
+    unsent = tracking.flush_spools(uri, run_id, folder)
+    if unsent:
+        raise RuntimeError(f"{unsent} record(s) were not accepted by {uri}; run the replay again")
+    if final.is_file():
+        spec = json.loads(final.read_text())
+        cfg = typed_config(spec["cfg"])
+        tracking.set_tags(uri, run_id, spec.get("tags", {}))
+        get_backend(cfg.trainer.backend).log_final_model(uri, run_id, cfg, Checkpoint(spec["checkpoint"]),
+                                                         spec["model_inputs"])
+        if cfg.run.register_model:
+            tracking.register_logged_model(uri, run_id, cfg.run.register_model)
+        tracking.end_run(uri, run_id)
+        final.unlink()
+    return run_id
 
 
 def resource_wait(err: Exception, cfg: DictConfig) -> str | None:

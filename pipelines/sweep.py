@@ -12,7 +12,7 @@ CSV, plots) is built from the child runs at the end and logged to the parent run
 
 Last stdout line: `mlflow_parent_run_id=<id>`. Exit codes: 0 every trial finished (ASHA's early stops count as
 finished); 1 a trial failed or never completed an epoch, or the sweep failed (the report still covers the trials
-that ran); 2 bad config, data or tracking server, or no valid trial (nothing was started); 3 stopped on request
+that ran), or the tracking server was away when the trials ended (`python -m pipelines.replay` then finishes it); 2 bad config, data or tracking server, or no valid trial (nothing was started); 3 stopped on request
 (`run.resume_dir` holds STOP): the unfinished trials checkpointed, the parent run is KILLED, and a rerun with the
 same `run.resume_dir` continues the same parent and re-runs only the unfinished trials, each from its checkpoint.
 """
@@ -25,7 +25,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from contract.metrics import REPORTED_EPOCH
 from pipelines.config import ConfigError, check_fits_this_machine, flatten, parallel_params
 from pipelines.data.idx import DataError
 from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
-from pipelines.fit import fit_backend, stopped_at
+from pipelines.fit import fit_backend, replay_run, stopped_at
 from pipelines.sweep_space import (Trial, cpus_needed, load_sweep, max_concurrent, plan_trials, reject_unfit,
                                    split_argv, stop_thresholds, trial_name)
 
@@ -70,6 +70,10 @@ def validate(argv: list[str]) -> tuple[DictConfig, list[Trial], str, str | None]
     resume_dir = valid[0].cfg.run.resume_dir  # a `run` key: the same for every trial
     recorded = resume.recorded_sweep(resume_dir)
     missing = sorted(set(recorded[1]) - {t.index for t in valid}) if recorded else []
+    untold = tracking.spool_dir(valid[0].cfg.run.storage_path, recorded[0]) if recorded else None
+    if untold is not None and (untold / tracking.SWEEP_FILE).is_file():
+        raise ConfigError(f"run.resume_dir: MLflow has not heard how the last attempt of the sweep recorded in "
+                          f"{resume_dir} ended; run `python -m pipelines.replay {untold}` first")
     if missing:
         raise ConfigError(f"run.resume_dir: the sweep recorded in {resume_dir} has trials this grid lacks "
                           f"({missing}); continue it with the same sweep and overrides, or use another run.resume_dir")
@@ -150,7 +154,10 @@ def run_trial(config: dict[str, Any], specs: dict[int, dict[str, Any]]) -> None:
     spec = specs[config["trial_index"]]
     if stop_requested(spec["cfg"]["run"]["resume_dir"]):  # the sweep is stopping: leave this trial for the rerun
         return
-    fit_backend(typed_config(spec["cfg"]), spec["run_id"], spec["tracking_uri"], callbacks=[TuneReportCallback()])
+    try:
+        fit_backend(typed_config(spec["cfg"]), spec["run_id"], spec["tracking_uri"], callbacks=[TuneReportCallback()])
+    except tracking.TrackingDown as err:  # trained: not a failure for Tune to retry; the driver finishes the run
+        tracking.say(f"trial {config['trial_index']}: {err}")
 
 
 @dataclass
@@ -267,6 +274,86 @@ def report(uri: str, spec: DictConfig, parent_id: str, register_model: str | Non
     return result.markdown
 
 
+@dataclass
+class SweepEnding:
+    """Everything the end of a sweep tells MLflow once its trials have ended: kept as `sweep.json` in the parent
+    run's spool folder when the tracking server is away then, for `pipelines.replay` to finish the sweep."""
+    parent_id: str
+    uri: str
+    spec: dict[str, Any]
+    pending: dict[int, str]          # the child runs this attempt ran: {trial index: run id}
+    outcomes: dict[int, Outcome]
+    trials: int                      # all of the sweep's trials, this attempt's or not
+    stopping: bool                   # `run.resume_dir` holds STOP
+    register_model: str | None
+    storage_path: str
+
+    def save(self) -> Path:
+        folder = tracking.spool_dir(self.storage_path, self.parent_id)
+        folder.mkdir(parents=True, exist_ok=True)
+        record = {**asdict(self), "outcomes": {i: asdict(o) for i, o in self.outcomes.items()}}
+        (folder / tracking.SWEEP_FILE).write_text(json.dumps(record, indent=2))
+        return folder
+
+    @classmethod
+    def load(cls, folder: Path) -> "SweepEnding":
+        record = json.loads((folder / tracking.SWEEP_FILE).read_text())
+        record["pending"] = {int(i): run_id for i, run_id in record["pending"].items()}
+        record["outcomes"] = {int(i): Outcome(**o) for i, o in record["outcomes"].items()}
+        return cls(**record)
+
+
+class SweepTrackingDown(RuntimeError):
+    def __init__(self, ending: SweepEnding, folder: Path):
+        super().__init__(f"MLflow tracking server {ending.uri} is unreachable; the sweep's {len(ending.pending)} "
+                         f"trial(s) have ended and what MLflow has not heard (their records, final models and how "
+                         f"each ended) is kept in {folder}: once the server is back, finish the sweep with "
+                         f"`python -m pipelines.replay {folder}`")
+        self.parent_id = ending.parent_id
+
+
+def finish_sweep(ending: SweepEnding) -> tuple[int, bool]:
+    """Tell MLflow how the trials ended: each trial's spooled records and final model (a trial the server did not
+    hear at its end), the child runs' status, then the report and the parent run's status (KILLED with
+    `preempted_at` when the sweep stops on request). Returns (failed trials, whether the sweep stopped with trials
+    to continue). Raises SweepTrackingDown, after saving `ending`, when the server does not answer."""
+    uri, parent_id = ending.uri, ending.parent_id
+    if not tracking.answers(uri):
+        raise SweepTrackingDown(ending, ending.save())
+    for run_id in ending.pending.values():
+        folder = tracking.spool_dir(ending.storage_path, run_id)
+        if tracking.spool_files(folder) or (folder / tracking.FINAL_FILE).is_file():
+            replay_run(folder, uri)
+    close_children(uri, ending.pending, ending.outcomes)
+    failed = sum(o.failed for o in ending.outcomes.values())
+    if failed and ending.stopping:
+        tracking.mark_preempted(uri, parent_id, f"{failed} of {ending.trials} trials unfinished")
+        return failed, True
+    _client(uri).log_metric(parent_id, "trials_failed", failed)
+    spec = OmegaConf.create(ending.spec)
+    print(report(uri, spec, parent_id, ending.register_model), flush=True)
+    if failed:
+        tracking.end_run(uri, parent_id, error=f"{failed} trial(s) did not finish; see the child runs' status")
+    else:
+        tracking.end_run(uri, parent_id)
+    return failed, False
+
+
+def finish_recorded_sweep(folder: Path, uri: str | None = None) -> tuple[str, str]:
+    """`pipelines.replay` of a sweep's spool folder: `finish_sweep` from its `sweep.json`, on the server at `uri`
+    (else the one the sweep used). Returns (parent run id, how the sweep ended, in words)."""
+    ending = SweepEnding.load(folder)
+    if uri:
+        ending.uri = uri
+    tracking.check_reachable(ending.uri)
+    failed, stopped = finish_sweep(ending)
+    (folder / tracking.SWEEP_FILE).unlink()
+    if stopped:
+        return ending.parent_id, (f"stopped on request with {failed} trial(s) unfinished: continue it with the same "
+                                  f"run.resume_dir")
+    return ending.parent_id, f"{failed} trial(s) did not finish" if failed else "every trial finished"
+
+
 def stop_requested(resume_dir: str | None) -> bool:
     stop = resume.stop_file(resume_dir)
     return stop is not None and stop.exists()
@@ -322,14 +409,13 @@ def run_sweep(spec: DictConfig, trials: list[Trial], uri: str, resume_dir: str |
         runnable = [t for t in valid if t.index in pending]
         outcomes = run_tune(spec, runnable, children, uri, parent_id, concurrency) if runnable else {}
         outcomes.update({i: Outcome("KILLED", "does not fit this cluster") for i in pending if i not in outcomes})
-        close_children(uri, pending, outcomes)
-        failed = sum(o.failed for o in outcomes.values())
-        if failed and stop_requested(resume_dir):
-            tracking.mark_preempted(uri, parent_id, f"{failed} of {len(children)} trials unfinished")
-            return parent_id, failed, True
-        _client(uri).log_metric(parent_id, "trials_failed", failed)
-        print(report(uri, spec, parent_id, valid[0].cfg.run.register_model), flush=True)
-        return parent_id, failed, False
+        ending = SweepEnding(parent_id, uri, OmegaConf.to_container(spec, resolve=True), pending, outcomes,
+                             len(children), stop_requested(resume_dir), valid[0].cfg.run.register_model,
+                             valid[0].cfg.run.storage_path)
+        failed, stopped = finish_sweep(ending)
+        return parent_id, failed, stopped
+    except SweepTrackingDown:
+        raise  # the trials ended; what is left to tell MLflow waits in the parent's spool folder
     except BaseException as err:  # KeyboardInterrupt too: no run may stay RUNNING
         if parent_id is None:
             raise
@@ -356,6 +442,10 @@ def main(argv: list[str] | None = None) -> int:
     resume.raise_on_sigterm()
     try:
         parent_id, failed, stopped = run_sweep(spec, trials, uri, resume_dir)
+    except SweepTrackingDown as err:
+        print(f"error: {err}", file=sys.stderr)
+        print(f"mlflow_parent_run_id={err.parent_id}", flush=True)
+        return 1
     except SweepFailed as err:
         how = resume.interruption(err.__cause__)
         print(f"error: interrupted ({how}); the MLflow parent run is KILLED" if how else f"error: sweep failed: {err}",
@@ -368,10 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mlflow_parent_run_id={parent_id}", flush=True)
         return resume.EXIT_PREEMPTED
     if failed:
-        tracking.end_run(uri, parent_id, error=f"{failed} trial(s) did not finish; see the child runs' status")
         print(f"error: {failed} trial(s) did not finish", file=sys.stderr)
-    else:
-        tracking.end_run(uri, parent_id)
     print(f"mlflow_parent_run_id={parent_id}", flush=True)
     return 1 if failed else 0
 

@@ -61,9 +61,10 @@ def check_cluster_fits(cfg: DictConfig) -> None:
                           f"workers on its own node, the Ray cluster has {nodes}")
 
 
-def run_training(cfg: DictConfig, uri: str, run_id: str, first_attempt: bool = True) -> bool:
-    """Fit the backend's trainer on the connected Ray and log the final model (pipelines/fit.py). Returns False
-    when the run stopped early on a stop request (`run.resume_dir`), with a checkpoint to continue from."""
+def run_training(cfg: DictConfig, uri: str, run_id: str, first_attempt: bool = True) -> str | None:
+    """Fit the backend's trainer on the connected Ray and log the final model (pipelines/fit.py). Returns None when
+    the run finished, else (it stopped on request, `run.resume_dir`, with a checkpoint) the line saying how to
+    continue it."""
     import ray
 
     if first_attempt:  # params are write-once in MLflow; a resumed run may land on another cluster
@@ -72,10 +73,14 @@ def run_training(cfg: DictConfig, uri: str, run_id: str, first_attempt: bool = T
                                           "cluster.gpus": resources.get("GPU", 0),
                                           "cluster.nodes": len(ray.nodes())})
     stopped = fit_backend(cfg, run_id, uri)
-    if stopped is not None:
-        tracking.mark_preempted(uri, run_id, stopped)
-        return False
-    return True
+    if stopped is None:
+        return None
+    folder = tracking.spool_dir(cfg.run.storage_path, run_id)
+    away = "" if tracking.mark_preempted(uri, run_id, stopped, folder) else (
+        f"; the MLflow tracking server {uri} did not answer, so the run shows RUNNING until it is continued "
+        f"(its stop point waits in {folder})")
+    return (f"stopped on request with a checkpoint{away}: delete {resume.stop_file(cfg.run.resume_dir)} and run "
+            f"again with run.resume_dir={cfg.run.resume_dir} to continue")
 
 
 def close_failed_run(uri: str, run_id: str, err: BaseException, what: str = "training") -> str:
@@ -98,7 +103,10 @@ def open_run(cfg: DictConfig, manifest: dict, uri: str) -> tuple[str, str | None
     Returns (run id, status the run had before, None if new)."""
     run_id = resume.recorded_run_id(cfg.run.resume_dir)
     if run_id is not None:
-        return run_id, tracking.reopen_run(uri, run_id)
+        status = tracking.reopen_run(uri, run_id)
+        # what an attempt the server did not hear left behind (its stop point, say) goes first, in order
+        tracking.flush_spools(uri, run_id, tracking.spool_dir(cfg.run.storage_path, run_id))
+        return run_id, status
     run_name = cfg.run.name or f"{cfg.trainer.backend}-{cfg.data.name}-{cfg.model.name}"
     run_id = tracking.start_run(uri, cfg.run.experiment, run_name, {**flatten(cfg), **parallel_params(cfg)},
                                 OmegaConf.to_yaml(cfg))
@@ -149,15 +157,13 @@ def train_into_run(cfg: DictConfig, manifest: dict, uri: str) -> tuple[int, str,
     tracking.log_cluster_startup(uri, run_id)
     resume.raise_on_sigterm()
     try:
-        finished = run_training(cfg, uri, run_id, first_attempt=previous_status is None)
+        stopped = run_training(cfg, uri, run_id, first_attempt=previous_status is None)
     except tracking.TrackingDown as err:  # trained; the server cannot hear it: nothing to mark the run with
         return 1, run_id, f"error: {err}"
     except BaseException as err:  # interrupts too: the run must not stay RUNNING
         return 1, run_id, close_failed_run(uri, run_id, err)
-    if not finished:
-        return resume.EXIT_PREEMPTED, run_id, (
-            f"stopped on request with a checkpoint: delete {resume.stop_file(cfg.run.resume_dir)} and run again "
-            f"with run.resume_dir={cfg.run.resume_dir} to continue")
+    if stopped is not None:
+        return resume.EXIT_PREEMPTED, run_id, stopped
     tracking.end_run(uri, run_id)
     return 0, run_id, None
 
