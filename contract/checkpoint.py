@@ -3,13 +3,16 @@ own model and optimizer files (PyTorch: `state.pt`; Keras: `model.weights.h5` + 
 
 Which ranks write: the loop (trainers/loop.py) asks every rank to save into its own temporary folder, because
 saving may be collective (TP gathers its shards, a TF strategy needs every worker); rank 0's folder is the one
-reported to Ray Train, and backends may skip writing files on the other ranks.
+reported to Ray Train, and backends may skip writing files on the other ranks. A sharded checkpoint (FSDP:
+`torch.distributed.checkpoint` files, each rank writing its own part) is reported from every rank, and Ray Train
+merges the folders into one; `train_state.json` is rank 0's.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 from contract.recipe import Monitor
 
@@ -27,21 +30,36 @@ class EpochTotals:
     tokens: int = 0           # real (non-padding) tokens, for text
 
 
+def partial_over_ranks(totals: EpochTotals, reduce: Callable[[list[float], str], list[float]]) -> EpochTotals:
+    """A stopped epoch's totals as its checkpoint keeps them (collective): sums over the ranks, the slowest rank's
+    time, and the step count, which is every rank's."""
+    loss_sum, samples, data_wait_s, tokens = reduce([totals.loss_sum, totals.samples, totals.data_wait_s,
+                                                     totals.tokens], "sum")
+    (slowest_s,) = reduce([totals.train_s], "max")
+    return EpochTotals(loss_sum=loss_sum, samples=int(samples), steps=totals.steps, data_wait_s=data_wait_s,
+                       train_s=slowest_s, tokens=int(tokens))
+
+
 @dataclass
 class TrainState:
     """Where training stands: the last finished epoch and its metrics, the best epoch so far (`run.monitor`), plus
     the totals of the next epoch when it stopped half-way on a stop request."""
     epoch: int = 0                              # last finished epoch; 0: none yet
     metrics: dict[str, float] | None = None     # that epoch's metrics
-    partial: EpochTotals | None = None          # epoch + 1 stopped after `partial.steps` steps
+    partial: EpochTotals | None = None          # epoch + 1 stopped after `partial.steps` steps (global totals)
     best_epoch: int = 0                         # the epoch with the best monitored metric; 0: none yet
     best_value: float | None = None             # its value
 
-    def totals_for(self, epoch: int) -> EpochTotals:
-        """The totals `epoch` starts from: those of a stopped epoch being continued, else zeros."""
-        if self.partial is not None and epoch == self.epoch + 1:
+    def totals_for(self, epoch: int, rank: int = 0) -> EpochTotals:
+        """The totals `epoch` starts from on `rank`: those of a stopped epoch being continued, else zeros. The
+        stopped epoch's totals are summed over the ranks (`partial_over_ranks`), so rank 0 continues them and the
+        other ranks only their step count (the batches to skip) and the slowest rank's time so far: the epoch's
+        sums over the ranks then count every rank's steps once."""
+        if self.partial is None or epoch != self.epoch + 1:
+            return EpochTotals()
+        if rank == 0:
             return EpochTotals(**asdict(self.partial))
-        return EpochTotals()
+        return EpochTotals(steps=self.partial.steps, train_s=self.partial.train_s)
 
     def write(self, directory: str | Path) -> None:
         Path(directory, STATE_FILE).write_text(json.dumps(asdict(self), sort_keys=True))

@@ -53,6 +53,13 @@ class TPConfig(TrainerConfig):
 
 
 @dataclass
+class FSDPConfig(TrainerConfig):
+    backend: str = "fsdp"
+    dp_replicate: int = 1               # HSDP: replicas of the sharded model; each shards over num_workers // this
+    reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3); false: keep (ZeRO-2)
+
+
+@dataclass
 class TFMWMSConfig(TrainerConfig):
     backend: str = "tf_mwms"
     tf_loop: str = "fit"                # fit (tf-keras model.fit) | custom (strategy.run loop)
@@ -68,8 +75,8 @@ class HorovodConfig(TrainerConfig):
     compression: str = "none"           # gradient compression on the wire: none | fp16
 
 
-TRAINER_SCHEMAS: dict[str, type[TrainerConfig]] = {"ddp": DDPConfig, "tp": TPConfig, "tf_mwms": TFMWMSConfig,
-                                                   "horovod": HorovodConfig}
+TRAINER_SCHEMAS: dict[str, type[TrainerConfig]] = {"ddp": DDPConfig, "tp": TPConfig, "fsdp": FSDPConfig,
+                                                   "tf_mwms": TFMWMSConfig, "horovod": HorovodConfig}
 
 
 @dataclass

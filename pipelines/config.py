@@ -151,7 +151,7 @@ def _check_recipe(cfg: DictConfig) -> None:
     if trainer.precision == "fp16" and not trainer.use_gpu:
         raise ConfigError("trainer.precision: fp16 needs GPUs (loss scaling, fast half kernels); on CPU use bf16")
     scheduled = trainer.lr_schedule != "constant" or trainer.warmup_steps > 0 or trainer.warmup_fraction > 0
-    torch_backend = trainer.backend in ("ddp", "tp") or trainer.get("framework") == "torch"
+    torch_backend = trainer.backend in ("ddp", "tp", "fsdp") or trainer.get("framework") == "torch"
     if scheduled and not cfg.data.cache_in_worker and torch_backend:
         raise ConfigError("trainer.lr_schedule: a schedule needs the epoch's length, known only with "
                           "data.cache_in_worker=true (PyTorch backends stream otherwise)")
@@ -190,6 +190,8 @@ def _check_parallelism(cfg: DictConfig) -> None:
     trainer = cfg.trainer
     if trainer.max_steps_per_epoch is not None and trainer.max_steps_per_epoch < 1:
         raise ConfigError(f"trainer.max_steps_per_epoch: must be >= 1, got {trainer.max_steps_per_epoch}")
+    if trainer.backend == "fsdp":
+        _check_fsdp(trainer)
     if trainer.backend != "tp":
         return
     if trainer.tp < 1 or (trainer.dp is not None and trainer.dp < 1):
@@ -211,6 +213,15 @@ def _check_parallelism(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.tp: tp={trainer.tp} does not divide the model's heads={heads}")
     if hidden % heads:
         raise ConfigError(f"model.hidden: hidden={hidden} is not a multiple of heads={heads}")
+
+
+def _check_fsdp(trainer: DictConfig) -> None:
+    if trainer.dp_replicate < 1 or trainer.num_workers % trainer.dp_replicate:
+        raise ConfigError(f"trainer.dp_replicate: must be >= 1 and divide num_workers={trainer.num_workers}, got "
+                          f"{trainer.dp_replicate}")
+    if trainer.precision == "fp16":
+        raise ConfigError("trainer.precision: fp16 (loss scaling over sharded gradients) is not supported with fsdp; "
+                          "use bf16")
 
 
 def _check_tensorflow(cfg: DictConfig) -> None:

@@ -79,13 +79,14 @@ def attempt_from_json(raw: dict[str, Any]) -> Attempt:
 def make_context(rank: int, world_size: int, epochs: int, folder: Path, recorder: Recorder | None,
                  reports: list, restored: Path | None = None, stop_file: Path | None = None,
                  log_every_n_steps: int = 1) -> WorkerContext:
-    """A context whose report copies rank 0's checkpoint folder to `folder/checkpoint_<n>`."""
+    """A context whose report copies the reported checkpoint folders (rank 0's; every rank's parts of a sharded
+    one, merged as Ray Train merges them) to `folder/checkpoint_<n>`."""
     from ray.train import Checkpoint
 
     def report(metrics: dict[str, float], directory: str | None) -> None:
         reports.append(dict(metrics))
         if directory is not None:
-            shutil.copytree(directory, folder / f"checkpoint_{len(reports)}")
+            shutil.copytree(directory, folder / f"checkpoint_{len(reports)}", dirs_exist_ok=True)
 
     return WorkerContext(rank=rank, world_size=world_size, report=report, epochs=epochs,
                          restored=Checkpoint.from_directory(str(restored)) if restored else None,

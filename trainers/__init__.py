@@ -14,6 +14,7 @@ from types import ModuleType
 BACKENDS: dict[str, str] = {
     "ddp": "trainers.torch_ddp",
     "tp": "trainers.torch_tp",
+    "fsdp": "trainers.torch_fsdp",
     "tf_mwms": "trainers.tf_mwms",
     "horovod": "trainers.horovod",
 }

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
-from contract.checkpoint import EpochTotals, TrainState
+from contract.checkpoint import EpochTotals, TrainState, partial_over_ranks
 from contract.metrics import REPORTED_EPOCH, Reducer, epoch_line, epoch_metrics, stop_metrics
 from contract.recipe import Monitor
 from contract.resume import STOP_CHECK_EVERY
@@ -37,6 +37,7 @@ class Adapter(Protocol):
 
     replicas: int   # ranks that process each sample (the TP degree; 1 for data parallelism)
     load_s: float   # seconds this worker took to pull its data shards
+    sharded_checkpoint: bool  # every rank's checkpoint folder holds a part (Ray Train merges them); else rank 0's
 
     def steps_per_epoch(self) -> int: ...
     def batches(self, epoch: int, skip: int) -> Iterator[Any]:
@@ -76,7 +77,7 @@ class WorkerContext:
     """What the loop needs from the cluster: Ray Train in a run (trainers/worker.py), plain objects in tests."""
     rank: int
     world_size: int
-    report: Callable[[dict[str, float], str | None], None]  # (metrics, checkpoint folder on rank 0, else None)
+    report: Callable[[dict[str, float], str | None], None]  # (metrics, this rank's checkpoint folder or None)
     epochs: int
     restored: Any = None                  # a checkpoint with `as_directory()` to resume from, or None
     logger: MetricsSink | None = None     # rank 0's MLflow logger; None on the other ranks
@@ -134,7 +135,7 @@ class TrainLoop:
         for epoch in range(self.first_epoch, self.ctx.epochs + 1):
             if self.ctx.before_epoch is not None:
                 self.ctx.before_epoch(epoch)
-            totals = self.state.totals_for(epoch)
+            totals = self.state.totals_for(epoch, self.ctx.rank)
             if not self.train_epoch(epoch, totals):
                 self._report_stop(epoch, totals)
                 return False
@@ -232,7 +233,7 @@ class TrainLoop:
     def _report_stop(self, epoch: int, totals: EpochTotals) -> None:
         """Checkpoint the half-done epoch; the driver sees STOP_METRICS and marks the run as stopped. The report
         scores the monitored metric worst, so Ray Train never keeps this checkpoint as a best one."""
-        state = replace(self.state, partial=totals)
+        state = replace(self.state, partial=partial_over_ranks(totals, self.adapter.reduce))
         monitor = self.ctx.monitor
         self._checkpoint_and_report({**stop_metrics(epoch, totals.steps), monitor.metric: monitor.worst()}, state)
 
@@ -240,4 +241,5 @@ class TrainLoop:
         with tempfile.TemporaryDirectory() as directory:
             self.adapter.save(directory)  # every rank: saving may be collective
             state.write(directory)
-            self.ctx.report(metrics, directory if self.ctx.rank == 0 else None)
+            reports_folder = self.ctx.rank == 0 or self.adapter.sharded_checkpoint
+            self.ctx.report(metrics, directory if reports_folder else None)

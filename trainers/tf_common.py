@@ -202,6 +202,7 @@ class KerasAdapter:
     `passes` batches, the rest of an epoch applied by `finish_epoch`)."""
 
     replicas = 1
+    sharded_checkpoint = False  # rank 0's folder holds the whole state
 
     def __init__(self, tf: Any, strategy: Any, model: Any, train: ShardArrays, evaluation: ShardArrays,
                  batch_size: int, rank: int, seed: int, max_steps: int | None, local_replicas: int = 1,

@@ -175,6 +175,8 @@ class TorchAdapter:
     applies the mean gradient over those batches, as one larger batch would. A DDP model skips its all-reduce
     (`no_sync`) on all but the last batch of a step."""
 
+    sharded_checkpoint = False  # rank 0 writes the dense state (`save`)
+
     def __init__(self, model: nn.Module, recipe: TorchRecipe, train: ShardBatches, evaluation: ShardBatches,
                  device: torch.device, rank: int, reduce: Reducer = dist_reduce,
                  sync_gradients: Callable[[], None] | None = None, replicas: int = 1,

@@ -104,6 +104,16 @@ def test_impossible_parallelism_is_rejected(fake_imdb, overrides, message):
         load_config(["trainer=tp", "data=imdb", "model=bert_tiny", fake_imdb, *overrides])
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.dp_replicate=3"], r"^trainer\.dp_replicate: must be >= 1 and divide num_workers=2, got 3"),
+    (["trainer.dp_replicate=0"], r"^trainer\.dp_replicate: must be >= 1"),
+    (["trainer.precision=fp16", "trainer.use_gpu=true"], r"^trainer\.precision: fp16 .* not supported with fsdp"),
+])
+def test_impossible_fsdp_layouts_are_rejected(data_override, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config([data_override, "trainer=fsdp", *overrides])
+
+
 def test_each_backend_has_its_own_trainer_keys(data_override, fake_imdb):
     """Another backend's key is an unknown key (set or added), never silently ignored."""
     for overrides in (["trainer.tp=2"], ["+trainer.tp=2"], ["trainer=tf_mwms", "+trainer.compression=fp16"],

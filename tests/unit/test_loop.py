@@ -22,7 +22,7 @@ class LineAdapter:
     """Fits y = w x by SGD on a fixed data stream; the state is w (and the step count), in a JSON file.
     `passes` > 1 accumulates gradients like Horovod's backward_passes_per_step."""
 
-    replicas, load_s = 1, 0.25
+    replicas, load_s, sharded_checkpoint = 1, 0.25, False
 
     def __init__(self, steps: int = 25, passes: int = 1, text: bool = False):
         self.w, self.grad, self.pending, self.updates = 0.0, 0.0, 0, 0
@@ -113,6 +113,9 @@ def test_checkpoint_schema_of_a_stopped_epoch(tmp_path):
     assert state.metrics == epoch2.recorder.epochs[2]
     assert (halted.checkpoint / STATE_FILE).is_file() and (halted.checkpoint / "line.json").is_file()
     assert TrainState.read(halted.checkpoint).totals_for(3) == state.partial
+    # another rank continues only its step count and the time: rank 0 holds the sums over all ranks
+    assert TrainState.read(halted.checkpoint).totals_for(3, rank=1) == EpochTotals(steps=STOP_AT,
+                                                                                   train_s=state.partial.train_s)
     assert TrainState.read(halted.checkpoint).totals_for(4) == EpochTotals()
 
 

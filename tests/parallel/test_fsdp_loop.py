@@ -1,0 +1,127 @@
+"""The FSDP2 adapter on the shared loop, on gloo ranks (no Ray), in float64: 2 sharded ranks train exactly what the
+dense model trains on both ranks' batches (step losses and final weights), stop/resume parity through the sharded
+DCP checkpoint (Adam's moments and the schedule kept), the dense export of that checkpoint is the trained model, a
+checkpoint saved at 2 ranks loads at 1 (resharded: model and optimizer state equal), and each rank holds half of
+the parameters, gradients and optimizer state."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.loop_harness import check_stop_resume_parity, config, imdb_columns, last_checkpoint, shard
+from tests.parallel.dist_utils import RankPools
+
+MODEL_INPUTS = {"vocab_size": 64, "max_len": 16}
+ROWS, BATCH = 640, 16  # 320 rows per rank: 20 steps per epoch, so the stop at step 10 is mid-epoch
+OVERRIDES = ["trainer=fsdp", "data=imdb", "model=bert_tiny", "model.hidden=32", "model.heads=2", "model.dropout=0",
+             f"trainer.batch_size={BATCH}", "trainer.lr=0.002", "trainer.epochs=2",
+             # the recipe, through the shards and the dense model alike: decoupled decay (not on biases and norms),
+             # a schedule (checkpointed), clipping by the global norm over the shards
+             "trainer.optimizer=adamw", "trainer.weight_decay=0.01", "trainer.lr_schedule=cosine",
+             "trainer.warmup_steps=4", "trainer.grad_clip=0.5"]
+
+
+def _data(rank: int, ranks: int):
+    from trainers import torch_common as tc
+
+    train = {k: torch.from_numpy(v) for k, v in shard(imdb_columns(ROWS, 64, 16), rank, ranks).items()}
+    evaluation = {k: torch.from_numpy(v) for k, v in shard(imdb_columns(64, 64, 16, seed=1), rank, ranks).items()}
+    return lambda seed: (tc.ShardBatches.from_columns(train, "imdb", BATCH, seed),
+                         tc.ShardBatches.from_columns(evaluation, "imdb", 32, seed))
+
+
+def _fsdp_run(cfg, rank: int, world_size: int):
+    from trainers.torch_fsdp import build_adapter, run_worker
+
+    return lambda ctx: run_worker(cfg, ctx, build_adapter(cfg, MODEL_INPUTS, rank, world_size,
+                                                          _data(rank, world_size), torch.device("cpu")))
+
+
+def _dense_reference(cfg) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
+    """One process, the plain model: each step's loss is the mean of the two ranks' batch losses (what FSDP's
+    averaged gradients descend), clipped and stepped with the same recipe. Returns (rank 0's batch losses, final
+    weights)."""
+    from trainers.models import build_model
+    from trainers.torch_recipe import build_recipe
+
+    torch.manual_seed(cfg.run.seed)
+    model = build_model(cfg.model, MODEL_INPUTS)
+    steps = ROWS // 2 // BATCH
+    recipe = build_recipe(model, cfg.trainer, steps, torch.device("cpu"))
+    shards = [_data(r, 2)(cfg.run.seed + 1000 * r)[0] for r in range(2)]
+    loss_fn, losses = nn.CrossEntropyLoss(), []
+    for epoch in range(1, cfg.trainer.epochs + 1):
+        for batches in zip(*(s.epoch(epoch) for s in shards)):
+            recipe.optimizer.zero_grad()
+            per_rank = [loss_fn(model(*inputs), labels) for inputs, labels, _ in batches]
+            (sum(per_rank) / 2).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
+            recipe.optimizer.step()
+            recipe.scheduler.step()
+            losses.append(per_rank[0].item())
+    return np.array(losses), model.state_dict()
+
+
+def _train_two_ranks(rank: int, world_size: int, tmp: str) -> None:
+    from trainers.torch_fsdp import dense_model_state
+
+    torch.set_default_dtype(torch.float64)  # the reorderings of sharded sums vanish below float64's rounding
+    tmp_path = Path(tmp)
+    cfg = config(tmp_path / f"cfg{rank}", [*OVERRIDES, "trainer.num_workers=2",
+                                           f"run.dump_params_dir={tmp_path / 'dump'}"])
+    runs = check_stop_resume_parity(_fsdp_run(cfg, rank, world_size), tmp_path / "fsdp", rank, world_size,
+                                    text=True, rtol=1e-10, atol=1e-12, barrier=dist.barrier)
+    if rank == 0:
+        losses, weights = _dense_reference(cfg)
+        np.testing.assert_allclose(runs["straight"].recorder.curve(), losses, rtol=1e-9, atol=1e-12)
+        trained = torch.load(tmp_path / "dump" / "rank0.pt")  # the FSDP model, gathered (run.dump_params_dir)
+        assert trained.keys() == weights.keys()
+        for name, value in weights.items():
+            torch.testing.assert_close(trained[name], value, rtol=1e-9, atol=1e-12, msg=name)
+        exported = dense_model_state(str(last_checkpoint(tmp_path / "fsdp" / "straight")))  # what MLflow gets
+        for name, value in weights.items():
+            torch.testing.assert_close(exported[name], value, rtol=1e-9, atol=1e-12, msg=name)
+        memory = runs["straight"].recorder.extras[1]
+        dense_bytes = sum(v.numel() * v.element_size() for v in weights.values())
+        for r in range(2):  # each rank holds half of every kind of state (dim-0 shards of uneven tensors: +-1 row)
+            assert abs(memory[f"rank{r}.param_bytes"] / dense_bytes - 0.5) < 0.05
+            assert abs(memory[f"rank{r}.grad_bytes"] / dense_bytes - 0.5) < 0.05
+            assert abs(memory[f"rank{r}.optimizer_state_bytes"] / (2 * dense_bytes) - 0.5) < 0.05  # Adam: 2 moments
+    torch.set_default_dtype(torch.float32)
+
+
+def _load_at_one_rank(rank: int, world_size: int, tmp: str) -> None:
+    """The checkpoint the 2 ranks saved at their stop, loaded by 1 rank: the model and the optimizer state are
+    those the export reads from it, and training goes on from there."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from trainers.torch_fsdp import build_adapter
+
+    torch.set_default_dtype(torch.float64)
+    tmp_path = Path(tmp)
+    cfg = config(tmp_path / "cfg-one", [*OVERRIDES, "trainer.num_workers=1"])
+    adapter = build_adapter(cfg, MODEL_INPUTS, 0, 1, _data(0, 1), torch.device("cpu"))
+    checkpoint = last_checkpoint(tmp_path / "fsdp" / "stopped")
+    adapter.load(str(checkpoint))
+    model_state, optimizer_state = get_state_dict(adapter.model, adapter.optimizer,
+                                                  options=StateDictOptions(full_state_dict=True))
+    saved = {"model": {k: torch.empty_like(v) for k, v in model_state.items()}}
+    dcp.load(saved, checkpoint_id=str(checkpoint), no_dist=True)  # read back without any process group
+    for name, value in saved["model"].items():
+        torch.testing.assert_close(model_state[name], value, rtol=0, atol=0, msg=name)
+    moments = [state["exp_avg_sq"] for state in optimizer_state["state"].values()]
+    assert len(moments) == len(model_state) and all(m.abs().sum() > 0 for m in moments)  # Adam's, not fresh
+    assert adapter.recipe.scheduler.last_epoch == 10  # the schedule went on from the stop at step 10
+    loss, _, _ = adapter.train_step(next(iter(adapter.batches(1, skip=0))))
+    assert np.isfinite(loss)
+    torch.set_default_dtype(torch.float32)
+
+
+def test_fsdp_trains_the_dense_model_and_its_sharded_checkpoint_reshards(run_ranks: RankPools, tmp_path):
+    run_ranks(_train_two_ranks, 2, str(tmp_path))
+    run_ranks(_load_at_one_rank, 1, str(tmp_path))

@@ -1,0 +1,125 @@
+"""FSDP2 sharded data parallelism on Ray Train (`TorchTrainer`; gloo on CPU, NCCL on GPU).
+
+Every worker builds the same dense model from the same seed and `parallelize_fsdp` shards it (trainers/parallel/
+fsdp.py); each worker reads its own data shard, as under DDP, so the run trains what DDP with the same workers
+trains, holding ~1/N of the parameters, gradients and optimizer state per worker (logged each epoch as
+`rank<r>.param_bytes`, `grad_bytes`, `optimizer_state_bytes`).
+
+Checkpoints are sharded: `torch.distributed.checkpoint` (DCP) writes each rank's shards of the model and optimizer
+state into that rank's folder (no gather to rank 0) and Ray Train merges the folders; the schedule's state and
+`train_state.json` come from rank 0. DCP's metadata places every shard, so a checkpoint loads at another number of
+workers (resharded on load). The final model is exported dense from the checkpoint for MLflow.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from trainers import torch_common as tc
+from trainers.models import build_model
+from trainers.torch_ddp import example_input, run_worker
+from trainers.torch_recipe import build_recipe
+
+RECIPE_FILE = "recipe.pt"  # the schedule's (and scaler's) state, from rank 0, beside DCP's files
+
+
+class FSDPAdapter(tc.TorchAdapter):
+    """The loop's adapter for an FSDP2 model: sharded checkpoints, per-rank memory in the epoch extras. Gradient
+    sync is FSDP's own reduce-scatter in backward; clipping by the global norm works on the sharded gradients
+    (`clip_grad_norm_` reduces the DTensor norms over the ranks)."""
+
+    sharded_checkpoint = True
+
+    def save(self, directory: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory)
+        if self.rank == 0:
+            torch.save(self.recipe.state_dict(), os.path.join(directory, RECIPE_FILE))
+
+    def load(self, directory: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=directory)  # into this rank's shards, whatever the saving layout was
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        self.recipe.load_state_dict(torch.load(os.path.join(directory, RECIPE_FILE), weights_only=False))
+
+    def dense_model_state(self) -> dict[str, torch.Tensor]:
+        """The full model on every rank (collective: all-gathers the shards)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def epoch_extras(self) -> dict[str, float]:
+        """Every rank's memory (`rank<r>.param_bytes` ...), gathered (a collective)."""
+        from trainers.parallel.fsdp import rank_memory
+
+        gathered: list[dict[str, float] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, {**rank_memory(self.model, self.optimizer),
+                                          "peak_memory_bytes": self.peak_memory_bytes()})
+        return {f"rank{r}.{k}": v for r, stats in enumerate(gathered) for k, v in stats.items()}
+
+
+def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: int, train_data: tc.TrainData,
+                  device: torch.device) -> FSDPAdapter:
+    """The dense model from the shared seed, sharded over the mesh; this rank's data shard, shuffled by its own
+    seed (as under DDP)."""
+    from trainers.parallel.fsdp import build_fsdp_mesh, parallelize_fsdp
+
+    trainer = cfg.trainer
+    mesh = build_fsdp_mesh(trainer.dp_replicate, world_size // trainer.dp_replicate, device.type)
+    torch.manual_seed(cfg.run.seed)  # the same dense weights on every rank before each keeps its shard
+    model = parallelize_fsdp(build_model(cfg.model, model_inputs).to(device), mesh, trainer.reshard_after_forward)
+    train, evaluation = train_data(cfg.run.seed + 1000 * rank)
+    recipe = build_recipe(model, trainer, train.steps(), device)  # over the sharded parameters
+    return FSDPAdapter(model, recipe, train, evaluation, device, rank)
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    import ray.train.torch
+
+    from trainers.worker import ray_context, worker_config
+
+    cfg = worker_config(config)
+    torch.set_num_threads(cfg.trainer.threads_per_worker)
+    ctx = ray_context(config, cfg)
+    adapter = build_adapter(cfg, config["model_inputs"], ctx.rank, ctx.world_size,
+                            lambda seed: tc.worker_data(cfg, seed), ray.train.torch.get_device())
+    run_worker(cfg, ctx, adapter)
+
+
+def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict,
+                  callbacks: list | None = None):
+    return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, model_inputs,
+                            callbacks=callbacks)
+
+
+def dense_model_state(directory: str) -> dict[str, torch.Tensor]:
+    """The full model of a sharded checkpoint, read in this one process (DCP's `dcp_to_torch_save`)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as scratch:
+        path = os.path.join(scratch, "dense.pt")
+        dcp_to_torch_save(directory, path)
+        return torch.load(path, weights_only=False)["model"]
+
+
+def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, model_inputs: dict) -> None:
+    """Log the final checkpoint's model, exported dense, to the MLflow run (PyTorch flavour)."""
+    from contract.tracking import log_torch_model
+
+    model = build_model(cfg.model, model_inputs)
+    with checkpoint.as_directory() as directory:
+        model.load_state_dict(dense_model_state(directory))
+    log_torch_model(uri, run_id, model.eval(), example_input(cfg.data.name, model_inputs))
