@@ -167,12 +167,14 @@ def test_a_tracking_server_away_at_the_end_loses_nothing_and_the_replay_finishes
     """The run's MLflow server goes away once epoch 1 is logged and is still away when training ends: the workers
     train on and spool what the server misses, the driver exits 1 with one line naming the spool and the replay
     command, and the replay, with the server back, leaves the run as if nothing happened: every epoch once, the
-    model, FINISHED."""
+    model, FINISHED. Also the end-to-end run of FSDP: its sharded checkpoints, reported by both workers and merged
+    by Ray Train, restore the workers after a failure at epoch 2 and give the final model (exported dense)."""
     base, port = tmp_path / "mlflow", free_port()
     uri = f"http://127.0.0.1:{port}"
     server = start_mlflow_server(base, port)
-    cmd = [sys.executable, "-m", "pipelines.train", f"data.path={tiny_mnist}", "trainer.epochs=3",
-           f"run.storage_path={tmp_path / 'ray'}", *TINY]
+    cmd = [sys.executable, "-m", "pipelines.train", "trainer=fsdp", f"data.path={tiny_mnist}", "trainer.epochs=3",
+           f"run.storage_path={tmp_path / 'ray'}", "fault.inject_at_epoch=2",
+           f"fault.inject_marker={tmp_path / 'failed-once'}", *TINY]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=pipeline_env(uri, ray_head), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -197,10 +199,15 @@ def test_a_tracking_server_away_at_the_end_loses_nothing_and_the_replay_finishes
                                 capture_output=True, env=pipeline_env(uri), timeout=300)
         assert replay.returncode == 0, replay.stderr[-3000:]
         assert run_id_from(replay.stdout) == run_id
-        check_finished_run(client, run_id, "ddp", 3)  # each epoch's metrics once, the model logged
-        tags = client.get_run(run_id).data.tags
-        assert {"rank0.node", "rank1.node", "final_model_epoch"} <= set(tags)  # the driver's tag went via final.json
+        check_finished_run(client, run_id, "fsdp", 3)  # each epoch's metrics once, the model logged
+        run = client.get_run(run_id)
+        assert {"rank0.node", "rank1.node", "final_model_epoch"} <= set(run.data.tags)  # the driver's went via final.json
         assert list(folder.glob("*.json")) == []
+        assert (tmp_path / "failed-once").exists() and run.data.tags["resumed_from_epoch"] == "1"
+        checkpoint = max(p for p in (tmp_path / "ray" / f"run-{run_id}").glob("checkpoint_*") if p.is_dir())
+        assert sorted(p.name for p in checkpoint.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+        metrics = run.data.metrics  # each worker holds half of the model (the MLP's 784x64 + 64x10, with biases)
+        assert metrics["rank0.param_bytes"] == metrics["rank1.param_bytes"] == 4 * (784 * 64 + 64 + 64 * 10 + 10) / 2
     finally:
         stop_mlflow_server(server)
 
