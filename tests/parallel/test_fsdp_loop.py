@@ -1,8 +1,8 @@
 """The FSDP2 adapter on the shared loop, on gloo ranks (no Ray), in float64: 2 sharded ranks train exactly what the
 dense model trains on both ranks' batches (step losses and final weights), stop/resume parity through the sharded
 DCP checkpoint (Adam's moments and the schedule kept), the dense export of that checkpoint is the trained model, a
-checkpoint saved at 2 ranks loads at 1 (resharded: model and optimizer state equal), and each rank holds half of
-the parameters, gradients and optimizer state."""
+checkpoint saved at 2 ranks loads at 1 (resharded: model and optimizer state equal), each rank holds half of
+the parameters, gradients and optimizer state; and HSDP (2 replicas x 2 shards) trains the dense model too."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -41,8 +41,8 @@ def _fsdp_run(cfg, rank: int, world_size: int):
                                                           _data(rank, world_size), torch.device("cpu")))
 
 
-def _dense_reference(cfg) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
-    """One process, the plain model: each step's loss is the mean of the two ranks' batch losses (what FSDP's
+def _dense_reference(cfg, ranks: int) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
+    """One process, the plain model: each step's loss is the mean of the ranks' batch losses (what FSDP's
     averaged gradients descend), clipped and stepped with the same recipe. Returns (rank 0's batch losses, final
     weights)."""
     from trainers.models import build_model
@@ -50,15 +50,15 @@ def _dense_reference(cfg) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
 
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model, MODEL_INPUTS)
-    steps = ROWS // 2 // BATCH
+    steps = ROWS // ranks // BATCH
     recipe = build_recipe(model, cfg.trainer, steps, torch.device("cpu"))
-    shards = [_data(r, 2)(cfg.run.seed + 1000 * r)[0] for r in range(2)]
+    shards = [_data(r, ranks)(cfg.run.seed + 1000 * r)[0] for r in range(ranks)]
     loss_fn, losses = nn.CrossEntropyLoss(), []
     for epoch in range(1, cfg.trainer.epochs + 1):
         for batches in zip(*(s.epoch(epoch) for s in shards)):
             recipe.optimizer.zero_grad()
             per_rank = [loss_fn(model(*inputs), labels) for inputs, labels, _ in batches]
-            (sum(per_rank) / 2).backward()
+            (sum(per_rank) / ranks).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
             recipe.optimizer.step()
             recipe.scheduler.step()
@@ -76,7 +76,7 @@ def _train_two_ranks(rank: int, world_size: int, tmp: str) -> None:
     runs = check_stop_resume_parity(_fsdp_run(cfg, rank, world_size), tmp_path / "fsdp", rank, world_size,
                                     text=True, rtol=1e-10, atol=1e-12, barrier=dist.barrier)
     if rank == 0:
-        losses, weights = _dense_reference(cfg)
+        losses, weights = _dense_reference(cfg, 2)
         np.testing.assert_allclose(runs["straight"].recorder.curve(), losses, rtol=1e-9, atol=1e-12)
         trained = torch.load(tmp_path / "dump" / "rank0.pt")  # the FSDP model, gathered (run.dump_params_dir)
         assert trained.keys() == weights.keys()
@@ -122,6 +122,30 @@ def _load_at_one_rank(rank: int, world_size: int, tmp: str) -> None:
     torch.set_default_dtype(torch.float32)
 
 
+def _hsdp_four_ranks(rank: int, world_size: int, tmp: str) -> None:
+    """HSDP: 2 replicas of the model sharded over 2 ranks each, 4 data shards: the dense model's weights again."""
+    from tests.loop_harness import run_attempt
+
+    torch.set_default_dtype(torch.float64)
+    tmp_path = Path(tmp)
+    cfg = config(tmp_path / f"cfg{rank}", [*OVERRIDES, "trainer.num_workers=4", "trainer.dp_replicate=2",
+                                           "trainer.epochs=1", f"run.dump_params_dir={tmp_path / 'dump'}"])
+    attempt = run_attempt(_fsdp_run(cfg, rank, world_size), rank, world_size, 1, tmp_path / "hsdp")
+    if rank == 0:
+        _, weights = _dense_reference(cfg, 4)
+        trained = torch.load(tmp_path / "dump" / "rank0.pt")
+        for name, value in weights.items():
+            torch.testing.assert_close(trained[name], value, rtol=1e-9, atol=1e-12, msg=name)
+        dense_bytes = sum(v.numel() * v.element_size() for v in weights.values())
+        for r in range(4):  # sharded over the 2 ranks of a replica, not over all 4
+            assert abs(attempt.recorder.extras[1][f"rank{r}.param_bytes"] / dense_bytes - 0.5) < 0.05
+    torch.set_default_dtype(torch.float32)
+
+
 def test_fsdp_trains_the_dense_model_and_its_sharded_checkpoint_reshards(run_ranks: RankPools, tmp_path):
     run_ranks(_train_two_ranks, 2, str(tmp_path))
     run_ranks(_load_at_one_rank, 1, str(tmp_path))
+
+
+def test_hsdp_replicas_of_sharded_models_train_the_dense_model(run_ranks: RankPools, tmp_path):
+    run_ranks(_hsdp_four_ranks, 4, str(tmp_path))
