@@ -55,7 +55,8 @@ class TPConfig(TrainerConfig):
 @dataclass
 class FSDPConfig(TrainerConfig):
     backend: str = "fsdp"
-    dp_replicate: int = 1               # HSDP: replicas of the sharded model; each shards over num_workers // this
+    dp_replicate: int = 1               # HSDP: replicas of the sharded model
+    tp: int = 1                         # FSDP x TP: tensor parallelism (DTensor plans) inside, FSDP over the rest
     reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3); false: keep (ZeRO-2)
 
 
@@ -182,4 +183,6 @@ def parallel_degrees(trainer: DictConfig) -> tuple[int, int]:
     """(dp, tp) of any backend: the data-parallel backends are tp=1, dp=num_workers."""
     if trainer.backend == "tp":
         return trainer.dp, trainer.tp
+    if trainer.backend == "fsdp":
+        return trainer.num_workers // trainer.tp, trainer.tp
     return trainer.num_workers, 1

@@ -192,17 +192,12 @@ def _check_parallelism(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.max_steps_per_epoch: must be >= 1, got {trainer.max_steps_per_epoch}")
     if trainer.backend == "fsdp":
         _check_fsdp(trainer)
-    if trainer.backend != "tp":
+        if trainer.tp == 1:
+            return
+    elif trainer.backend == "tp":
+        _check_tp_dp(trainer)
+    else:
         return
-    if trainer.tp < 1 or (trainer.dp is not None and trainer.dp < 1):
-        raise ConfigError(f"trainer.tp: tp and dp must be >= 1, got tp={trainer.tp} dp={trainer.dp}")
-    if trainer.num_workers % trainer.tp:
-        raise ConfigError(f"trainer.tp: tp={trainer.tp} does not divide num_workers={trainer.num_workers}")
-    dp = trainer.dp if trainer.dp is not None else trainer.num_workers // trainer.tp
-    if dp * trainer.tp != trainer.num_workers:
-        raise ConfigError(f"trainer.dp: tp*dp={trainer.tp}*{dp}={trainer.tp * dp} != num_workers={trainer.num_workers}")
-    if trainer.tp_impl not in ("megatron", "dtensor"):
-        raise ConfigError(f"trainer.tp_impl: unknown '{trainer.tp_impl}' (choices: megatron, dtensor)")
     if cfg.model.name != "bert":
         raise ConfigError(f"model.name: tensor parallelism needs the bert model, got '{cfg.model.name}'")
     from trainers.models.bert import BERT_FLAVOURS
@@ -215,9 +210,25 @@ def _check_parallelism(cfg: DictConfig) -> None:
         raise ConfigError(f"model.hidden: hidden={hidden} is not a multiple of heads={heads}")
 
 
+def _check_tp_dp(trainer: DictConfig) -> None:
+    if trainer.tp < 1 or (trainer.dp is not None and trainer.dp < 1):
+        raise ConfigError(f"trainer.tp: tp and dp must be >= 1, got tp={trainer.tp} dp={trainer.dp}")
+    if trainer.num_workers % trainer.tp:
+        raise ConfigError(f"trainer.tp: tp={trainer.tp} does not divide num_workers={trainer.num_workers}")
+    dp = trainer.dp if trainer.dp is not None else trainer.num_workers // trainer.tp
+    if dp * trainer.tp != trainer.num_workers:
+        raise ConfigError(f"trainer.dp: tp*dp={trainer.tp}*{dp}={trainer.tp * dp} != num_workers={trainer.num_workers}")
+    if trainer.tp_impl not in ("megatron", "dtensor"):
+        raise ConfigError(f"trainer.tp_impl: unknown '{trainer.tp_impl}' (choices: megatron, dtensor)")
+
+
 def _check_fsdp(trainer: DictConfig) -> None:
-    if trainer.dp_replicate < 1 or trainer.num_workers % trainer.dp_replicate:
-        raise ConfigError(f"trainer.dp_replicate: must be >= 1 and divide num_workers={trainer.num_workers}, got "
+    """num_workers = dp_replicate x dp_shard x tp."""
+    if trainer.tp < 1 or trainer.num_workers % trainer.tp:
+        raise ConfigError(f"trainer.tp: must be >= 1 and divide num_workers={trainer.num_workers}, got {trainer.tp}")
+    dp = trainer.num_workers // trainer.tp
+    if trainer.dp_replicate < 1 or dp % trainer.dp_replicate:
+        raise ConfigError(f"trainer.dp_replicate: must be >= 1 and divide num_workers / tp = {dp}, got "
                           f"{trainer.dp_replicate}")
     if trainer.precision == "fp16":
         raise ConfigError("trainer.precision: fp16 (loss scaling over sharded gradients) is not supported with fsdp; "

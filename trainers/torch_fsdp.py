@@ -3,7 +3,9 @@
 Every worker builds the same dense model from the same seed and `parallelize_fsdp` shards it (trainers/parallel/
 fsdp.py); each worker reads its own data shard, as under DDP, so the run trains what DDP with the same workers
 trains, holding ~1/N of the parameters, gradients and optimizer state per worker (logged each epoch as
-`rank<r>.param_bytes`, `grad_bytes`, `optimizer_state_bytes`).
+`rank<r>.param_bytes`, `grad_bytes`, `optimizer_state_bytes`). With `trainer.tp` > 1 (the BERT model) the model is
+first tensor-parallel with torch's DTensor plans inside groups of tp consecutive workers, which read the same
+batches, and FSDP shards over the rest (FSDP x TP).
 
 Checkpoints are sharded: `torch.distributed.checkpoint` (DCP) writes each rank's shards of the model and optimizer
 state into that rank's folder (no gather to rank 0) and Ray Train merges the folders; the schedule's state and
@@ -30,8 +32,8 @@ RECIPE_FILE = "recipe.pt"  # the schedule's (and scaler's) state, from rank 0, b
 
 class FSDPAdapter(tc.TorchAdapter):
     """The loop's adapter for an FSDP2 model: sharded checkpoints, per-rank memory in the epoch extras. Gradient
-    sync is FSDP's own reduce-scatter in backward; clipping by the global norm works on the sharded gradients
-    (`clip_grad_norm_` reduces the DTensor norms over the ranks)."""
+    sync is FSDP's own reduce-scatter in backward; clipping takes the global norm of the sharded gradients
+    (trainers/parallel/grad_norm.py `clip_dtensor_grad_norm`)."""
 
     sharded_checkpoint = True
 
@@ -73,17 +75,25 @@ class FSDPAdapter(tc.TorchAdapter):
 
 def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: int, train_data: tc.TrainData,
                   device: torch.device) -> FSDPAdapter:
-    """The dense model from the shared seed, sharded over the mesh; this rank's data shard, shuffled by its own
-    seed (as under DDP)."""
-    from trainers.parallel.fsdp import build_fsdp_mesh, parallelize_fsdp
+    """The dense model from the shared seed, tensor-parallel over "tp" (if tp > 1), then sharded over the
+    data-parallel dimensions; this rank's data-parallel shard, shuffled by its seed (alike in a TP group)."""
+    from trainers.parallel.fsdp import build_fsdp_mesh, data_parallel_mesh, parallelize_fsdp
+    from trainers.parallel.grad_norm import clip_dtensor_grad_norm
+    from trainers.parallel.plans import parallelize_bert
 
     trainer = cfg.trainer
-    mesh = build_fsdp_mesh(trainer.dp_replicate, world_size // trainer.dp_replicate, device.type)
-    torch.manual_seed(cfg.run.seed)  # the same dense weights on every rank before each keeps its shard
-    model = parallelize_fsdp(build_model(cfg.model, model_inputs).to(device), mesh, trainer.reshard_after_forward)
-    train, evaluation = train_data(cfg.run.seed + 1000 * rank)
+    dp_shard = world_size // trainer.tp // trainer.dp_replicate
+    mesh = build_fsdp_mesh(trainer.dp_replicate, dp_shard, trainer.tp, device.type)
+    # The same dense weights on every rank before each keeps its shard, and the same dropout masks in a TP group.
+    torch.manual_seed(cfg.run.seed)
+    model = build_model(cfg.model, model_inputs).to(device)
+    if trainer.tp > 1:
+        model = parallelize_bert(model, mesh, impl="dtensor")
+    model = parallelize_fsdp(model, data_parallel_mesh(mesh), trainer.reshard_after_forward)
+    train, evaluation = train_data(cfg.run.seed + 1000 * (rank // trainer.tp))
     recipe = build_recipe(model, trainer, train.steps(), device)  # over the sharded parameters
-    return FSDPAdapter(model, recipe, train, evaluation, device, rank)
+    return FSDPAdapter(model, recipe, train, evaluation, device, rank, replicas=trainer.tp,
+                       clip=lambda max_norm: clip_dtensor_grad_norm(model, max_norm))
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -101,7 +111,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
 def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict,
                   callbacks: list | None = None):
+    from trainers.shard_data import shard_config
+
+    trainer = cfg.trainer
     return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, model_inputs,
+                            dataset_config=shard_config(trainer.num_workers, cfg.data.cache_in_worker, trainer.tp),
                             callbacks=callbacks)
 
 

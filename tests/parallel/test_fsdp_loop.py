@@ -2,12 +2,14 @@
 dense model trains on both ranks' batches (step losses and final weights), stop/resume parity through the sharded
 DCP checkpoint (Adam's moments and the schedule kept), the dense export of that checkpoint is the trained model, a
 checkpoint saved at 2 ranks loads at 1 (resharded: model and optimizer state equal), each rank holds half of
-the parameters, gradients and optimizer state; and HSDP (2 replicas x 2 shards) trains the dense model too."""
+the parameters, gradients and optimizer state; and HSDP (2 replicas x 2 shards) and FSDP x TP (2 x 2) train the
+dense model too."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -35,10 +37,13 @@ def _data(rank: int, ranks: int):
 
 
 def _fsdp_run(cfg, rank: int, world_size: int):
+    """The worker of `rank`; with tp > 1 a TP group's ranks read the same data shard, as OrderedShards gives."""
     from trainers.torch_fsdp import build_adapter, run_worker
 
-    return lambda ctx: run_worker(cfg, ctx, build_adapter(cfg, MODEL_INPUTS, rank, world_size,
-                                                          _data(rank, world_size), torch.device("cpu")))
+    tp = cfg.trainer.tp
+    data = _data(rank // tp, world_size // tp)
+    return lambda ctx: run_worker(cfg, ctx, build_adapter(cfg, MODEL_INPUTS, rank, world_size, data,
+                                                          torch.device("cpu")))
 
 
 def _dense_reference(cfg, ranks: int) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
@@ -122,23 +127,30 @@ def _load_at_one_rank(rank: int, world_size: int, tmp: str) -> None:
     torch.set_default_dtype(torch.float32)
 
 
-def _hsdp_four_ranks(rank: int, world_size: int, tmp: str) -> None:
-    """HSDP: 2 replicas of the model sharded over 2 ranks each, 4 data shards: the dense model's weights again."""
+def _four_ranks(rank: int, world_size: int, tmp: str, layout: str) -> None:
+    """HSDP (2 replicas of the model sharded over 2 ranks each; 4 data shards) or FSDP x TP (TP over pairs of
+    ranks, FSDP over the 2 pairs; 2 data shards): one epoch, then the dense model's weights again, and each rank's
+    share of the parameters."""
     from tests.loop_harness import run_attempt
 
     torch.set_default_dtype(torch.float64)
-    tmp_path = Path(tmp)
-    cfg = config(tmp_path / f"cfg{rank}", [*OVERRIDES, "trainer.num_workers=4", "trainer.dp_replicate=2",
-                                           "trainer.epochs=1", f"run.dump_params_dir={tmp_path / 'dump'}"])
-    attempt = run_attempt(_fsdp_run(cfg, rank, world_size), rank, world_size, 1, tmp_path / "hsdp")
+    tmp_path = Path(tmp) / layout
+    keys = {"hsdp": ["trainer.dp_replicate=2"], "fsdp_tp": ["trainer.tp=2"]}[layout]
+    cfg = config(tmp_path / f"cfg{rank}", [*OVERRIDES, "trainer.num_workers=4", *keys, "trainer.epochs=1",
+                                           f"run.dump_params_dir={tmp_path / 'dump'}"])
+    attempt = run_attempt(_fsdp_run(cfg, rank, world_size), rank, world_size, 1, tmp_path / "run")
     if rank == 0:
-        _, weights = _dense_reference(cfg, 4)
+        losses, weights = _dense_reference(cfg, world_size // cfg.trainer.tp)
+        np.testing.assert_allclose(attempt.recorder.curve(), losses, rtol=1e-9, atol=1e-12)
         trained = torch.load(tmp_path / "dump" / "rank0.pt")
         for name, value in weights.items():
             torch.testing.assert_close(trained[name], value, rtol=1e-9, atol=1e-12, msg=name)
         dense_bytes = sum(v.numel() * v.element_size() for v in weights.values())
-        for r in range(4):  # sharded over the 2 ranks of a replica, not over all 4
-            assert abs(attempt.recorder.extras[1][f"rank{r}.param_bytes"] / dense_bytes - 0.5) < 0.05
+        shares = [attempt.recorder.extras[1][f"rank{r}.param_bytes"] / dense_bytes for r in range(4)]
+        if layout == "hsdp":  # sharded over the 2 ranks of a replica, not over all 4
+            assert all(abs(share - 0.5) < 0.05 for share in shares), shares
+        else:  # the blocks' linears over all 4 ranks (tp x fsdp), the rest (embeddings, norms) over the 2 pairs
+            assert all(0.25 < share < 0.5 for share in shares), shares
     torch.set_default_dtype(torch.float32)
 
 
@@ -147,5 +159,6 @@ def test_fsdp_trains_the_dense_model_and_its_sharded_checkpoint_reshards(run_ran
     run_ranks(_load_at_one_rank, 1, str(tmp_path))
 
 
-def test_hsdp_replicas_of_sharded_models_train_the_dense_model(run_ranks: RankPools, tmp_path):
-    run_ranks(_hsdp_four_ranks, 4, str(tmp_path))
+@pytest.mark.parametrize("layout", ["hsdp", "fsdp_tp"])
+def test_hsdp_and_fsdp_x_tp_train_the_dense_model(run_ranks: RankPools, tmp_path, layout):
+    run_ranks(_four_ranks, 4, str(tmp_path), layout)

@@ -105,8 +105,11 @@ def test_impossible_parallelism_is_rejected(fake_imdb, overrides, message):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["trainer.dp_replicate=3"], r"^trainer\.dp_replicate: must be >= 1 and divide num_workers=2, got 3"),
+    (["trainer.dp_replicate=3"], r"^trainer\.dp_replicate: must be >= 1 and divide num_workers / tp = 2, got 3"),
     (["trainer.dp_replicate=0"], r"^trainer\.dp_replicate: must be >= 1"),
+    (["trainer.num_workers=4", "trainer.tp=2", "trainer.dp_replicate=4"], r"num_workers / tp = 2, got 4"),
+    (["trainer.tp=3"], r"^trainer\.tp: must be >= 1 and divide num_workers=2, got 3"),
+    (["trainer.tp=2"], r"^model\.name: tensor parallelism needs the bert model, got 'mlp'"),
     (["trainer.precision=fp16", "trainer.use_gpu=true"], r"^trainer\.precision: fp16 .* not supported with fsdp"),
 ])
 def test_impossible_fsdp_layouts_are_rejected(data_override, overrides, message):

@@ -3,8 +3,10 @@
 Every rank holds 1/N of each parameter (dim 0, over the mesh's shard dimension). Each repeated block (the
 entries of the model's `nn.ModuleList`s: BERT's encoder blocks) is its own FSDP unit, so only one block's full
 parameters exist at a time in forward and backward; the root unit takes the rest (embeddings, head). Gradients
-are reduce-scattered (averaged) over the ranks, so the optimizer steps on shards. A 2D mesh ("dp_replicate",
-"dp_shard") is HSDP: the model is sharded inside a replica group and gradients are also all-reduced across them.
+are reduce-scattered (averaged) over the ranks, so the optimizer steps on shards. With "dp_replicate" (HSDP) the
+model is sharded inside a replica group and gradients are also all-reduced across them. With "tp" the model is
+first tensor-parallel (DTensor plans, trainers/parallel/plans.py) and FSDP shards those DTensors further over the
+data-parallel dimensions (2D parameters: FSDP x TP).
 """
 from __future__ import annotations
 
@@ -16,12 +18,19 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 
-def build_fsdp_mesh(dp_replicate: int, dp_shard: int, device_type: str = "cpu") -> DeviceMesh:
-    """("dp_shard",) over the default process group, or ("dp_replicate", "dp_shard") for HSDP, where rank =
-    replica * dp_shard + shard rank: a replica's ranks are consecutive (one node's, on a GPU cluster)."""
-    if dp_replicate == 1:
-        return init_device_mesh(device_type, (dp_shard,), mesh_dim_names=("dp_shard",))
-    return init_device_mesh(device_type, (dp_replicate, dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+def build_fsdp_mesh(dp_replicate: int, dp_shard: int, tp: int = 1, device_type: str = "cpu") -> DeviceMesh:
+    """The mesh over the default process group, row-major over ("dp_replicate", "dp_shard", "tp"), leaving out the
+    dimensions of size 1 other than "dp_shard": the ranks of a TP group are consecutive, then those of a replica
+    (one node's, on a GPU cluster), so rank = (replica * dp_shard + shard rank) * tp + tp rank."""
+    sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+    names = tuple(name for name, size in sizes.items() if size > 1 or name == "dp_shard")
+    return init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The part of `mesh` FSDP shards (and, with "dp_replicate", replicates) over."""
+    names = mesh.mesh_dim_names or ()
+    return mesh["dp_replicate", "dp_shard"] if "dp_replicate" in names else mesh["dp_shard"]
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:

@@ -48,14 +48,43 @@ def global_grad_norm(model: nn.Module, tp_group: ProcessGroup) -> torch.Tensor:
 
 
 @torch.no_grad()
+def dtensor_grad_norm(model: nn.Module) -> torch.Tensor:
+    """The 2-norm of the whole gradient of a model whose parameters are all DTensors (FSDP; FSDP x TP, where they
+    live on two meshes: the 2D one for TP-sharded weights, the data-parallel one for the rest). DTensor sums each
+    mesh's squares over its shards, counting replicas once; the meshes' sums are then added (torch's
+    `clip_grad_norm_` stacks the per-mesh norms and fails on mixed meshes). Float64, on every rank."""
+    by_mesh: dict = {}
+    for param in model.parameters():
+        if param.grad is not None:
+            if not isinstance(param.grad, DTensor):
+                raise TypeError("dtensor_grad_norm needs every gradient as a DTensor")
+            by_mesh.setdefault(param.grad.device_mesh, []).append(param.grad)
+    total = torch.zeros((), dtype=torch.float64)
+    for grads in by_mesh.values():
+        total += torch.nn.utils.get_total_norm(grads, 2.0).full_tensor().double().cpu() ** 2
+    return total.sqrt()
+
+
+@torch.no_grad()
 def clip_grad_norm(model: nn.Module, max_norm: float, tp_group: ProcessGroup) -> torch.Tensor:
     """Scale every gradient by min(1, max_norm / global norm), as `clip_grad_norm_` does for a dense model;
     returns the norm before clipping."""
     norm = global_grad_norm(model, tp_group)
-    scale = min(1.0, max_norm / (float(norm) + 1e-6))
+    scale_gradients(model, min(1.0, max_norm / (float(norm) + 1e-6)))
+    return norm
+
+
+@torch.no_grad()
+def clip_dtensor_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """`clip_grad_norm` for a model of DTensors (FSDP, FSDP x TP), by `dtensor_grad_norm`."""
+    norm = dtensor_grad_norm(model)
+    scale_gradients(model, min(1.0, max_norm / (float(norm) + 1e-6)))
+    return norm
+
+
+def scale_gradients(model: nn.Module, scale: float) -> None:
     if scale < 1.0:
         for param in model.parameters():
             grad = local_grad(param)
             if grad is not None:
                 grad.mul_(scale)
-    return norm
