@@ -58,6 +58,7 @@ class FSDPConfig(TrainerConfig):
     dp_replicate: int = 1               # HSDP: replicas of the sharded model
     tp: int = 1                         # FSDP x TP: tensor parallelism (DTensor plans) inside, FSDP over the rest
     reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3); false: keep (ZeRO-2)
+    activation_checkpointing: bool = False  # recompute each block's activations in backward instead of keeping them
 
 
 @dataclass

@@ -17,6 +17,7 @@ from torch import nn
 from contract.data import MNIST_MEAN, MNIST_STD
 from contract.metrics import Reducer, peak_rss_bytes
 from trainers.parallel.data_parallel import average_gradients
+from trainers.parallel.memory import rank_memory
 from trainers.torch_recipe import TorchRecipe, clip_dense_grad_norm
 from trainers.worker import loop_config, run_config, scaling_config
 
@@ -271,7 +272,19 @@ class TorchAdapter:
         return peak_rss_bytes()
 
     def epoch_extras(self) -> dict[str, float]:
-        return {}
+        """Every rank's parameter, gradient and optimizer-state bytes and peak memory, as `rank<r>.<name>`
+        (gathered over torch.distributed: a collective)."""
+        return self.gather_rank_stats({**rank_memory(self.model, self.optimizer),
+                                       "peak_memory_bytes": self.peak_memory_bytes()})
+
+    def gather_rank_stats(self, stats: dict[str, float]) -> dict[str, float]:
+        """`stats` of every rank as `rank<r>.<name>`; this rank's alone without a torch.distributed group (a lone
+        process, Horovod)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return {f"rank{self.rank}.{k}": v for k, v in stats.items()}
+        gathered: list[dict[str, float] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, stats)
+        return {f"rank{r}.{k}": v for r, each in enumerate(gathered) for k, v in each.items()}
 
     # State: a checkpoint always holds the dense (unsharded, unwrapped) model, so any layout can load it.
     def dense_model_state(self) -> dict[str, torch.Tensor]:

@@ -19,7 +19,6 @@ import tempfile
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
 
 from trainers import torch_common as tc
@@ -31,7 +30,8 @@ RECIPE_FILE = "recipe.pt"  # the schedule's (and scaler's) state, from rank 0, b
 
 
 class FSDPAdapter(tc.TorchAdapter):
-    """The loop's adapter for an FSDP2 model: sharded checkpoints, per-rank memory in the epoch extras. Gradient
+    """The loop's adapter for an FSDP2 model: sharded checkpoints (every rank's memory is in the epoch extras, as
+    for every PyTorch backend). Gradient
     sync is FSDP's own reduce-scatter in backward; clipping takes the global norm of the sharded gradients
     (trainers/parallel/grad_norm.py `clip_dtensor_grad_norm`)."""
 
@@ -63,21 +63,13 @@ class FSDPAdapter(tc.TorchAdapter):
 
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def epoch_extras(self) -> dict[str, float]:
-        """Every rank's memory (`rank<r>.param_bytes` ...), gathered (a collective)."""
-        from trainers.parallel.fsdp import rank_memory
-
-        gathered: list[dict[str, float] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, {**rank_memory(self.model, self.optimizer),
-                                          "peak_memory_bytes": self.peak_memory_bytes()})
-        return {f"rank{r}.{k}": v for r, stats in enumerate(gathered) for k, v in stats.items()}
-
 
 def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: int, train_data: tc.TrainData,
                   device: torch.device) -> FSDPAdapter:
     """The dense model from the shared seed, tensor-parallel over "tp" (if tp > 1), then sharded over the
     data-parallel dimensions; this rank's data-parallel shard, shuffled by its seed (alike in a TP group)."""
-    from trainers.parallel.fsdp import build_fsdp_mesh, data_parallel_mesh, parallelize_fsdp
+    from trainers.parallel.fsdp import (apply_activation_checkpointing, build_fsdp_mesh, data_parallel_mesh,
+                                        parallelize_fsdp)
     from trainers.parallel.grad_norm import clip_dtensor_grad_norm
     from trainers.parallel.plans import parallelize_bert
 
@@ -89,6 +81,8 @@ def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: in
     model = build_model(cfg.model, model_inputs).to(device)
     if trainer.tp > 1:
         model = parallelize_bert(model, mesh, impl="dtensor")
+    if trainer.activation_checkpointing:
+        model = apply_activation_checkpointing(model)
     model = parallelize_fsdp(model, data_parallel_mesh(mesh), trainer.reshard_after_forward)
     train, evaluation = train_data(cfg.run.seed + 1000 * (rank // trainer.tp))
     recipe = build_recipe(model, trainer, train.steps(), device)  # over the sharded parameters

@@ -51,14 +51,12 @@ class CollectiveTimer:
                 setattr(dist, name, fn)
 
 
-def rank_stats(model: torch.nn.Module, collective_s: float, peak_bytes: float) -> dict[str, float]:
-    """This rank's share of the model and its resources."""
+def rank_stats(model: torch.nn.Module, collective_s: float) -> dict[str, float]:
+    """This rank's share of the model's parameters and its time in collectives."""
     from torch.distributed.tensor import DTensor
 
     local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-    return {"param_count": float(sum(p.numel() for p in local)),
-            "param_bytes": float(sum(p.numel() * p.element_size() for p in local)),
-            "peak_memory_bytes": peak_bytes, "collective_time_s": collective_s}
+    return {"param_count": float(sum(p.numel() for p in local)), "collective_time_s": collective_s}
 
 
 class TPAdapter(tc.TorchAdapter):
@@ -92,10 +90,12 @@ class TPAdapter(tc.TorchAdapter):
             load_dense_optimizer_state(self.model, self.optimizer, optimizer_state)
 
     def epoch_extras(self) -> dict[str, float]:
-        """Every rank's stats, gathered (a collective), as `rank<r>.<name>`."""
-        gathered: list[dict[str, float] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, rank_stats(self.model, self.timer.seconds, self.peak_memory_bytes()))
-        return {f"rank{r}.{k}": v for r, stats in enumerate(gathered) for k, v in stats.items()}
+        """Every rank's memory (as every PyTorch backend's), parameter count and collective time, gathered."""
+        from trainers.parallel.memory import rank_memory
+
+        return self.gather_rank_stats({**rank_memory(self.model, self.optimizer),
+                                       **rank_stats(self.model, self.timer.seconds),
+                                       "peak_memory_bytes": self.peak_memory_bytes()})
 
 
 def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: int, train_data: tc.TrainData,

@@ -1,6 +1,7 @@
 """The FSDP2 adapter on the shared loop, on gloo ranks (no Ray), in float64: 2 sharded ranks train exactly what the
 dense model trains on both ranks' batches (step losses and final weights), stop/resume parity through the sharded
-DCP checkpoint (Adam's moments and the schedule kept), the dense export of that checkpoint is the trained model, a
+DCP checkpoint (Adam's moments and the schedule kept), activation checkpointing changes no step, the dense
+export of that checkpoint is the trained model, a
 checkpoint saved at 2 ranks loads at 1 (resharded: model and optimizer state equal), each rank holds half of
 the parameters, gradients and optimizer state; and HSDP (2 replicas x 2 shards) and FSDP x TP (2 x 2) train the
 dense model too."""
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.loop_harness import check_stop_resume_parity, config, imdb_columns, last_checkpoint, shard
+from tests.loop_harness import check_stop_resume_parity, config, imdb_columns, last_checkpoint, run_attempt, shard
 from tests.parallel.dist_utils import RankPools
 
 MODEL_INPUTS = {"vocab_size": 64, "max_len": 16}
@@ -80,9 +81,15 @@ def _train_two_ranks(rank: int, world_size: int, tmp: str) -> None:
                                            f"run.dump_params_dir={tmp_path / 'dump'}"])
     runs = check_stop_resume_parity(_fsdp_run(cfg, rank, world_size), tmp_path / "fsdp", rank, world_size,
                                     text=True, rtol=1e-10, atol=1e-12, barrier=dist.barrier)
+    # Activation checkpointing recomputes the blocks in backward: the same steps, the same names in checkpoints.
+    recomputed_cfg = config(tmp_path / f"cfg-ac{rank}", [*OVERRIDES, "trainer.num_workers=2",
+                                                         "trainer.activation_checkpointing=true"])
+    recomputed = run_attempt(_fsdp_run(recomputed_cfg, rank, world_size), rank, world_size, 2, tmp_path / "ac")
     if rank == 0:
         losses, weights = _dense_reference(cfg, 2)
         np.testing.assert_allclose(runs["straight"].recorder.curve(), losses, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(recomputed.recorder.curve(), runs["straight"].recorder.curve(), rtol=1e-12)
+        assert dense_model_state(str(recomputed.checkpoint)).keys() == weights.keys()
         trained = torch.load(tmp_path / "dump" / "rank0.pt")  # the FSDP model, gathered (run.dump_params_dir)
         assert trained.keys() == weights.keys()
         for name, value in weights.items():
@@ -131,8 +138,6 @@ def _four_ranks(rank: int, world_size: int, tmp: str, layout: str) -> None:
     """HSDP (2 replicas of the model sharded over 2 ranks each; 4 data shards) or FSDP x TP (TP over pairs of
     ranks, FSDP over the 2 pairs; 2 data shards): one epoch, then the dense model's weights again, and each rank's
     share of the parameters."""
-    from tests.loop_harness import run_attempt
-
     torch.set_default_dtype(torch.float64)
     tmp_path = Path(tmp) / layout
     keys = {"hsdp": ["trainer.dp_replicate=2"], "fsdp_tp": ["trainer.tp=2"]}[layout]

@@ -10,12 +10,8 @@ data-parallel dimensions (2D parameters: FSDP x TP).
 """
 from __future__ import annotations
 
-from typing import Iterable
-
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
 
 
 def build_fsdp_mesh(dp_replicate: int, dp_shard: int, tp: int = 1, device_type: str = "cpu") -> DeviceMesh:
@@ -38,6 +34,19 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     return [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module]
 
 
+def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
+    """Wrap every FSDP unit block (`fsdp_units`) so that backward recomputes its activations instead of keeping
+    them from forward (torch's non-reentrant checkpoint, RNG state preserved: dropout draws the same masks).
+    Before `parallelize_fsdp`, so each wrapper becomes the unit. DCP's state-dict helpers drop the wrapper from
+    parameter names, so checkpoints and the dense export keep the plain model's names."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for module_list in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
+        for i, block in enumerate(module_list):
+            module_list[i] = checkpoint_wrapper(block)
+    return model
+
+
 def parallelize_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> nn.Module:
     """Shard `model` in place over `mesh` (blocks first, then the root); returns it. `reshard_after_forward`:
     free each unit's gathered parameters after its forward and gather them again for backward (ZeRO-3), or keep
@@ -48,23 +57,3 @@ def parallelize_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: 
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     return model
-
-
-def local_bytes(tensors: Iterable[torch.Tensor | None]) -> float:
-    """Bytes this rank holds of `tensors` (a DTensor's local shard; None skipped)."""
-    total = 0
-    for tensor in tensors:
-        if tensor is None:
-            continue
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        total += local.numel() * local.element_size()
-    return float(total)
-
-
-def rank_memory(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
-    """This rank's parameter, gradient and optimizer-state bytes (with FSDP over N ranks: ~1/N of the model's)."""
-    states = [value for state in optimizer.state.values() for value in state.values()
-              if isinstance(value, torch.Tensor) and value.dim() > 0]  # Adam's step counts are scalars
-    params = list(model.parameters())
-    return {"param_bytes": local_bytes(params), "grad_bytes": local_bytes(p.grad for p in params),
-            "optimizer_state_bytes": local_bytes(states)}

@@ -1,0 +1,60 @@
+"""Parallel layouts of the same model at 4 workers, in one run: what each rank holds (parameter, gradient and
+optimizer-state bytes, as the backends log them every epoch) and the step time, for DDP, FSDP2, HSDP, DTensor TP
+and FSDP x TP, on BERT small (4 layers, hidden 256, 4 heads) and the same IMDb shards, at the same global batch.
+
+    python -m benchmarks.layouts [--data data/imdb/parquet] [--steps 20] [--global-batch 32]
+
+Needs prepared IMDb shards (`python -m pipelines.prepare imdb --source ... --out data/imdb/parquet`).
+Last line: `ratio=<FSDP's parameter bytes per rank / DDP's>` (ideal 0.25 at 4 workers).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from benchmarks.common import ROOT, pipeline_run
+
+# name, overrides, ranks that share a batch (the TP degree): the per-replica batch is global / (4 / that)
+LAYOUTS = [
+    ("ddp", ["trainer=ddp"], 1),
+    ("fsdp", ["trainer=fsdp"], 1),
+    ("hsdp 2 replicas x 2 shards", ["trainer=fsdp", "trainer.dp_replicate=2"], 1),
+    ("tp 4 (dtensor)", ["trainer=tp", "trainer.tp=4", "trainer.tp_impl=dtensor"], 4),
+    ("fsdp 2 x tp 2", ["trainer=fsdp", "trainer.tp=2"], 2),
+]
+WORKERS = 4
+
+
+def run(data: Path, overrides: list[str], batch: int, steps: int) -> dict[str, float]:
+    _, last = pipeline_run([*overrides, "data=imdb", "model=bert_small", f"data.path={data}",
+                            f"trainer.num_workers={WORKERS}", "trainer.epochs=1", f"trainer.batch_size={batch}",
+                            f"trainer.max_steps_per_epoch={steps}", "run.system_metrics=false"])
+    return last
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data", type=Path, default=ROOT / "data" / "imdb" / "parquet")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--global-batch", type=int, default=32)
+    args = parser.parse_args()
+    results = {name: run(args.data.resolve(), overrides, args.global_batch * tp // WORKERS, args.steps)
+               for name, overrides, tp in LAYOUTS}
+    mib = 2 ** 20
+    print(f"BERT small (4 layers, hidden 256, 4 heads), {WORKERS} workers x 1 thread, global batch "
+          f"{args.global_batch}, {args.steps} steps, Adam")
+    print("| layout | params / rank (MiB) | grads / rank (MiB) | Adam state / rank (MiB) | vs ddp "
+          "| peak RSS rank 0 (MiB) | step time (ms) | samples/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    ddp_bytes = results["ddp"]["rank0.param_bytes"]
+    for name, m in results.items():
+        print(f"| {name} | {m['rank0.param_bytes'] / mib:.2f} | {m['rank0.grad_bytes'] / mib:.2f} "
+              f"| {m['rank0.optimizer_state_bytes'] / mib:.2f} | {m['rank0.param_bytes'] / ddp_bytes:.3f} "
+              f"| {m['rank0.peak_memory_bytes'] / mib:.0f} | {m['step_time_ms']:.0f} | {m['samples_per_s']:.1f} |")
+    print(f"ratio={results['fsdp']['rank0.param_bytes'] / ddp_bytes:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
