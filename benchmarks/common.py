@@ -43,15 +43,16 @@ def mnist_arrays(split: str) -> tuple[np.ndarray, np.ndarray]:
     return images.copy(), table.column("label").to_numpy().astype(np.int64)
 
 
-def pipeline_run(overrides: list[str]) -> tuple[dict[str, list[float]], dict[str, float]]:
+def pipeline_run(overrides: list[str], on_cluster: bool = False) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Run `python -m pipelines.train <overrides>` and return (every metric's history in step order, the last
-    value of every metric)."""
+    value of every metric). On a Ray of its own, unless `on_cluster`: then on the one at RAY_ADDRESS."""
     from mlflow.tracking import MlflowClient
 
     with tempfile.TemporaryDirectory() as tmp:
         uri = f"sqlite:///{tmp}/mlflow.db"
         env = {**os.environ, "MLFLOW_TRACKING_URI": uri, **QUIET_ENV}
-        env.pop("RAY_ADDRESS", None)
+        if not on_cluster:
+            env.pop("RAY_ADDRESS", None)
         cmd = [sys.executable, "-m", "pipelines.train", *overrides, f"run.storage_path={tmp}/ray"]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0:

@@ -2,14 +2,19 @@
 optimizer-state bytes, as the backends log them every epoch) and the step time, for DDP, FSDP2, HSDP, DTensor TP
 and FSDP x TP, on BERT small (4 layers, hidden 256, 4 heads) and the same IMDb shards, at the same global batch.
 
+    bash cluster/local/ray-local.sh start /tmp/bench-ray 6 && source /tmp/bench-ray/ray.env
     python -m benchmarks.layouts [--data data/imdb/parquet] [--steps 20] [--global-batch 32]
+    bash cluster/local/ray-local.sh stop /tmp/bench-ray
 
-Needs prepared IMDb shards (`python -m pipelines.prepare imdb --source ... --out data/imdb/parquet`).
+Needs prepared IMDb shards (`python -m pipelines.prepare imdb --source ... --out data/imdb/parquet`), and a Ray
+head declaring 6 CPUs (RAY_ADDRESS; 4 for the workers, 2 for Ray Data's readers): without one, the pipeline
+refuses 4 one-thread workers on a 2-core machine.
 Last line: `ratio=<FSDP's parameter bytes per rank / DDP's>` (ideal 0.25 at 4 workers).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -29,7 +34,7 @@ WORKERS = 4
 def run(data: Path, overrides: list[str], batch: int, steps: int) -> dict[str, float]:
     _, last = pipeline_run([*overrides, "data=imdb", "model=bert_small", f"data.path={data}",
                             f"trainer.num_workers={WORKERS}", "trainer.epochs=1", f"trainer.batch_size={batch}",
-                            f"trainer.max_steps_per_epoch={steps}", "run.system_metrics=false"])
+                            f"trainer.max_steps_per_epoch={steps}", "run.system_metrics=false"], on_cluster=True)
     return last
 
 
@@ -39,6 +44,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--global-batch", type=int, default=32)
     args = parser.parse_args()
+    if not os.environ.get("RAY_ADDRESS"):
+        print("error: RAY_ADDRESS: start a Ray head with 6 CPUs first (see the module docstring)", file=sys.stderr)
+        return 2
     results = {name: run(args.data.resolve(), overrides, args.global_batch * tp // WORKERS, args.steps)
                for name, overrides, tp in LAYOUTS}
     mib = 2 ** 20
