@@ -12,7 +12,8 @@ CSV, plots) is built from the child runs at the end and logged to the parent run
 
 Last stdout line: `mlflow_parent_run_id=<id>`. Exit codes: 0 every trial finished (ASHA's early stops count as
 finished); 1 a trial failed or never completed an epoch, or the sweep failed (the report still covers the trials
-that ran), or the tracking server was away when the trials ended (`python -m pipelines.replay` then finishes it); 2 bad config, data or tracking server, or no valid trial (nothing was started); 3 stopped on request
+that ran), or the tracking server was away when the trials ended (`python -m pipelines.replay` then finishes it);
+2 bad config, data or tracking server, or no valid trial (nothing was started); 3 stopped on request
 (`run.resume_dir` holds STOP): the unfinished trials checkpointed, the parent run is KILLED, and a rerun with the
 same `run.resume_dir` continues the same parent and re-runs only the unfinished trials, each from its checkpoint.
 """
