@@ -34,6 +34,21 @@ def run_worker(cfg: DictConfig, ctx: WorkerContext, adapter: tc.TorchAdapter) ->
     return True
 
 
+def run_mesh_worker(config: dict[str, Any], build: Callable[..., tc.TorchAdapter]) -> None:
+    """What a worker of a backend on a device mesh (tp, fsdp) runs: its adapter from
+    `build(cfg, model_inputs, rank, world_size, train_data, device)` on the shared loop."""
+    import ray.train.torch
+
+    from trainers.worker import ray_context, worker_config
+
+    cfg = worker_config(config)
+    torch.set_num_threads(cfg.trainer.threads_per_worker)
+    ctx = ray_context(config, cfg)
+    adapter = build(cfg, config["model_inputs"], ctx.rank, ctx.world_size, lambda seed: tc.worker_data(cfg, seed),
+                    ray.train.torch.get_device())
+    run_worker(cfg, ctx, adapter)
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train.torch
 

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from trainers import torch_common as tc
 from trainers.models import build_model
 from trainers.torch_recipe import build_recipe
-from trainers.torch_ddp import log_final_model, run_worker  # noqa: F401  (checkpoints hold the dense model)
+from trainers.torch_ddp import log_final_model, run_mesh_worker  # noqa: F401  (checkpoints hold the dense model)
 
 
 class CollectiveTimer:
@@ -123,16 +123,7 @@ def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: in
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    import ray.train.torch
-
-    from trainers.worker import ray_context, worker_config
-
-    cfg = worker_config(config)
-    torch.set_num_threads(cfg.trainer.threads_per_worker)
-    ctx = ray_context(config, cfg)
-    adapter = build_adapter(cfg, config["model_inputs"], ctx.rank, ctx.world_size,
-                            lambda seed: tc.worker_data(cfg, seed), ray.train.torch.get_device())
-    run_worker(cfg, ctx, adapter)
+    run_mesh_worker(config, build_adapter)
 
 
 def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict,

@@ -39,7 +39,8 @@ def _data(rank: int, ranks: int):
 
 def _fsdp_run(cfg, rank: int, world_size: int):
     """The worker of `rank`; with tp > 1 a TP group's ranks read the same data shard, as OrderedShards gives."""
-    from trainers.torch_fsdp import build_adapter, run_worker
+    from trainers.torch_ddp import run_worker
+    from trainers.torch_fsdp import build_adapter
 
     tp = cfg.trainer.tp
     data = _data(rank // tp, world_size // tp)

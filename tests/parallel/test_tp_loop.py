@@ -31,7 +31,8 @@ def _data(seed: int):
 
 
 def _tp_run(cfg):
-    from trainers.torch_tp import build_adapter, run_worker
+    from trainers.torch_ddp import run_worker
+    from trainers.torch_tp import build_adapter
 
     return lambda ctx: run_worker(cfg, ctx, build_adapter(cfg, MODEL_INPUTS, ctx.rank, ctx.world_size, _data,
                                                           torch.device("cpu")))
