@@ -30,10 +30,9 @@ RECIPE_FILE = "recipe.pt"  # the schedule's (and scaler's) state, from rank 0, b
 
 
 class FSDPAdapter(tc.TorchAdapter):
-    """The loop's adapter for an FSDP2 model: sharded checkpoints (every rank's memory is in the epoch extras, as
-    for every PyTorch backend). Gradient
-    sync is FSDP's own reduce-scatter in backward; clipping takes the global norm of the sharded gradients
-    (trainers/parallel/grad_norm.py `clip_dtensor_grad_norm`)."""
+    """The loop's adapter for an FSDP2 model: sharded checkpoints. Gradient sync is FSDP's own reduce-scatter in
+    backward; clipping takes the global norm of the sharded gradients (trainers/parallel/grad_norm.py
+    `clip_dtensor_grad_norm`); every rank's memory is in the epoch extras, as for every PyTorch backend."""
 
     sharded_checkpoint = True
 
