@@ -271,15 +271,14 @@ class TorchAdapter:
             return float(torch.cuda.max_memory_allocated(self.device))
         return peak_rss_bytes()
 
-    def epoch_extras(self) -> dict[str, float]:
-        """Every rank's parameter, gradient and optimizer-state bytes and peak memory, as `rank<r>.<name>`
-        (gathered over torch.distributed: a collective)."""
-        return self.gather_rank_stats({**rank_memory(self.model, self.optimizer),
-                                       "peak_memory_bytes": self.peak_memory_bytes()})
+    def own_stats(self) -> dict[str, float]:
+        """This rank's parameter, gradient and optimizer-state bytes and peak memory (subclasses add their own)."""
+        return {**rank_memory(self.model, self.optimizer), "peak_memory_bytes": self.peak_memory_bytes()}
 
-    def gather_rank_stats(self, stats: dict[str, float]) -> dict[str, float]:
-        """`stats` of every rank as `rank<r>.<name>`; this rank's alone without a torch.distributed group (a lone
-        process, Horovod)."""
+    def epoch_extras(self) -> dict[str, float]:
+        """Every rank's `own_stats` as `rank<r>.<name>`, gathered over torch.distributed (a collective); this
+        rank's alone without a torch.distributed group (a lone process, Horovod)."""
+        stats = self.own_stats()
         if not (dist.is_available() and dist.is_initialized()):
             return {f"rank{self.rank}.{k}": v for k, v in stats.items()}
         gathered: list[dict[str, float] | None] = [None] * dist.get_world_size()

@@ -89,13 +89,9 @@ class TPAdapter(tc.TorchAdapter):
         if optimizer_state is not None:
             load_dense_optimizer_state(self.model, self.optimizer, optimizer_state)
 
-    def epoch_extras(self) -> dict[str, float]:
-        """Every rank's memory (as every PyTorch backend's), parameter count and collective time, gathered."""
-        from trainers.parallel.memory import rank_memory
-
-        return self.gather_rank_stats({**rank_memory(self.model, self.optimizer),
-                                       **rank_stats(self.model, self.timer.seconds),
-                                       "peak_memory_bytes": self.peak_memory_bytes()})
+    def own_stats(self) -> dict[str, float]:
+        """Memory, as every PyTorch backend's, plus the parameter count and the time in collectives."""
+        return {**super().own_stats(), **rank_stats(self.model, self.timer.seconds)}
 
 
 def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: int, train_data: tc.TrainData,
