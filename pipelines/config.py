@@ -192,18 +192,26 @@ def _check_parallelism(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.max_steps_per_epoch: must be >= 1, got {trainer.max_steps_per_epoch}")
     if trainer.backend == "fsdp":
         _check_fsdp(trainer)
-        if trainer.tp == 1:
+        if trainer.tp == 1 and trainer.pp == 1:
             return
     elif trainer.backend == "tp":
         _check_tp_dp(trainer)
     else:
         return
     if cfg.model.name != "bert":
-        raise ConfigError(f"model.name: tensor parallelism needs the bert model, got '{cfg.model.name}'")
+        kind = "tensor" if trainer.tp > 1 else "pipeline"
+        raise ConfigError(f"model.name: {kind} parallelism needs the bert model, got '{cfg.model.name}'")
     from trainers.models.bert import BERT_FLAVOURS
 
     layers, hidden, heads = BERT_FLAVOURS[cfg.model.flavour]
-    hidden, heads = cfg.model.hidden or hidden, cfg.model.heads or heads
+    layers, hidden, heads = cfg.model.layers or layers, cfg.model.hidden or hidden, cfg.model.heads or heads
+    if trainer.get("pp", 1) > 1:
+        from trainers.parallel.pipeline import stages_per_rank
+
+        stages = trainer.pp * stages_per_rank(trainer.pp_schedule)
+        if layers % stages:
+            raise ConfigError(f"trainer.pp: {layers} layers do not split into {stages} equal pipeline stages "
+                              f"(pp={trainer.pp}, schedule {trainer.pp_schedule})")
     if heads % trainer.tp:
         raise ConfigError(f"trainer.tp: tp={trainer.tp} does not divide the model's heads={heads}")
     if hidden % heads:
@@ -223,16 +231,39 @@ def _check_tp_dp(trainer: DictConfig) -> None:
 
 
 def _check_fsdp(trainer: DictConfig) -> None:
-    """num_workers = dp_replicate x dp_shard x tp."""
-    if trainer.tp < 1 or trainer.num_workers % trainer.tp:
-        raise ConfigError(f"trainer.tp: must be >= 1 and divide num_workers={trainer.num_workers}, got {trainer.tp}")
-    dp = trainer.num_workers // trainer.tp
+    """num_workers = dp_replicate x dp_shard x pp x tp."""
+    if trainer.pp < 1 or trainer.num_workers % trainer.pp:
+        raise ConfigError(f"trainer.pp: must be >= 1 and divide num_workers={trainer.num_workers}, got {trainer.pp}")
+    if trainer.tp < 1 or (trainer.num_workers // trainer.pp) % trainer.tp:
+        raise ConfigError(f"trainer.tp: must be >= 1 and divide num_workers / pp = {trainer.num_workers // trainer.pp}"
+                          f", got {trainer.tp}")
+    dp = trainer.num_workers // (trainer.tp * trainer.pp)
     if trainer.dp_replicate < 1 or dp % trainer.dp_replicate:
-        raise ConfigError(f"trainer.dp_replicate: must be >= 1 and divide num_workers / tp = {dp}, got "
+        raise ConfigError(f"trainer.dp_replicate: must be >= 1 and divide num_workers / (pp x tp) = {dp}, got "
                           f"{trainer.dp_replicate}")
     if trainer.precision == "fp16":
         raise ConfigError("trainer.precision: fp16 (loss scaling over sharded gradients) is not supported with fsdp; "
                           "use bf16")
+    if trainer.pp > 1:
+        _check_pipeline(trainer)
+
+
+def _check_pipeline(trainer: DictConfig) -> None:
+    from trainers.parallel.pipeline import SCHEDULES
+
+    _choice("trainer", "pp_schedule", trainer.pp_schedule, SCHEDULES)
+    if trainer.microbatches < trainer.pp:
+        raise ConfigError(f"trainer.microbatches: {trainer.microbatches} micro-batches leave stages of a {trainer.pp}-"
+                          f"stage pipeline idle; use >= pp")
+    if trainer.batch_size % trainer.microbatches:
+        raise ConfigError(f"trainer.microbatches: {trainer.microbatches} does not divide batch_size="
+                          f"{trainer.batch_size}")
+    if trainer.pp_schedule == "interleaved_1f1b" and trainer.microbatches % trainer.pp:
+        raise ConfigError(f"trainer.microbatches: interleaved_1f1b needs a multiple of pp={trainer.pp}, got "
+                          f"{trainer.microbatches}")
+    if trainer.grad_accum != 1:
+        raise ConfigError("trainer.grad_accum: with pp > 1 the micro-batches are the accumulation; use "
+                          "trainer.microbatches")
 
 
 def _check_tensorflow(cfg: DictConfig) -> None:

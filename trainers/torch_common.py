@@ -60,9 +60,10 @@ class ShardBatches:
     """
 
     def __init__(self, shard: Any, dataset: str, batch_size: int, cache: bool, seed: int,
-                 max_steps: int | None = None):
+                 max_steps: int | None = None, drop_last: bool = False):
         self.columns, self.adapt = DATA_ADAPTERS[dataset]
         self.shard, self.batch_size, self.seed, self.max_steps = shard, batch_size, seed, max_steps
+        self.drop_last = drop_last  # leave out an epoch's last batch if it is short (pipelines need fixed shapes)
         self.cached: dict[str, torch.Tensor] | None = None
         self.load_s = 0.0
         if cache:
@@ -76,15 +77,16 @@ class ShardBatches:
 
     @classmethod
     def from_columns(cls, columns: dict[str, torch.Tensor], dataset: str, batch_size: int, seed: int,
-                     max_steps: int | None = None) -> "ShardBatches":
+                     max_steps: int | None = None, drop_last: bool = False) -> "ShardBatches":
         """A shard already in memory (in-process tests, benchmarks): what caching a Ray Data shard gives."""
-        batches = cls(None, dataset, batch_size, cache=False, seed=seed, max_steps=max_steps)
+        batches = cls(None, dataset, batch_size, cache=False, seed=seed, max_steps=max_steps, drop_last=drop_last)
         batches.cached = {c: columns[c] for c in batches.columns}
         return batches
 
     def steps(self) -> int:
         """Batches per epoch (known once cached; 0 when streaming)."""
-        steps = 0 if self.cached is None else -(-len(self.cached["label"]) // self.batch_size)  # ceil
+        rows = 0 if self.cached is None else len(self.cached["label"])
+        steps = rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)  # floor or ceil
         return min(steps, self.max_steps) if self.max_steps else steps
 
     def epoch(self, epoch: int, shuffle: bool = True, skip: int = 0) -> Iterator[Batch]:
@@ -93,7 +95,7 @@ class ShardBatches:
 
     def _epoch(self, epoch: int, shuffle: bool) -> Iterator[Batch]:
         if self.cached is None:
-            for batch in self.shard.iter_torch_batches(batch_size=self.batch_size):
+            for batch in self.shard.iter_torch_batches(batch_size=self.batch_size, drop_last=self.drop_last):
                 yield self.adapt(batch)
             return
         rows = len(self.cached["label"])
@@ -101,7 +103,8 @@ class ShardBatches:
             order = torch.randperm(rows, generator=torch.Generator().manual_seed(self.seed + epoch))
         else:
             order = torch.arange(rows)
-        for start in range(0, rows, self.batch_size):
+        end = rows - rows % self.batch_size if self.drop_last else rows
+        for start in range(0, end, self.batch_size):
             idx = order[start:start + self.batch_size]
             yield self.adapt({c: t[idx] for c, t in self.cached.items()})
 
@@ -117,13 +120,15 @@ TrainData = Callable[[int], "tuple[ShardBatches, ShardBatches]"]
 
 
 def worker_data(cfg: Any, seed: int) -> tuple[ShardBatches, ShardBatches]:
-    """This worker's train and eval batches (Ray Train dataset shards "train" and "eval")."""
+    """This worker's train and eval batches (Ray Train dataset shards "train" and "eval"). A pipeline
+    (`trainer.pp` > 1) has fixed shapes: training drops a short last batch, evaluation runs in training batches."""
     import ray.train
 
+    pipeline = cfg.trainer.get("pp", 1) > 1
     train = ShardBatches(ray.train.get_dataset_shard("train"), cfg.data.name, cfg.trainer.batch_size,
-                         cfg.data.cache_in_worker, seed, cfg.trainer.max_steps_per_epoch)
-    evaluation = ShardBatches(ray.train.get_dataset_shard("eval"), cfg.data.name, EVAL_BATCH,
-                              cfg.data.cache_in_worker, seed)
+                         cfg.data.cache_in_worker, seed, cfg.trainer.max_steps_per_epoch, drop_last=pipeline)
+    evaluation = ShardBatches(ray.train.get_dataset_shard("eval"), cfg.data.name,
+                              cfg.trainer.batch_size if pipeline else EVAL_BATCH, cfg.data.cache_in_worker, seed)
     return train, evaluation
 
 

@@ -19,74 +19,203 @@ import tempfile
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from trainers import torch_common as tc
 from trainers.models import build_model
+from trainers.parallel.grad_norm import clip_dtensor_grad_norm
 from trainers.torch_ddp import example_input, run_mesh_worker
-from trainers.torch_recipe import build_recipe
+from trainers.torch_recipe import TorchRecipe, build_recipe
 
 RECIPE_FILE = "recipe.pt"  # the schedule's (and scaler's) state, from rank 0, beside DCP's files
+
+
+STATE_OPTIONS_FLAT = {"flatten_optimizer_state_dict": True}  # optimizer state keyed by parameter name
 
 
 class FSDPAdapter(tc.TorchAdapter):
     """The loop's adapter for an FSDP2 model: sharded checkpoints. Gradient sync is FSDP's own reduce-scatter in
     backward; clipping takes the global norm of the sharded gradients (trainers/parallel/grad_norm.py
-    `clip_dtensor_grad_norm`); every rank's memory is in the epoch extras, as for every PyTorch backend."""
+    `clip_dtensor_grad_norm`); every rank's memory is in the epoch extras, as for every PyTorch backend.
+
+    `parts`: the model, or under pipeline parallelism this rank's stages (each a copy of the model holding only
+    its stage's parameters, under their dense names). Checkpoints hold the parts' states merged: dense names, so
+    any layout (number of ranks, pipeline stages) loads them."""
 
     sharded_checkpoint = True
 
+    def __init__(self, parts: list[nn.Module], recipe: TorchRecipe, train: tc.ShardBatches,
+                 evaluation: tc.ShardBatches, device: torch.device, rank: int, replicas: int,
+                 pp_group: ProcessGroup | None = None):
+        self.parts = nn.ModuleList(parts)  # names "<part>.<dense name>": `_by_dense_name` drops the part
+        model = parts[0] if len(parts) == 1 else self.parts
+        super().__init__(model, recipe, train, evaluation, device, rank, replicas=replicas,
+                         clip=lambda max_norm: clip_dtensor_grad_norm(self.parts, max_norm, pp_group))
+
+    def _state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(model state, optimizer state) of this rank's parts as DCP saves them, both keyed by dense names."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.parts, self.optimizer,
+                                                      options=StateDictOptions(**STATE_OPTIONS_FLAT))
+        return _by_dense_name(model_state, 0), _by_dense_name(optimizer_state, 1)
+
     def save(self, directory: str) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        model_state, optimizer_state = self._state()
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory)
         if self.rank == 0:
             torch.save(self.recipe.state_dict(), os.path.join(directory, RECIPE_FILE))
 
     def load(self, directory: str) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        model_state, optimizer_state = self._state()
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=directory)  # into this rank's shards, whatever the saving layout was
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+        set_state_dict(self.parts, self.optimizer, model_state_dict=_by_part_name(state["model"], self.parts, 0),
+                       optim_state_dict=_by_part_name(state["optimizer"], self.parts, 1),
+                       options=StateDictOptions(**STATE_OPTIONS_FLAT))
         self.recipe.load_state_dict(torch.load(os.path.join(directory, RECIPE_FILE), weights_only=False))
 
     def dense_model_state(self) -> dict[str, torch.Tensor]:
-        """The full model on every rank (collective: all-gathers the shards)."""
+        """This rank's parts, unsharded (collective: all-gathers the shards): the full model without pipeline
+        stages, this rank's stages' parameters with them."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(self.parts, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return _by_dense_name(state, 0)
+
+
+def _by_dense_name(state: dict[str, Any], at: int) -> dict[str, Any]:
+    """Drop the part index from keys "<part>.<dense name>" (model state: `at`=0) or "state.<part>.<dense
+    name>.<entry>" (flattened optimizer state: `at`=1). Parts hold disjoint parameters, so keys stay unique."""
+    renamed = {}
+    for key, value in state.items():
+        fields = key.split(".")
+        del fields[at]
+        renamed[".".join(fields)] = value
+    return renamed
+
+
+def _by_part_name(state: dict[str, Any], parts: nn.ModuleList, at: int) -> dict[str, Any]:
+    """The inverse of `_by_dense_name` for this rank's parts."""
+    part_of = {name: str(i) for i, part in enumerate(parts) for name, _ in part.named_parameters()}
+    renamed = {}
+    for key, value in state.items():
+        fields = key.split(".")
+        dense_name = next(name for name in _prefixes(fields[at:]) if name in part_of)
+        fields.insert(at, part_of[dense_name])
+        renamed[".".join(fields)] = value
+    return renamed
+
+
+def _prefixes(fields: list[str]) -> list[str]:
+    """"a.b.c" -> ["a.b.c", "a.b", "a"]: a flattened optimizer key's parameter name is the longest that exists."""
+    return [".".join(fields[:n]) for n in range(len(fields), 0, -1)]
+
+
+class PipelineAdapter(FSDPAdapter):
+    """FSDP (or FSDP x TP) on pipeline stages: a training step is one pass of the pipeline schedule over the batch
+    (trainers/parallel/pipeline.py). The last stage computes the loss and broadcasts it to its pipeline group, so
+    every rank reports the step's loss and samples (the loop counts each sample `replicas` = pp x tp times);
+    evaluation runs the pipeline forward only and the last stage broadcasts the correct count."""
+
+    def __init__(self, parts: list[nn.Module], schedule: Any, stages: list[int], n_stages: int,
+                 pp_group: ProcessGroup, recipe: TorchRecipe, train: tc.ShardBatches, evaluation: tc.ShardBatches,
+                 device: torch.device, rank: int, replicas: int, batch_size: int):
+        super().__init__(parts, recipe, train, evaluation, device, rank, replicas, pp_group)
+        self.schedule, self.pp_group, self.batch_size = schedule, pp_group, batch_size
+        self.first, self.last = 0 in stages, n_stages - 1 in stages
+        self.last_rank = dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)  # holds the last stage
+
+    def train_step(self, batch: tc.Batch) -> tuple[float, int, int]:
+        (ids, mask), labels = (x.to(self.device) for x in batch[0]), batch[1].to(self.device)
+        self.optimizer.zero_grad()
+        losses: list[torch.Tensor] = []
+        dtype = self.recipe.autocast_dtype
+        with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
+            self.schedule.step(*((ids,) if self.first else ()), attention_mask=mask,
+                               target=labels if self.last else None, losses=losses, return_outputs=False)
+        loss = torch.stack(losses).mean().detach().double() if self.last else torch.zeros((), dtype=torch.float64)
+        self._optimizer_step()
+        return float(self._from_last_stage(loss)), len(labels), batch[2]
+
+    @torch.no_grad()
+    def evaluate(self, epoch: int) -> tuple[int, int]:
+        """Batches of the training batch size (the pipeline's shapes are fixed); the last one padded with copies of
+        its first row, whose predictions are dropped."""
+        self.model.eval()
+        correct, total = torch.zeros((), dtype=torch.float64), 0
+        for (ids, mask), labels, _ in self.evaluation.epoch(epoch, shuffle=False):
+            rows = len(labels)
+            ids, mask, labels = (_pad_rows(x, self.batch_size).to(self.device) for x in (ids, mask, labels))
+            logits = self.schedule.eval(*((ids,) if self.first else ()), attention_mask=mask,
+                                        target=labels if self.last else None)
+            if self.last:
+                correct += int((logits[:rows].argmax(dim=1) == labels[:rows]).sum())
+            total += rows
+        return int(self._from_last_stage(correct)), total
+
+    def _from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(value, src=self.last_rank, group=self.pp_group)
+        return value
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """`x` with copies of its first row appended up to `rows` rows."""
+    missing = rows - len(x)
+    return torch.cat([x, x[:1].expand(missing, *x.shape[1:])]) if missing > 0 else x
 
 
 def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: int, train_data: tc.TrainData,
                   device: torch.device) -> FSDPAdapter:
-    """The dense model from the shared seed, tensor-parallel over "tp" (if tp > 1), then sharded over the
-    data-parallel dimensions; this rank's data-parallel shard, shuffled by its seed (alike in a TP group)."""
-    from trainers.parallel.fsdp import (apply_activation_checkpointing, build_fsdp_mesh, data_parallel_mesh,
-                                        parallelize_fsdp)
-    from trainers.parallel.grad_norm import clip_dtensor_grad_norm
-    from trainers.parallel.plans import parallelize_bert
+    """The dense model from the shared seed, split into this rank's pipeline stages (if pp > 1), each
+    tensor-parallel over "tp" (if tp > 1), then sharded over the data-parallel dimensions; this rank's
+    data-parallel shard, shuffled by its seed (alike in a group of the pp x tp ranks that read the same batches)."""
+    from trainers.parallel.fsdp import build_fsdp_mesh, data_parallel_mesh
+    from trainers.parallel.pipeline import build_schedule, rank_stages, split_stage, stages_per_rank
 
     trainer = cfg.trainer
-    dp_shard = world_size // trainer.tp // trainer.dp_replicate
-    mesh = build_fsdp_mesh(trainer.dp_replicate, dp_shard, trainer.tp, device.type)
-    # The same dense weights on every rank before each keeps its shard, and the same dropout masks in a TP group.
+    pp, tp = trainer.pp, trainer.tp
+    mesh = build_fsdp_mesh(trainer.dp_replicate, world_size // (trainer.dp_replicate * pp * tp), tp, device.type,
+                           pp=pp)
+    # The same dense weights on every rank before each keeps its part, and the same dropout masks in a TP group.
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model, model_inputs).to(device)
+    train, evaluation = train_data(cfg.run.seed + 1000 * (rank // (pp * tp)))
+    if pp == 1:
+        part = parallelize_part(model, mesh, data_parallel_mesh(mesh), trainer)
+        recipe = build_recipe(part, trainer, train.steps(), device)  # over the sharded parameters
+        return FSDPAdapter([part], recipe, train, evaluation, device, rank, replicas=tp)
+    n_stages = pp * stages_per_rank(trainer.pp_schedule)
+    stages = rank_stages(mesh["pp"].get_local_rank(), pp, stages_per_rank(trainer.pp_schedule))
+    parts = [parallelize_part(split_stage(model, stage, n_stages), mesh, data_parallel_mesh(mesh), trainer)
+             for stage in stages]
+    recipe = build_recipe(nn.ModuleList(parts), trainer, train.steps(), device)
+    pp_group = mesh.get_group("pp")
+    schedule = build_schedule(parts, stages, n_stages, trainer.pp_schedule, trainer.microbatches,
+                              nn.CrossEntropyLoss(), pp_group, device)
+    return PipelineAdapter(parts, schedule, stages, n_stages, pp_group, recipe, train, evaluation, device, rank,
+                           replicas=pp * tp, batch_size=trainer.batch_size)
+
+
+def parallelize_part(model: nn.Module, mesh: DeviceMesh, dp_mesh: DeviceMesh, trainer: DictConfig) -> nn.Module:
+    """In order: the TP plan over mesh["tp"] (if tp > 1), activation checkpointing, FSDP over `dp_mesh`."""
+    from trainers.parallel.fsdp import apply_activation_checkpointing, parallelize_fsdp
+    from trainers.parallel.plans import parallelize_bert
+
     if trainer.tp > 1:
         model = parallelize_bert(model, mesh, impl="dtensor")
     if trainer.activation_checkpointing:
         model = apply_activation_checkpointing(model)
-    model = parallelize_fsdp(model, data_parallel_mesh(mesh), trainer.reshard_after_forward)
-    train, evaluation = train_data(cfg.run.seed + 1000 * (rank // trainer.tp))
-    recipe = build_recipe(model, trainer, train.steps(), device)  # over the sharded parameters
-    return FSDPAdapter(model, recipe, train, evaluation, device, rank, replicas=trainer.tp,
-                       clip=lambda max_norm: clip_dtensor_grad_norm(model, max_norm))
+    return parallelize_fsdp(model, dp_mesh, trainer.reshard_after_forward)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -99,7 +228,8 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
 
     trainer = cfg.trainer
     return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, model_inputs,
-                            dataset_config=shard_config(trainer.num_workers, cfg.data.cache_in_worker, trainer.tp),
+                            dataset_config=shard_config(trainer.num_workers, cfg.data.cache_in_worker,
+                                                        trainer.tp * trainer.pp),
                             callbacks=callbacks)
 
 

@@ -47,3 +47,27 @@ def check_optimizer_steps(dense: nn.Module, par: nn.Module) -> None:
         opt_dense.step()
         opt_par.step()
         check_weights(dense, par, f"after {type(opt_dense).__name__} step")
+
+
+def dense_training(cfg, model_inputs: dict, shards: list) -> tuple[list[float], nn.Module]:
+    """The plain model in one process, trained with `cfg`'s recipe on the data-parallel ranks' `shards`
+    (ShardBatches) for `cfg.trainer.epochs` epochs: each step's loss is the mean of the ranks' batch losses (what
+    averaged gradients descend), clipped by the global norm. Returns (rank 0's batch losses, the model)."""
+    from trainers.models import build_model
+    from trainers.torch_recipe import build_recipe
+
+    torch.manual_seed(cfg.run.seed)
+    model = build_model(cfg.model, model_inputs)
+    recipe = build_recipe(model, cfg.trainer, shards[0].steps(), torch.device("cpu"))
+    loss_fn, losses = nn.CrossEntropyLoss(), []
+    for epoch in range(1, cfg.trainer.epochs + 1):
+        for batches in zip(*(s.epoch(epoch) for s in shards)):
+            recipe.optimizer.zero_grad()
+            per_rank = [loss_fn(model(*inputs), labels) for inputs, labels, _ in batches]
+            (sum(per_rank) / len(shards)).backward()
+            if cfg.trainer.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
+            recipe.optimizer.step()
+            recipe.scheduler.step()
+            losses.append(per_rank[0].item())
+    return losses, model

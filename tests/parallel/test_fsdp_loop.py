@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from tests.loop_harness import check_stop_resume_parity, config, imdb_columns, last_checkpoint, run_attempt, shard
+from tests.parallel.checks import dense_training
 from tests.parallel.dist_utils import RankPools
 
 MODEL_INPUTS = {"vocab_size": 64, "max_len": 16}
@@ -49,27 +49,9 @@ def _fsdp_run(cfg, rank: int, world_size: int):
 
 
 def _dense_reference(cfg, ranks: int) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
-    """One process, the plain model: each step's loss is the mean of the ranks' batch losses (what FSDP's
-    averaged gradients descend), clipped and stepped with the same recipe. Returns (rank 0's batch losses, final
-    weights)."""
-    from trainers.models import build_model
-    from trainers.torch_recipe import build_recipe
-
-    torch.manual_seed(cfg.run.seed)
-    model = build_model(cfg.model, MODEL_INPUTS)
-    steps = ROWS // ranks // BATCH
-    recipe = build_recipe(model, cfg.trainer, steps, torch.device("cpu"))
+    """The dense model on the `ranks` data-parallel shards (rank 0's batch losses, final weights)."""
     shards = [_data(r, ranks)(cfg.run.seed + 1000 * r)[0] for r in range(ranks)]
-    loss_fn, losses = nn.CrossEntropyLoss(), []
-    for epoch in range(1, cfg.trainer.epochs + 1):
-        for batches in zip(*(s.epoch(epoch) for s in shards)):
-            recipe.optimizer.zero_grad()
-            per_rank = [loss_fn(model(*inputs), labels) for inputs, labels, _ in batches]
-            (sum(per_rank) / ranks).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
-            recipe.optimizer.step()
-            recipe.scheduler.step()
-            losses.append(per_rank[0].item())
+    losses, model = dense_training(cfg, MODEL_INPUTS, shards)
     return np.array(losses), model.state_dict()
 
 

@@ -143,17 +143,29 @@ class BertClassifier(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, T) long, attention_mask (B, T) with 1 = token, 0 = pad -> (B, C). Without a mask the
-        [PAD] ids are the padding, as Keras' `mask_zero` reads them (what a logged model's caller passes)."""
-        B, T = input_ids.shape
+        [PAD] ids are the padding, as Keras' `mask_zero` reads them (what a logged model's caller passes).
+
+        A pipeline stage is this model with the parts other stages own removed (trainers/parallel/pipeline.py):
+        without embeddings (`tok_emb` None) it takes the previous stage's hidden states (B, T, h) in place of
+        input_ids, with the mask given; without a classifier it returns its hidden states (B, T, h)."""
+        T = input_ids.shape[1]
         if T > self.cfg.max_len:
             raise ValueError(f"sequence length {T} exceeds max_len={self.cfg.max_len}")
         if attention_mask is None:
             attention_mask = input_ids != PAD_ID
         key_mask = attention_mask.bool()  # (B, T)
-        positions = torch.arange(T, device=input_ids.device)  # (T,)
-        x = self.emb_drop(self.tok_emb(input_ids) + self.pos_emb(positions))  # (B, T, h)
+        x = self.embed(input_ids) if self.tok_emb is not None else input_ids  # (B, T, h)
         for block in self.blocks:
             x = block(x, key_mask)
+        return self.head(x, key_mask) if self.classifier is not None else x
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(B, T) ids -> (B, T, h) token plus position embeddings."""
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)  # (T,)
+        return self.emb_drop(self.tok_emb(input_ids) + self.pos_emb(positions))
+
+    def head(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        """(B, T, h) hidden states -> (B, C) logits from the masked mean over the tokens."""
         x = self.ln_f(x)  # (B, T, h)
         weights = key_mask.unsqueeze(-1).to(x.dtype)  # (B, T, 1)
         # Masked mean: padded positions contribute nothing; clamp avoids 0/0 on an all-pad row.

@@ -14,11 +14,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
-def build_fsdp_mesh(dp_replicate: int, dp_shard: int, tp: int = 1, device_type: str = "cpu") -> DeviceMesh:
-    """The mesh over the default process group, row-major over ("dp_replicate", "dp_shard", "tp"), leaving out the
-    dimensions of size 1 other than "dp_shard": the ranks of a TP group are consecutive, then those of a replica
-    (one node's, on a GPU cluster), so rank = (replica * dp_shard + shard rank) * tp + tp rank."""
-    sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+def build_fsdp_mesh(dp_replicate: int, dp_shard: int, tp: int = 1, device_type: str = "cpu", pp: int = 1
+                    ) -> DeviceMesh:
+    """The mesh over the default process group, row-major over ("dp_replicate", "dp_shard", "pp", "tp"), leaving out
+    the dimensions of size 1 other than "dp_shard": the ranks of a TP group are consecutive, then the stages of a
+    pipeline (together: the ranks that read the same batches), then those of a replica (one node's, on a GPU
+    cluster), so rank = ((replica * dp_shard + shard rank) * pp + stage rank) * tp + tp rank."""
+    sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "pp": pp, "tp": tp}
     names = tuple(name for name, size in sizes.items() if size > 1 or name == "dp_shard")
     return init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
 
@@ -30,8 +32,10 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """The blocks that get their own FSDP unit: every entry of every `nn.ModuleList` in the model."""
-    return [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module]
+    """The blocks that get their own FSDP unit: every entry of every `nn.ModuleList` in the model that holds
+    parameters (a pipeline stage's placeholders for other stages' blocks hold none)."""
+    return [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module
+            if any(True for _ in block.parameters())]
 
 
 def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
@@ -41,9 +45,11 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
     parameter names, so checkpoints and the dense export keep the plain model's names."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+    units = {id(block) for block in fsdp_units(model)}
     for module_list in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
         for i, block in enumerate(module_list):
-            module_list[i] = checkpoint_wrapper(block)
+            if id(block) in units:
+                module_list[i] = checkpoint_wrapper(block)
     return model
 
 

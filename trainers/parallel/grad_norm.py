@@ -48,11 +48,12 @@ def global_grad_norm(model: nn.Module, tp_group: ProcessGroup) -> torch.Tensor:
 
 
 @torch.no_grad()
-def dtensor_grad_norm(model: nn.Module) -> torch.Tensor:
+def dtensor_grad_norm(model: nn.Module, pp_group: ProcessGroup | None = None) -> torch.Tensor:
     """The 2-norm of the whole gradient of a model whose parameters are all DTensors (FSDP; FSDP x TP, where they
     live on two meshes: the 2D one for TP-sharded weights, the data-parallel one for the rest). DTensor sums each
     mesh's squares over its shards, counting replicas once; the meshes' sums are then added (torch's
-    `clip_grad_norm_` stacks the per-mesh norms and fails on mixed meshes). Float64, on every rank."""
+    `clip_grad_norm_` stacks the per-mesh norms and fails on mixed meshes). With pipeline stages, each rank's
+    `model` is its stages' part and `pp_group` adds the squares of the other stages'. Float64, on every rank."""
     by_mesh: dict = {}
     for param in model.parameters():
         if param.grad is not None:
@@ -62,6 +63,8 @@ def dtensor_grad_norm(model: nn.Module) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64)
     for grads in by_mesh.values():
         total += torch.nn.utils.get_total_norm(grads, 2.0).full_tensor().double().cpu() ** 2
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
     return total.sqrt()
 
 
@@ -75,9 +78,11 @@ def clip_grad_norm(model: nn.Module, max_norm: float, tp_group: ProcessGroup) ->
 
 
 @torch.no_grad()
-def clip_dtensor_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """`clip_grad_norm` for a model of DTensors (FSDP, FSDP x TP), by `dtensor_grad_norm`."""
-    norm = dtensor_grad_norm(model)
+def clip_dtensor_grad_norm(model: nn.Module, max_norm: float, pp_group: ProcessGroup | None = None
+                           ) -> torch.Tensor:
+    """`clip_grad_norm` for a model of DTensors (FSDP, FSDP x TP, and pipeline stages of them), by
+    `dtensor_grad_norm`."""
+    norm = dtensor_grad_norm(model, pp_group)
     scale_gradients(model, min(1.0, max_norm / (float(norm) + 1e-6)))
     return norm
 

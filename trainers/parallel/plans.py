@@ -45,8 +45,9 @@ def parallelize_bert(model: BertClassifier, mesh: DeviceMesh,
         raise ValueError(f"tp={tp} does not divide heads={model.cfg.heads}")
     if impl == "dtensor":
         plan: dict[str, ParallelStyle] = {}
-        for i in range(len(model.blocks)):
-            plan |= attention_plan(f"blocks.{i}.attn.") | mlp_plan(f"blocks.{i}.mlp.")
+        for i, block in enumerate(model.blocks):
+            if hasattr(block, "attn"):  # not another pipeline stage's block (trainers/parallel/pipeline.py)
+                plan |= attention_plan(f"blocks.{i}.attn.") | mlp_plan(f"blocks.{i}.mlp.")
         parallelize_module(model, tp_mesh, plan)
         return model
     if impl != "megatron":

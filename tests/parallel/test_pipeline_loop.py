@@ -1,0 +1,96 @@
+"""Pipeline parallelism (trainer=fsdp with pp > 1) on the shared loop, on gloo ranks (no Ray), in float64.
+
+- 2 stages, each schedule (GPipe, 1F1B, interleaved 1F1B with 4 stages on 2 ranks): every step's loss and the
+  final weights are the dense model's on the same batches; the evaluation (padded last batch) scores what the
+  dense model scores; each rank holds only its stages' parameters. 1F1B also stops mid-epoch and resumes from
+  its sharded checkpoint on the same loss curve.
+- PP x TP x FSDP on 8 ranks (2 x 2 x 2) trains the dense model for an epoch; its checkpoint then resumes at 2
+  ranks without pipeline or TP (plain FSDP on the same 2 data shards) and the second epoch follows the dense curve.
+
+Tolerance: float64; micro-batching changes only the order of sums (the mean of 4 equal micro-batch means is the
+batch mean), so steps agree to ~1e-13; rtol 1e-9 is far below what a wrong stage boundary, a lost micro-batch or
+unscaled gradients give (>1e-3).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.loop_harness import check_stop_resume_parity, config, imdb_columns, last_checkpoint, run_attempt, shard
+from tests.parallel.checks import dense_training
+from tests.parallel.dist_utils import RankPools
+
+MODEL_INPUTS = {"vocab_size": 64, "max_len": 16}
+ROWS, EVAL_ROWS, BATCH = 320, 40, 16  # 40 evaluation rows: two full batches and one padded
+OVERRIDES = ["trainer=fsdp", "data=imdb", "model=bert_tiny", "model.hidden=32", "model.heads=2", "model.layers=4",
+             "model.dropout=0", f"trainer.batch_size={BATCH}", "trainer.microbatches=4", "trainer.lr=0.002",
+             "trainer.optimizer=adamw", "trainer.weight_decay=0.01", "trainer.lr_schedule=cosine",
+             "trainer.warmup_steps=4", "trainer.grad_clip=0.5"]
+
+
+def _data(data_rank: int, data_ranks: int):
+    from trainers import torch_common as tc
+
+    train = {k: torch.from_numpy(v) for k, v in shard(imdb_columns(ROWS, 64, 16), data_rank, data_ranks).items()}
+    evaluation = {k: torch.from_numpy(v) for k, v in imdb_columns(EVAL_ROWS, 64, 16, seed=1).items()}
+    return lambda seed: (tc.ShardBatches.from_columns(train, "imdb", BATCH, seed, drop_last=True),
+                         tc.ShardBatches.from_columns(evaluation, "imdb", BATCH, seed))
+
+
+def _run(cfg, rank: int, world_size: int):
+    """The worker of `rank`: the pp x tp ranks of a pipeline read the same data shard, as OrderedShards gives."""
+    from trainers.torch_ddp import run_worker
+    from trainers.torch_fsdp import build_adapter
+
+    group = cfg.trainer.tp * cfg.trainer.pp
+    data = _data(rank // group, world_size // group)
+    return lambda ctx: run_worker(cfg, ctx, build_adapter(cfg, MODEL_INPUTS, rank, world_size, data,
+                                                          torch.device("cpu")))
+
+
+def _dense(cfg, data_ranks: int):
+    """(rank 0's step losses, the trained dense model, its accuracy on the evaluation rows)."""
+    shards = [_data(r, data_ranks)(cfg.run.seed + 1000 * r)[0] for r in range(data_ranks)]
+    losses, model = dense_training(cfg, MODEL_INPUTS, shards)
+    evaluation = _data(0, 1)(0)[1]
+    with torch.no_grad():
+        model.eval()
+        correct = sum(int((model(*inputs).argmax(dim=1) == labels).sum())
+                      for inputs, labels, _ in evaluation.epoch(1, shuffle=False))
+    return np.array(losses), model, correct / EVAL_ROWS
+
+
+def _two_stages(rank: int, world_size: int, tmp: str, schedule: str) -> None:
+    torch.set_default_dtype(torch.float64)
+    tmp_path = Path(tmp) / schedule
+    keys = [*OVERRIDES, "trainer.num_workers=2", "trainer.pp=2", f"trainer.pp_schedule={schedule}"]
+    cfg = config(tmp_path / f"cfg{rank}", [*keys, "trainer.epochs=1"])
+    attempt = run_attempt(_run(cfg, rank, world_size), rank, world_size, 1, tmp_path / "run")
+    if schedule == "1f1b":  # the sharded checkpoint of a pipeline: stop at step 10 of 20, resume, same curve
+        parity_cfg = config(tmp_path / f"cfg-parity{rank}", [*keys, "trainer.epochs=2"])
+        check_stop_resume_parity(_run(parity_cfg, rank, world_size), tmp_path / "parity", rank, world_size,
+                                 text=True, rtol=1e-10, atol=1e-12, barrier=dist.barrier)
+    if rank == 0:
+        from trainers.torch_fsdp import dense_model_state
+
+        losses, model, accuracy = _dense(cfg, 1)
+        np.testing.assert_allclose(attempt.recorder.curve(), losses, rtol=1e-9, atol=1e-12)
+        assert attempt.recorder.epochs[1]["test_accuracy"] == pytest.approx(accuracy, abs=1e-12)
+        dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        shares = [attempt.recorder.extras[1][f"rank{r}.param_bytes"] / dense_bytes for r in range(2)]
+        # Half of the blocks each; rank 0 also the embeddings (token + position), rank 1 the classifier head.
+        assert all(0.25 < share < 0.75 for share in shares) and abs(sum(shares) - 1) < 1e-9, shares
+        exported = dense_model_state(str(last_checkpoint(tmp_path / "run")))  # every stage's part, dense names
+        assert exported.keys() == model.state_dict().keys()
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(exported[name], value, rtol=1e-9, atol=1e-12, msg=name)
+    torch.set_default_dtype(torch.float32)
+
+
+def test_pipeline_schedules_train_the_dense_model(run_ranks: RankPools, tmp_path):
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
+        run_ranks(_two_stages, 2, str(tmp_path), schedule)

@@ -1,0 +1,80 @@
+"""Pipeline parallelism for the BERT classifier with `torch.distributed.pipelining`.
+
+The model's blocks are split into `pp * stages_per_rank` stages of equal length: the first stage also owns the
+embeddings, the last the final norm and the classifier. A stage is a copy of the whole model with everything
+other stages own removed (blocks replaced by a parameterless `SkippedBlock`, embeddings or head set to None), so
+every parameter keeps its dense name: the state dicts of a rank's stages merged are a part of the dense model's,
+which is what lets a sharded checkpoint load at any layout. Rank r of the pipeline group holds stage r (GPipe,
+1F1B) or stages r and r + pp (interleaved 1F1B, the "looped" assignment).
+
+A training step is one `schedule.step` over the whole batch: the schedule cuts it into `microbatches` equal
+micro-batches, runs forward and backward through the stages in its order, and scales gradients by
+1/microbatches, so the step applies the mean gradient of the batch's micro-batch losses (the mean over the batch
+when micro-batches are equal). Inputs (token ids) enter on the first stage, labels on the last; the padding mask
+is a keyword argument every stage receives from its own copy of the batch. Tensor shapes are fixed by the first
+step, so every step's batch must have the same size (the caller drops an epoch's last partial batch and pads
+evaluation batches).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+from torch import nn
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def stages_per_rank(schedule: str) -> int:
+    """Interleaved 1F1B runs two (virtual) stages on every rank; the others one."""
+    return 2 if schedule == "interleaved_1f1b" else 1
+
+
+def rank_stages(pp_rank: int, pp: int, per_rank: int) -> list[int]:
+    """The stages pipeline rank `pp_rank` holds: pp_rank, pp_rank + pp, ..."""
+    return [pp_rank + i * pp for i in range(per_rank)]
+
+
+def stage_blocks(layers: int, n_stages: int, stage: int) -> range:
+    """The block indices of `stage` when `layers` blocks are split into `n_stages` equal stages."""
+    if layers % n_stages:
+        raise ValueError(f"{layers} layers do not split into {n_stages} equal pipeline stages")
+    per_stage = layers // n_stages
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+class SkippedBlock(nn.Module):
+    """A block another stage owns: passes the hidden states through, holds no parameters."""
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def split_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
+    """A copy of the BERT classifier `model` holding only `stage`'s parts (dense names kept)."""
+    part = copy.deepcopy(model)
+    owned = stage_blocks(len(part.blocks), n_stages, stage)
+    for i in range(len(part.blocks)):
+        if i not in owned:
+            part.blocks[i] = SkippedBlock()
+    if stage > 0:
+        part.tok_emb = part.pos_emb = None
+    if stage < n_stages - 1:
+        part.ln_f = part.classifier = None
+    return part
+
+
+def build_schedule(parts: list[nn.Module], stages: list[int], n_stages: int, schedule: str, microbatches: int,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   group: torch.distributed.ProcessGroup, device: torch.device):
+    """The pipeline schedule over this rank's `parts` (stage `stages[i]` computes `parts[i]`), talking to the other
+    stages over `group` (point-to-point sends of activations and their gradients)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    pipeline_stages = [PipelineStage(part, stage, n_stages, device, group=group)
+                       for part, stage in zip(parts, stages)]
+    if schedule == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B(pipeline_stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    return single(pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
