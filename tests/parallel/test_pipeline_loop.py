@@ -94,3 +94,39 @@ def _two_stages(rank: int, world_size: int, tmp: str, schedule: str) -> None:
 def test_pipeline_schedules_train_the_dense_model(run_ranks: RankPools, tmp_path):
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
         run_ranks(_two_stages, 2, str(tmp_path), schedule)
+
+
+def _three_d(rank: int, world_size: int, tmp: str) -> None:
+    """PP x TP x FSDP (2 x 2 x 2): rank = (shard * pp + stage) * tp + tp rank; 2 data shards. Epoch 1 of 2."""
+    torch.set_default_dtype(torch.float64)
+    tmp_path = Path(tmp)
+    cfg = config(tmp_path / f"cfg3d{rank}", [*OVERRIDES, "trainer.num_workers=8", "trainer.pp=2", "trainer.tp=2",
+                                             "trainer.epochs=2"])
+    attempt = run_attempt(_run(cfg, rank, world_size), rank, world_size, 1, tmp_path / "3d")
+    if rank == 0:
+        losses, _, _ = _dense(cfg, 2)
+        np.testing.assert_allclose(attempt.recorder.curve(), losses[:len(losses) // 2], rtol=1e-9, atol=1e-12)
+    torch.set_default_dtype(torch.float32)
+
+
+def _resume_at_two_ranks(rank: int, world_size: int, tmp: str) -> None:
+    """The 8-rank checkpoint, resumed by plain FSDP on 2 ranks (the same 2 data shards): epoch 2 follows the dense
+    curve, so every stage's and TP rank's shards of the model and of Adam's state were put back in place."""
+    torch.set_default_dtype(torch.float64)
+    tmp_path = Path(tmp)
+    cfg = config(tmp_path / f"cfg2{rank}", [*OVERRIDES, "trainer.num_workers=2", "trainer.epochs=2"])
+    resumed = run_attempt(_run(cfg, rank, world_size), rank, world_size, 2, tmp_path / "resumed",
+                          restored=last_checkpoint(tmp_path / "3d"))
+    if rank == 0:
+        losses, _, _ = _dense(cfg, 2)
+        assert resumed.recorder.resumed == [1]
+        steps = sorted(resumed.recorder.step_losses)
+        assert steps == list(range(len(losses) // 2 + 1, len(losses) + 1))  # epoch 2's steps, numbered on
+        np.testing.assert_allclose([resumed.recorder.step_losses[s] for s in steps], losses[len(losses) // 2:],
+                                   rtol=1e-9, atol=1e-12)
+    torch.set_default_dtype(torch.float32)
+
+
+def test_pp_x_tp_x_fsdp_trains_the_dense_model_and_resumes_at_another_layout(run_ranks: RankPools, tmp_path):
+    run_ranks(_three_d, 8, str(tmp_path))
+    run_ranks(_resume_at_two_ranks, 2, str(tmp_path))
