@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import mlflow.pytorch
 import torch.nn.functional as F
 from mlflow.tracking import MlflowClient
 
@@ -162,19 +163,21 @@ def test_a_run_the_cluster_can_never_hold_exits_2_before_opening_a_run(tmp_path,
     assert MlflowClient(mlflow_server).get_experiment_by_name(experiment) is None
 
 
-def test_a_tracking_server_away_at_the_end_loses_nothing_and_the_replay_finishes_the_run(tmp_path, tiny_mnist,
+def test_a_tracking_server_away_at_the_end_loses_nothing_and_the_replay_finishes_the_run(tmp_path, tiny_imdb,
                                                                                          ray_head):
     """The run's MLflow server goes away once epoch 1 is logged and is still away when training ends: the workers
     train on and spool what the server misses, the driver exits 1 with one line naming the spool and the replay
     command, and the replay, with the server back, leaves the run as if nothing happened: every epoch once, the
-    model, FINISHED. Also the end-to-end run of FSDP: its sharded checkpoints, reported by both workers and merged
-    by Ray Train, restore the workers after a failure at epoch 2 and give the final model (exported dense)."""
+    model, FINISHED. Also the end-to-end run of FSDP, with two pipeline stages (BERT tiny on IMDb): its sharded
+    checkpoints, reported by both workers and merged by Ray Train, restore the workers after a failure at epoch 2
+    and give the final model (exported dense)."""
     base, port = tmp_path / "mlflow", free_port()
     uri = f"http://127.0.0.1:{port}"
     server = start_mlflow_server(base, port)
-    cmd = [sys.executable, "-m", "pipelines.train", "trainer=fsdp", f"data.path={tiny_mnist}", "trainer.epochs=3",
+    cmd = [sys.executable, "-m", "pipelines.train", "trainer=fsdp", "data=imdb", "model=bert_tiny",
+           f"data.path={tiny_imdb}", "trainer.pp=2", "trainer.batch_size=32", "trainer.epochs=3",
            f"run.storage_path={tmp_path / 'ray'}", "fault.inject_at_epoch=2",
-           f"fault.inject_marker={tmp_path / 'failed-once'}", *TINY]
+           f"fault.inject_marker={tmp_path / 'failed-once'}", "trainer.threads_per_worker=1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=pipeline_env(uri, ray_head), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -199,15 +202,18 @@ def test_a_tracking_server_away_at_the_end_loses_nothing_and_the_replay_finishes
                                 capture_output=True, env=pipeline_env(uri), timeout=300)
         assert replay.returncode == 0, replay.stderr[-3000:]
         assert run_id_from(replay.stdout) == run_id
-        check_finished_run(client, run_id, "fsdp", 3)  # each epoch's metrics once, the model logged
+        model_uri = check_finished_run(client, run_id, "fsdp", 3)  # each epoch's metrics once, the model logged
         run = client.get_run(run_id)
         assert {"rank0.node", "rank1.node", "final_model_epoch"} <= set(run.data.tags)  # the driver's went via final.json
         assert list(folder.glob("*.json")) == []
         assert (tmp_path / "failed-once").exists() and run.data.tags["resumed_from_epoch"] == "1"
         checkpoint = max(p for p in (tmp_path / "ray" / f"run-{run_id}").glob("checkpoint_*") if p.is_dir())
         assert sorted(p.name for p in checkpoint.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-        metrics = run.data.metrics  # each worker holds half of the model (the MLP's 784x64 + 64x10, with biases)
-        assert metrics["rank0.param_bytes"] == metrics["rank1.param_bytes"] == 4 * (784 * 64 + 64 + 64 * 10 + 10) / 2
+        metrics, model = run.data.metrics, mlflow.pytorch.load_model(model_uri)
+        dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # Each worker holds its stage: one block each, the embeddings on the first, the classifier on the last.
+        assert metrics["rank0.param_bytes"] + metrics["rank1.param_bytes"] == dense_bytes
+        assert metrics["rank0.param_bytes"] > metrics["rank1.param_bytes"] > 0
     finally:
         stop_mlflow_server(server)
 

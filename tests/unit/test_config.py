@@ -105,16 +105,43 @@ def test_impossible_parallelism_is_rejected(fake_imdb, overrides, message):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["trainer.dp_replicate=3"], r"^trainer\.dp_replicate: must be >= 1 and divide num_workers / tp = 2, got 3"),
+    (["trainer.dp_replicate=3"], r"^trainer\.dp_replicate: must be >= 1 and divide num_workers / \(pp x tp\) = 2, "
+                                 r"got 3"),
     (["trainer.dp_replicate=0"], r"^trainer\.dp_replicate: must be >= 1"),
-    (["trainer.num_workers=4", "trainer.tp=2", "trainer.dp_replicate=4"], r"num_workers / tp = 2, got 4"),
-    (["trainer.tp=3"], r"^trainer\.tp: must be >= 1 and divide num_workers=2, got 3"),
+    (["trainer.num_workers=4", "trainer.tp=2", "trainer.dp_replicate=4"], r"num_workers / \(pp x tp\) = 2, got 4"),
+    (["trainer.tp=3"], r"^trainer\.tp: must be >= 1 and divide num_workers / pp = 2, got 3"),
+    (["trainer.pp=3"], r"^trainer\.pp: must be >= 1 and divide num_workers=2, got 3"),
+    (["trainer.pp=2"], r"^model\.name: pipeline parallelism needs the bert model, got 'mlp'"),
     (["trainer.tp=2"], r"^model\.name: tensor parallelism needs the bert model, got 'mlp'"),
     (["trainer.precision=fp16", "trainer.use_gpu=true"], r"^trainer\.precision: fp16 .* not supported with fsdp"),
 ])
 def test_impossible_fsdp_layouts_are_rejected(data_override, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config([data_override, "trainer=fsdp", *overrides])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.pp=4", "trainer.num_workers=4"], r"^trainer\.pp: 2 layers do not split into 4 equal pipeline stages"),
+    (["trainer.pp_schedule=interleaved_1f1b"], r"^trainer\.pp: 2 layers do not split into 4 equal .*interleaved"),
+    (["trainer.pp_schedule=zero_bubble"], r"^trainer\.pp_schedule: unknown 'zero_bubble'"),
+    (["trainer.microbatches=1"], r"^trainer\.microbatches: 1 micro-batches leave stages of a 2-stage pipeline idle"),
+    (["trainer.microbatches=3"], r"^trainer\.microbatches: 3 does not divide batch_size=128"),
+    (["model.layers=4", "trainer.pp_schedule=interleaved_1f1b", "trainer.microbatches=8", "trainer.pp=4",
+      "trainer.num_workers=4"], r"^trainer\.pp: 4 layers do not split into 8 equal"),
+    (["model.layers=4", "trainer.pp_schedule=interleaved_1f1b", "trainer.microbatches=3", "trainer.batch_size=6"],
+     r"^trainer\.microbatches: interleaved_1f1b needs a multiple of pp=2, got 3"),
+    (["trainer.grad_accum=2"], r"^trainer\.grad_accum: with pp > 1 the micro-batches are the accumulation"),
+])
+def test_impossible_pipelines_are_rejected(fake_imdb, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(["trainer=fsdp", "data=imdb", "model=bert_tiny", fake_imdb, "trainer.pp=2", *overrides])
+
+
+def test_a_pipeline_layout_loads(fake_imdb):
+    cfg = load_config(["trainer=fsdp", "data=imdb", "model=bert_tiny", fake_imdb, "trainer.num_workers=8",
+                       "trainer.pp=2", "trainer.tp=2", "trainer.microbatches=8", "model.layers=4",
+                       "trainer.pp_schedule=interleaved_1f1b"])
+    assert (cfg.trainer.pp, cfg.trainer.tp, cfg.trainer.microbatches) == (2, 2, 8)
 
 
 def test_each_backend_has_its_own_trainer_keys(data_override, fake_imdb):
