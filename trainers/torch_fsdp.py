@@ -5,7 +5,9 @@ fsdp.py); each worker reads its own data shard, as under DDP, so the run trains 
 trains, holding ~1/N of the parameters, gradients and optimizer state per worker (logged each epoch as
 `rank<r>.param_bytes`, `grad_bytes`, `optimizer_state_bytes`). With `trainer.tp` > 1 (the BERT model) the model is
 first tensor-parallel with torch's DTensor plans inside groups of tp consecutive workers, which read the same
-batches, and FSDP shards over the rest (FSDP x TP).
+batches, and FSDP shards over the rest (FSDP x TP). With `trainer.pp` > 1 (BERT) each worker holds its pipeline
+stages (trainers/parallel/pipeline.py), each tensor-parallel and sharded as above, and a training step is one pass
+of the pipeline schedule (`PipelineAdapter`): PP x TP x FSDP on one mesh.
 
 Checkpoints are sharded: `torch.distributed.checkpoint` (DCP) writes each rank's shards of the model and optimizer
 state into that rank's folder (no gather to rank 0) and Ray Train merges the folders; the schedule's state and
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,12 +31,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from trainers import torch_common as tc
 from trainers.models import build_model
 from trainers.parallel.grad_norm import clip_dtensor_grad_norm
+from trainers.parallel.memory import rank_memory
 from trainers.torch_ddp import example_input, run_mesh_worker
-from trainers.torch_recipe import TorchRecipe, build_recipe
+from trainers.torch_recipe import AUTOCAST_DTYPES, TorchRecipe, build_recipe
 
 RECIPE_FILE = "recipe.pt"  # the schedule's (and scaler's) state, from rank 0, beside DCP's files
-
-
 STATE_OPTIONS_FLAT = {"flatten_optimizer_state_dict": True}  # optimizer state keyed by parameter name
 
 
@@ -134,18 +136,26 @@ class PipelineAdapter(FSDPAdapter):
         self.schedule, self.pp_group, self.batch_size = schedule, pp_group, batch_size
         self.first, self.last = 0 in stages, n_stages - 1 in stages
         self.last_rank = dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)  # holds the last stage
+        self.trained_memory: dict[str, float] = {}
 
     def train_step(self, batch: tc.Batch) -> tuple[float, int, int]:
         (ids, mask), labels = (x.to(self.device) for x in batch[0]), batch[1].to(self.device)
         self.optimizer.zero_grad()
         losses: list[torch.Tensor] = []
-        dtype = self.recipe.autocast_dtype
-        with torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None):
-            self.schedule.step(*((ids,) if self.first else ()), attention_mask=mask,
-                               target=labels if self.last else None, losses=losses, return_outputs=False)
+        self.schedule.step(*((ids,) if self.first else ()), attention_mask=mask, target=labels if self.last else None,
+                           losses=losses, return_outputs=False)  # bf16: FSDP's policy casts (`fsdp_recipe`)
         loss = torch.stack(losses).mean().detach().double() if self.last else torch.zeros((), dtype=torch.float64)
         self._optimizer_step()
         return float(self._from_last_stage(loss)), len(labels), batch[2]
+
+    def finish_epoch(self) -> None:
+        """The epoch's memory figures are taken here, before evaluation: the schedule's forward-only pass drops
+        the gradients (its shape inference clears them)."""
+        super().finish_epoch()
+        self.trained_memory = rank_memory(self.model, self.optimizer)
+
+    def own_stats(self) -> dict[str, float]:
+        return {**super().own_stats(), **self.trained_memory}
 
     @torch.no_grad()
     def evaluate(self, epoch: int) -> tuple[int, int]:
@@ -192,13 +202,13 @@ def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: in
     train, evaluation = train_data(cfg.run.seed + 1000 * (rank // (pp * tp)))
     if pp == 1:
         part = parallelize_part(model, mesh, data_parallel_mesh(mesh), trainer)
-        recipe = build_recipe(part, trainer, train.steps(), device)  # over the sharded parameters
+        recipe = fsdp_recipe(part, trainer, train.steps(), device)
         return FSDPAdapter([part], recipe, train, evaluation, device, rank, replicas=tp)
     n_stages = pp * stages_per_rank(trainer.pp_schedule)
     stages = rank_stages(mesh["pp"].get_local_rank(), pp, stages_per_rank(trainer.pp_schedule))
     parts = [parallelize_part(split_stage(model, stage, n_stages), mesh, data_parallel_mesh(mesh), trainer)
              for stage in stages]
-    recipe = build_recipe(nn.ModuleList(parts), trainer, train.steps(), device)
+    recipe = fsdp_recipe(nn.ModuleList(parts), trainer, train.steps(), device)
     pp_group = mesh.get_group("pp")
     schedule = build_schedule(parts, stages, n_stages, trainer.pp_schedule, trainer.microbatches,
                               nn.CrossEntropyLoss(), pp_group, device)
@@ -206,8 +216,14 @@ def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: in
                            replicas=pp * tp, batch_size=trainer.batch_size)
 
 
+def fsdp_recipe(model: nn.Module, trainer: DictConfig, steps_per_epoch: int, device: torch.device) -> TorchRecipe:
+    """The recipe over the sharded parameters, without autocast: bf16 is FSDP's mixed-precision policy."""
+    return replace(build_recipe(model, trainer, steps_per_epoch, device), autocast_dtype=None)
+
+
 def parallelize_part(model: nn.Module, mesh: DeviceMesh, dp_mesh: DeviceMesh, trainer: DictConfig) -> nn.Module:
-    """In order: the TP plan over mesh["tp"] (if tp > 1), activation checkpointing, FSDP over `dp_mesh`."""
+    """In order: the TP plan over mesh["tp"] (if tp > 1), activation checkpointing, FSDP over `dp_mesh` (bf16
+    parameters in compute under `trainer.precision=bf16`)."""
     from trainers.parallel.fsdp import apply_activation_checkpointing, parallelize_fsdp
     from trainers.parallel.plans import parallelize_bert
 
@@ -215,7 +231,7 @@ def parallelize_part(model: nn.Module, mesh: DeviceMesh, dp_mesh: DeviceMesh, tr
         model = parallelize_bert(model, mesh, impl="dtensor")
     if trainer.activation_checkpointing:
         model = apply_activation_checkpointing(model)
-    return parallelize_fsdp(model, dp_mesh, trainer.reshard_after_forward)
+    return parallelize_fsdp(model, dp_mesh, trainer.reshard_after_forward, AUTOCAST_DTYPES[trainer.precision])
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:

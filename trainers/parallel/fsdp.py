@@ -10,6 +10,7 @@ data-parallel dimensions (2D parameters: FSDP x TP).
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -53,13 +54,22 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
     return model
 
 
-def parallelize_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> nn.Module:
+def parallelize_fsdp(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True,
+                     param_dtype: torch.dtype | None = None) -> nn.Module:
     """Shard `model` in place over `mesh` (blocks first, then the root); returns it. `reshard_after_forward`:
     free each unit's gathered parameters after its forward and gather them again for backward (ZeRO-3), or keep
-    them until backward (ZeRO-2: less communication, more memory)."""
-    from torch.distributed.fsdp import fully_shard
+    them until backward (ZeRO-2: less communication, more memory). `param_dtype` (bf16): FSDP's mixed precision,
+    parameters gathered and computed in that dtype, gradients reduced in float32 into the float32 shards the
+    optimizer steps on, and the root's outputs (logits, or a pipeline stage's activations) cast to float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    def policy(root: bool) -> MixedPrecisionPolicy:
+        if param_dtype is None:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                    output_dtype=torch.float32 if root else None)
 
     for block in fsdp_units(model):
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy(False))
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy(True))
     return model
