@@ -56,6 +56,7 @@ class TPConfig(TrainerConfig):
 class FSDPConfig(TrainerConfig):
     backend: str = "fsdp"
     dp_replicate: int = 1               # HSDP: replicas of the sharded model
+    dp_shard: Optional[int] = None      # ranks each replica is sharded over; null: what the other degrees leave
     tp: int = 1                         # FSDP x TP: tensor parallelism (DTensor plans) inside, FSDP over the rest
     reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3); false: keep (ZeRO-2)
     activation_checkpointing: bool = False  # recompute each block's activations in backward instead of keeping them

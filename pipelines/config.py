@@ -241,6 +241,9 @@ def _check_fsdp(trainer: DictConfig) -> None:
     if trainer.dp_replicate < 1 or dp % trainer.dp_replicate:
         raise ConfigError(f"trainer.dp_replicate: must be >= 1 and divide num_workers / (pp x tp) = {dp}, got "
                           f"{trainer.dp_replicate}")
+    if trainer.dp_shard is not None and trainer.dp_replicate * trainer.dp_shard != dp:
+        raise ConfigError(f"trainer.dp_shard: dp_replicate x dp_shard x pp x tp = {trainer.dp_replicate} x "
+                          f"{trainer.dp_shard} x {trainer.pp} x {trainer.tp} != num_workers={trainer.num_workers}")
     if trainer.precision == "fp16":
         raise ConfigError("trainer.precision: fp16 (loss scaling over sharded gradients) is not supported with fsdp; "
                           "use bf16")

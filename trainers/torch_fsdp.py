@@ -26,12 +26,12 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh
 
 from trainers import torch_common as tc
 from trainers.models import build_model
 from trainers.parallel.grad_norm import clip_dtensor_grad_norm
 from trainers.parallel.memory import rank_memory
+from trainers.parallel.mesh import ParallelDims, build_nd_mesh
 from trainers.torch_ddp import example_input, run_mesh_worker
 from trainers.torch_recipe import AUTOCAST_DTYPES, TorchRecipe, build_recipe
 
@@ -143,7 +143,7 @@ class PipelineAdapter(FSDPAdapter):
         self.optimizer.zero_grad()
         losses: list[torch.Tensor] = []
         self.schedule.step(*((ids,) if self.first else ()), attention_mask=mask, target=labels if self.last else None,
-                           losses=losses, return_outputs=False)  # bf16: FSDP's policy casts (`fsdp_recipe`)
+                           losses=losses, return_outputs=False)  # bf16: FSDP's policy casts, not autocast
         loss = torch.stack(losses).mean().detach().double() if self.last else torch.zeros((), dtype=torch.float64)
         self._optimizer_step()
         return float(self._from_last_stage(loss)), len(labels), batch[2]
@@ -186,52 +186,37 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: int, train_data: tc.TrainData,
                   device: torch.device) -> FSDPAdapter:
-    """The dense model from the shared seed, split into this rank's pipeline stages (if pp > 1), each
-    tensor-parallel over "tp" (if tp > 1), then sharded over the data-parallel dimensions; this rank's
-    data-parallel shard, shuffled by its seed (alike in a group of the pp x tp ranks that read the same batches)."""
-    from trainers.parallel.fsdp import build_fsdp_mesh, data_parallel_mesh
-    from trainers.parallel.pipeline import build_schedule, rank_stages, split_stage, stages_per_rank
+    """The dense model from the shared seed, parallelized on the N-D mesh (trainers/parallel/parallelize.py: this
+    rank's pipeline stages if pp > 1, each tensor-parallel if tp > 1, sharded over the data-parallel dimensions);
+    this rank's data-parallel shard, shuffled by its seed (alike in the pp x tp ranks that read the same batches)."""
+    from trainers.parallel.parallelize import parallelize
+    from trainers.parallel.pipeline import build_schedule
 
     trainer = cfg.trainer
-    pp, tp = trainer.pp, trainer.tp
-    mesh = build_fsdp_mesh(trainer.dp_replicate, world_size // (trainer.dp_replicate * pp * tp), tp, device.type,
-                           pp=pp)
+    dims = parallel_dims(trainer, world_size)
+    dims.validate(world_size)
+    mesh = build_nd_mesh(dims, device.type)
     # The same dense weights on every rank before each keeps its part, and the same dropout masks in a TP group.
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model, model_inputs).to(device)
-    train, evaluation = train_data(cfg.run.seed + 1000 * (rank // (pp * tp)))
-    if pp == 1:
-        part = parallelize_part(model, mesh, data_parallel_mesh(mesh), trainer)
-        recipe = fsdp_recipe(part, trainer, train.steps(), device)
-        return FSDPAdapter([part], recipe, train, evaluation, device, rank, replicas=tp)
-    n_stages = pp * stages_per_rank(trainer.pp_schedule)
-    stages = rank_stages(mesh["pp"].get_local_rank(), pp, stages_per_rank(trainer.pp_schedule))
-    parts = [parallelize_part(split_stage(model, stage, n_stages), mesh, data_parallel_mesh(mesh), trainer)
-             for stage in stages]
-    recipe = fsdp_recipe(nn.ModuleList(parts), trainer, train.steps(), device)
+    split = parallelize(model, dims, mesh, trainer.pp_schedule, trainer.activation_checkpointing,
+                        trainer.reshard_after_forward, AUTOCAST_DTYPES[trainer.precision])
+    train, evaluation = train_data(cfg.run.seed + 1000 * dims.data_rank(rank))
+    # The recipe over the sharded parameters, without autocast: bf16 is FSDP's mixed-precision policy.
+    recipe = replace(build_recipe(nn.ModuleList(split.parts), trainer, train.steps(), device), autocast_dtype=None)
+    if dims.pp == 1:
+        return FSDPAdapter(split.parts, recipe, train, evaluation, device, rank, replicas=dims.batch_group)
     pp_group = mesh.get_group("pp")
-    schedule = build_schedule(parts, stages, n_stages, trainer.pp_schedule, trainer.microbatches,
+    schedule = build_schedule(split.parts, split.stages, split.n_stages, trainer.pp_schedule, trainer.microbatches,
                               nn.CrossEntropyLoss(), pp_group, device)
-    return PipelineAdapter(parts, schedule, stages, n_stages, pp_group, recipe, train, evaluation, device, rank,
-                           replicas=pp * tp, batch_size=trainer.batch_size)
+    return PipelineAdapter(split.parts, schedule, split.stages, split.n_stages, pp_group, recipe, train, evaluation,
+                           device, rank, replicas=dims.batch_group, batch_size=trainer.batch_size)
 
 
-def fsdp_recipe(model: nn.Module, trainer: DictConfig, steps_per_epoch: int, device: torch.device) -> TorchRecipe:
-    """The recipe over the sharded parameters, without autocast: bf16 is FSDP's mixed-precision policy."""
-    return replace(build_recipe(model, trainer, steps_per_epoch, device), autocast_dtype=None)
-
-
-def parallelize_part(model: nn.Module, mesh: DeviceMesh, dp_mesh: DeviceMesh, trainer: DictConfig) -> nn.Module:
-    """In order: the TP plan over mesh["tp"] (if tp > 1), activation checkpointing, FSDP over `dp_mesh` (bf16
-    parameters in compute under `trainer.precision=bf16`)."""
-    from trainers.parallel.fsdp import apply_activation_checkpointing, parallelize_fsdp
-    from trainers.parallel.plans import parallelize_bert
-
-    if trainer.tp > 1:
-        model = parallelize_bert(model, mesh, impl="dtensor")
-    if trainer.activation_checkpointing:
-        model = apply_activation_checkpointing(model)
-    return parallelize_fsdp(model, dp_mesh, trainer.reshard_after_forward, AUTOCAST_DTYPES[trainer.precision])
+def parallel_dims(trainer: DictConfig, world_size: int) -> ParallelDims:
+    """The run's dimensions: the data-parallel degree is what pp x tp leave of the workers."""
+    return ParallelDims(dp=world_size // (trainer.pp * trainer.tp), tp=trainer.tp, pp=trainer.pp,
+                        dp_replicate=trainer.dp_replicate)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -243,9 +228,10 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
     from trainers.shard_data import shard_config
 
     trainer = cfg.trainer
+    dims = parallel_dims(trainer, trainer.num_workers)
     return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, model_inputs,
                             dataset_config=shard_config(trainer.num_workers, cfg.data.cache_in_worker,
-                                                        trainer.tp * trainer.pp),
+                                                        dims.batch_group),
                             callbacks=callbacks)
 
 

@@ -5,7 +5,9 @@
   dense model scores; each rank holds only its stages' parameters. 1F1B also stops mid-epoch and resumes from
   its sharded checkpoint on the same loss curve.
 - PP x TP x FSDP on 8 ranks (2 x 2 x 2) trains the dense model for an epoch; its checkpoint then resumes at 2
-  ranks without pipeline or TP (plain FSDP on the same 2 data shards) and the second epoch follows the dense curve.
+  ranks without pipeline or TP (plain FSDP on the same 2 data shards), the second epoch follows the dense curve
+  and ends with the dense model's weights.
+- bf16: FSDP's mixed-precision policy, with and without a pipeline, stays close to float32.
 
 Tolerance: float64; micro-batching changes only the order of sums (the mean of 4 equal micro-batch means is the
 batch mean), so steps agree to ~1e-13; rtol 1e-9 is far below what a wrong stage boundary, a lost micro-batch or
@@ -26,35 +28,36 @@ from tests.parallel.dist_utils import RankPools
 
 MODEL_INPUTS = {"vocab_size": 64, "max_len": 16}
 ROWS, EVAL_ROWS, BATCH = 320, 40, 16  # 40 evaluation rows: two full batches and one padded
+ROWS_3D = 128  # 8 ranks on 2 cores: 4 steps per epoch on each of the 2 data shards
 OVERRIDES = ["trainer=fsdp", "data=imdb", "model=bert_tiny", "model.hidden=32", "model.heads=2", "model.layers=4",
              "model.dropout=0", f"trainer.batch_size={BATCH}", "trainer.microbatches=4", "trainer.lr=0.002",
              "trainer.optimizer=adamw", "trainer.weight_decay=0.01", "trainer.lr_schedule=cosine",
              "trainer.warmup_steps=4", "trainer.grad_clip=0.5"]
 
 
-def _data(data_rank: int, data_ranks: int):
+def _data(data_rank: int, data_ranks: int, rows: int = ROWS):
     from trainers import torch_common as tc
 
-    train = {k: torch.from_numpy(v) for k, v in shard(imdb_columns(ROWS, 64, 16), data_rank, data_ranks).items()}
+    train = {k: torch.from_numpy(v) for k, v in shard(imdb_columns(rows, 64, 16), data_rank, data_ranks).items()}
     evaluation = {k: torch.from_numpy(v) for k, v in imdb_columns(EVAL_ROWS, 64, 16, seed=1).items()}
     return lambda seed: (tc.ShardBatches.from_columns(train, "imdb", BATCH, seed, drop_last=True),
                          tc.ShardBatches.from_columns(evaluation, "imdb", BATCH, seed))
 
 
-def _run(cfg, rank: int, world_size: int):
+def _run(cfg, rank: int, world_size: int, rows: int = ROWS):
     """The worker of `rank`: the pp x tp ranks of a pipeline read the same data shard, as OrderedShards gives."""
     from trainers.torch_ddp import run_worker
     from trainers.torch_fsdp import build_adapter
 
     group = cfg.trainer.tp * cfg.trainer.pp
-    data = _data(rank // group, world_size // group)
+    data = _data(rank // group, world_size // group, rows)
     return lambda ctx: run_worker(cfg, ctx, build_adapter(cfg, MODEL_INPUTS, rank, world_size, data,
                                                           torch.device("cpu")))
 
 
-def _dense(cfg, data_ranks: int):
+def _dense(cfg, data_ranks: int, rows: int = ROWS):
     """(rank 0's step losses, the trained dense model, its accuracy on the evaluation rows)."""
-    shards = [_data(r, data_ranks)(cfg.run.seed + 1000 * r)[0] for r in range(data_ranks)]
+    shards = [_data(r, data_ranks, rows)(cfg.run.seed + 1000 * r)[0] for r in range(data_ranks)]
     losses, model = dense_training(cfg, MODEL_INPUTS, shards)
     evaluation = _data(0, 1)(0)[1]
     with torch.no_grad():
@@ -134,9 +137,9 @@ def _three_d(rank: int, world_size: int, tmp: str) -> None:
     tmp_path = Path(tmp)
     cfg = config(tmp_path / f"cfg3d{rank}", [*OVERRIDES, "trainer.num_workers=8", "trainer.pp=2", "trainer.tp=2",
                                              "trainer.epochs=2"])
-    attempt = run_attempt(_run(cfg, rank, world_size), rank, world_size, 1, tmp_path / "3d")
+    attempt = run_attempt(_run(cfg, rank, world_size, ROWS_3D), rank, world_size, 1, tmp_path / "3d")
     if rank == 0:
-        losses, _, _ = _dense(cfg, 2)
+        losses, _, _ = _dense(cfg, 2, ROWS_3D)
         np.testing.assert_allclose(attempt.recorder.curve(), losses[:len(losses) // 2], rtol=1e-9, atol=1e-12)
     torch.set_default_dtype(torch.float32)
 
@@ -146,11 +149,15 @@ def _resume_at_two_ranks(rank: int, world_size: int, tmp: str) -> None:
     curve, so every stage's and TP rank's shards of the model and of Adam's state were put back in place."""
     torch.set_default_dtype(torch.float64)
     tmp_path = Path(tmp)
-    cfg = config(tmp_path / f"cfg2{rank}", [*OVERRIDES, "trainer.num_workers=2", "trainer.epochs=2"])
-    resumed = run_attempt(_run(cfg, rank, world_size), rank, world_size, 2, tmp_path / "resumed",
+    cfg = config(tmp_path / f"cfg2{rank}", [*OVERRIDES, "trainer.num_workers=2", "trainer.epochs=2",
+                                            f"run.dump_params_dir={tmp_path / 'dump'}"])
+    resumed = run_attempt(_run(cfg, rank, world_size, ROWS_3D), rank, world_size, 2, tmp_path / "resumed",
                           restored=last_checkpoint(tmp_path / "3d"))
     if rank == 0:
-        losses, _, _ = _dense(cfg, 2)
+        losses, model, _ = _dense(cfg, 2, ROWS_3D)
+        trained = torch.load(tmp_path / "dump" / "rank0.pt")  # the FSDP model, gathered (run.dump_params_dir)
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(trained[name], value, rtol=1e-9, atol=1e-12, msg=name)
         assert resumed.recorder.resumed == [1]
         steps = sorted(resumed.recorder.step_losses)
         assert steps == list(range(len(losses) // 2 + 1, len(losses) + 1))  # epoch 2's steps, numbered on

@@ -112,6 +112,7 @@ def test_impossible_parallelism_is_rejected(fake_imdb, overrides, message):
     (["trainer.tp=3"], r"^trainer\.tp: must be >= 1 and divide num_workers / pp = 2, got 3"),
     (["trainer.pp=3"], r"^trainer\.pp: must be >= 1 and divide num_workers=2, got 3"),
     (["trainer.pp=2"], r"^model\.name: pipeline parallelism needs the bert model, got 'mlp'"),
+    (["trainer.dp_shard=4"], r"^trainer\.dp_shard: dp_replicate x dp_shard x pp x tp = 1 x 4 x 1 x 1 != num_workers=2"),
     (["trainer.tp=2"], r"^model\.name: tensor parallelism needs the bert model, got 'mlp'"),
     (["trainer.precision=fp16", "trainer.use_gpu=true"], r"^trainer\.precision: fp16 .* not supported with fsdp"),
 ])
@@ -139,7 +140,7 @@ def test_impossible_pipelines_are_rejected(fake_imdb, overrides, message):
 
 def test_a_pipeline_layout_loads(fake_imdb):
     cfg = load_config(["trainer=fsdp", "data=imdb", "model=bert_tiny", fake_imdb, "trainer.num_workers=8",
-                       "trainer.pp=2", "trainer.tp=2", "trainer.microbatches=8", "model.layers=4",
+                       "trainer.pp=2", "trainer.tp=2", "trainer.dp_shard=2", "trainer.microbatches=8", "model.layers=4",
                        "trainer.pp_schedule=interleaved_1f1b"])
     assert (cfg.trainer.pp, cfg.trainer.tp, cfg.trainer.microbatches) == (2, 2, 8)
 

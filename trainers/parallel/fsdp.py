@@ -12,18 +12,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-
-def build_fsdp_mesh(dp_replicate: int, dp_shard: int, tp: int = 1, device_type: str = "cpu", pp: int = 1
-                    ) -> DeviceMesh:
-    """The mesh over the default process group, row-major over ("dp_replicate", "dp_shard", "pp", "tp"), leaving out
-    the dimensions of size 1 other than "dp_shard": the ranks of a TP group are consecutive, then the stages of a
-    pipeline (together: the ranks that read the same batches), then those of a replica (one node's, on a GPU
-    cluster), so rank = ((replica * dp_shard + shard rank) * pp + stage rank) * tp + tp rank."""
-    sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "pp": pp, "tp": tp}
-    names = tuple(name for name, size in sizes.items() if size > 1 or name == "dp_shard")
-    return init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+from torch.distributed.device_mesh import DeviceMesh
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
