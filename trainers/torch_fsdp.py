@@ -53,24 +53,23 @@ class FSDPAdapter(tc.TorchAdapter):
     def __init__(self, parts: list[nn.Module], recipe: TorchRecipe, train: tc.ShardBatches,
                  evaluation: tc.ShardBatches, device: torch.device, rank: int, replicas: int,
                  pp_group: ProcessGroup | None = None):
-        self.parts = nn.ModuleList(parts)  # names "<part>.<dense name>": `_by_dense_name` drops the part
+        self.parts = nn.ModuleList(parts)  # names "<part>.<dense name>": `_dense_key` drops the part
         model = parts[0] if len(parts) == 1 else self.parts
         super().__init__(model, recipe, train, evaluation, device, rank, replicas=replicas,
                          clip=lambda max_norm: clip_dtensor_grad_norm(self.parts, max_norm, pp_group))
 
     def _state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(model state, optimizer state) of this rank's parts as DCP saves them, both keyed by dense names."""
+        """(model state, flattened optimizer state) of this rank's parts, keyed "<part>.<dense name>"."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        model_state, optimizer_state = get_state_dict(self.parts, self.optimizer,
-                                                      options=StateDictOptions(**STATE_OPTIONS_FLAT))
-        return _by_dense_name(model_state, 0), _by_dense_name(optimizer_state, 1)
+        return get_state_dict(self.parts, self.optimizer, options=StateDictOptions(**STATE_OPTIONS_FLAT))
 
     def save(self, directory: str) -> None:
         import torch.distributed.checkpoint as dcp
 
         model_state, optimizer_state = self._state()
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory)
+        dcp.save({"model": _by_dense_name(model_state, 0), "optimizer": _by_dense_name(optimizer_state, 1)},
+                 checkpoint_id=directory)
         if self.rank == 0:
             torch.save(self.recipe.state_dict(), os.path.join(directory, RECIPE_FILE))
 
@@ -79,10 +78,12 @@ class FSDPAdapter(tc.TorchAdapter):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         model_state, optimizer_state = self._state()
-        state = {"model": model_state, "optimizer": optimizer_state}
+        state = {"model": _by_dense_name(model_state, 0), "optimizer": _by_dense_name(optimizer_state, 1)}
         dcp.load(state, checkpoint_id=directory)  # into this rank's shards, whatever the saving layout was
-        set_state_dict(self.parts, self.optimizer, model_state_dict=_by_part_name(state["model"], self.parts, 0),
-                       optim_state_dict=_by_part_name(state["optimizer"], self.parts, 1),
+        # Back under the parts' keys (DCP replaces the non-tensor entries, e.g. the learning rates, in `state`).
+        set_state_dict(self.parts, self.optimizer,
+                       model_state_dict={key: state["model"][_dense_key(key, 0)] for key in model_state},
+                       optim_state_dict={key: state["optimizer"][_dense_key(key, 1)] for key in optimizer_state},
                        options=StateDictOptions(**STATE_OPTIONS_FLAT))
         self.recipe.load_state_dict(torch.load(os.path.join(directory, RECIPE_FILE), weights_only=False))
 
@@ -96,31 +97,16 @@ class FSDPAdapter(tc.TorchAdapter):
 
 
 def _by_dense_name(state: dict[str, Any], at: int) -> dict[str, Any]:
-    """Drop the part index from keys "<part>.<dense name>" (model state: `at`=0) or "state.<part>.<dense
-    name>.<entry>" (flattened optimizer state: `at`=1). Parts hold disjoint parameters, so keys stay unique."""
-    renamed = {}
-    for key, value in state.items():
-        fields = key.split(".")
-        del fields[at]
-        renamed[".".join(fields)] = value
-    return renamed
+    """`state` keyed by `_dense_key`. Parts hold disjoint parameters, so keys stay unique."""
+    return {_dense_key(key, at): value for key, value in state.items()}
 
 
-def _by_part_name(state: dict[str, Any], parts: nn.ModuleList, at: int) -> dict[str, Any]:
-    """The inverse of `_by_dense_name` for this rank's parts."""
-    part_of = {name: str(i) for i, part in enumerate(parts) for name, _ in part.named_parameters()}
-    renamed = {}
-    for key, value in state.items():
-        fields = key.split(".")
-        dense_name = next(name for name in _prefixes(fields[at:]) if name in part_of)
-        fields.insert(at, part_of[dense_name])
-        renamed[".".join(fields)] = value
-    return renamed
-
-
-def _prefixes(fields: list[str]) -> list[str]:
-    """"a.b.c" -> ["a.b.c", "a.b", "a"]: a flattened optimizer key's parameter name is the longest that exists."""
-    return [".".join(fields[:n]) for n in range(len(fields), 0, -1)]
+def _dense_key(key: str, at: int) -> str:
+    """Drop the part index from "<part>.<dense name>" (model state: `at`=0) or "state.<part>.<dense
+    name>.<entry>" (flattened optimizer state: `at`=1)."""
+    fields = key.split(".")
+    del fields[at]
+    return ".".join(fields)
 
 
 class PipelineAdapter(FSDPAdapter):
