@@ -34,11 +34,12 @@ def make_optimizer(model: nn.Module, trainer: Any) -> torch.optim.Optimizer:
 class TorchRecipe:
     """What the adapter needs to take an optimizer step the recipe's way."""
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scheduler: torch.optim.lr_scheduler.LambdaLR
     passes: int = 1                                   # batches per optimizer step (`trainer.grad_accum`)
     grad_clip: float | None = None                    # max global gradient norm
     autocast_dtype: torch.dtype | None = None         # bf16 / fp16 forward passes
     scaler: torch.amp.GradScaler | None = None        # fp16: loss scaling
+    hyperparameters: list[dict] | None = None         # each param group's config values (`configured_groups`)
 
     def state_dict(self) -> dict:
         """Scheduler (and scaler) state; the optimizer's is saved by the adapter (dense, for sharded models)."""
@@ -48,10 +49,23 @@ class TorchRecipe:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """After the adapter loaded the optimizer's state: the schedule's position (and loss scale) from the
+        checkpoint, the hyperparameters from the config. A checkpoint holds the learning rate, weight decay and
+        momentum it was trained with; loading them back would ignore a changed config (a PBT trial continuing
+        another's checkpoint with a mutated lr, a user resuming with a lower one). TF's optimizers keep no
+        hyperparameters in their variables, so both frameworks resume the same way."""
         if "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+        if self.hyperparameters is not None:
+            self._apply_configured(self.hyperparameters)
+
+    def _apply_configured(self, groups: list[dict]) -> None:
+        step = self.scheduler.last_epoch
+        self.scheduler.base_lrs = [group["lr"] for group in groups]
+        for param_group, configured, factor in zip(self.optimizer.param_groups, groups, self.scheduler.lr_lambdas):
+            param_group.update(configured, initial_lr=configured["lr"], lr=configured["lr"] * factor(step))
 
 
 def build_recipe(model: nn.Module, trainer: Any, steps_per_epoch: int, device: torch.device,
@@ -63,12 +77,19 @@ def build_recipe(model: nn.Module, trainer: Any, steps_per_epoch: int, device: t
     optimizer = make_optimizer(model, trainer)
     if wrap_optimizer is not None:
         optimizer = wrap_optimizer(optimizer)
+    configured = configured_groups(optimizer)  # before the schedule scales the learning rates
     warmup, total = schedule_steps(trainer, steps_per_epoch)
     schedule = trainer.lr_schedule
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, schedule, warmup, total))
     dtype = AUTOCAST_DTYPES[trainer.precision]
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-    return TorchRecipe(optimizer, scheduler, trainer.grad_accum, trainer.grad_clip, dtype, scaler)
+    return TorchRecipe(optimizer, scheduler, trainer.grad_accum, trainer.grad_clip, dtype, scaler, configured)
+
+
+def configured_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each param group's hyperparameters as the config set them (before any checkpoint is loaded)."""
+    keys = ("lr", "weight_decay", "momentum")
+    return [{key: group[key] for key in keys if key in group} for group in optimizer.param_groups]
 
 
 def clip_dense_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:

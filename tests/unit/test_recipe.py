@@ -64,6 +64,37 @@ def test_torch_schedule_and_weight_decay_groups(tmp_path):
         config(tmp_path / "both", [*SMALL, "trainer.warmup_steps=2", "trainer.warmup_fraction=0.5"])
 
 
+def test_restored_checkpoint_keeps_its_schedule_position_but_takes_the_configs_hyperparameters(tmp_path):
+    """A checkpoint trained at lr 0.01, weight decay 0.1 loaded by a recipe configured with lr 0.002, weight decay
+    0.3 (a PBT trial exploiting another's checkpoint with mutated values): the schedule continues at the saved
+    update, the Adam moments are the saved ones, the learning rate and decay are the config's."""
+    from trainers.models import build_model
+    from trainers.torch_recipe import build_recipe
+
+    recipe_keys = ["trainer.optimizer=adamw", "trainer.lr_schedule=cosine", "trainer.warmup_steps=2"]
+    saved = config(tmp_path / "a", [*SMALL, *recipe_keys, "trainer.lr=0.01", "trainer.weight_decay=0.1"])
+    model = build_model(saved.model, {})
+    recipe = build_recipe(model, saved.trainer, steps_per_epoch=8, device=torch.device("cpu"))
+    for _ in range(3):
+        model(torch.randn(4, 784)).sum().backward()
+        recipe.optimizer.step()
+        recipe.scheduler.step()
+    state = {"optimizer": recipe.optimizer.state_dict(), **recipe.state_dict()}
+
+    changed = config(tmp_path / "b", [*SMALL, *recipe_keys, "trainer.lr=0.002", "trainer.weight_decay=0.3"])
+    restored = build_recipe(model, changed.trainer, steps_per_epoch=8, device=torch.device("cpu"))
+    restored.optimizer.load_state_dict(state["optimizer"])
+    restored.load_state_dict(state)
+    assert restored.scheduler.last_epoch == 3
+    decayed, plain = restored.optimizer.param_groups
+    assert (decayed["weight_decay"], plain["weight_decay"]) == (0.3, 0.0)
+    assert [g["lr"] for g in (decayed, plain)] == [pytest.approx(0.002 * lr_factor(3, "cosine", 2, 8))] * 2
+    moments = restored.optimizer.state_dict()["state"][0]["exp_avg"]
+    torch.testing.assert_close(moments, state["optimizer"]["state"][0]["exp_avg"])
+    restored.scheduler.step()
+    assert decayed["lr"] == pytest.approx(0.002 * lr_factor(4, "cosine", 2, 8))
+
+
 def _train(tmp_path, overrides: list[str], batch: int):
     """One epoch of the DDP adapter (one rank, no DDP wrapper) on 320 rows; its final weights and step losses."""
     from trainers import torch_common as tc
