@@ -138,6 +138,8 @@ class RunSection:
     storage_path: str = "outputs/ray"
     dump_params_dir: Optional[str] = None
     resume_dir: Optional[str] = None  # stop-and-resume folder (preemption); see contract/resume.py
+    resume_from: Optional[str] = None  # a checkpoint folder this run starts from: its weights, optimizer state,
+                                       # schedule position and epoch; hyperparameters are this config's (PBT)
     monitor: str = "test_accuracy"    # the epoch metric that picks the best epoch (contract/recipe.py)
     monitor_mode: Optional[str] = None  # max | min; default: min for losses and times, else max
     final_model: str = "best"         # the logged MLflow model: the best epoch's, or the last epoch's

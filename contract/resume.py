@@ -32,6 +32,11 @@ def stop_file(resume_dir: str | None) -> Path | None:
     return Path(resume_dir) / STOP_FILE if resume_dir else None
 
 
+def stop_requested(resume_dir: str | None) -> bool:
+    stop = stop_file(resume_dir)
+    return stop is not None and stop.exists()
+
+
 def recorded_run_id(resume_dir: str | None) -> str | None:
     if not resume_dir:
         return None

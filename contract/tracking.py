@@ -9,6 +9,7 @@ driver, or `python -m pipelines.replay`, sends it.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
 import os
@@ -264,9 +265,14 @@ FINAL_FILE = "final.json"   # in it: the final model still to log (config, check
 SWEEP_FILE = "sweep.json"   # in a sweep's parent run's spool: how each trial ended, for the closing left to do
 
 
-def ray_run_name(run_id: str) -> str:
-    """The Ray Train run of an MLflow run is named after it: a rerun finds its checkpoints (trainers/worker.py)."""
-    return f"run-{run_id}"
+def ray_run_name(run_id: str, resume_from: str | None = None) -> str:
+    """The Ray Train run of an MLflow run is named after it: a rerun finds its checkpoints (trainers/worker.py).
+    A run started from another checkpoint (`run.resume_from`) is a Ray Train run of its own, named after that
+    checkpoint too: its checkpoints are a new line of training, and the run's earlier ones must not be resumed
+    in its place (Ray Train resumes a run's own latest checkpoint before any other)."""
+    if not resume_from:
+        return f"run-{run_id}"
+    return f"run-{run_id}-from-{hashlib.sha1(str(resume_from).encode()).hexdigest()[:10]}"
 
 
 def run_dir(storage_path: str, run_id: str) -> Path:
@@ -290,13 +296,15 @@ class TrackingDown(RuntimeError):
 
 def _send(client: Any, run_id: str, record: dict[str, Any], resend: bool) -> None:
     """One spool record to MLflow. A re-sent record skips the (metric, step) pairs the server has already (the
-    first try may have landed without its answer), and `once_per` records skip a step already logged."""
+    first try may have landed without its answer), and `once_per` records skip a step already logged (since
+    `since_ms`, when the record has it: by this line of training, see EpochLogger)."""
     from mlflow.entities import Metric
 
     if record["op"] == "metrics":
         metrics = [Metric(k, float(v), ts, step) for k, v, ts, step in record["metrics"]]
         if record.get("once_per"):
-            logged = {m.step for m in client.get_metric_history(run_id, record["once_per"])}
+            since = record.get("since_ms", 0)
+            logged = {m.step for m in client.get_metric_history(run_id, record["once_per"]) if m.timestamp >= since}
             metrics = [m for m in metrics if m.step not in logged]
         elif resend:
             seen = {key: {m.step for m in client.get_metric_history(run_id, key)} for key in {m.key for m in metrics}}
@@ -356,6 +364,21 @@ class TrackingSpool:
         _write_spool_file(self.file, self.run_id, self.uri, self.pending)
 
 
+def send_or_spool(uri: str, run_id: str, folder: Path, name: str, records: list[dict[str, Any]]) -> None:
+    """Spool records written outside the workers (a sweep trial's own notes): sent now when the server answers,
+    else kept in the run's spool folder for the driver's flush or `python -m pipelines.replay`."""
+    pending = list(records)
+    if answers(uri):
+        client = _client(uri)
+        try:
+            while pending:
+                _send(client, run_id, pending[0], resend=False)
+                pending.pop(0)
+        except Exception as err:  # the server went away meanwhile: keep the rest
+            say(f"tracking: {uri} did not answer ({type(err).__name__}); spooling to {folder}")
+    _write_spool_file(Path(folder) / f"{name}-{os.getpid()}-{time.time_ns()}.json", run_id, uri, pending)
+
+
 def _write_spool_file(path: Path, run_id: str, uri: str, records: list[dict[str, Any]]) -> None:
     """A worker's pending records as one JSON file, replaced whole (atomic); no file when nothing is pending."""
     if not records:
@@ -400,11 +423,17 @@ class EpochLogger:
     """Rank 0's per-epoch metrics, through its `TrackingSpool`. Logging is idempotent per (metric, epoch): after a
     worker failure the resumed run may replay an epoch whose metrics were already logged, and MLflow must hold
     each once. With `tensorboard_dir` the same epoch metrics (step = epoch) and step losses (step = global step)
-    also go to a TensorBoard event file there, logged as the run's `tensorboard/` artifacts after every epoch."""
+    also go to a TensorBoard event file there, logged as the run's `tensorboard/` artifacts after every epoch.
 
-    def __init__(self, spool: TrackingSpool, tensorboard_dir: Path | None = None):
+    `since_ms`: the start of this line of training when it continues another checkpoint (`run.resume_from`: a PBT
+    trial exploiting another's). Its epochs are logged even where the run already holds that epoch from the
+    line it left (Ray Train runs an epoch ahead of Tune's decision to switch): MLflow keeps both points, the
+    later one is the step's latest value (and `epoch_values` reads it so)."""
+
+    def __init__(self, spool: TrackingSpool, tensorboard_dir: Path | None = None, since_ms: int = 0):
         self.spool = spool
         self.tensorboard_dir = tensorboard_dir
+        self.since_ms = since_ms
         self._events: Any = None
 
     def _to_tensorboard(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -424,7 +453,7 @@ class EpochLogger:
         self._events.flush()
 
     def log_step_loss(self, step: int, loss: float) -> None:
-        self.spool.write({"op": "metrics", "metrics": [["step_loss", float(loss), _now_ms(), step]]})
+        self.spool.write({"op": "metrics", "metrics": [["step_loss", float(loss), now_ms(), step]]})
         self._to_tensorboard(step, {"step_loss": loss})
 
     def resumed_from(self, epoch: int) -> None:
@@ -433,7 +462,7 @@ class EpochLogger:
 
     def log_extra(self, epoch: int, metrics: Mapping[str, float]) -> None:
         """Per-epoch diagnostics (per-rank stats) logged as they come, without the once-per-epoch check."""
-        now = _now_ms()
+        now = now_ms()
         self.spool.write({"op": "metrics", "metrics": [[k, float(v), now, epoch] for k, v in metrics.items()]})
 
     def log_artifacts(self, folder: str, path: str) -> None:
@@ -441,16 +470,33 @@ class EpochLogger:
         self.spool.write({"op": "artifacts", "folder": folder, "path": path})
 
     def log(self, epoch: int, metrics: Mapping[str, float]) -> None:
-        now = _now_ms()
-        self.spool.write({"op": "metrics", "once_per": "train_loss",
+        now = now_ms()
+        self.spool.write({"op": "metrics", "once_per": "train_loss", "since_ms": self.since_ms,
                           "metrics": [[k, float(v), now, epoch] for k, v in metrics.items()]})
         if self.tensorboard_dir is not None:
             self._to_tensorboard(epoch, metrics)
             self.log_artifacts(str(self.tensorboard_dir), "tensorboard")
 
 
-def _now_ms() -> int:
+def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def epoch_values(points: list[Any]) -> list[float]:
+    """A metric's history (MLflow `Metric`s) as one value per step, in step order: a step logged twice (a PBT trial
+    that switched to another's checkpoint) counts its latest value."""
+    latest = {m.step: m for m in sorted(points, key=lambda m: (m.step, m.timestamp))}
+    return [latest[step].value for step in sorted(latest)]
+
+
+def lineage_start_ms(folder: Path) -> int:
+    """When the Ray Train run in `folder` first started (recorded there by its first attempt; a restarted worker
+    group reads it back), in ms."""
+    marker = Path(folder) / "lineage_started_ms"
+    if not marker.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        marker.write_text(str(now_ms()))
+    return int(marker.read_text())
 
 
 def log_torch_model(uri: str, run_id: str, model, input_example) -> None:

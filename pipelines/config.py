@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from contract import recipe
+from contract.checkpoint import STATE_FILE
 from contract.config import MODEL_SCHEMAS, TRAINER_SCHEMAS, parallel_degrees, schema, worker_resources
 from contract.metrics import metric_names
 
@@ -103,6 +104,8 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"run.system_metrics_interval_s: must be >= 1, got {cfg.run.system_metrics_interval_s}")
     if not 0 <= cfg.model.dropout < 1:
         raise ConfigError(f"model.dropout: must be in [0, 1), got {cfg.model.dropout}")
+    if cfg.run.resume_from and not (Path(cfg.run.resume_from) / STATE_FILE).is_file():
+        raise ConfigError(f"run.resume_from: no checkpoint at '{cfg.run.resume_from}' (missing {STATE_FILE})")
     manifest = Path(cfg.data.path) / "manifest.json"
     if not manifest.is_file():
         raise ConfigError(f"data.path: no prepared dataset at '{cfg.data.path}' (missing manifest.json); "
@@ -332,7 +335,7 @@ def _absolutise_paths(cfg: DictConfig) -> None:
     # The job may run from a copy of the repo (ray job --working-dir): pin paths to where they were given.
     cfg.data.path = str(Path(cfg.data.path).expanduser().resolve())
     cfg.run.storage_path = str(Path(cfg.run.storage_path).expanduser().resolve())
-    for key in ("dump_params_dir", "resume_dir"):
+    for key in ("dump_params_dir", "resume_dir", "resume_from"):
         if cfg.run[key]:
             cfg.run[key] = str(Path(cfg.run[key]).expanduser().resolve())
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from contract.tracking import epoch_values
+
 HISTORY_METRICS = ("train_loss", "test_accuracy", "samples_per_s", "tokens_per_s", "epoch_time_s",
                    "peak_memory_bytes")
 COLUMNS = ("trial", "backend", "workers", "tp", "dp", "batch_size", "lr", "status", "epochs", "samples_per_s",
@@ -221,9 +223,9 @@ def read_trials(uri: str, parent_run_id: str) -> list[TrialRecord]:
         p = run.data.params
         history = {}
         for name in HISTORY_METRICS:
-            points = sorted(client.get_metric_history(run.info.run_id, name), key=lambda m: m.step)
+            points = client.get_metric_history(run.info.run_id, name)
             if points:
-                history[name] = [m.value for m in points]
+                history[name] = epoch_values(points)
         records.append(TrialRecord(run.info.run_id, run.info.run_name, p["backend"], int(p["world_size"]),
                                    int(p["tp"]), int(p["dp"]), int(p["trainer.batch_size"]),
                                    float(p["trainer.lr"]), run.info.status, history))

@@ -7,8 +7,9 @@ runs; uses the cluster at RAY_ADDRESS when set, else starts a local Ray.
 Each grid point is validated like a training run; impossible ones are rejected before launch and logged to the
 parent MLflow run (`rejected.json`, `rejected.csv`, metric `trials_rejected`). Each valid point is one Tune
 trial, in a child MLflow run created here (tag `mlflow.parentRunId`), whose function builds and fits the
-backend's Ray Train trainer with `TuneReportCallback` (the Train V2 pattern). The scaling report (Markdown,
-CSV, plots) is built from the child runs at the end and logged to the parent run.
+backend's Ray Train trainer and reports its epochs to Tune (pipelines/sweep_trial.py). The scheduler is FIFO,
+ASHA or PBT (pipelines/sweep_pbt.py). The scaling report (Markdown, CSV, plots) is built from the child runs at
+the end and logged to the parent run.
 
 Last stdout line: `mlflow_parent_run_id=<id>`. Exit codes: 0 every trial finished (ASHA's early stops count as
 finished); 1 a trial failed or never completed an epoch, or the sweep failed (the report still covers the trials
@@ -33,12 +34,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from contract import resume, tracking
-from contract.config import typed_config
 from contract.metrics import REPORTED_EPOCH
 from pipelines.config import ConfigError, check_fits_this_machine, flatten, parallel_params
 from pipelines.data.idx import DataError
 from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
-from pipelines.fit import fit_backend, replay_run, stopped_at
+from pipelines.fit import replay_run, stopped_at
+from pipelines.sweep_pbt import PBT_CHECKPOINTS_KEPT, check_mutated_trials, make_pbt, mutations, param_space
 from pipelines.sweep_space import (Trial, cpus_needed, load_sweep, max_concurrent, plan_trials, reject_unfit,
                                    split_argv, stop_thresholds, trial_name)
 
@@ -54,7 +55,9 @@ def validate(argv: list[str]) -> tuple[DictConfig, list[Trial], str, str | None]
     `run.resume_dir`)."""
     name, sweep_overrides, train_overrides = split_argv(argv)
     spec = load_sweep(name, sweep_overrides)
+    mutable = mutations(spec)
     trials = plan_trials(spec, train_overrides)
+    check_mutated_trials(spec, trials, mutable)
     for trial in trials:
         try:
             if trial.cfg is not None:
@@ -145,22 +148,6 @@ def start_children(uri: str, parent_id: str, valid: list[Trial]) -> dict[int, st
     return children
 
 
-def run_trial(config: dict[str, Any], specs: dict[int, dict[str, Any]]) -> None:
-    """One Tune trial (runs in a Tune actor): fit this grid point's trainer the way a training run does
-    (pipelines/fit.py). The trainer's `TuneReportCallback` passes each epoch's report on to Tune; rank 0 logs to
-    the trial's child run, and the final model is logged to it (a trial ASHA stops early ends without one, and so
-    does a trial stopped on request)."""
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    spec = specs[config["trial_index"]]
-    if stop_requested(spec["cfg"]["run"]["resume_dir"]):  # the sweep is stopping: leave this trial for the rerun
-        return
-    try:
-        fit_backend(typed_config(spec["cfg"]), spec["run_id"], spec["tracking_uri"], callbacks=[TuneReportCallback()])
-    except tracking.TrackingDown as err:  # trained: not a failure for Tune to retry; the driver finishes the run
-        tracking.say(f"trial {config['trial_index']}: {err}")
-
-
 @dataclass
 class Outcome:
     status: str                 # MLflow run status: FINISHED | FAILED | KILLED
@@ -174,6 +161,8 @@ class Outcome:
 
 
 def make_scheduler(spec: DictConfig, valid: list[Trial]) -> Any:
+    if spec.scheduler == "pbt":
+        return make_pbt(spec, mutations(spec))
     if spec.scheduler != "asha":
         return None  # FIFO: every trial runs to its last epoch (or its `sweep.stop`)
     from ray.tune.schedulers import ASHAScheduler
@@ -205,16 +194,23 @@ def run_tune(spec: DictConfig, valid: list[Trial], children: dict[int, str], uri
     """Run every valid trial; returns {trial index: how it ended}."""
     from ray import tune
 
-    specs = {t.index: {"cfg": trial_config(t.cfg), "run_id": children[t.index], "tracking_uri": uri} for t in valid}
+    from pipelines.sweep_trial import run_trial  # imports Ray Train: not before the config is checked
+
+    mutable = mutations(spec)
+    specs = {t.index: {"cfg": trial_config(t.cfg), "run_id": children[t.index], "tracking_uri": uri,
+                       "mutable": list(mutable), "tune_checkpoints": spec.scheduler == "pbt"} for t in valid}
     # Only the Tune function's own CPU here: the trainer reserves its workers itself, outside Tune.
     trainable = tune.with_resources(tune.with_parameters(run_trial, specs=specs), {"cpu": 1})
+    # PBT exploits the checkpoints Tune holds: keep enough that a trial behind can still load one.
+    checkpoints = tune.CheckpointConfig(num_to_keep=PBT_CHECKPOINTS_KEPT if spec.scheduler == "pbt" else None)
     tuner = tune.Tuner(
         trainable,
-        param_space={"trial_index": tune.grid_search([t.index for t in valid])},
+        param_space=param_space(valid, mutable),
         tune_config=tune.TuneConfig(max_concurrent_trials=concurrency, scheduler=make_scheduler(spec, valid),
                                     time_budget_s=spec.time_budget_s),
         run_config=tune.RunConfig(name=f"sweep-{parent_id}", storage_path=valid[0].cfg.run.storage_path,
                                   failure_config=tune.FailureConfig(max_failures=spec.trial_max_failures),
+                                  checkpoint_config=checkpoints,
                                   stop=ReachedStop(stop_thresholds(spec)) if spec.stop else None, verbose=1),
     )
     start = time.monotonic()
@@ -355,11 +351,6 @@ def finish_recorded_sweep(folder: Path, uri: str | None = None) -> tuple[str, st
     return ending.parent_id, f"{failed} trial(s) did not finish" if failed else "every trial finished"
 
 
-def stop_requested(resume_dir: str | None) -> bool:
-    stop = resume.stop_file(resume_dir)
-    return stop is not None and stop.exists()
-
-
 def open_sweep(uri: str, spec: DictConfig, trials: list[Trial], cluster: dict[str, Any],
                resume_dir: str | None) -> tuple[str, dict[int, str], list[int]]:
     """The parent and child runs: new ones (recorded in `run.resume_dir` when set), or those of the sweep recorded
@@ -411,7 +402,7 @@ def run_sweep(spec: DictConfig, trials: list[Trial], uri: str, resume_dir: str |
         outcomes = run_tune(spec, runnable, children, uri, parent_id, concurrency) if runnable else {}
         outcomes.update({i: Outcome("KILLED", "does not fit this cluster") for i in pending if i not in outcomes})
         ending = SweepEnding(parent_id, uri, OmegaConf.to_container(spec, resolve=True), pending, outcomes,
-                             len(children), stop_requested(resume_dir), valid[0].cfg.run.register_model,
+                             len(children), resume.stop_requested(resume_dir), valid[0].cfg.run.register_model,
                              valid[0].cfg.run.storage_path)
         failed, stopped = finish_sweep(ending)
         return parent_id, failed, stopped

@@ -30,7 +30,7 @@ from pipelines.config import ConfigError, load_config
 # read/split tasks, which would wait forever if the trials' workers held every CPU.
 TRIAL_DRIVER_CPUS = 1
 DATA_CPUS = 1
-SCHEDULERS = ("fifo", "grid", "asha")  # grid: the former name of fifo
+SCHEDULERS = ("fifo", "grid", "asha", "pbt")  # grid: the former name of fifo
 MODES = ("min", "max")
 DISTRIBUTIONS = ("choice", "uniform", "loguniform", "randint")
 SIGNIFICANT_DIGITS = 4  # of a drawn float: what the trial runs with, its override and its run name agree
@@ -46,13 +46,18 @@ class SweepConfig:
     seed: int = 0                       # of the draws
     stop: Any = None                    # {epoch metric: value}: a trial stops once it reaches one (losses: <=)
     time_budget_s: Optional[float] = None  # the whole sweep: after this, Tune stops its trials and starts no more
-    scheduler: str = "fifo"             # fifo: every trial runs to the end | asha: stop poor trials early
+    scheduler: str = "fifo"             # fifo: every trial runs to the end | asha: stop poor trials early |
+                                        # pbt: poor trials continue from good ones' checkpoints (pipelines/sweep_pbt.py)
     metric: str = "test_accuracy"       # best configuration (and ASHA) by this metric of the report
     mode: str = "max"                   # max | min
     target_accuracy: float = 0.8        # report: training time until test_accuracy first reaches this
     max_concurrent_trials: Optional[int] = None  # default (and cap): what the cluster holds at once
     trial_max_failures: int = 1         # Tune restarts a failed trial this often (it resumes its checkpoint)
     asha_grace_period: int = 1          # asha: epochs every trial runs before it can be stopped
+    mutations: Any = None               # pbt: {recipe key: [values] | {distribution: args}} that exploiting trials perturb
+    pbt_interval: int = 1               # pbt: epochs between perturbations
+    pbt_quantile: float = 0.25          # pbt: the bottom fraction of trials continues from the top fraction
+    pbt_synch: bool = False             # pbt: every trial waits at each perturbation (paused, later restarted)
 
 
 @dataclass
@@ -107,8 +112,8 @@ def _check_sweep(spec: DictConfig) -> None:
 
     if spec.metric not in NUMERIC:
         raise ConfigError(f"sweep.metric: '{spec.metric}' is not a report column (choices: {NUMERIC})")
-    if spec.scheduler == "asha" and spec.metric not in (*EPOCH_METRICS, *TEXT_METRICS):
-        raise ConfigError(f"sweep.metric: asha needs a metric every epoch reports, got '{spec.metric}' "
+    if spec.scheduler in ("asha", "pbt") and spec.metric not in (*EPOCH_METRICS, *TEXT_METRICS):
+        raise ConfigError(f"sweep.metric: {spec.scheduler} needs a metric every epoch reports, got '{spec.metric}' "
                           f"(choices: {(*EPOCH_METRICS, *TEXT_METRICS)})")
     if spec.mode not in MODES:
         raise ConfigError(f"sweep.mode: unknown '{spec.mode}' (choices: {MODES})")
@@ -123,30 +128,30 @@ def _check_sweep(spec: DictConfig) -> None:
     stop_thresholds(spec)
     for grid in grids(spec):
         for key, axis in grid.items():
-            _check_axis(key, axis)
+            check_axis(key, axis)
 
 
-def _check_axis(key: str, axis: Any) -> None:
+def check_axis(key: str, axis: Any, where: str = "sweep.grid") -> None:
     """A grid axis is a non-empty list; a distribution is one of DISTRIBUTIONS with valid arguments."""
     if isinstance(axis, list):
         if not axis:
-            raise ConfigError(f"sweep.grid: '{key}' needs a non-empty list of values")
+            raise ConfigError(f"{where}: '{key}' needs a non-empty list of values")
         return
     if not isinstance(axis, dict) or len(axis) != 1 or next(iter(axis)) not in DISTRIBUTIONS:
-        raise ConfigError(f"sweep.grid: '{key}' needs a list of values or one of {{{'|'.join(DISTRIBUTIONS)}: "
+        raise ConfigError(f"{where}: '{key}' needs a list of values or one of {{{'|'.join(DISTRIBUTIONS)}: "
                           f"...}}, got {axis}")
     kind, args = next(iter(axis.items()))
     if kind == "choice":
         if not isinstance(args, list) or not args:
-            raise ConfigError(f"sweep.grid: '{key}': choice needs a non-empty list, got {args}")
+            raise ConfigError(f"{where}: '{key}': choice needs a non-empty list, got {args}")
         return
     numbers = isinstance(args, list) and len(args) == 2 and all(isinstance(a, (int, float)) for a in args)
     if not numbers or not args[0] < args[1]:
-        raise ConfigError(f"sweep.grid: '{key}': {kind} needs [low, high] with low < high, got {args}")
+        raise ConfigError(f"{where}: '{key}': {kind} needs [low, high] with low < high, got {args}")
     if kind == "loguniform" and args[0] <= 0:
-        raise ConfigError(f"sweep.grid: '{key}': loguniform needs low > 0, got {args}")
+        raise ConfigError(f"{where}: '{key}': loguniform needs low > 0, got {args}")
     if kind == "randint" and not all(isinstance(a, int) for a in args):
-        raise ConfigError(f"sweep.grid: '{key}': randint needs integers, got {args}")
+        raise ConfigError(f"{where}: '{key}': randint needs integers, got {args}")
 
 
 def stop_thresholds(spec: DictConfig) -> dict[str, tuple[float, str]]:

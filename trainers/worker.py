@@ -30,7 +30,8 @@ def ray_context(config: dict[str, Any], cfg: DictConfig) -> WorkerContext:
     import ray.train
     import ray.util
 
-    from contract.tracking import EpochLogger, SystemMetrics, TrackingSpool, run_dir, spool_dir
+    from contract.tracking import (EpochLogger, SystemMetrics, TrackingSpool, lineage_start_ms, ray_run_name, run_dir,
+                                   spool_dir)
 
     run_folder = run_dir(cfg.run.storage_path, config["run_id"])  # on shared storage
     context = ray.train.get_context()
@@ -41,14 +42,30 @@ def ray_context(config: dict[str, Any], cfg: DictConfig) -> WorkerContext:
     spool.write({"op": "tag", "key": f"rank{rank}.node", "value": ray.util.get_node_ip_address()})
     if rank == 0 and cfg.run.system_metrics:  # its thread lives as long as this worker process
         SystemMetrics(config["tracking_uri"], config["run_id"], "rank0", cfg.run.system_metrics_interval_s)
+    logger = None
+    if rank == 0:
+        # A run continuing another checkpoint is a new line of training: its epochs are logged afresh.
+        since = lineage_start_ms(Path(cfg.run.storage_path) / ray_run_name(config["run_id"], cfg.run.resume_from)) \
+            if cfg.run.resume_from else 0
+        logger = EpochLogger(spool, run_folder / "tensorboard" if cfg.run.tensorboard else None, since)
     return WorkerContext(
         rank=rank, world_size=world_size, report=ray_report, epochs=cfg.trainer.epochs,
-        restored=ray.train.get_checkpoint(),
-        logger=EpochLogger(spool, run_folder / "tensorboard" if cfg.run.tensorboard else None) if rank == 0 else None,
+        restored=restored_checkpoint(cfg), logger=logger,
         stop_file=stop_file(cfg.run.resume_dir), log_every_n_steps=cfg.trainer.log_every_n_steps,
         monitor=monitor_of(cfg.run), profile_steps=cfg.trainer.profile_steps,
         profile_dir=run_folder / "profile" if rank == 0 else None,
         before_epoch=lambda epoch: maybe_inject_failure(cfg.fault, epoch, rank, world_size))
+
+
+def restored_checkpoint(cfg: DictConfig) -> Any:
+    """What this worker resumes from: the Ray Train run's own latest checkpoint (after a worker failure), else
+    `run.resume_from`, else nothing."""
+    import ray.train
+
+    own = ray.train.get_checkpoint()
+    if own is not None or not cfg.run.resume_from:
+        return own
+    return ray.train.Checkpoint.from_directory(cfg.run.resume_from)
 
 
 def ray_report(metrics: dict[str, float], directory: str | None) -> None:
@@ -95,7 +112,7 @@ def run_config(cfg: DictConfig, run_id: str, callbacks: list | None, env: dict[s
     monitor = monitor_of(cfg.run)
     checkpoints = CheckpointConfig(num_to_keep=2, checkpoint_score_attribute=monitor.metric,
                                    checkpoint_score_order=monitor.mode)
-    return RunConfig(name=ray_run_name(run_id), storage_path=cfg.run.storage_path,
+    return RunConfig(name=ray_run_name(run_id, cfg.run.resume_from), storage_path=cfg.run.storage_path,
                      failure_config=FailureConfig(max_failures=cfg.fault.max_failures,
                                                   controller_failure_limit=-1 if patient else 0),
                      checkpoint_config=checkpoints, callbacks=list(callbacks or []),

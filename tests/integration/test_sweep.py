@@ -1,7 +1,8 @@
 """A real sweep (`sweep=smoke`: 3 trials of a tiny BERT on generated IMDb-format data, 6 rejected points)
 submitted with `ray job submit` to a real Ray head, logged to a real MLflow server; everything checked by reading
 MLflow back. Its trials are also the end-to-end runs of DDP on text (the model learns, the text metrics are
-logged) and of TP against the dense model (TP over 2 workers trains the 1-worker DDP run's loss curve)."""
+logged) and of TP against the dense model (TP over 2 workers trains the 1-worker DDP run's loss curve). A second,
+PBT sweep of two MNIST trials checks that a poor trial continues from the better trial's checkpoint."""
 from __future__ import annotations
 
 import csv
@@ -19,6 +20,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from contract.metrics import EPOCH_METRICS, TEXT_METRICS
+from contract.tracking import epoch_values
 from pipelines.data.raw_inputs import read_texts
 from pipelines.data.tokenize import Tokenise
 from tests.conftest import ROOT, pipeline_env
@@ -110,6 +112,40 @@ def test_smoke_sweep_nests_runs_rejects_points_and_reports(tmp_path, tiny_imdb, 
     sharded = history(client, by_layout[("tp", "2")].info.run_id, "train_loss")[0]
     torch.testing.assert_close(torch.tensor(sharded, dtype=torch.float64), torch.tensor(dense, dtype=torch.float64),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_pbt_trial_continues_the_better_trials_checkpoint(tmp_path, tiny_mnist, mlflow_server, ray_head):
+    """Synchronous PBT over two MNIST MLP trials: at epoch 2 the trial whose learning rate (1e-6) cannot learn
+    continues from the other's checkpoint with its recipe mutated. Its child run records the switch (tag, the
+    mutated keys' values from epoch 3), its epochs from then on are as good as the checkpoint it took, the
+    other trial is left alone, and the sweep ends like any other (statuses, nested runs, report)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipelines.sweep", "sweep=pbt_mnist", f"data.path={tiny_mnist}",
+         f"run.storage_path={tmp_path / 'ray'}", "trainer.epochs=3", "sweep.num_samples=1",
+         "sweep.grid=[{trainer.lr:[0.000001,0.01]}]", "sweep.pbt_synch=true", "sweep.pbt_quantile=0.5",
+         "sweep.pbt_interval=2"],
+        cwd=ROOT, env=pipeline_env(mlflow_server, ray_head), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    client = MlflowClient(mlflow_server)
+    parent = client.get_run(parent_id_from(proc.stdout))
+    assert parent.info.status == "FINISHED" and parent.data.params["sweep.scheduler"] == "pbt"
+    assert "report" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    by_lr = {c.data.params["trainer.lr"]: c for c in children}
+    assert set(by_lr) == {"1e-06", "0.01"} and all(c.info.status == "FINISHED" for c in children)
+    poor, good = by_lr["1e-06"], by_lr["0.01"]
+
+    assert poor.data.tags["pbt.exploited"] == f"trial{good.data.tags['sweep.trial_index']}@epoch2"
+    assert "pbt.exploited" not in good.data.tags
+    accuracy = epoch_values(client.get_metric_history(poor.info.run_id, "test_accuracy"))
+    good_accuracy = epoch_values(client.get_metric_history(good.info.run_id, "test_accuracy"))
+    assert len(accuracy) == 3 and accuracy[0] < 0.5  # on its own, lr 1e-6 learns nothing in an epoch
+    assert accuracy[1] == good_accuracy[1] and accuracy[2] >= 0.9  # epoch 2: the state it took
+    lrs = sorted(client.get_metric_history(poor.info.run_id, "hparam.trainer.lr"), key=lambda m: m.step)
+    assert [m.step for m in lrs] == [1, 3] and lrs[0].value == 1e-6 and 1e-5 <= lrs[1].value <= 0.01
+    batches = sorted(client.get_metric_history(poor.info.run_id, "hparam.trainer.batch_size"), key=lambda m: m.step)
+    assert [m.step for m in batches] == [1, 3] and batches[1].value in (32, 64, 128)
 
 
 def check_ui_screenshots(mlflow_server: str, parent_id: str, children: list, out: Path) -> None:

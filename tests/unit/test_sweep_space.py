@@ -211,3 +211,44 @@ def test_trial_outcomes_from_tune_results():
     for cut in (outcome_of(None, 3, True), outcome_of(result({}), 3, True)):
         assert (cut.status, cut.failed) == ("KILLED", False) and "time budget" in cut.message
     assert outcome_of(result({}), 3, False).failed  # no budget: a trial without an epoch did not finish
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["sweep.mutations=null"], r"^sweep\.mutations: pbt needs \{recipe key"),
+    (["sweep.mutations={model.hidden: [[64]]}"], r"^sweep\.mutations: 'model.hidden' cannot change between checkpoints"),
+    (["sweep.mutations={trainer.momentum: {uniform: [0.9, 0.1]}}"], r"^sweep\.mutations: 'trainer.momentum': uniform needs \[low, "),
+    (["sweep.pbt_quantile=0.6"], r"^sweep\.pbt_quantile: must be in \(0, 0\.5\]"),
+    (["sweep.pbt_interval=0"], r"^sweep\.pbt_interval: must be >= 1 epoch"),
+    (["sweep.scheduler=fifo"], r"^sweep\.mutations: only the pbt scheduler mutates trials"),
+    (["sweep.metric=efficiency"], r"^sweep\.metric: pbt needs a metric every epoch reports"),
+])
+def test_bad_pbt_config_names_the_key(overrides, message):
+    from pipelines.sweep_pbt import mutations
+
+    with pytest.raises(ConfigError, match=message):
+        mutations(load_sweep("pbt_mnist", overrides))
+
+
+def test_pbt_rejects_trials_a_mutation_would_make_invalid_and_keeps_perturbations_in_range(tmp_path):
+    """Every trial is validated with each mutation's values (a range's ends) before launch; a trial that cannot
+    reach a perturbation before its last epoch is rejected too; a perturbed number stays inside its range."""
+    from pipelines.sweep_pbt import InRange, check_mutated_trials, initial_values, mutations
+
+    (tmp_path / "manifest.json").write_text("{}")
+    spec = load_sweep("pbt_mnist", ["sweep.num_samples=1", "sweep.mutations={trainer.weight_decay: [0.0, 0.1]}",
+                                    "sweep.grid=[{trainer.optimizer: [adam, adamw], trainer.epochs: [1, 3]}]"])
+    trials = plan_trials(spec, [f"data.path={tmp_path}"])
+    check_mutated_trials(spec, trials, mutations(spec))
+    valid = [(t.combo["trainer.optimizer"], t.combo["trainer.epochs"]) for t in trials if t.cfg is not None]
+    assert valid == [("adamw", 3)]
+    reasons = {(t.combo["trainer.optimizer"], t.combo["trainer.epochs"]): t.reason for t in trials}
+    assert reasons[("adam", 3)].startswith("sweep.mutations: trainer.weight_decay=0.1 is invalid here: trainer.")
+    assert reasons[("adamw", 1)].startswith("sweep.pbt_interval: 1 epoch(s) leaves no perturbation")
+    assert initial_values([t for t in trials if t.cfg is not None], {"trainer.weight_decay": [0.0, 0.1]}) == \
+        {3: {"trainer.weight_decay": 0.0}}
+
+    keep_in = InRange({"trainer.lr": {"loguniform": [1e-5, 1e-2]}, "trainer.batch_size": [32, 64],
+                       "trainer.grad_clip": {"randint": [1, 5]}})
+    assert keep_in({"trainer.lr": 0.012, "trainer.batch_size": 32, "trainer.grad_clip": 0.8}) == \
+        {"trainer.lr": 0.01, "trainer.batch_size": 32, "trainer.grad_clip": 1}
+    assert keep_in({"trainer.lr": 0.0024, "trainer.batch_size": 64, "trainer.grad_clip": 4.8})["trainer.grad_clip"] == 4
