@@ -20,7 +20,7 @@ from pipelines.data.shards import read_manifest
 def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None = None) -> str | None:
     """Build the backend's Ray Train trainer over the Parquet shards, fit it, and log the final model to the MLflow
     run. Returns where the run stopped ("epoch E step S") when it stopped on request (no model is logged then:
-    the checkpoint holds a half-done epoch), else None. `callbacks`: e.g. Tune's TuneReportCallback."""
+    the checkpoint holds a half-done epoch), else None. `callbacks`: e.g. a sweep trial's TrialReporter."""
     from pipelines.data.readers import model_inputs, parquet_datasets
     from trainers import get_backend
 

@@ -1,6 +1,6 @@
 """Backends: one module each, exposing
     build_trainer(cfg, datasets, run_id, tracking_uri, model_inputs, callbacks=None) -> a Ray Train trainer
-        (`callbacks`: extra Ray Train callbacks for its RunConfig, e.g. Tune's TuneReportCallback in a sweep)
+        (`callbacks`: extra Ray Train callbacks for its RunConfig, e.g. a sweep trial's TrialReporter)
     log_final_model(tracking_uri, run_id, cfg, checkpoint, model_inputs) -> None (MLflow flavour of the backend)
     train_loop_per_worker(config) -> None (what every worker runs: its adapter on the shared loop, trainers/loop.py)
 

@@ -98,7 +98,7 @@ def scaling_config(cfg: DictConfig, resources: dict[str, float] | None = None, u
 
 def run_config(cfg: DictConfig, run_id: str, callbacks: list | None, env: dict[str, str] | None = None) -> Any:
     """A Ray Train run named after the MLflow run (so a rerun finds its checkpoints), restarts from checkpoints up
-    to `fault.max_failures`. `callbacks`: e.g. Tune's TuneReportCallback in a sweep; `env`: variables the worker
+    to `fault.max_failures`. `callbacks`: e.g. a sweep trial's TrialReporter; `env`: variables the worker
     processes must have from their start (tf-keras)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
 
