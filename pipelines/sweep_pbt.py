@@ -53,8 +53,9 @@ def check_mutated_trials(spec: DictConfig, trials: list[Trial], mutable: dict[st
         if trial.cfg is None:
             continue
         if spec.pbt_interval >= trial.cfg.trainer.epochs:
+            epochs = trial.cfg.trainer.epochs
             trial.cfg, trial.reason = None, (f"sweep.pbt_interval: {spec.pbt_interval} epoch(s) leaves no "
-                                             f"perturbation before the last of trainer.epochs={trial.cfg.trainer.epochs}")
+                                             f"perturbation before the last of trainer.epochs={epochs}")
             continue
         for key, axis in mutable.items():
             for value in extremes(axis):

@@ -215,8 +215,10 @@ def test_trial_outcomes_from_tune_results():
 
 @pytest.mark.parametrize("overrides, message", [
     (["sweep.mutations=null"], r"^sweep\.mutations: pbt needs \{recipe key"),
-    (["sweep.mutations={model.hidden: [[64]]}"], r"^sweep\.mutations: 'model.hidden' cannot change between checkpoints"),
-    (["sweep.mutations={trainer.momentum: {uniform: [0.9, 0.1]}}"], r"^sweep\.mutations: 'trainer.momentum': uniform needs \[low, "),
+    (["sweep.mutations={model.hidden: [[64]]}"],
+     r"^sweep\.mutations: 'model.hidden' cannot change between checkpoints"),
+    (["sweep.mutations={trainer.momentum: {uniform: [0.9, 0.1]}}"],
+     r"^sweep\.mutations: 'trainer.momentum': uniform needs \[low, "),
     (["sweep.pbt_quantile=0.6"], r"^sweep\.pbt_quantile: must be in \(0, 0\.5\]"),
     (["sweep.pbt_interval=0"], r"^sweep\.pbt_interval: must be >= 1 epoch"),
     (["sweep.scheduler=fifo"], r"^sweep\.mutations: only the pbt scheduler mutates trials"),
