@@ -160,9 +160,9 @@ class Outcome:
         return self.status != "FINISHED" and not self.out_of_time
 
 
-def make_scheduler(spec: DictConfig, valid: list[Trial]) -> Any:
+def make_scheduler(spec: DictConfig, valid: list[Trial], mutable: dict[str, Any]) -> Any:
     if spec.scheduler == "pbt":
-        return make_pbt(spec, mutations(spec))
+        return make_pbt(spec, mutable)
     if spec.scheduler != "asha":
         return None  # FIFO: every trial runs to its last epoch (or its `sweep.stop`)
     from ray.tune.schedulers import ASHAScheduler
@@ -206,7 +206,7 @@ def run_tune(spec: DictConfig, valid: list[Trial], children: dict[int, str], uri
     tuner = tune.Tuner(
         trainable,
         param_space=param_space(valid, mutable),
-        tune_config=tune.TuneConfig(max_concurrent_trials=concurrency, scheduler=make_scheduler(spec, valid),
+        tune_config=tune.TuneConfig(max_concurrent_trials=concurrency, scheduler=make_scheduler(spec, valid, mutable),
                                     time_budget_s=spec.time_budget_s),
         run_config=tune.RunConfig(name=f"sweep-{parent_id}", storage_path=valid[0].cfg.run.storage_path,
                                   failure_config=tune.FailureConfig(max_failures=spec.trial_max_failures),
