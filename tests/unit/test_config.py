@@ -53,6 +53,7 @@ def test_defaults_compose_and_flatten(data_override):
     ("run.register_model=team/mnist", r"^run\.register_model: 'team/mnist' is not a model name MLflow accepts"),
     ("run.patience=0", r"^run\.patience: must be >= 1"),
     ("trainer.profile_steps=-1", r"^trainer\.profile_steps: must be >= 0"),
+    ("run.resume_from=/no/checkpoint", r"^run\.resume_from: no checkpoint at '/no/checkpoint' \(missing train_state"),
 ])
 def test_bad_config_names_the_key(data_override, override, message):
     with pytest.raises(ConfigError, match=message):
