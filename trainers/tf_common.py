@@ -221,7 +221,8 @@ class KerasAdapter:
     def epoch_dataset(self, epoch: int, skip: int = 0) -> Any:
         """The epoch's per-replica batches for this worker (`steps` for each of its replicas), without those of
         the first `skip` steps."""
-        ds = self.train.dataset(self.tf, self.batch_size, seed=self.seed + epoch, steps=self.steps * self.local_replicas)
+        ds = self.train.dataset(self.tf, self.batch_size, seed=self.seed + epoch,
+                                steps=self.steps * self.local_replicas)
         return ds.skip(skip * self.local_replicas) if skip else ds
 
     def epoch_tokens(self, epoch: int) -> np.ndarray:

@@ -16,6 +16,7 @@ from torch import nn
 
 from contract.data import MNIST_MEAN, MNIST_STD
 from contract.metrics import Reducer, peak_rss_bytes
+from trainers.parallel.comm import collective_device
 from trainers.parallel.data_parallel import average_gradients
 from trainers.parallel.memory import rank_memory
 from trainers.torch_recipe import TorchRecipe, clip_dense_grad_norm
@@ -133,10 +134,11 @@ def worker_data(cfg: Any, seed: int) -> tuple[ShardBatches, ShardBatches]:
 
 
 def dist_reduce(values: list[float], op: str) -> list[float]:
-    """`Reducer` over torch.distributed (identity when it is not initialised or has one rank)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    """`Reducer` over torch.distributed (identity when it is not initialised). The values travel on the group's
+    device: NCCL (`trainer.use_gpu`) reduces CUDA tensors only."""
+    if not (dist.is_available() and dist.is_initialized()):
         return values
-    tensor = torch.tensor(values, dtype=torch.float64)
+    tensor = torch.tensor(values, dtype=torch.float64, device=collective_device())
     dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
     return tensor.tolist()
 

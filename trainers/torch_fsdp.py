@@ -29,6 +29,7 @@ from torch.distributed import ProcessGroup
 
 from trainers import torch_common as tc
 from trainers.models import build_model
+from trainers.parallel.comm import collective_device
 from trainers.parallel.grad_norm import clip_dtensor_grad_norm
 from trainers.parallel.memory import rank_memory
 from trainers.parallel.mesh import ParallelDims, build_nd_mesh
@@ -160,8 +161,9 @@ class PipelineAdapter(FSDPAdapter):
         return int(self._from_last_stage(correct)), total
 
     def _from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.to(collective_device(self.pp_group))
         dist.broadcast(value, src=self.last_rank, group=self.pp_group)
-        return value
+        return value.cpu()
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:

@@ -15,6 +15,13 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 
+def collective_device(group: ProcessGroup | None = None) -> torch.device:
+    """Where a tensor must live to go through `group`'s collectives: NCCL (GPU runs) takes CUDA tensors only."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _size(group: ProcessGroup) -> int:
     return dist.get_world_size(group)
 

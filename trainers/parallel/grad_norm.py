@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
+from trainers.parallel.comm import collective_device
 from trainers.parallel.data_parallel import local_grad
 from trainers.parallel.layers import TPLayer
 
@@ -43,8 +44,9 @@ def global_grad_norm(model: nn.Module, tp_group: ProcessGroup) -> torch.Tensor:
         else:
             replicated += squares
     if dist.get_world_size(tp_group) > 1:
+        sharded = sharded.to(collective_device(tp_group))
         dist.all_reduce(sharded, group=tp_group)
-    return (sharded + replicated).sqrt()
+    return (sharded.cpu() + replicated).sqrt()
 
 
 @torch.no_grad()
@@ -64,8 +66,9 @@ def dtensor_grad_norm(model: nn.Module, pp_group: ProcessGroup | None = None) ->
     for grads in by_mesh.values():
         total += torch.nn.utils.get_total_norm(grads, 2.0).full_tensor().double().cpu() ** 2
     if pp_group is not None:
+        total = total.to(collective_device(pp_group))
         dist.all_reduce(total, group=pp_group)
-    return total.sqrt()
+    return total.cpu().sqrt()
 
 
 @torch.no_grad()

@@ -1,0 +1,114 @@
+"""The CUDA paths of the PyTorch backends on a real GPU, in-process on the shared loop (no Ray cluster): skipped
+without a GPU, as in CI. Where one is lent:
+
+    python -m pytest --noconftest -p no:cacheprovider tests/gpu
+
+(`--noconftest`: these tests need only torch, omegaconf and hydra, not Ray or MLflow.) The GPU machines lent here
+have one GPU, and NCCL refuses two ranks on one device, so the process groups have one rank; every collective still
+runs through NCCL, which takes CUDA tensors only, a path the CPU suite's gloo groups never take. Results: README,
+"GPU runs"."""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.loop_harness import check_stop_resume_parity, config, imdb_columns, mnist_columns, run_attempt
+from tests.parallel.checks import dense_training
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+CUDA = torch.device("cuda", 0)
+# 320 rows / 16 = 20 steps per epoch: the stop at step 10 is mid-epoch. The recipe as in the CPU test of the
+# adapter (tests/unit/test_loop.py): momentum buffers, the schedule's position and the epoch's totals survive.
+MNIST = ["trainer.use_gpu=true", "trainer.num_workers=1", "trainer.batch_size=16", "trainer.optimizer=sgd",
+         "trainer.lr=0.01", "model.hidden=[32]", "model.dropout=0", "trainer.epochs=2", "trainer.lr_schedule=cosine",
+         "trainer.warmup_steps=3", "trainer.grad_clip=1.0", "trainer.grad_accum=2"]
+
+
+@pytest.fixture
+def nccl(tmp_path):
+    """A one-rank NCCL group on GPU 0, as Ray Train's TorchConfig(backend="nccl") makes for `trainer.use_gpu`."""
+    torch.cuda.set_device(CUDA)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1,
+                            device_id=CUDA)
+    assert dist.get_backend() == "nccl"
+    yield
+    dist.destroy_process_group()
+
+
+def batches(train: dict[str, np.ndarray], evaluation: dict[str, np.ndarray], dataset: str, size: int) -> Callable:
+    from trainers import torch_common as tc
+
+    as_torch = lambda columns: {k: torch.from_numpy(v) for k, v in columns.items()}  # noqa: E731
+    return lambda seed: (tc.ShardBatches.from_columns(as_torch(train), dataset, size, seed),
+                         tc.ShardBatches.from_columns(as_torch(evaluation), dataset, 64, seed))
+
+
+def ddp_run(cfg) -> Callable:
+    """DDP's worker on GPU 0: the model wrapped as Ray's `prepare_model` wraps it on a GPU worker."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainers.torch_ddp import build_adapter, run_worker
+
+    data = batches(mnist_columns(320), mnist_columns(64, seed=1), "mnist", 16)
+    wrap = lambda model: DistributedDataParallel(model, device_ids=[CUDA.index])  # noqa: E731
+    return lambda ctx: run_worker(cfg, ctx, build_adapter(cfg, {}, ctx.rank, data, CUDA, wrap=wrap))
+
+
+def test_ddp_over_nccl_stops_and_resumes_every_step_on_the_gpu(nccl, tmp_path):
+    """DDP on CUDA over NCCL (its bucket all-reduce, the loop's metric and stop reductions, the gather of every
+    rank's memory figures): the stop/resume contract holds step for step, and the memory figures are CUDA's."""
+    runs = check_stop_resume_parity(ddp_run(config(tmp_path, MNIST)), tmp_path, rtol=1e-6, atol=1e-7)
+    extras = runs["straight"].recorder.extras[2]
+    assert 0 < extras["rank0.peak_memory_bytes"] < torch.cuda.get_device_properties(CUDA).total_memory
+    assert extras["rank0.param_bytes"] == 4 * (784 * 32 + 32 + 32 * 10 + 10)  # float32 weights on the GPU
+
+
+def test_fp16_with_loss_scaling_and_bf16_track_fp32_on_the_gpu(nccl, tmp_path):
+    """precision=fp16 (autocast to float16 with a GradScaler: the loss scaled, gradients unscaled before clipping)
+    and bf16 on the GPU: their step losses differ from float32's (half precision really ran) and stay within 0.05
+    of them over 40 steps; both learn. fp16's stop/resume keeps the scaler's state: the resumed curve is the
+    uninterrupted one."""
+    from trainers import torch_common as tc
+
+    curves = {}
+    for precision in ("fp32", "bf16", "fp16"):
+        cfg = config(tmp_path / precision, [*MNIST, f"trainer.precision={precision}"])
+        curves[precision] = run_attempt(ddp_run(cfg), 0, 1, 2, tmp_path / precision / "run").recorder.curve()
+    for half in ("bf16", "fp16"):
+        assert not np.array_equal(curves[half], curves["fp32"]), half
+        np.testing.assert_allclose(curves[half], curves["fp32"], rtol=0, atol=0.05, err_msg=half)
+        assert curves[half][-5:].mean() < curves[half][:5].mean(), half
+    cfg = config(tmp_path / "fp16-resume", [*MNIST, "trainer.precision=fp16"])
+    runs = check_stop_resume_parity(ddp_run(cfg), tmp_path / "fp16-resume", rtol=1e-6, atol=1e-7)
+    state = torch.load(runs["stopped"].checkpoint / tc.STATE_FILE, weights_only=False)
+    assert state["scaler"]["scale"] > 0  # the loss scale, restored with the schedule
+
+
+def test_fsdp_over_nccl_on_the_gpu_trains_the_dense_model(nccl, tmp_path):
+    """FSDP2 (`fully_shard` on a one-rank CUDA mesh, NCCL) trains the dense model (float32 on the CPU: the same
+    step losses within float tolerance, other kernels); with bf16 mixed precision its step losses differ but stay
+    within 0.05 of float32's; the sharded checkpoint exports dense float32 weights."""
+    from trainers.torch_ddp import run_worker
+    from trainers.torch_fsdp import build_adapter, dense_model_state
+
+    model_inputs = {"vocab_size": 64, "max_len": 16}
+    data = batches(imdb_columns(320, 64, 16), imdb_columns(64, 64, 16, seed=1), "imdb", 16)
+    keys = ["trainer=fsdp", "data=imdb", "model=bert_tiny", "model.hidden=32", "model.heads=2", "model.dropout=0",
+            "trainer.batch_size=16", "trainer.lr=0.002", "trainer.epochs=1", "trainer.num_workers=1",
+            "trainer.optimizer=adamw", "trainer.weight_decay=0.01", "trainer.grad_clip=0.5", "trainer.use_gpu=true"]
+    curves = {}
+    for precision in ("fp32", "bf16"):
+        cfg = config(tmp_path / precision, [*keys, f"trainer.precision={precision}"])
+        run = lambda ctx: run_worker(cfg, ctx, build_adapter(cfg, model_inputs, 0, 1, data, CUDA))  # noqa: E731
+        attempt = run_attempt(run, 0, 1, 1, tmp_path / precision / "run")
+        curves[precision] = attempt.recorder.curve()
+        assert {v.dtype for v in dense_model_state(str(attempt.checkpoint)).values()} == {torch.float32}
+    dense, _ = dense_training(config(tmp_path / "dense", keys), model_inputs, [data(cfg.run.seed)[0]])
+    np.testing.assert_allclose(curves["fp32"], dense, rtol=1e-4, atol=1e-4)
+    assert not np.array_equal(curves["bf16"], curves["fp32"])
+    np.testing.assert_allclose(curves["bf16"], curves["fp32"], rtol=0, atol=0.05)
