@@ -504,6 +504,9 @@ def log_torch_model(uri: str, run_id: str, model, input_example) -> None:
     import torch
 
     mlflow.set_tracking_uri(uri)
+    # log_model checks the input example by loading the model back, on the GPU where this driver sees one; a
+    # torch.export model of CPU weights loads on the CPU only.
+    os.environ.setdefault("MLFLOW_DEFAULT_PREDICTION_DEVICE", "cpu")
     # The fluent API is what log_model uses; the driver sets the final status right after this.
     mlflow.start_run(run_id=run_id, log_system_metrics=False)
     try:

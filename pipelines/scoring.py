@@ -1,13 +1,13 @@
 """Score a logged MLflow model over prepared Parquet shards with Ray Data, and sum up the scores.
 
-`ModelScorer` is the `map_batches` callable: each actor loads the model once (pyfunc, so PyTorch and tf-keras
-models alike) and returns the logits of every row. `summarise` turns labels and logits into the evaluation
-metrics, and `save_plots` draws them (sklearn's displays, matplotlib files).
+`ModelScorer` is the `map_batches` callable: each actor loads the model once (PyTorch models onto its device,
+tf-keras models through pyfunc) and returns the logits of every row. `summarise` turns labels and logits into the
+evaluation metrics, and `save_plots` draws them (sklearn's displays, matplotlib files).
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -20,31 +20,50 @@ SCORER_ENV = {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 class ModelScorer:
     """Ray Data `map_batches` callable: rows with the dataset's feature column -> the other columns as they came
-    (labels, row numbers) and `logits` [B, classes]."""
+    (labels, row numbers) and `logits` [B, classes]. PyTorch models run on `device` ("cuda" in a GPU actor)."""
 
-    def __init__(self, model_uri: str, tracking_uri: str, dataset: str, threads: int = 1):
+    def __init__(self, model_uri: str, tracking_uri: str, dataset: str, device: str = "cpu", threads: int = 1):
         import mlflow
 
         mlflow.set_tracking_uri(tracking_uri)
-        self.model = mlflow.pyfunc.load_model(model_uri)
+        info = mlflow.models.get_model_info(model_uri)
         self.dataset = dataset
-        # The model's own input dtype (token ids: int64 for PyTorch, int32 for Keras); pyfunc enforces it.
-        self.dtype = self.model.metadata.get_input_schema().numpy_types()[0]
-        flavors = self.model.metadata.flavors
-        if "pytorch" in flavors:
+        # The model's own input dtype (token ids: int64 for PyTorch, int32 for Keras), as pyfunc enforces it.
+        self.dtype = info.signature.inputs.numpy_types()[0]
+        if "pytorch" in info.flavors:
             import torch
 
             torch.set_num_threads(threads)
-        if "tensorflow" in flavors:
-            import tf_keras
+            self.predict = torch_predictor(model_uri, info.flavors["pytorch"], device)
+        else:
+            if "tensorflow" in info.flavors:
+                import tf_keras
 
-            tf_keras.utils.disable_interactive_logging()  # no progress bar per batch in the driver's log
+                tf_keras.utils.disable_interactive_logging()  # no progress bar per batch in the driver's log
+            self.predict = mlflow.pyfunc.load_model(model_uri).predict
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         column = FEATURE_COLUMNS[self.dataset]
         features = model_input(self.dataset, batch[column]).astype(self.dtype, copy=False)
-        logits = np.asarray(self.model.predict(features), dtype=np.float64)
+        logits = np.asarray(self.predict(features), dtype=np.float64)
         return {**{name: values for name, values in batch.items() if name != column}, "logits": logits}
+
+
+def torch_predictor(model_uri: str, flavor: dict[str, Any], device: str) -> Callable[[np.ndarray], np.ndarray]:
+    """The logged PyTorch model (a `torch.export` program, MLflow's pt2 format) as features -> logits on `device`.
+    Not through pyfunc: MLflow loads a pt2 model only on the device it was exported on (the driver's CPU) and
+    refuses a GPU; torch's `move_to_device_pass` rewrites the program, weights and device constants alike."""
+    import mlflow
+    import torch
+    from torch.export.passes import move_to_device_pass
+
+    folder = Path(mlflow.artifacts.download_artifacts(model_uri)) / flavor["model_data"]
+    module = move_to_device_pass(torch.export.load(folder / "model.pt2"), device).module()
+
+    @torch.no_grad()
+    def predict(features: np.ndarray) -> np.ndarray:
+        return module(torch.from_numpy(features).to(device)).float().cpu().numpy()
+    return predict
 
 
 def summarise(labels: np.ndarray, logits: np.ndarray, split: str) -> tuple[dict[str, float], np.ndarray]:
@@ -96,7 +115,8 @@ def score(ds: Any, model_uri: str, tracking_uri: str, dataset: str, batch_size: 
     actors."""
     from ray.data import ActorPoolStrategy
 
-    scored = ds.map_batches(ModelScorer, fn_constructor_args=(model_uri, tracking_uri, dataset),
+    device = "cuda" if use_gpu else "cpu"
+    scored = ds.map_batches(ModelScorer, fn_constructor_args=(model_uri, tracking_uri, dataset, device),
                             batch_size=batch_size, batch_format="numpy", compute=ActorPoolStrategy(size=concurrency),
                             num_cpus=1, num_gpus=1 if use_gpu else 0, runtime_env={"env_vars": SCORER_ENV})
     keys, logits = [], []

@@ -77,15 +77,22 @@ def logged(tmp_path_factory) -> dict:
             "imdb": (log_model(uri, bert, np.ones((2, 8), np.int64), {"data.name": "imdb"}), bert)}
 
 
-def test_scorer_gives_the_models_logits(logged):
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
+def test_scorer_gives_the_models_logits(logged, device):
     """The MNIST MLP scores shard rows (uint8 images) as the workers' normalised input; the BERT scores padded
-    token ids as training's explicit mask does."""
+    token ids as training's explicit mask does. In a GPU actor (`use_gpu=true`) the models, logged from the CPU,
+    run on the GPU and give the same logits up to float32 rounding (other kernels)."""
+    tolerance = {"rtol": 1e-4, "atol": 1e-5} if device == "cuda" else {}
     run_id, mlp = logged["mnist"]
     images = np.random.default_rng(1).integers(0, 256, size=(8, 784)).astype(np.uint8)
-    scored = ModelScorer(f"runs:/{run_id}/model", logged["uri"], "mnist")({"image": images, "label": np.arange(8)})
+    scorer = ModelScorer(f"runs:/{run_id}/model", logged["uri"], "mnist", device)
+    scored = scorer({"image": images, "label": np.arange(8)})
     with torch.no_grad():
         expected = mlp(normalise(torch.from_numpy(images)))
-    torch.testing.assert_close(torch.from_numpy(scored["logits"]), expected.double())
+    torch.testing.assert_close(torch.from_numpy(scored["logits"]), expected.double(), **tolerance)
     assert scored["label"].tolist() == list(range(8))
 
     run_id, bert = logged["imdb"]
@@ -94,10 +101,11 @@ def test_scorer_gives_the_models_logits(logged):
     ids = torch.randint(1, 40, (3, 8)).masked_fill(~mask, PAD_ID).int()  # as stored: int32
     column = np.empty(3, dtype=object)
     column[:] = list(ids.numpy())  # fixed-size lists arrive as an object array of rows
-    scored = ModelScorer(f"runs:/{run_id}/model", logged["uri"], "imdb")({"input_ids": column, "label": np.zeros(3)})
+    scorer = ModelScorer(f"runs:/{run_id}/model", logged["uri"], "imdb", device)
+    scored = scorer({"input_ids": column, "label": np.zeros(3)})
     with torch.no_grad():
         expected = bert(ids.long(), mask)
-    torch.testing.assert_close(torch.from_numpy(scored["logits"]), expected.double())
+    torch.testing.assert_close(torch.from_numpy(scored["logits"]), expected.double(), **tolerance)
 
 
 @pytest.mark.parametrize("args, message", [
