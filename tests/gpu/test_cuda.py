@@ -1,12 +1,12 @@
 """The CUDA paths of the PyTorch backends on a real GPU, in-process on the shared loop (no Ray cluster): skipped
 without a GPU, as in CI. Where one is lent:
 
-    python -m pytest --noconftest -p no:cacheprovider tests/gpu
+    python -m pytest -p no:cacheprovider tests/gpu
 
-(`--noconftest`: these tests need only torch, omegaconf and hydra, not Ray or MLflow.) The GPU machines lent here
-have one GPU, and NCCL refuses two ranks on one device, so the process groups have one rank; every collective still
-runs through NCCL, which takes CUDA tensors only, a path the CPU suite's gloo groups never take. Results: README,
-"GPU runs"."""
+(these tests need torch, omegaconf, hydra and Ray's `Checkpoint` class, no Ray cluster or MLflow). The GPU machines
+lent here have one GPU, and NCCL refuses two ranks on one device, so the process groups have one rank; every
+collective still runs through NCCL, which takes CUDA tensors only, a path the CPU suite's gloo groups never take.
+Scoring on a GPU: tests/unit/test_evaluate.py. Results: README, "GPU runs"."""
 from __future__ import annotations
 
 from typing import Callable
