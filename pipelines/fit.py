@@ -51,6 +51,15 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
     return stopped
 
 
+FIT_THREAD = "ray-train-fit"
+
+
+def fit_still_running() -> bool:
+    """Whether an interrupted `fit_in_thread` left its thread inside Ray Train: once Ray is shut down, that
+    thread's next call into Ray ends the whole process ("The core worker has already been shutdown")."""
+    return any(thread.name == FIT_THREAD and thread.is_alive() for thread in threading.enumerate())
+
+
 def fit_in_thread(trainer: Any) -> Any:
     """`trainer.fit()` in a helper thread, so that Ctrl-C and SIGTERM interrupt this thread at once. On the main
     thread Ray Train installs a SIGINT handler that waits for its controller to abort, and the controller does not
@@ -65,7 +74,7 @@ def fit_in_thread(trainer: Any) -> Any:
         except BaseException as err:  # handed to the caller's thread as it is
             outcome["error"] = err
 
-    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+    thread = threading.Thread(target=fit, name=FIT_THREAD, daemon=True)
     thread.start()
     thread.join()  # a signal's exception (KeyboardInterrupt, resume.Interrupted) is raised here
     if "error" in outcome:

@@ -18,7 +18,7 @@ from contract.config import worker_resources
 from pipelines.config import ConfigError, check_fits_this_machine, flatten, load_config, parallel_params
 from pipelines.data.idx import DataError
 from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
-from pipelines.fit import fit_backend
+from pipelines.fit import fit_backend, fit_still_running
 
 
 def validate(argv: list[str]) -> tuple[DictConfig, dict, str]:
@@ -135,15 +135,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         code, run_id, message = train_into_run(cfg, manifest, uri)
-    finally:
+    except BaseException:
         ray.shutdown()
-    # After the shutdown, so that they are the last lines: Ray's thread that forwards the workers' logs can no
-    # longer write after them, or into the middle of them.
+        raise
+    if fit_still_running():  # interrupted: say it before the shutdown, which may end this process
+        report_end(message, run_id)
+        ray.shutdown()
+    else:
+        # After the shutdown, so that they are the last lines: Ray's thread that forwards the workers' logs can
+        # no longer write after them, or into the middle of them.
+        ray.shutdown()
+        report_end(message, run_id)
+    return code
+
+
+def report_end(message: str | None, run_id: str) -> None:
+    """The run's last lines: its one error or stop line (stderr), then `mlflow_run_id=` (stdout)."""
     if message:
         print(message, file=sys.stderr, flush=True)
     sys.stdout.write(f"mlflow_run_id={run_id}\n")
     sys.stdout.flush()
-    return code
 
 
 def train_into_run(cfg: DictConfig, manifest: dict, uri: str) -> tuple[int, str, str | None]:
