@@ -499,7 +499,9 @@ def lineage_start_ms(folder: Path) -> int:
     return int(marker.read_text())
 
 
-def log_torch_model(uri: str, run_id: str, model, input_example) -> None:
+def log_torch_model(uri: str, run_id: str, model, input_example, epoch: int) -> None:
+    """The model as the run's MLflow model (PyTorch flavour), linked to the metrics of `epoch`, the one whose
+    checkpoint it holds (the logged model's page in the UI shows them)."""
     import mlflow
     import torch
 
@@ -513,7 +515,7 @@ def log_torch_model(uri: str, run_id: str, model, input_example) -> None:
         # Explicit requirements: MLflow's inference imports and scans modules, seconds for nothing here.
         torch_req = f"torch=={torch.__version__.split('+')[0]}"
         mlflow.pytorch.log_model(model, name="model", input_example=input_example,
-                                 pip_requirements=[torch_req])
+                                 pip_requirements=[torch_req], step=epoch)
     finally:
         mlflow.end_run()
 

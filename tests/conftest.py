@@ -221,10 +221,11 @@ def train_ok(args: list[str], env: dict[str, str]) -> tuple[subprocess.Completed
 
 def check_finished_run(client: Any, run_id: str, backend: str, epochs: int) -> str:
     """The run contract every backend keeps: FINISHED, every epoch metric once per epoch, the loss going down,
-    one model logged. Returns the logged model's URI."""
+    one model logged, linked to the metrics of the epoch it holds. Returns the logged model's URI."""
     import mlflow
 
     from contract.metrics import EPOCH_METRICS
+    from contract.tracking import epoch_values
 
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
@@ -237,6 +238,10 @@ def check_finished_run(client: Any, run_id: str, backend: str, epochs: int) -> s
     models = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id],
                                          filter_string=f"source_run_id = '{run_id}'", output_format="list")
     assert len(models) == 1
+    epoch = int(run.data.tags["final_model_epoch"])
+    linked = {m.key: m.value for m in models[0].metrics or []}  # what the logged model's page shows
+    for name in EPOCH_METRICS:
+        assert linked[name] == epoch_values(client.get_metric_history(run_id, name))[epoch - 1], name
     return models[0].model_uri
 
 

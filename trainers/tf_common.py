@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from contract.checkpoint import TrainState
 from contract.data import MNIST_MEAN, MNIST_STD
 from contract.metrics import peak_rss_bytes
 
@@ -276,12 +277,13 @@ def _log_model_task(uri: str, run_id: str, cfg_dict: dict, checkpoint: Any, mode
     model = build_compiled_model(keras, cfg, model_inputs)
     with checkpoint.as_directory() as directory:
         model.load_weights(os.path.join(directory, WEIGHTS))
+        epoch = TrainState.read(directory).epoch
     mlflow.set_tracking_uri(uri)
     mlflow.start_run(run_id=run_id, log_system_metrics=False)
     try:
         # Explicit requirements: MLflow's inference imports and scans modules, seconds for nothing here.
         mlflow.tensorflow.log_model(model, name="model", input_example=input_example(cfg.data.name, model_inputs),
-                                    keras_model_kwargs={"save_format": "keras"},
+                                    keras_model_kwargs={"save_format": "keras"}, step=epoch,
                                     pip_requirements=[f"tensorflow=={tf.__version__}",
                                                       f"tf-keras=={keras.__version__}"])
     finally:

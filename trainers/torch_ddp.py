@@ -8,6 +8,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from contract.checkpoint import TrainState
 from trainers import torch_common as tc
 from trainers.loop import TrainLoop, WorkerContext
 from trainers.models import build_model
@@ -75,7 +76,8 @@ def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, mod
     model = build_model(cfg.model, model_inputs)
     with checkpoint.as_directory() as directory:
         model.load_state_dict(tc.load_state_file(directory)["model"])
-    log_torch_model(uri, run_id, model.eval(), example_input(cfg.data.name, model_inputs))
+        epoch = TrainState.read(directory).epoch
+    log_torch_model(uri, run_id, model.eval(), example_input(cfg.data.name, model_inputs), epoch)
 
 
 def example_input(dataset: str, model_inputs: dict) -> Any:

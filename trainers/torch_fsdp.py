@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from contract.checkpoint import TrainState
 from trainers import torch_common as tc
 from trainers.models import build_model
 from trainers.parallel.comm import collective_device
@@ -240,4 +241,5 @@ def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, mod
     model = build_model(cfg.model, model_inputs)
     with checkpoint.as_directory() as directory:
         model.load_state_dict(dense_model_state(directory))
-    log_torch_model(uri, run_id, model.eval(), example_input(cfg.data.name, model_inputs))
+        epoch = TrainState.read(directory).epoch
+    log_torch_model(uri, run_id, model.eval(), example_input(cfg.data.name, model_inputs), epoch)

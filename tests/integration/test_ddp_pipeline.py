@@ -98,6 +98,7 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
     accuracy = {m.step: m.value for m in client.get_metric_history(run_id, "test_accuracy")}
     best = max((value, epoch) for epoch, value in accuracy.items())[1]
     assert run.data.tags["final_model_epoch"] == str(best)
+    assert {m.key: m.value for m in models[0].metrics}["test_accuracy"] == accuracy[best]  # linked to its epoch
     folders = [p for p in (tmp_path / "ray").glob("run-*/checkpoint_*") if p.is_dir()]
     kept = {json.loads((p / "train_state.json").read_text())["epoch"]:
             torch.load(p / "state.pt", weights_only=False)["model"] for p in folders}
