@@ -110,7 +110,7 @@ def _check_values(cfg: DictConfig) -> None:
     if not manifest.is_file():
         raise ConfigError(f"data.path: no prepared dataset at '{cfg.data.path}' (missing manifest.json); "
                           f"run `python -m pipelines.prepare {cfg.data.name} --out {cfg.data.path}`")
-    _check_warmup_fits(cfg, _manifest_json(manifest))
+    _check_steps_fit(cfg, _manifest_json(manifest))
 
 
 def _manifest_json(path: Path) -> dict:
@@ -171,14 +171,22 @@ def _check_recipe(cfg: DictConfig) -> None:
         raise ConfigError(f"run.register_model: '{name}' is not a model name MLflow accepts (not blank, no / or :)")
 
 
-def _check_warmup_fits(cfg: DictConfig, manifest: dict) -> None:
-    """Warmup must end before the run does: at most ceil(rows per data-parallel rank / batch) steps per epoch."""
+def _check_steps_fit(cfg: DictConfig, manifest: dict) -> None:
+    """Every data-parallel rank trains at least one batch an epoch, and warmup ends before the run does. A rank
+    holds rows // ranks of the train split; a pipeline (pp > 1) trains full batches only (its stages need fixed
+    shapes: the epoch's short last batch is left out), every other backend keeps the short batch."""
     trainer = cfg.trainer
     rows = manifest.get("splits", {}).get("train", {}).get("rows")
     if not isinstance(rows, int):
         return
     dp, _ = parallel_degrees(trainer)
-    steps = -(-(rows // (dp or trainer.num_workers)) // trainer.batch_size)
+    ranks = dp or trainer.num_workers
+    per_rank, pipelined = rows // ranks, trainer.backend == "fsdp" and trainer.pp > 1
+    steps = per_rank // trainer.batch_size if pipelined else -(-per_rank // trainer.batch_size)
+    if steps == 0:
+        full = ", and a pipeline trains full batches only" if pipelined else ""
+        raise ConfigError(f"trainer.batch_size: each of the {ranks} data-parallel rank(s) holds {per_rank} of the "
+                          f"{rows} training rows{full}: a batch of {trainer.batch_size} leaves it nothing to train")
     if trainer.max_steps_per_epoch:
         steps = min(steps, trainer.max_steps_per_epoch)
     warmup, updates = recipe.schedule_steps(trainer, steps)

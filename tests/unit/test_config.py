@@ -1,6 +1,7 @@
 """Config composition and validation: every bad input is one ConfigError naming the key."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -137,6 +138,22 @@ def test_impossible_fsdp_layouts_are_rejected(data_override, overrides, message)
 def test_impossible_pipelines_are_rejected(fake_imdb, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(["trainer=fsdp", "data=imdb", "model=bert_tiny", fake_imdb, "trainer.pp=2", *overrides])
+
+
+def test_a_rank_without_a_batch_to_train_is_rejected(tmp_path):
+    """100 training rows over 2 data-parallel ranks (4 workers, 2 pipeline stages) are 50 per rank: a pipeline
+    trains full batches only, so a batch of 64 would train nothing; without a pipeline the short batch trains."""
+    (tmp_path / "manifest.json").write_text(json.dumps({"splits": {"train": {"rows": 100}}}))
+    base = ["trainer=fsdp", "data=imdb", "model=bert_tiny", f"data.path={tmp_path}", "trainer.num_workers=4",
+            "trainer.microbatches=2"]
+    with pytest.raises(ConfigError, match=r"^trainer\.batch_size: each of the 2 data-parallel rank\(s\) holds 50 "
+                                          r"of the 100 training rows, and a pipeline trains full batches only: a "
+                                          r"batch of 64 leaves it nothing to train$"):
+        load_config([*base, "trainer.pp=2", "trainer.batch_size=64"])
+    assert load_config([*base, "trainer.pp=2", "trainer.batch_size=50"]).trainer.batch_size == 50
+    assert load_config([*base, "trainer.batch_size=64"]).trainer.batch_size == 64  # 4 ranks of 25 rows: 1 step
+    with pytest.raises(ConfigError, match=r"^trainer\.batch_size: each of the 128 data-parallel rank\(s\) holds 0 "):
+        load_config([*base, "trainer.num_workers=128"])
 
 
 def test_a_pipeline_layout_loads(fake_imdb):
