@@ -57,12 +57,14 @@ def assert_spread_run(client: mlflow.MlflowClient, run_id: str, epochs: int) -> 
 
 
 def test_preempted_sweep_requeues_and_continues_into_the_same_runs(slurm, tiny_mnist, tmp_path, monkeypatch):
-    """A sweep (a DDP trial on 2 workers spread over the nodes) preempted in its first epoch: the Slurm script
-    asks it to stop, it checkpoints its running trial and exits 3, the job requeues itself, and the requeued sweep
-    continues the same MLflow parent and child run from that checkpoint. The job's own MLflow server refuses
-    requests without the job's credential."""
+    """A sweep (DDP on 2 workers spread over the nodes, and on 1) preempted after its first epoch: the Slurm
+    script asks it to stop, it checkpoints its running trial and exits 3, the job requeues itself, and the requeued
+    sweep continues the same MLflow parent and child runs, re-running only the unfinished trials. The job's own
+    MLflow server refuses requests without the job's credential."""
     out = tmp_path / "slurm"
-    grid = "sweep.grid=[{trainer:[ddp],trainer.num_workers:[2]}]"
+    # Two trials, one at a time: the second is still to run when TERM comes. With one trial alone, tiny data let it
+    # finish its last epoch before the stop took effect: the job completed, never requeued (seen in CI).
+    grid = "sweep.grid=[{trainer:[ddp],trainer.num_workers:[2,1]}]"
     # 1024 rows / 2 workers / 16 per batch = 32 steps per epoch: the stop check (every 10 steps) lands mid-epoch.
     command = ["python", "-m", "pipelines.sweep", "sweep=mnist_backends", grid, "sweep.scheduler=grid",
                "sweep.max_concurrent_trials=1", f"data.path={tiny_mnist}", "trainer.epochs=2",
