@@ -3,11 +3,17 @@ MLflow (a throwaway sqlite store and a local Ray started by the pipeline itself)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -43,13 +49,15 @@ def mnist_arrays(split: str) -> tuple[np.ndarray, np.ndarray]:
     return images.copy(), table.column("label").to_numpy().astype(np.int64)
 
 
-def pipeline_run(overrides: list[str], on_cluster: bool = False) -> tuple[dict[str, list[float]], dict[str, float]]:
+def pipeline_run(overrides: list[str], on_cluster: bool = False,
+                 tracking_uri: str | None = None) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Run `python -m pipelines.train <overrides>` and return (every metric's history in step order, the last
-    value of every metric). On a Ray of its own, unless `on_cluster`: then on the one at RAY_ADDRESS."""
+    value of every metric). On a Ray of its own, unless `on_cluster`: then on the one at RAY_ADDRESS. MLflow:
+    `tracking_uri`, or a throwaway sqlite store."""
     from mlflow.tracking import MlflowClient
 
     with tempfile.TemporaryDirectory() as tmp:
-        uri = f"sqlite:///{tmp}/mlflow.db"
+        uri = tracking_uri or f"sqlite:///{tmp}/mlflow.db"
         env = {**os.environ, "MLFLOW_TRACKING_URI": uri, **QUIET_ENV}
         if not on_cluster:
             env.pop("RAY_ADDRESS", None)
@@ -63,6 +71,32 @@ def pipeline_run(overrides: list[str], on_cluster: bool = False) -> tuple[dict[s
         history = {name: [m.value for m in sorted(client.get_metric_history(run_id, name), key=lambda m: m.step)]
                    for name in last}
         return history, last
+
+
+@contextlib.contextmanager
+def mlflow_server() -> Iterator[str]:
+    """A real `mlflow server` on loopback for the duration (sqlite backend, proxied artifacts); yields its URL."""
+    with tempfile.TemporaryDirectory() as tmp:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
+                                 "--port", str(port), "--workers", "1", "--backend-store-uri",
+                                 f"sqlite:///{tmp}/mlflow.db", "--artifacts-destination", f"{tmp}/artifacts"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+        url = f"http://127.0.0.1:{port}"
+        try:
+            for _ in range(240):  # up to 2 minutes for the server to answer /health
+                try:
+                    with urllib.request.urlopen(f"{url}/health", timeout=2):
+                        break
+                except OSError:
+                    time.sleep(0.5)
+            yield url
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
 
 
 def steady_rate(rates: list[float]) -> float:

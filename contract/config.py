@@ -32,6 +32,7 @@ class TrainerConfig:
     grad_clip: Optional[float] = None   # clip the global gradient norm (over all shards) to this
     grad_accum: int = 1                 # batches per optimizer step (gradients averaged over them)
     precision: str = "fp32"             # fp32 | bf16 | fp16 (fp16: GPUs only)
+    compile: bool = False               # PyTorch backends: train through torch.compile (not pipelines, not TF)
     epochs: int = 5
     log_every_n_steps: int = 0          # rank 0 logs `step_loss` every n steps (0: off)
     profile_steps: int = 0              # rank 0 profiles n steps after a warmup step: artifact profile/

@@ -95,6 +95,7 @@ def _check_values(cfg: DictConfig) -> None:
     _check_parallelism(cfg)
     _check_tensorflow(cfg)
     _check_horovod(cfg)
+    _check_compile(cfg.trainer)
     if cfg.fault.max_failures < 0:
         raise ConfigError(f"fault.max_failures: must be >= 0, got {cfg.fault.max_failures}")
     if cfg.fault.resource_timeout_s < 0:
@@ -297,6 +298,17 @@ def _check_tensorflow(cfg: DictConfig) -> None:
     if cfg.model.name not in KERAS_MODELS:
         raise ConfigError(f"model.name: backend tf_mwms has Keras models for {', '.join(KERAS_MODELS)} only, "
                           f"got '{cfg.model.name}'")
+
+
+def _check_compile(trainer: DictConfig) -> None:
+    """torch.compile wraps the training forward of the PyTorch backends; a pipeline schedule runs its stages itself."""
+    if not trainer.compile:
+        return
+    if trainer.backend == "tf_mwms" or (trainer.backend == "horovod" and trainer.framework == "tf"):
+        raise ConfigError("trainer.compile: torch.compile is for the PyTorch backends (TensorFlow compiles its "
+                          "training step with tf.function already)")
+    if trainer.backend == "fsdp" and trainer.pp > 1:
+        raise ConfigError("trainer.compile: not supported with pipeline stages (pp > 1)")
 
 
 def _check_horovod(cfg: DictConfig) -> None:

@@ -30,6 +30,15 @@ STATE_FILE = "state.pt"  # {"model": dense state dict, "optimizer": dense optimi
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor, int]  # (model inputs, labels, tokens in batch)
 
 
+def place_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """`model` on `device`; a convolutional one in channels-last memory format, which oneDNN (and cuDNN) run
+    faster: the MNIST CNN trains 1.2x faster on one CPU thread, mostly because NCHW max-pooling is a slow path.
+    (Horovod refuses such tensors: they are not contiguous in NCHW order.)"""
+    if any(isinstance(m, nn.Conv2d) for m in model.modules()):
+        return model.to(device, memory_format=torch.channels_last)
+    return model.to(device)
+
+
 def normalise(images: torch.Tensor) -> torch.Tensor:
     return (images.float() / 255.0 - MNIST_MEAN) / MNIST_STD
 
@@ -195,7 +204,13 @@ class TorchAdapter:
         self.clip = clip or (lambda max_norm: clip_dense_grad_norm(self.model, max_norm))
         self.load_s = train.load_s + evaluation.load_s
         self.loss_fn = nn.CrossEntropyLoss()
+        self.forward: Callable[..., torch.Tensor] = model  # the training forward (`compile_forward`)
         self.pending = 0  # backward passes since the last optimizer step
+
+    def compile_forward(self) -> None:
+        """Train through `torch.compile` of the model (wrappers included: DDP's hooks, FSDP's, TP's collectives).
+        Evaluation and checkpoints use the model itself, so state-dict keys and the eval graph are unchanged."""
+        self.forward = torch.compile(self.model)
 
     def steps_per_epoch(self) -> int:
         return self.train.steps()
@@ -212,7 +227,7 @@ class TorchAdapter:
         with self._local_step():
             with torch.autocast(self.device.type, dtype=recipe.autocast_dtype,
                                 enabled=recipe.autocast_dtype is not None):
-                loss = self.loss_fn(self.model(*inputs), labels)
+                loss = self.loss_fn(self.forward(*inputs), labels)
             scaled = loss / self.passes if self.passes > 1 else loss
             (recipe.scaler.scale(scaled) if recipe.scaler is not None else scaled).backward()
         self.pending += 1

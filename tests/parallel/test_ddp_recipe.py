@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -13,8 +14,7 @@ from tests.loop_harness import config, mnist_columns, run_attempt, shard
 from tests.parallel.dist_utils import RankPools
 
 ROWS, BATCH = 160, 16  # 80 rows per rank: 5 batches, accumulated 2 + 2 + 1
-OVERRIDES = ["trainer.batch_size=16", "trainer.optimizer=sgd", "trainer.lr=0.05", "model.hidden=[32]",
-             "model.dropout=0", "trainer.epochs=1", "trainer.num_workers=2", "trainer.grad_accum=2",
+OVERRIDES = ["trainer.batch_size=16", "trainer.optimizer=sgd", "trainer.lr=0.05", "model.dropout=0", "trainer.epochs=1", "trainer.num_workers=2", "trainer.grad_accum=2",
              "trainer.lr_schedule=linear", "trainer.warmup_steps=1", "trainer.grad_clip=0.5"]
 
 
@@ -50,15 +50,25 @@ def _dense_reference(cfg, model: nn.Module) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def _accumulate(rank: int, world_size: int, tmp: str) -> None:
+# the CNN trains in channels-last memory format (trainers/torch_common.place_model); its reference is plain NCHW.
+# `compiled`: the same MLP trained through torch.compile (DDP's graph split at its buckets).
+MODELS = {"mlp": ["model.hidden=[32]"], "cnn": ["model=cnn", "model.channels=[4,8]", "model.hidden=16"],
+          "compiled": ["model.hidden=[32]", "trainer.compile=true"]}
+
+
+def _accumulate(rank: int, world_size: int, tmp: str, model: str) -> None:
     from trainers.models import build_model
     from trainers.torch_ddp import build_adapter, run_worker
 
     torch.set_default_dtype(torch.float32)  # the pool's ranks may have run a float64 test before
-    cfg = config(Path(tmp) / f"cfg{rank}", OVERRIDES)
+    cfg = config(Path(tmp) / f"cfg{rank}", [*MODELS[model], *OVERRIDES])
     adapter = build_adapter(cfg, {}, rank, _batches(rank), torch.device("cpu"),
                             wrap=lambda m: nn.parallel.DistributedDataParallel(m))
+    convs = [m for m in adapter.model.modules() if isinstance(m, nn.Conv2d)]
+    assert all(c.weight.is_contiguous(memory_format=torch.channels_last) for c in convs) and len(convs) == (
+        2 if model == "cnn" else 0)
     run_attempt(lambda ctx: run_worker(cfg, ctx, adapter), rank, world_size, 1, Path(tmp) / f"run{rank}")
+    assert (adapter.forward is not adapter.model) == cfg.trainer.compile  # trained through torch.compile or not
     trained = adapter.dense_model_state()
     gathered: list = [None] * world_size
     dist.all_gather_object(gathered, trained)
@@ -67,10 +77,13 @@ def _accumulate(rank: int, world_size: int, tmp: str) -> None:
     if rank == 0:
         torch.manual_seed(cfg.run.seed)
         expected = _dense_reference(cfg, build_model(cfg.model, {}))
-        # float32, 3 steps: DDP's bucketed all-reduce sums in another order than the reference (~1e-7 relative).
+        # float32, 3 steps: DDP's bucketed all-reduce sums in another order than the reference (~1e-7 relative);
+        # compiled kernels fuse and reorder too.
         for name, value in trained.items():
-            torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6 if model != "compiled" else 1e-5)
 
 
-def test_ddp_accumulation_with_a_partial_last_step_matches_the_dense_reference(run_ranks: RankPools, tmp_path):
-    run_ranks(_accumulate, 2, str(tmp_path))
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_ddp_accumulation_with_a_partial_last_step_matches_the_dense_reference(run_ranks: RankPools, tmp_path,
+                                                                                model):
+    run_ranks(_accumulate, 2, str(tmp_path), model)

@@ -54,11 +54,12 @@ def test_defaults_compose_and_flatten(data_override):
     ("run.register_model=team/mnist", r"^run\.register_model: 'team/mnist' is not a model name MLflow accepts"),
     ("run.patience=0", r"^run\.patience: must be >= 1"),
     ("trainer.profile_steps=-1", r"^trainer\.profile_steps: must be >= 0"),
+    ("trainer=tf_mwms trainer.compile=true", r"^trainer\.compile: torch\.compile is for the PyTorch backends"),
     ("run.resume_from=/no/checkpoint", r"^run\.resume_from: no checkpoint at '/no/checkpoint' \(missing train_state"),
 ])
 def test_bad_config_names_the_key(data_override, override, message):
     with pytest.raises(ConfigError, match=message):
-        load_config([data_override, override])
+        load_config([data_override, *override.split()])
 
 
 def test_cli_exits_2_with_one_line_before_touching_ray_or_mlflow(tmp_path, data_override):
@@ -134,6 +135,7 @@ def test_impossible_fsdp_layouts_are_rejected(data_override, overrides, message)
     (["model.layers=4", "trainer.pp_schedule=interleaved_1f1b", "trainer.microbatches=3", "trainer.batch_size=6"],
      r"^trainer\.microbatches: interleaved_1f1b needs a multiple of pp=2, got 3"),
     (["trainer.grad_accum=2"], r"^trainer\.grad_accum: with pp > 1 the micro-batches are the accumulation"),
+    (["trainer.compile=true"], r"^trainer\.compile: not supported with pipeline stages"),
 ])
 def test_impossible_pipelines_are_rejected(fake_imdb, overrides, message):
     with pytest.raises(ConfigError, match=message):
