@@ -419,6 +419,9 @@ def flush_spools(uri: str, run_id: str, folder: Path) -> int:
     return unsent
 
 
+STEP_LOSS_SEND_S = 5.0  # rank 0 sends its kept step losses at least this often
+
+
 class EpochLogger:
     """Rank 0's per-epoch metrics, through its `TrackingSpool`. Logging is idempotent per (metric, epoch): after a
     worker failure the resumed run may replay an epoch whose metrics were already logged, and MLflow must hold
@@ -435,6 +438,8 @@ class EpochLogger:
         self.tensorboard_dir = tensorboard_dir
         self.since_ms = since_ms
         self._events: Any = None
+        self._step_losses: list[list] = []  # [name, value, timestamp ms, step], not sent yet
+        self._oldest_step_loss = 0.0        # time.monotonic() of the first of them
 
     def _to_tensorboard(self, step: int, metrics: Mapping[str, float]) -> None:
         """Written at once: tensorboardX's EventsWriter (its SummaryWriter queues events for a thread, so a flush
@@ -453,23 +458,41 @@ class EpochLogger:
         self._events.flush()
 
     def log_step_loss(self, step: int, loss: float) -> None:
-        self.spool.write({"op": "metrics", "metrics": [["step_loss", float(loss), now_ms(), step]]})
+        """Kept and sent together, every STEP_LOSS_SEND_S and before anything else is logged (the epoch's end):
+        a request per logged step makes every few steps wait for the tracking server's round trip (small on one
+        machine, benchmarks/tracking_overhead.py; tens of ms to a server on another node). A worker that dies
+        loses its last few seconds of step losses; the restarted run trains those steps again."""
+        if not self._step_losses:
+            self._oldest_step_loss = time.monotonic()
+        self._step_losses.append(["step_loss", float(loss), now_ms(), step])
         self._to_tensorboard(step, {"step_loss": loss})
+        if time.monotonic() - self._oldest_step_loss >= STEP_LOSS_SEND_S:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send the step losses kept so far."""
+        if self._step_losses:
+            self.spool.write({"op": "metrics", "metrics": self._step_losses})
+            self._step_losses = []
 
     def resumed_from(self, epoch: int) -> None:
         """Record a restart from the checkpoint of `epoch` (tag `resumed_from_epoch`, comma-separated)."""
+        self.flush()
         self.spool.write({"op": "append_tag", "key": "resumed_from_epoch", "value": str(epoch)})
 
     def log_extra(self, epoch: int, metrics: Mapping[str, float]) -> None:
         """Per-epoch diagnostics (per-rank stats) logged as they come, without the once-per-epoch check."""
+        self.flush()
         now = now_ms()
         self.spool.write({"op": "metrics", "metrics": [[k, float(v), now, epoch] for k, v in metrics.items()]})
 
     def log_artifacts(self, folder: str, path: str) -> None:
         """The files in `folder` (on this worker's node) as the run's artifacts under `path`."""
+        self.flush()
         self.spool.write({"op": "artifacts", "folder": folder, "path": path})
 
     def log(self, epoch: int, metrics: Mapping[str, float]) -> None:
+        self.flush()
         now = now_ms()
         self.spool.write({"op": "metrics", "once_per": "train_loss", "since_ms": self.since_ms,
                           "metrics": [[k, float(v), now, epoch] for k, v in metrics.items()]})

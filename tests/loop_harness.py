@@ -41,6 +41,9 @@ class Recorder:
         assert step not in self.step_losses, f"step {step} logged twice"
         self.step_losses[step] = loss
 
+    def flush(self) -> None:
+        pass
+
     def resumed_from(self, epoch: int) -> None:
         self.resumed.append(epoch)
 

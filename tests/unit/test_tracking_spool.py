@@ -41,6 +41,26 @@ def test_records_wait_in_the_spool_and_go_out_once(tmp_path, monkeypatch):
     assert [a.path for a in client.list_artifacts(run_id, "profile")] == ["profile/trace_rank0.json"]
 
 
+def test_step_losses_go_out_together_not_one_request_each(tmp_path, monkeypatch):
+    """Kept until the epoch's end (or STEP_LOSS_SEND_S after the oldest), then sent in order in one record."""
+    from contract import tracking
+
+    monkeypatch.chdir(tmp_path)
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(store)
+    run_id = client.create_run(client.create_experiment("steps")).info.run_id
+    logger = EpochLogger(TrackingSpool(store, run_id, tmp_path / "spool", "rank0"))
+    history = lambda: [(m.step, m.value) for m in client.get_metric_history(run_id, "step_loss")]
+    for step in (10, 20, 30):
+        logger.log_step_loss(step, step / 64)
+    assert history() == []  # kept
+    logger.log(1, {"train_loss": 0.75, "test_accuracy": 0.5})
+    assert sorted(history()) == [(10, 10 / 64), (20, 20 / 64), (30, 30 / 64)]
+    monkeypatch.setattr(tracking, "STEP_LOSS_SEND_S", 0.0)
+    logger.log_step_loss(40, 0.5)
+    assert sorted(history())[-1] == (40, 0.5)  # the oldest kept loss is STEP_LOSS_SEND_S old: sent at once
+
+
 def read_scalars(folder) -> dict[str, dict[int, float]]:
     """{tag: {step: value}} from the TensorBoard event files in `folder` (TFRecord framing: length, its CRC, the
     Event proto, its CRC)."""
