@@ -2,12 +2,13 @@
 compute-bound model (the MNIST CNN by default).
 
     python -m benchmarks.scaling [--model cnn] [--epochs 3] [--steps 60] [--batch 128] [--only ddp,bare_torch]
+                                 [--pin] [--repeats 1] [--set trainer.compile=true ...]
 
 Each row trains `--steps` steps of `--batch` samples per worker per epoch, one thread per worker. Throughput is
-global samples/s, the mean of epochs 2..N; efficiency = T(2 workers) / (2 x T(1 worker)). The bare frameworks
-are plain processes on this machine: torch.distributed (gloo, DDP) and tf-keras `fit` under
-MultiWorkerMirroredStrategy (1 process: TF's default strategy, as our backend does). TP, FSDP and pipelines are
-not here: they do not apply to the CNN (benchmarks/layouts.py compares them on BERT).
+global samples/s, the mean of epochs 2..N (median over `--repeats` runs); efficiency = T(2 workers) / (2 x T(1
+worker)). The bare frameworks are plain processes on this machine: torch.distributed (gloo, DDP) and tf-keras `fit`
+under MultiWorkerMirroredStrategy (1 process: TF's default strategy, as our backend does). TP, FSDP and pipelines
+are not here: they do not apply to the CNN (benchmarks/layouts.py compares them on BERT).
 Last line: `min_efficiency=<lowest efficiency among ddp, horovod_torch and tf_mwms_fit>`.
 """
 from __future__ import annotations
@@ -146,17 +147,21 @@ def bare_run(framework: str, args: argparse.Namespace, world: int) -> list[float
 def pipeline_rates(overrides: list[str], args: argparse.Namespace, world: int) -> list[float]:
     history, _ = pipeline_run([*overrides, f"model={args.model}", f"data.path={MNIST}", f"trainer.epochs={args.epochs}",
                                f"trainer.num_workers={world}", f"trainer.batch_size={args.batch}",
-                               f"trainer.max_steps_per_epoch={args.steps}", "trainer.threads_per_worker=1"])
+                               f"trainer.max_steps_per_epoch={args.steps}", "trainer.threads_per_worker=1",
+                               *args.set])
     return history["samples_per_s"]
 
 
 def measure(name: str, args: argparse.Namespace, world: int) -> tuple[float, float]:
-    """(steady global samples/s, the machine's 1-minute load average at the end) of one row at one world size."""
-    if name in BARE:
-        rates = bare_run(name.removeprefix("bare_"), args, world)
-    else:
-        rates = pipeline_rates(PIPELINES[name], args, world)
-    return steady_rate(rates), os.getloadavg()[0]
+    """(steady global samples/s, median over `--repeats` runs; the machine's 1-minute load average at the end) of
+    one row at one world size."""
+    rates = []
+    for _ in range(args.repeats):
+        if name in BARE:
+            rates.append(steady_rate(bare_run(name.removeprefix("bare_"), args, world)))
+        else:
+            rates.append(steady_rate(pipeline_rates(PIPELINES[name], args, world)))
+    return float(np.median(rates)), os.getloadavg()[0]
 
 
 def main() -> int:
@@ -168,6 +173,8 @@ def main() -> int:
     parser.add_argument("--only", default=",".join([*BARE, *PIPELINES]), help="comma-separated rows")
     parser.add_argument("--pin", action="store_true", help="bare rows only: pin rank r's process to CPU r, so one "
                         "worker has exactly one core (TF otherwise runs its input pipeline on a second one)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per row and world size (median)")
+    parser.add_argument("--set", nargs="*", default=[], help="more overrides for every pipeline row")
     parser.add_argument("--bare-worker", choices=["torch", "tf"], help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
@@ -182,7 +189,8 @@ def main() -> int:
     ensure_mnist()
     rows = args.only.split(",")
     print(f"model={args.model} batch={args.batch}/worker steps={args.steps}/worker/epoch epochs={args.epochs} "
-          f"(mean of epochs 2..{args.epochs}); load at start {os.getloadavg()[0]:.1f}", flush=True)
+          f"(mean of epochs 2..{args.epochs}); pipeline overrides {args.set}; load at start {os.getloadavg()[0]:.1f}",
+          flush=True)
     print(f"{'row':16s} {'1 worker':>10s} {'2 workers':>10s} {'efficiency':>10s} {'vs bare (1/2)':>14s} "
           f"{'load (1/2)':>11s}", flush=True)
     results: dict[str, tuple[float, float]] = {}

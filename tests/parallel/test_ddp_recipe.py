@@ -14,7 +14,8 @@ from tests.loop_harness import config, mnist_columns, run_attempt, shard
 from tests.parallel.dist_utils import RankPools
 
 ROWS, BATCH = 160, 16  # 80 rows per rank: 5 batches, accumulated 2 + 2 + 1
-OVERRIDES = ["trainer.batch_size=16", "trainer.optimizer=sgd", "trainer.lr=0.05", "model.dropout=0", "trainer.epochs=1", "trainer.num_workers=2", "trainer.grad_accum=2",
+OVERRIDES = ["trainer.batch_size=16", "trainer.optimizer=sgd", "trainer.lr=0.05", "model.dropout=0", "trainer.epochs=1",
+             "trainer.num_workers=2", "trainer.grad_accum=2",
              "trainer.lr_schedule=linear", "trainer.warmup_steps=1", "trainer.grad_clip=0.5"]
 
 
