@@ -39,6 +39,7 @@ GATED = ("ddp", "horovod_torch", "tf_mwms_fit")
 
 
 def free_ports(count: int) -> list[int]:
+    """Loopback ports free right now: the bare processes' rendezvous (torch: the first; TF: one per worker)."""
     socks = [socket.socket() for _ in range(count)]
     for s in socks:
         s.bind(("127.0.0.1", 0))
