@@ -73,13 +73,30 @@ def pipeline_run(overrides: list[str], on_cluster: bool = False,
         return history, last
 
 
+def free_ports(count: int) -> list[int]:
+    """Loopback ports free right now (all held at once while picking, so they differ)."""
+    socks = [socket.socket() for _ in range(count)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2):
+            return True
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
 def mlflow_server() -> Iterator[str]:
     """A real `mlflow server` on loopback for the duration (sqlite backend, proxied artifacts); yields its URL."""
     with tempfile.TemporaryDirectory() as tmp:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        [port] = free_ports(1)
         proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
                                  "--port", str(port), "--workers", "1", "--backend-store-uri",
                                  f"sqlite:///{tmp}/mlflow.db", "--artifacts-destination", f"{tmp}/artifacts"],
@@ -87,12 +104,11 @@ def mlflow_server() -> Iterator[str]:
                                 env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
         url = f"http://127.0.0.1:{port}"
         try:
-            for _ in range(240):  # up to 2 minutes for the server to answer /health
-                try:
-                    with urllib.request.urlopen(f"{url}/health", timeout=2):
-                        break
-                except OSError:
-                    time.sleep(0.5)
+            deadline = time.monotonic() + 120
+            while not _answers(f"{url}/health"):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"mlflow server on port {port} did not start")
+                time.sleep(0.5)
             yield url
         finally:
             os.killpg(proc.pid, signal.SIGTERM)

@@ -16,14 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import numpy as np
 
-from benchmarks.common import MNIST, QUIET_ENV, ROOT, ensure_mnist, mnist_arrays, pipeline_run, steady_rate
+from benchmarks.common import (MNIST, QUIET_ENV, ROOT, ensure_mnist, free_ports, mnist_arrays, pipeline_run,
+                               steady_rate)
 
 PIPELINES = {  # row name -> pipelines.train overrides
     "ddp": ["trainer=ddp"],
@@ -36,17 +36,6 @@ BARE = ("bare_torch", "bare_tf")
 COUNTERPART = {"ddp": "bare_torch", "horovod_torch": "bare_torch", "horovod_tf": "bare_tf",
                "tf_mwms_fit": "bare_tf", "tf_mwms_custom": "bare_tf"}
 GATED = ("ddp", "horovod_torch", "tf_mwms_fit")
-
-
-def free_ports(count: int) -> list[int]:
-    """Loopback ports free right now: the bare processes' rendezvous (torch: the first; TF: one per worker)."""
-    socks = [socket.socket() for _ in range(count)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def bare_torch_worker(args: argparse.Namespace) -> list[float]:

@@ -66,8 +66,8 @@ def _accumulate(rank: int, world_size: int, tmp: str, model: str) -> None:
     adapter = build_adapter(cfg, {}, rank, _batches(rank), torch.device("cpu"),
                             wrap=lambda m: nn.parallel.DistributedDataParallel(m))
     convs = [m for m in adapter.model.modules() if isinstance(m, nn.Conv2d)]
-    assert all(c.weight.is_contiguous(memory_format=torch.channels_last) for c in convs) and len(convs) == (
-        2 if model == "cnn" else 0)
+    assert len(convs) == (2 if model == "cnn" else 0)
+    assert all(c.weight.is_contiguous(memory_format=torch.channels_last) for c in convs)
     run_attempt(lambda ctx: run_worker(cfg, ctx, adapter), rank, world_size, 1, Path(tmp) / f"run{rank}")
     assert (adapter.forward is not adapter.model) == cfg.trainer.compile  # trained through torch.compile or not
     trained = adapter.dense_model_state()
