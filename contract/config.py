@@ -149,6 +149,7 @@ class RunSection:
     system_metrics: bool = True       # MLflow system metrics of the driver and rank 0 (contract/tracking.py)
     tensorboard: bool = False         # rank 0 also writes TensorBoard event files: the run's tensorboard/ artifacts
     system_metrics_interval_s: float = 10.0
+    progress: str = "auto"            # auto | on | off: Ray Data's bars and each epoch's step bar (auto: in a terminal)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from contract import recipe
 from contract.checkpoint import STATE_FILE
 from contract.config import MODEL_SCHEMAS, TRAINER_SCHEMAS, parallel_degrees, schema, worker_resources
 from contract.metrics import metric_names
+from contract.progress import PROGRESS_SETTINGS
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -163,6 +164,7 @@ def _check_recipe(cfg: DictConfig) -> None:
     if run.monitor_mode is not None:
         _choice("run", "monitor_mode", run.monitor_mode, recipe.MONITOR_MODES)
     _choice("run", "final_model", run.final_model, recipe.FINAL_MODELS)
+    _choice("run", "progress", run.progress, PROGRESS_SETTINGS)
     if run.patience is not None and run.patience < 1:
         raise ConfigError(f"run.patience: must be >= 1 (null: no early stopping), got {run.patience}")
     if trainer.profile_steps < 0:

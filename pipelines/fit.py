@@ -25,7 +25,7 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
     from trainers import get_backend
 
     backend = get_backend(cfg.trainer.backend)
-    datasets = parquet_datasets(cfg.data.path, {"train": "train", "eval": cfg.data.eval_split})
+    datasets = parquet_datasets(cfg.data.path, {"train": "train", "eval": cfg.data.eval_split}, cfg.run.progress)
     inputs = model_inputs(read_manifest(cfg.data.path))
     if cfg.fault.resource_timeout_s > 0:  # read by Ray Train's controller (trainers/worker.py: run_config)
         os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.fault.resource_timeout_s)

@@ -4,10 +4,12 @@
 Opens the MLflow UI of the tracking server (`MLFLOW_TRACKING_URI`, an http(s) server without a login) in
 headless Chromium (Debian's `chromium` and `chromium-driver`, driven by Selenium; nothing is downloaded) on the
 comparison page of the sweep's child runs (the parallel coordinates plot of their numeric params against a
-metric, then their params and metrics side by side) and on the metric page of their `train_loss` and
-`test_accuracy` curves. Each view is saved as a PNG in `--out` (default `outputs/mlflow-ui`), with the page's
-visible text as a .txt beside it. Last stdout line: `screenshots=<folder>`. Exit codes: 0 saved, 1 the page did
-not show the runs, 2 no such run, no tracking server or no browser.
+metric, then their params and metrics side by side), on the metric page of their `train_loss` and
+`test_accuracy` curves, and on the metric page of every contract metric they share (contract/metrics.py: its
+curves on a log axis, and each metric's latest, min and max per run). Each view is saved as a PNG in `--out`
+(default `outputs/mlflow-ui`), with the page's visible text as a .txt beside it. Last stdout line:
+`screenshots=<folder>`. Exit codes: 0 saved, 1 the page did not show the runs, 2 no such run, no tracking server
+or no browser.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from contract import tracking
+from contract.metrics import EPOCH_METRICS, FIRST_EPOCH_METRICS, TEXT_METRICS
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"  # Debian's packages
 PAGE_TIMEOUT_S = 90  # the UI is a single-page app: it renders after its scripts and API calls
@@ -119,6 +122,20 @@ def scroll_to_text(driver: Any, label: str) -> None:
     driver.execute_script("arguments[0].scrollIntoView({block: 'start'});", shown[-1])
 
 
+def shared_metrics(children: list[Any]) -> list[str]:
+    """The contract's epoch metrics that every one of the runs logged (text runs add tokens_per_s)."""
+    names = EPOCH_METRICS + TEXT_METRICS + FIRST_EPOCH_METRICS
+    return [name for name in names if all(name in run.data.metrics for run in children)]
+
+
+def metric_page(base: str, experiment: str, runs: str, metrics: list[str], scale: str = "linear") -> str:
+    """The UI's metric page of `runs` (a JSON list of run ids) with the curves of `metrics` by step, on a `scale`
+    (linear or log) y axis."""
+    keys = json.dumps(metrics, separators=(",", ":"))
+    return (f"{base}/#/metric/{metrics[0]}?runs={runs}&metric=%22{metrics[0]}%22&experiments={json.dumps([experiment])}"
+            f"&plot_metric_keys={keys}&x_axis=step&y_axis_scale={scale}&show_point=true")
+
+
 def capture(driver: Any, out: Path, name: str, text: str) -> None:
     driver.save_screenshot(str(out / f"{name}.png"))
     (out / f"{name}.txt").write_text(text)
@@ -126,8 +143,8 @@ def capture(driver: Any, out: Path, name: str, text: str) -> None:
 
 def take_screenshots(uri: str, parent_id: str, out: Path) -> dict[str, str]:
     """The comparison page of the sweep's children (parallel coordinates plot, then their params and metrics side by
-    side) and the metric page of their `train_loss` and `test_accuracy` curves, saved in `out`; returns each
-    page's visible text by screenshot name."""
+    side), the metric page of their `train_loss` and `test_accuracy` curves, and that of every contract metric
+    they share, saved in `out`; returns each page's visible text by screenshot name."""
     experiment, children = children_of(uri, parent_id)
     names = [run.info.run_name for run in children]
     runs = json.dumps([run.info.run_id for run in children], separators=(",", ":"))
@@ -146,11 +163,14 @@ def take_screenshots(uri: str, parent_id: str, out: Path) -> dict[str, str]:
         scroll_to_text(driver, "Parameters")
         texts["compare_runs_table"] = texts["compare_runs"]
         capture(driver, out, "compare_runs_table", texts["compare_runs"])
-        curves = json.dumps(["train_loss", "test_accuracy"], separators=(",", ":"))
-        metric_page = (f"{base}/#/metric/train_loss?runs={runs}&metric=%22train_loss%22&experiments={experiments}"
-                       f"&plot_metric_keys={curves}&x_axis=step&show_point=true")
-        texts["metric_curves"] = show(driver, metric_page, [f"{name} (test_accuracy)" for name in names])
+        texts["metric_curves"] = show(driver, metric_page(base, experiment, runs, ["train_loss", "test_accuracy"]),
+                                      [f"{name} (test_accuracy)" for name in names])
         capture(driver, out, "metric_curves", texts["metric_curves"])
+        shared = shared_metrics(children)  # a legend entry "<run> (<metric>)" per curve; log: bytes beside fractions
+        texts["all_metrics"] = show(driver, metric_page(base, experiment, runs, shared, "log"),
+                                    [f"{name} ({metric})" for name in names for metric in shared])
+        close_assistant(driver)
+        capture(driver, out, "all_metrics", texts["all_metrics"])
     finally:
         driver.quit()
     return texts

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 from contract.checkpoint import EpochTotals, TrainState, partial_over_ranks
 from contract.metrics import REPORTED_EPOCH, Reducer, epoch_line, epoch_metrics, stop_metrics
+from contract.progress import NoBar, StepBar
 from contract.recipe import Monitor
 from contract.resume import STOP_CHECK_EVERY
 from contract.tracking import say
@@ -89,6 +90,8 @@ class WorkerContext:
     monitor: Monitor = Monitor()          # the best epoch and early stopping (`run.monitor`, `run.patience`)
     profile_steps: int = 0                # `trainer.profile_steps`: profile this many steps (rank 0) ...
     profile_dir: Path | None = None       # ... into this folder, logged as the run's `profile/` artifacts
+    step_bar: Callable[[str, int, int], StepBar] | None = None  # rank 0 with progress wanted: (description, steps
+                                                                 # in the epoch, steps done) -> the epoch's bar
 
 
 class StopAgreement:
@@ -155,6 +158,7 @@ class TrainLoop:
         False when the ranks agreed to stop (only at an update boundary: no accumulated gradient is lost)."""
         adapter = self.adapter
         batches = adapter.batches(epoch, skip=totals.steps)
+        bar = self.open_step_bar(epoch, totals.steps)
         self.start_profile(epoch)
         start = time.perf_counter()
         stopped = False
@@ -170,6 +174,7 @@ class TrainLoop:
             totals.steps += 1
             totals.tokens += tokens
             self.log_step_loss(epoch, totals.steps, loss)
+            bar.update(1)
             self.profile_step()
             if adapter.at_update_boundary() and self.should_stop(totals.steps):
                 stopped = True
@@ -177,8 +182,15 @@ class TrainLoop:
         if not stopped:
             adapter.finish_epoch()
         totals.train_s += time.perf_counter() - start
+        bar.close()
         self.stop_profile()  # a short epoch: fewer steps than asked
         return not stopped
+
+    def open_step_bar(self, epoch: int, done: int) -> StepBar:
+        """The progress bar of the epoch's training steps (`run.progress`, rank 0), `done` of them trained before."""
+        if self.ctx.step_bar is None:
+            return NoBar()
+        return self.ctx.step_bar(f"train epoch {epoch}/{self.ctx.epochs}", self.adapter.steps_per_epoch(), done)
 
     def start_profile(self, epoch: int) -> None:
         """Rank 0, the first epoch of the attempt: start the adapter's profiler (`trainer.profile_steps`)."""

@@ -203,6 +203,21 @@ def fit_epochs(keras: Any, loop: TrainLoop, adapter: MirroredAdapter, epochs: in
             loop.log_step_loss(self.epoch, done, window, since_step=self.seen)
             self.seen, self.mean = done, mean
 
+    class ShowProgress(keras.callbacks.Callback):
+        """The bar of each epoch's steps (`run.progress`, rank 0); a batch hook ends each compiled call of
+        `tf_steps_per_execution` fit steps, so the bar moves by that many batches."""
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.bar, self.done = loop.open_step_bar(epoch + 1, 0), 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            done = min((batch + 1) * adapter.passes, adapter.steps)
+            self.bar.update(done - self.done)
+            self.done = done
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.bar.close()
+
     class ProfileSteps(keras.callbacks.Callback):
         """Drives the loop's profiler (`trainer.profile_steps`, rank 0). A batch hook here ends a compiled call of
         `tf_steps_per_execution` steps: each profiled "step" is one such call."""
@@ -219,6 +234,8 @@ def fit_epochs(keras: Any, loop: TrainLoop, adapter: MirroredAdapter, epochs: in
     callbacks = [ReportEachEpoch()]
     if ctx.logger is not None and ctx.log_every_n_steps > 0:
         callbacks.append(LogStepLoss())
+    if ctx.step_bar is not None:
+        callbacks.append(ShowProgress())
     if ctx.profile_steps and ctx.profile_dir is not None:
         callbacks.insert(0, ProfileSteps())  # before ReportEachEpoch: the trace is sent before the epoch's report
 

@@ -8,14 +8,16 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from contract.config import monitor_of, typed_config
+from contract.progress import StepBar, progress_wanted
 from contract.resume import stop_file
 from trainers.loop import WorkerContext
 
 
 def loop_config(cfg: DictConfig, run_id: str, tracking_uri: str, model_inputs: dict) -> dict[str, Any]:
-    """`train_loop_config` of every trainer: plain data, so Ray can ship it to the workers."""
+    """`train_loop_config` of every trainer: plain data, so Ray can ship it to the workers. Whether to draw progress
+    is decided here, in the driver: its output is the one someone may watch."""
     return {"cfg": OmegaConf.to_container(cfg, resolve=True), "run_id": run_id, "tracking_uri": tracking_uri,
-            "model_inputs": model_inputs}
+            "model_inputs": model_inputs, "progress": progress_wanted(cfg.run.progress)}
 
 
 def worker_config(config: dict[str, Any]) -> DictConfig:
@@ -54,6 +56,7 @@ def ray_context(config: dict[str, Any], cfg: DictConfig) -> WorkerContext:
         stop_file=stop_file(cfg.run.resume_dir), log_every_n_steps=cfg.trainer.log_every_n_steps,
         monitor=monitor_of(cfg.run), profile_steps=cfg.trainer.profile_steps,
         profile_dir=run_folder / "profile" if rank == 0 else None,
+        step_bar=ray_step_bar if rank == 0 and config.get("progress") else None,
         before_epoch=lambda epoch: maybe_inject_failure(cfg.fault, epoch, rank, world_size))
 
 
@@ -66,6 +69,18 @@ def restored_checkpoint(cfg: DictConfig) -> Any:
     if own is not None or not cfg.run.resume_from:
         return own
     return ray.train.Checkpoint.from_directory(cfg.run.resume_from)
+
+
+def ray_step_bar(description: str, total: int, done: int) -> StepBar:
+    """A bar over an epoch's steps, `done` of them already trained (a resumed epoch), drawn by the driver: Ray's
+    distributed tqdm prints its state to this worker's log (at most once a second, and on close), and the
+    driver's log reader renders it."""
+    from ray.experimental import tqdm_ray
+
+    bar = tqdm_ray.tqdm(desc=description, total=total, unit="step")
+    if done:
+        bar.update(done)
+    return bar
 
 
 def ray_report(metrics: dict[str, float], directory: str | None) -> None:

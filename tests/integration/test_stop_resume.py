@@ -6,6 +6,8 @@ tests/parallel/test_tp_loop.py), on the same shard class the workers use; that a
 same rows in the same order on every attempt is tests/integration/test_shards.py."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
@@ -43,9 +45,14 @@ def test_stop_request_checkpoints_mid_epoch_and_resumes_every_step_once(tmp_path
     before = step_loss_curve(client, run_id)
     assert len(before) == 10
 
+    assert "train epoch" not in stopped.stdout + stopped.stderr  # run.progress=auto, and no terminal: no bars
+
     (resume_dir / "STOP").unlink()
-    resumed = run_pipeline([*common, f"run.resume_dir={resume_dir}"], env)
+    resumed = run_pipeline([*common, f"run.resume_dir={resume_dir}", "run.progress=on"], env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # rank 0's bar of each epoch's steps, rendered by the driver (tqdm's "description: percent|bar| done/total")
+    for epoch in (1, 2):
+        assert re.search(rf"train epoch {epoch}/2: +\d+%\|.*\| [\d.]+/32", resumed.stderr), resumed.stderr[-3000:]
     assert run_id_from(resumed.stdout) == run_id
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["attempts"] == "2"

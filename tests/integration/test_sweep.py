@@ -19,7 +19,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from contract.metrics import EPOCH_METRICS, TEXT_METRICS
+from contract.metrics import EPOCH_METRICS, FIRST_EPOCH_METRICS, TEXT_METRICS
 from contract.tracking import epoch_values
 from pipelines.data.raw_inputs import read_texts
 from pipelines.data.tokenize import Tokenise
@@ -143,18 +143,22 @@ def test_pbt_trial_continues_the_better_trials_checkpoint(tmp_path, tiny_mnist, 
 
 def check_ui_screenshots(mlflow_server: str, parent_id: str, children: list, out: Path) -> None:
     """`pipelines.ui_screenshots` opens the sweep in the MLflow UI in headless Chromium: the comparison page shows
-    every trial and its layout params; the metric page, every trial's train_loss and test_accuracy curves."""
+    every trial and its layout params; the metric pages, every trial's train_loss and test_accuracy curves, then
+    the curve of every metric of the contract (text runs) for every trial."""
     proc = subprocess.run([sys.executable, "-m", "pipelines.ui_screenshots", parent_id, "--out", str(out)], cwd=ROOT,
                           env=pipeline_env(mlflow_server), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     compare, curves = (out / "compare_runs.txt").read_text(), (out / "metric_curves.txt").read_text()
+    every_metric = (out / "all_metrics.txt").read_text()
     for child in children:
         name = child.info.run_name
         assert name in compare and f"{name} (train_loss)" in curves and f"{name} (test_accuracy)" in curves
+        for metric in (*EPOCH_METRICS, *TEXT_METRICS, *FIRST_EPOCH_METRICS):
+            assert f"{name} ({metric})" in every_metric, (name, metric)
     for name in ("backend", "world_size", "tp", "dp", "trainer.lr", "trainer.batch_size"):
         assert re.search(rf"^{re.escape(name)} ", compare, re.MULTILINE), name  # a row of the params table
     assert "\nMetrics\n" in compare  # its table scrolls (only the rows in view are text): the curves show the rest
-    for shot in ("compare_runs", "compare_runs_table", "metric_curves"):
+    for shot in ("compare_runs", "compare_runs_table", "metric_curves", "all_metrics"):
         data = (out / f"{shot}.png").read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 50_000, shot
 

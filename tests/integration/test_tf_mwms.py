@@ -4,6 +4,7 @@ tests/slurm). Stop/resume parity, several devices per worker, the text metric se
 optimizer state are checked in-process (tests/unit/test_loop_backends.py)."""
 from __future__ import annotations
 
+import re
 import subprocess
 
 import numpy as np
@@ -46,9 +47,11 @@ def test_fit_loop_syncs_trains_logs_and_resumes_after_a_failure(tmp_path, tiny_m
     proc, run_id = train([f"data.path={tiny_mnist}", "trainer.tf_loop=fit", f"run.storage_path={tmp_path / 'ray'}",
                           f"run.dump_params_dir={tmp_path / 'params'}", "fault.max_failures=1",
                           "fault.inject_at_epoch=2", f"fault.inject_marker={marker}", "run.system_metrics=false",
-                          "run.system_metrics_interval_s=1"],
+                          "run.system_metrics_interval_s=1", "run.progress=on"],
                          pipeline_env(mlflow_server, ray_head))
     assert marker.read_text().startswith("failed at epoch 2 in rank 1")
+    for epoch in (1, 2):  # rank 0's bar of each epoch's 16 fit steps, rendered by the driver (run.progress=on)
+        assert re.search(rf"train epoch {epoch}/2: +\d+%\|.*\| [\d.]+/16", proc.stderr), proc.stderr[-3000:]
     client = MlflowClient(mlflow_server)
     check_run(client, run_id)
     assert not [name for name in client.get_run(run_id).data.metrics if name.startswith("system/")]  # turned off

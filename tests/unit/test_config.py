@@ -51,6 +51,7 @@ def test_defaults_compose_and_flatten(data_override):
     ("trainer.warmup_fraction=1.0", r"^trainer\.warmup_fraction: must be in \[0, 1\)"),
     ("run.monitor=accuracy", r"^run\.monitor: unknown 'accuracy' \(choices: train_loss, test_accuracy"),
     ("run.final_model=first", r"^run\.final_model: unknown 'first'"),
+    ("run.progress=yes", r"^run\.progress: unknown 'yes'"),
     ("run.register_model=team/mnist", r"^run\.register_model: 'team/mnist' is not a model name MLflow accepts"),
     ("run.patience=0", r"^run\.patience: must be >= 1"),
     ("trainer.profile_steps=-1", r"^trainer\.profile_steps: must be >= 0"),

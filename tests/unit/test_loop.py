@@ -100,6 +100,44 @@ def test_rank0_prints_a_progress_line_per_epoch(tmp_path, capsys):
         assert f"train_loss {metrics['train_loss']:.4f}, test_accuracy {metrics['test_accuracy']:.4f}," in line
 
 
+class BarRecord:
+    """A `StepBar` that keeps what it was asked to show."""
+
+    def __init__(self, description: str, total: int, done: int):
+        self.description, self.total, self.shown, self.closed = description, total, done, False
+
+    def update(self, n: int = 1) -> None:
+        assert not self.closed
+        self.shown += n
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_rank0_shows_each_epochs_steps_on_a_bar_a_resumed_epoch_from_its_stop(tmp_path):
+    """`run.progress`: one bar per epoch over its steps, each step shown once and the bar closed at the epoch's end;
+    the stopped epoch's bar closes at the stop, and the resumed one starts at the steps already trained."""
+    bars: list[BarRecord] = []
+
+    def run(ctx):
+        def step_bar(description: str, total: int, done: int) -> BarRecord:
+            bars.append(BarRecord(description, total, done))
+            return bars[-1]
+        return TrainLoop(LineAdapter(), replace(ctx, step_bar=step_bar)).run()
+
+    straight = run_attempt(run, 0, 1, 2, tmp_path / "a")
+    assert straight.finished
+    assert [(b.description, b.total, b.shown, b.closed) for b in bars] == [("train epoch 1/2", 25, 25, True),
+                                                                         ("train epoch 2/2", 25, 25, True)]
+    bars.clear()
+    stopped = run_attempt(run, 0, 1, 2, tmp_path / "b", stop=True)
+    resumed = run_attempt(run, 0, 1, 2, tmp_path / "c", restored=stopped.checkpoint)
+    assert resumed.finished
+    assert [(b.description, b.shown, b.closed) for b in bars] == [("train epoch 1/2", STOP_AT, True),
+                                                                 ("train epoch 1/2", 25, True),
+                                                                 ("train epoch 2/2", 25, True)]
+
+
 def test_checkpoint_schema_of_a_stopped_epoch(tmp_path):
     """train_state.json: the last finished epoch, its metrics, and the stopped epoch's totals."""
     run = lambda ctx: TrainLoop(LineAdapter(), ctx).run()  # noqa: E731

@@ -169,16 +169,17 @@ class Terminal:
         return self.tty
 
 
-@pytest.mark.parametrize("tty, asked, wanted", [
-    (True, None, True), (False, None, False),  # a terminal draws them, a log file does not
-    (False, "0", True), (True, "1", False),     # RAY_DATA_DISABLE_PROGRESS_BARS decides when it is set
+@pytest.mark.parametrize("setting, tty, asked, wanted", [
+    ("auto", True, None, True), ("auto", False, None, False),  # a terminal draws them, a log file does not
+    ("auto", False, "0", True), ("auto", True, "1", False),     # RAY_DATA_DISABLE_PROGRESS_BARS decides when set
+    ("on", False, "1", True), ("off", True, "0", False),        # run.progress=on|off decides alone
 ])
-def test_ray_data_progress_bars_only_where_someone_watches(monkeypatch, tty, asked, wanted):
-    from pipelines.data.readers import progress_bars_wanted
+def test_progress_bars_only_where_someone_watches(monkeypatch, setting, tty, asked, wanted):
+    from contract.progress import progress_wanted
 
     monkeypatch.setattr("sys.stdout", Terminal(tty))
     if asked is None:
         monkeypatch.delenv("RAY_DATA_DISABLE_PROGRESS_BARS", raising=False)
     else:
         monkeypatch.setenv("RAY_DATA_DISABLE_PROGRESS_BARS", asked)
-    assert progress_bars_wanted() is wanted
+    assert progress_wanted(setting) is wanted
