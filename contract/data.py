@@ -15,3 +15,8 @@ def model_input(dataset: str, column: np.ndarray) -> np.ndarray:
     if dataset == "mnist":
         return ((features.astype(np.float32) / 255.0 - MNIST_MEAN) / MNIST_STD).astype(np.float32)
     return features
+
+
+def shuffled_order(rows: int, seed: int) -> np.ndarray:
+    """The row order of a shuffled epoch, the same in every framework for one seed (the loss-parity gate)."""
+    return np.random.default_rng(seed).permutation(rows)

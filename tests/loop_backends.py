@@ -47,33 +47,51 @@ BACKENDS = {
                     "trainer.weight_decay=0.01", "trainer.lr_schedule=linear", "trainer.warmup_steps=2",
                     "trainer.grad_accum=3", "trainer.precision=bf16"],
 }
+# The loss-parity gate (tests/unit/test_loss_parity.py): one seed, data order and recipe through each backend.
+# SGD with momentum at a constant rate: PyTorch and Keras define momentum alike only while the rate is constant
+# (torch scales the whole velocity by the current rate, Keras each gradient as it enters the velocity).
+PARITY = ["model.hidden=[32]", "model.dropout=0", "trainer.optimizer=sgd", "trainer.momentum=0.9", "trainer.lr=0.01",
+          "trainer.batch_size=16", "trainer.epochs=2", "trainer.num_workers=1", "trainer.log_every_n_steps=1"]
+PARITY_BACKENDS = {
+    "ddp": ["trainer=ddp", *PARITY],
+    "horovod_torch": ["trainer=horovod", *PARITY],
+    "horovod_tf": ["trainer=horovod", "trainer.framework=tf", *PARITY],
+    "tf_mwms_custom": ["trainer=tf_mwms", "trainer.tf_loop=custom", *PARITY],
+    "tf_mwms_fit": ["trainer=tf_mwms", "trainer.tf_loop=fit", "trainer.tf_steps_per_execution=1", *PARITY],
+}
+BACKENDS.update({f"parity_{name}": overrides for name, overrides in PARITY_BACKENDS.items()})
 
 
-def data_for(backend: str):
-    if backend == "tf_mwms_fit":
+def data_for(cfg):
+    if cfg.data.name == "imdb":
         return imdb_columns(320, 64, 16), imdb_columns(64, 64, 16, seed=1)
     return mnist_columns(320), mnist_columns(64, seed=1)
 
 
-def runner(backend: str, cfg):
-    train, evaluation = data_for(backend)
-    if backend == "horovod_torch":
+def runner(cfg):
+    """`run(ctx) -> finished` of the backend `cfg` names, on generated data."""
+    train, evaluation = data_for(cfg)
+    trainer = cfg.trainer
+    if trainer.backend == "ddp" or trainer.get("framework") == "torch":
         import torch
 
+        from trainers import horovod_torch, torch_ddp
         from trainers import torch_common as tc
-        from trainers.horovod_torch import run_worker
 
         def batches(seed):
             as_torch = lambda cols: {k: torch.from_numpy(v) for k, v in cols.items()}  # noqa: E731
-            return (tc.ShardBatches.from_columns(as_torch(train), "mnist", 16, seed),
+            return (tc.ShardBatches.from_columns(as_torch(train), "mnist", trainer.batch_size, seed),
                     tc.ShardBatches.from_columns(as_torch(evaluation), "mnist", 64, seed))
-        return lambda ctx: run_worker(cfg, ctx, {}, train_data=batches)
+        if trainer.backend == "ddp":  # one rank: the plain model (Ray's prepare_model wraps DDP from 2 ranks)
+            return lambda ctx: torch_ddp.run_worker(
+                cfg, ctx, torch_ddp.build_adapter(cfg, {}, ctx.rank, batches, torch.device("cpu")))
+        return lambda ctx: horovod_torch.run_worker(cfg, ctx, {}, train_data=batches)
     from trainers.tf_common import ShardArrays
 
     arrays = (ShardArrays.from_columns(train, cfg.data.name), ShardArrays.from_columns(evaluation, cfg.data.name))
     from trainers import horovod_tf, tf_mwms
 
-    module = horovod_tf if backend == "horovod_tf" else tf_mwms
+    module = horovod_tf if trainer.backend == "horovod" else tf_mwms
     return lambda ctx: module.run_worker(cfg, ctx, MODEL_INPUTS, data=arrays)
 
 
@@ -82,9 +100,9 @@ def main(backend: str, folder: str, attempt: str, restore: str | None = None) ->
     # The TF runs leave their final weights in `ATTEMPT/params/rank0.npz` (run.dump_params_dir).
     dump = [f"run.dump_params_dir={base / attempt / 'params'}"] if backend != "horovod_torch" else []
     cfg = config(base / "cfg", [*BACKENDS[backend], *dump])
-    result = run_attempt(runner(backend, cfg), 0, 1, cfg.trainer.epochs, base / attempt,
+    result = run_attempt(runner(cfg), 0, 1, cfg.trainer.epochs, base / attempt,
                          restored=Path(restore) if restore else None, stop=attempt == "stopped")
-    if backend.startswith("tf") or backend == "horovod_tf":
+    if cfg.trainer.backend == "tf_mwms" or cfg.trainer.get("framework") == "tf":
         assert "torch" not in sys.modules, "a TensorFlow worker imported torch"
     print(json.dumps(attempt_to_json(result)))
 

@@ -52,8 +52,10 @@ class HorovodTorchAdapter(tc.TorchAdapter):
 
 def build_adapter(hvd: Any, cfg: DictConfig, model_inputs: dict, rank: int,
                   train_data: tc.TrainData) -> HorovodTorchAdapter:
-    torch.manual_seed(cfg.run.seed + rank)  # different on purpose: the broadcast must align them
-    model = build_model(cfg.model, model_inputs)  # not channels-last: Horovod needs contiguous tensors
+    # Different initial weights per rank on purpose: the broadcast must align them. Not channels-last: Horovod
+    # needs contiguous tensors.
+    torch.manual_seed(cfg.run.seed + rank)
+    model = build_model(cfg.model, model_inputs, seed=cfg.run.seed + rank)
     train, evaluation = train_data(cfg.run.seed + 1000 * rank)
 
     def distributed(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from contract.checkpoint import TrainState
-from contract.data import MNIST_MEAN, MNIST_STD
+from contract.data import MNIST_MEAN, MNIST_STD, shuffled_order
 from contract.metrics import peak_rss_bytes
 
 LEGACY_KERAS_ENV = {"TF_USE_LEGACY_KERAS": "1"}
@@ -82,7 +82,7 @@ class ShardArrays:
     def order(self, seed: int | None) -> np.ndarray:
         """Row order of an epoch: shuffled by `seed`, or as stored when None."""
         rows = len(self.labels)
-        return np.arange(rows) if seed is None else np.random.default_rng(seed).permutation(rows)
+        return np.arange(rows) if seed is None else shuffled_order(rows, seed)
 
     def step_tokens(self, rows_per_step: int, seed: int, steps: int) -> np.ndarray:
         """Real tokens in each of an epoch's `steps` steps of `rows_per_step` rows (in `order(seed)`)."""
@@ -121,7 +121,7 @@ def input_example(dataset: str, model_inputs: dict) -> np.ndarray:
 
 
 def build_compiled_model(keras: Any, cfg: Any, model_inputs: dict, steps_per_execution: int = 1,
-                         steps_per_epoch: int = 1) -> Any:
+                         steps_per_epoch: int = 1, seed: int | None = None) -> Any:
     """The Keras model of `cfg.model` compiled with the trainer's recipe optimizer (trainers/tf_recipe.py; its
     LR schedule spans `trainer.epochs` epochs of `steps_per_epoch` batches). `steps_per_execution` > 1 only
     matters to `fit` (tf_mwms' `trainer.tf_steps_per_execution`). The dtype policy (`set_precision`) is the
@@ -129,7 +129,7 @@ def build_compiled_model(keras: Any, cfg: Any, model_inputs: dict, steps_per_exe
     from trainers.models.keras_models import build_keras_model
     from trainers.tf_recipe import make_optimizer
 
-    model = build_keras_model(cfg.model, keras, model_inputs)
+    model = build_keras_model(cfg.model, keras, model_inputs, seed)
     optimizer = make_optimizer(keras, cfg.trainer, model.trainable_variables, steps_per_epoch)
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   # Several steps per tf.function call (fit): cuts the per-step host overhead of the strategy.

@@ -302,7 +302,7 @@ def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: in
     # Same initial weights everywhere and for every device layout: they are drawn outside the strategy, whose
     # variable creation uses up random ops differently (default vs Mirrored strategy), then copied in.
     keras.utils.set_random_seed(cfg.run.seed)
-    initial = build_keras_model(cfg.model, keras, model_inputs).get_weights()
+    initial = build_keras_model(cfg.model, keras, model_inputs, seed=cfg.run.seed).get_weights()
     local_replicas = strategy.num_replicas_in_sync // world_size  # tf_devices under MirroredStrategy, else 1
     train, evaluation = data
     steps = train.steps(trainer.batch_size * local_replicas, trainer.max_steps_per_epoch)  # for the LR schedule

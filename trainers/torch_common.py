@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from contract.data import MNIST_MEAN, MNIST_STD
+from contract.data import MNIST_MEAN, MNIST_STD, shuffled_order
 from contract.metrics import Reducer, peak_rss_bytes
 from trainers.parallel.comm import collective_device
 from trainers.parallel.data_parallel import average_gradients
@@ -110,7 +110,7 @@ class ShardBatches:
             return
         rows = len(self.cached["label"])
         if shuffle:
-            order = torch.randperm(rows, generator=torch.Generator().manual_seed(self.seed + epoch))
+            order = torch.from_numpy(shuffled_order(rows, self.seed + epoch))  # as the TF backends shuffle
         else:
             order = torch.arange(rows)
         end = rows - rows % self.batch_size if self.drop_last else rows

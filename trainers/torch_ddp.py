@@ -20,7 +20,7 @@ def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, train_data: tc
     """The plain model and optimizer, wrapped by `wrap` (Ray's `prepare_model`: DDP when world_size > 1), and
     this rank's shard, shuffled by its own seed."""
     torch.manual_seed(cfg.run.seed)  # same initial weights on every rank (DDP also broadcasts them)
-    model = tc.place_model(build_model(cfg.model, model_inputs), device)
+    model = tc.place_model(build_model(cfg.model, model_inputs, seed=cfg.run.seed), device)
     train, evaluation = train_data(cfg.run.seed + 1000 * rank)
     recipe = build_recipe(model, cfg.trainer, train.steps(), device)
     model = wrap(model) if wrap is not None else model

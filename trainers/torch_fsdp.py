@@ -187,7 +187,7 @@ def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: in
     mesh = build_nd_mesh(dims, device.type)
     # The same dense weights on every rank before each keeps its part, and the same dropout masks in a TP group.
     torch.manual_seed(cfg.run.seed)
-    model = build_model(cfg.model, model_inputs).to(device)
+    model = build_model(cfg.model, model_inputs, seed=cfg.run.seed).to(device)
     split = parallelize(model, dims, mesh, trainer.pp_schedule, trainer.activation_checkpointing,
                         trainer.reshard_after_forward, AUTOCAST_DTYPES[trainer.precision])
     train, evaluation = train_data(cfg.run.seed + 1000 * dims.data_rank(rank))

@@ -57,7 +57,7 @@ def dense_training(cfg, model_inputs: dict, shards: list) -> tuple[list[float], 
     from trainers.torch_recipe import build_recipe
 
     torch.manual_seed(cfg.run.seed)
-    model = build_model(cfg.model, model_inputs)
+    model = build_model(cfg.model, model_inputs, seed=cfg.run.seed)
     recipe = build_recipe(model, cfg.trainer, shards[0].steps(), torch.device("cpu"))
     loss_fn, losses = nn.CrossEntropyLoss(), []
     for epoch in range(1, cfg.trainer.epochs + 1):

@@ -77,7 +77,7 @@ def _accumulate(rank: int, world_size: int, tmp: str, model: str) -> None:
         torch.testing.assert_close(gathered[1 - rank][name], value, rtol=0, atol=0)
     if rank == 0:
         torch.manual_seed(cfg.run.seed)
-        expected = _dense_reference(cfg, build_model(cfg.model, {}))
+        expected = _dense_reference(cfg, build_model(cfg.model, {}, seed=cfg.run.seed))
         # float32, 3 steps: DDP's bucketed all-reduce sums in another order than the reference (~1e-7 relative);
         # compiled kernels fuse and reorder too.
         for name, value in trained.items():

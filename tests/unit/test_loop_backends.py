@@ -106,3 +106,22 @@ def test_bf16_loss_curve_stays_close_to_fp32(straight):
     bf16 = straight("tf_bf16").recorder.curve()
     assert not np.array_equal(bf16, fp32)  # bf16 really ran
     np.testing.assert_allclose(bf16, fp32, rtol=0, atol=0.1)
+
+
+@pytest.mark.parametrize("backend", ["horovod_torch", "horovod_tf", "tf_mwms_custom", "tf_mwms_fit"])
+def test_loss_parity_with_the_ddp_reference(straight, backend):
+    """The loss-parity gate: one seed, data order and recipe (tests/loop_backends.py: PARITY, the MNIST MLP with
+    SGD and momentum, 40 steps) through each backend's worker give DDP's loss curve step for step: the same
+    initial weights in both frameworks (trainers/models/portable_init.py), the same shuffle, the same update.
+    Tolerance: PyTorch backends run the same kernels as DDP (measured: identical); TensorFlow's float32 kernels
+    sum in another order (measured: at most 7.5e-7 apart, 1.5e-4 relative, on losses from 3.1 down to 2e-4).
+    A backend off by one step, one initial weight or one learning-rate factor is off by far more."""
+    reference = straight("parity_ddp").recorder
+    other = straight(f"parity_{backend}").recorder
+    assert len(reference.curve()) == 40  # 320 rows / 16 x 2 epochs, every step logged
+    tolerance = dict(rtol=0, atol=1e-7) if backend == "horovod_torch" else dict(rtol=1e-3, atol=1e-5)
+    np.testing.assert_allclose(other.curve(), reference.curve(), **tolerance)
+    for epoch in (1, 2):
+        assert other.epochs[epoch]["test_accuracy"] == reference.epochs[epoch]["test_accuracy"]
+        np.testing.assert_allclose(other.epochs[epoch]["train_loss"], reference.epochs[epoch]["train_loss"],
+                                   **tolerance)

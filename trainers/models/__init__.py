@@ -8,12 +8,14 @@ if TYPE_CHECKING:
     from torch import nn
 
 
-def build_model(model_cfg: Any, model_inputs: dict | None = None) -> nn.Module:
-    """`model_inputs`: what the data dictates (vocab_size, max_len for text; see the dataset manifest)."""
+def build_model(model_cfg: Any, model_inputs: dict | None = None, seed: int | None = None) -> nn.Module:
+    """`model_inputs`: what the data dictates (vocab_size, max_len for text; see the dataset manifest). `seed`: the
+    MLP's initial weights are those Keras starts from with that seed (`portable_init`); the other models draw
+    theirs from torch's global generator (seeded by the caller)."""
     from trainers.models.mnist import CNN, MLP
 
     if model_cfg.name == "mlp":
-        return MLP(hidden=list(model_cfg.hidden), dropout=model_cfg.dropout)
+        return MLP(hidden=list(model_cfg.hidden), dropout=model_cfg.dropout, init_seed=seed)
     if model_cfg.name == "cnn":
         return CNN(channels=list(model_cfg.channels), hidden=model_cfg.hidden, dropout=model_cfg.dropout)
     if model_cfg.name == "bert":

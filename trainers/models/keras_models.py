@@ -10,8 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainers.models.portable_init import mlp_weights
 
-def build_keras_model(model_cfg: Any, keras: Any, model_inputs: dict | None = None) -> Any:
+
+def build_keras_model(model_cfg: Any, keras: Any, model_inputs: dict | None = None, seed: int | None = None) -> Any:
+    """`seed`: the MLP's initial weights are `portable_init.mlp_weights` (PyTorch's MLP starts from the same ones
+    with that seed); the other models draw theirs from Keras' seeded generators."""
     layers = keras.layers
     if model_cfg.name == "embed_pool":
         return keras.Sequential([
@@ -27,7 +31,10 @@ def build_keras_model(model_cfg: Any, keras: Any, model_inputs: dict | None = No
         stack = [layers.Input(shape=(784,))]
         for size in model_cfg.hidden:
             stack += [layers.Dense(size, activation="relu"), layers.Dropout(model_cfg.dropout)]
-        return keras.Sequential([*stack, layers.Dense(classes, dtype="float32")], name="mlp")
+        model = keras.Sequential([*stack, layers.Dense(classes, dtype="float32")], name="mlp")
+        if seed is not None:
+            model.set_weights(mlp_weights([784, *model_cfg.hidden, classes], seed))
+        return model
     if model_cfg.name == "cnn":
         c1, c2 = model_cfg.channels
         return keras.Sequential([

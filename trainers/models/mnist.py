@@ -4,9 +4,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from trainers.models.portable_init import mlp_weights
+
 
 class MLP(nn.Module):
-    def __init__(self, hidden: list[int], dropout: float = 0.0, in_features: int = 784, classes: int = 10):
+    """`init_seed`: the initial weights of `portable_init.mlp_weights` (Keras' MLP starts from the same ones);
+    None: PyTorch's default initialisation."""
+
+    def __init__(self, hidden: list[int], dropout: float = 0.0, in_features: int = 784, classes: int = 10,
+                 init_seed: int | None = None):
         super().__init__()
         layers: list[nn.Module] = []
         width = in_features
@@ -15,6 +21,16 @@ class MLP(nn.Module):
             width = size
         layers.append(nn.Linear(width, classes))
         self.net = nn.Sequential(*layers)
+        if init_seed is not None:
+            self.load_portable_init(init_seed, [in_features, *hidden, classes])
+
+    @torch.no_grad()
+    def load_portable_init(self, seed: int, sizes: list[int]) -> None:
+        weights = mlp_weights(sizes, seed)
+        linears = [m for m in self.net if isinstance(m, nn.Linear)]
+        for linear, kernel, bias in zip(linears, weights[0::2], weights[1::2]):
+            linear.weight.copy_(torch.from_numpy(kernel.T))  # Keras' kernel is [in, out], Linear's [out, in]
+            linear.bias.copy_(torch.from_numpy(bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x.flatten(1))  # (B, 784) -> (B, classes)
