@@ -213,16 +213,25 @@ class TrainLoop:
         if self.ctx.logger is not None:
             self.ctx.logger.log_artifacts(str(self.ctx.profile_dir), "profile")
 
-    def log_step_loss(self, epoch: int, step_in_epoch: int, loss: float, since_step: int | None = None) -> None:
-        """Rank 0 logs `step_loss` when the global step crosses a multiple of `log_every_n_steps`; `loss` covers
-        the steps since `since_step` (default: the previous step; Keras `fit` sees the loss every few steps)."""
-        every, logger = self.ctx.log_every_n_steps, self.ctx.logger
-        if logger is None or every <= 0:
+    def log_step_loss(self, epoch: int, step_in_epoch: int, loss: float, since_step: int | None = None,
+                      global_mean: bool = False) -> None:
+        """`step_loss` when the global step crosses a multiple of `log_every_n_steps`: the mean loss of the global
+        batch, whatever the backend. `loss` is this rank's batch loss, averaged here over the ranks (collective on
+        those steps: every rank calls); `global_mean`: it already is that mean (Keras `fit`'s synchronized loss
+        metric, which rank 0 alone hands over, covering the steps since `since_step`)."""
+        every = self.ctx.log_every_n_steps
+        if every <= 0:
             return
         offset = (epoch - 1) * self.adapter.steps_per_epoch()
         previous = step_in_epoch - 1 if since_step is None else since_step
-        if (offset + step_in_epoch) // every > (offset + previous) // every:
-            logger.log_step_loss(offset + step_in_epoch, loss)
+        if (offset + step_in_epoch) // every <= (offset + previous) // every:
+            return
+        if not global_mean:
+            # Ranks of one model replica (TP, PP) hold the same loss: the mean over all ranks is that of the replicas.
+            (total,) = self.adapter.reduce([loss], "sum")
+            loss = total / self.ctx.world_size
+        if self.ctx.logger is not None:
+            self.ctx.logger.log_step_loss(offset + step_in_epoch, loss)
 
     def end_epoch(self, epoch: int, totals: EpochTotals) -> bool:
         """Evaluate, reduce the metrics over the ranks, checkpoint, report, and log (rank 0). Collective. True when

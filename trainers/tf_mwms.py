@@ -200,7 +200,7 @@ def fit_epochs(keras: Any, loop: TrainLoop, adapter: MirroredAdapter, epochs: in
             # mean loss per batch: the batches since the last call had mean (mean_k * k - mean_j * j) / (k - j).
             done, mean = min((batch + 1) * adapter.passes, adapter.steps), float(logs["loss"])
             window = (mean * done - self.mean * self.seen) / (done - self.seen)
-            loop.log_step_loss(self.epoch, done, window, since_step=self.seen)
+            loop.log_step_loss(self.epoch, done, window, since_step=self.seen, global_mean=True)
             self.seen, self.mean = done, mean
 
     class ShowProgress(keras.callbacks.Callback):
@@ -246,6 +246,9 @@ def run_fit(adapter: MirroredAdapter, first_epoch: int, epochs: int, callbacks: 
     """tf-keras `model.fit` over epochs `first_epoch`..`epochs` (1-based) of the adapter's data."""
     if adapter.passes > 1:
         adapter.model.train_step = accumulating_train_step(adapter.tf, adapter.model, adapter.passes)
+    # The loss metric is synchronized across the workers already; tf-keras' default ("auto": "sum" off TPUs) adds
+    # it up once more over the workers in each batch's logs (measured: step_loss 2x with 2 workers).
+    adapter.model.distribute_reduction_method = "first"
 
     def all_epochs(_):  # one dataset per epoch, each with its own shuffle seed, chained
         chained = None

@@ -52,7 +52,8 @@ def check_optimizer_steps(dense: nn.Module, par: nn.Module) -> None:
 def dense_training(cfg, model_inputs: dict, shards: list) -> tuple[list[float], nn.Module]:
     """The plain model in one process, trained with `cfg`'s recipe on the data-parallel ranks' `shards`
     (ShardBatches) for `cfg.trainer.epochs` epochs: each step's loss is the mean of the ranks' batch losses (what
-    averaged gradients descend), clipped by the global norm. Returns (rank 0's batch losses, the model)."""
+    averaged gradients descend), clipped by the global norm. Returns (those mean losses: the loop's `step_loss`,
+    the model)."""
     from trainers.models import build_model
     from trainers.torch_recipe import build_recipe
 
@@ -64,10 +65,11 @@ def dense_training(cfg, model_inputs: dict, shards: list) -> tuple[list[float], 
         for batches in zip(*(s.epoch(epoch) for s in shards)):
             recipe.optimizer.zero_grad()
             per_rank = [loss_fn(model(*inputs), labels) for inputs, labels, _ in batches]
-            (sum(per_rank) / len(shards)).backward()
+            loss = sum(per_rank) / len(shards)
+            loss.backward()
             if cfg.trainer.grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
             recipe.optimizer.step()
             recipe.scheduler.step()
-            losses.append(per_rank[0].item())
+            losses.append(loss.item())
     return losses, model

@@ -1,5 +1,6 @@
 """Stop/resume parity and the metric set for the Horovod (torch, tf) and tf_mwms adapters on the shared loop,
-each attempt in a fresh process (tests/loop_backends.py), no Ray cluster. DDP and TP: tests/unit/test_loop.py and
+each attempt in a fresh process (tests/loop_backends.py), no Ray cluster; and the loss-parity gate: every one of
+them trains DDP's loss curve from DDP's recipe, seed and data. Stop/resume of DDP and TP: tests/unit/test_loop.py and
 tests/parallel/test_tp_loop.py. Horovod runs as a lone process: the 2-rank paths are in tests/integration."""
 from __future__ import annotations
 
