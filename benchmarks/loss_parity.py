@@ -50,15 +50,16 @@ def plot(curves: dict[str, np.ndarray], path: Path) -> None:
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=[2, 1])
     reference = curves[REFERENCE]
-    for name, curve in curves.items():
-        steps = np.arange(1, len(curve) + 1)
-        top.plot(steps, curve, label=name, linewidth=2.5 if name == REFERENCE else 1.2,
+    for index, (name, curve) in enumerate(curves.items()):
+        steps, color = np.arange(1, len(curve) + 1), f"C{index}"  # one colour per backend in both panels
+        top.plot(steps, curve, label=name, color=color, linewidth=2.5 if name == REFERENCE else 1.2,
                  linestyle="-" if name == REFERENCE else "--")
-        if name != REFERENCE:
-            bottom.semilogy(steps, np.abs(curve - reference) + 1e-12, label=name)
+        if name != REFERENCE:  # an identical curve shows at the floor, 1e-12
+            bottom.semilogy(steps, np.abs(curve - reference) + 1e-12, label=name, color=color)
     top.set_ylabel("step_loss")
     top.set_title("The same recipe, seed and data through every backend (2 workers)")
     top.legend()
+    bottom.legend(fontsize="small")
     bottom.set_ylabel(f"|step_loss - {REFERENCE}|")
     bottom.set_xlabel("global step")
     fig.tight_layout()
