@@ -47,7 +47,7 @@ BACKENDS = {
                     "trainer.weight_decay=0.01", "trainer.lr_schedule=linear", "trainer.warmup_steps=2",
                     "trainer.grad_accum=3", "trainer.precision=bf16"],
 }
-# The loss-parity gate (tests/unit/test_loss_parity.py): one seed, data order and recipe through each backend.
+# The loss-parity gate (test_loss_parity_with_the_ddp_reference): one seed, data order and recipe through each backend.
 # SGD with momentum at a constant rate: PyTorch and Keras define momentum alike only while the rate is constant
 # (torch scales the whole velocity by the current rate, Keras each gradient as it enters the velocity).
 PARITY = ["model.hidden=[32]", "model.dropout=0", "trainer.optimizer=sgd", "trainer.momentum=0.9", "trainer.lr=0.01",

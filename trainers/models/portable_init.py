@@ -1,5 +1,5 @@
 """Initial MLP weights drawn by numpy, so that one seed gives the same starting model in PyTorch and in Keras:
-the loss-parity gate (tests/unit/test_loss_parity.py, benchmarks/loss_parity.py) compares backends of both
+the loss-parity gate (tests/unit/test_loop_backends.py, benchmarks/loss_parity.py) compares backends of both
 frameworks step for step from there. Glorot-uniform kernels and zero biases, Keras' own Dense default (PyTorch's
 Linear default draws from another range and a bias too). The CNN and the text models keep their framework's
 initialisation: their layouts differ between the two (NCHW against NHWC kernels and flattening)."""
