@@ -221,15 +221,19 @@ def train_ok(args: list[str], env: dict[str, str]) -> tuple[subprocess.Completed
 
 def check_finished_run(client: Any, run_id: str, backend: str, epochs: int) -> str:
     """The run contract every backend keeps: FINISHED, every epoch metric once per epoch, the loss going down,
-    one model logged, linked to the metrics of the epoch it holds. Returns the logged model's URI."""
+    where the start-up went, one model logged, linked to the metrics of the epoch it holds. Returns the logged
+    model's URI."""
     import mlflow
 
     from contract.metrics import EPOCH_METRICS
+    from contract.startup import STARTUP_PARTS, STARTUP_TOTAL
     from contract.tracking import epoch_values
 
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["backend"] == backend
+    parts = [run.data.metrics[name] for name in STARTUP_PARTS]  # logged once, by the first attempt's rank 0
+    assert min(parts) >= 0 and sum(parts) == pytest.approx(run.data.metrics[STARTUP_TOTAL]), parts
     for name in EPOCH_METRICS:
         assert sorted(m.step for m in client.get_metric_history(run_id, name)) == list(range(1, epochs + 1)), name
     losses = [m.value for m in sorted(client.get_metric_history(run_id, "train_loss"), key=lambda m: m.step)]

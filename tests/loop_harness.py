@@ -35,7 +35,7 @@ class Recorder:
         self.epochs.setdefault(epoch, dict(metrics))  # idempotent per epoch, as contract.tracking.EpochLogger
 
     def log_extra(self, epoch: int, metrics: dict[str, float]) -> None:
-        self.extras[epoch] = dict(metrics)
+        self.extras.setdefault(epoch, {}).update(metrics)
 
     def log_step_loss(self, step: int, loss: float) -> None:
         assert step not in self.step_losses, f"step {step} logged twice"

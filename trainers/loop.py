@@ -22,6 +22,7 @@ from contract.metrics import REPORTED_EPOCH, Reducer, epoch_line, epoch_metrics,
 from contract.progress import NoBar, StepBar
 from contract.recipe import Monitor
 from contract.resume import STOP_CHECK_EVERY
+from contract.startup import StartupMarks
 from contract.tracking import say
 
 
@@ -92,6 +93,7 @@ class WorkerContext:
     profile_dir: Path | None = None       # ... into this folder, logged as the run's `profile/` artifacts
     step_bar: Callable[[str, int, int], StepBar] | None = None  # rank 0 with progress wanted: (description, steps
                                                                  # in the epoch, steps done) -> the epoch's bar
+    startup: StartupMarks | None = None   # rank 0, a run's first attempt: logs `startup.*` at its first step
 
 
 class StopAgreement:
@@ -116,6 +118,8 @@ class TrainLoop:
         self.adapter, self.ctx = adapter, ctx
         self.should_stop = StopAgreement(ctx.stop_file, adapter.reduce, ctx.stop_check_every)
         self.state = self._restore()
+        self.began = time.time()  # the model is built and its data pulled (contract/startup.py)
+        self.startup_due = ctx.startup is not None and ctx.logger is not None
         self.first_epoch = self.state.epoch + 1  # of this attempt
         self.profiler: StepProfiler | None = None
         self.profiled = False  # this attempt has profiled its steps
@@ -174,6 +178,7 @@ class TrainLoop:
             totals.steps += 1
             totals.tokens += tokens
             self.log_step_loss(epoch, totals.steps, loss)
+            self.log_startup(epoch)
             bar.update(1)
             self.profile_step()
             if adapter.at_update_boundary() and self.should_stop(totals.steps):
@@ -185,6 +190,13 @@ class TrainLoop:
         bar.close()
         self.stop_profile()  # a short epoch: fewer steps than asked
         return not stopped
+
+    def log_startup(self, epoch: int) -> None:
+        """After the attempt's first step: rank 0 logs where the run's start-up went (`startup.*`), once."""
+        if not self.startup_due:
+            return
+        self.ctx.logger.log_extra(epoch, self.ctx.startup.metrics(self.began, self.adapter.load_s, time.time()))
+        self.startup_due = False
 
     def open_step_bar(self, epoch: int, done: int) -> StepBar:
         """The progress bar of the epoch's training steps (`run.progress`, rank 0), `done` of them trained before."""

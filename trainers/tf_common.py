@@ -22,6 +22,7 @@ import numpy as np
 from contract.checkpoint import TrainState
 from contract.data import MNIST_MEAN, MNIST_STD, shuffled_order
 from contract.metrics import peak_rss_bytes
+from trainers.worker import dataset_shards
 
 LEGACY_KERAS_ENV = {"TF_USE_LEGACY_KERAS": "1"}
 LOAD_BATCH = 8192
@@ -107,10 +108,10 @@ class ShardArrays:
 
 def worker_arrays(dataset: str) -> tuple[ShardArrays, ShardArrays]:
     """This worker's train and eval arrays (Ray Train dataset shards "train" and "eval")."""
-    import ray.train
-
-    return (ShardArrays(ray.train.get_dataset_shard("train"), dataset),
-            ShardArrays(ray.train.get_dataset_shard("eval"), dataset))
+    (train_shard, eval_shard), waited_s = dataset_shards("train", "eval")
+    train, evaluation = ShardArrays(train_shard, dataset), ShardArrays(eval_shard, dataset)
+    train.load_s += waited_s
+    return train, evaluation
 
 
 def input_example(dataset: str, model_inputs: dict) -> np.ndarray:

@@ -218,6 +218,19 @@ def fit_epochs(keras: Any, loop: TrainLoop, adapter: MirroredAdapter, epochs: in
         def on_epoch_end(self, epoch, logs=None):
             self.bar.close()
 
+    class LogStartup(keras.callbacks.Callback):
+        """`startup.*` after fit's first call of `tf_steps_per_execution` steps (rank 0, the run's first attempt)."""
+
+        def __init__(self):
+            super().__init__()
+            self._supports_tf_logs = True  # no per-batch copy of the logs to numpy for this hook
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch + 1
+
+        def on_train_batch_end(self, batch, logs=None):
+            loop.log_startup(self.epoch)
+
     class ProfileSteps(keras.callbacks.Callback):
         """Drives the loop's profiler (`trainer.profile_steps`, rank 0). A batch hook here ends a compiled call of
         `tf_steps_per_execution` steps: each profiled "step" is one such call."""
@@ -236,6 +249,8 @@ def fit_epochs(keras: Any, loop: TrainLoop, adapter: MirroredAdapter, epochs: in
         callbacks.append(LogStepLoss())
     if ctx.step_bar is not None:
         callbacks.append(ShowProgress())
+    if loop.startup_due:
+        callbacks.append(LogStartup())
     if ctx.profile_steps and ctx.profile_dir is not None:
         callbacks.insert(0, ProfileSteps())  # before ReportEachEpoch: the trace is sent before the epoch's report
 

@@ -20,7 +20,7 @@ from trainers.parallel.comm import collective_device
 from trainers.parallel.data_parallel import average_gradients
 from trainers.parallel.memory import rank_memory
 from trainers.torch_recipe import TorchRecipe, clip_dense_grad_norm
-from trainers.worker import loop_config, run_config, scaling_config
+from trainers.worker import dataset_shards, loop_config, run_config, scaling_config
 
 LOAD_BATCH = 8192  # rows per Ray Data batch when pulling a shard into memory
 EVAL_BATCH = 256
@@ -132,13 +132,13 @@ TrainData = Callable[[int], "tuple[ShardBatches, ShardBatches]"]
 def worker_data(cfg: Any, seed: int) -> tuple[ShardBatches, ShardBatches]:
     """This worker's train and eval batches (Ray Train dataset shards "train" and "eval"). A pipeline
     (`trainer.pp` > 1) has fixed shapes: training drops a short last batch, evaluation runs in training batches."""
-    import ray.train
-
     pipeline = cfg.trainer.get("pp", 1) > 1
-    train = ShardBatches(ray.train.get_dataset_shard("train"), cfg.data.name, cfg.trainer.batch_size,
-                         cfg.data.cache_in_worker, seed, cfg.trainer.max_steps_per_epoch, drop_last=pipeline)
-    evaluation = ShardBatches(ray.train.get_dataset_shard("eval"), cfg.data.name,
-                              cfg.trainer.batch_size if pipeline else EVAL_BATCH, cfg.data.cache_in_worker, seed)
+    (train_shard, eval_shard), waited_s = dataset_shards("train", "eval")
+    train = ShardBatches(train_shard, cfg.data.name, cfg.trainer.batch_size, cfg.data.cache_in_worker, seed,
+                         cfg.trainer.max_steps_per_epoch, drop_last=pipeline)
+    evaluation = ShardBatches(eval_shard, cfg.data.name, cfg.trainer.batch_size if pipeline else EVAL_BATCH,
+                              cfg.data.cache_in_worker, seed)
+    train.load_s += waited_s
     return train, evaluation
 
 

@@ -3,6 +3,7 @@ checkpoint schema with a pure-Python adapter, then stop/resume parity for the Py
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
@@ -15,6 +16,7 @@ from contract.checkpoint import STATE_FILE, EpochTotals, TrainState
 from tests.loop_harness import (STOP_AT, Recorder, check_metric_set, check_stop_resume_parity, config,
                                 make_context, mnist_columns, run_attempt)
 from contract.recipe import Monitor
+from contract.startup import STARTUP_PARTS, STARTUP_TOTAL, StartupMarks
 from trainers.loop import StopAgreement, TrainLoop
 
 
@@ -136,6 +138,26 @@ def test_rank0_shows_each_epochs_steps_on_a_bar_a_resumed_epoch_from_its_stop(tm
     assert [(b.description, b.shown, b.closed) for b in bars] == [("train epoch 1/2", STOP_AT, True),
                                                                  ("train epoch 1/2", 25, True),
                                                                  ("train epoch 2/2", 25, True)]
+
+
+def test_rank0_logs_where_the_startup_went_once_after_its_first_step(tmp_path):
+    """`startup.*` (contract/startup.py): the driver's and the workers' parts from the marks, the data part from
+    the adapter's load time, the model part up to the loop, the first step; logged once, at epoch 1, summing to
+    the total."""
+    now = time.time()
+    marks = StartupMarks(asked=now - 10.0, trainer_built=now - 7.0, worker_began=now - 2.0)
+    run = lambda ctx: TrainLoop(LineAdapter(), replace(ctx, startup=marks)).run()  # noqa: E731
+    extras = run_attempt(run, 0, 1, 2, tmp_path / "a").recorder.extras
+    startup = {name: value for name, value in extras[1].items() if name.startswith("startup.")}
+    assert sorted(startup) == sorted([*STARTUP_PARTS, STARTUP_TOTAL])
+    driver, workers, data = (startup[f"startup.{part}_s"] for part in ("driver", "workers", "data"))
+    assert (driver, workers, data) == (pytest.approx(3.0), pytest.approx(5.0), 0.25)
+    assert 1.75 <= startup["startup.model_s"] < 60 and 0 <= startup["startup.first_step_s"] < 60
+    assert sum(startup[name] for name in STARTUP_PARTS) == pytest.approx(startup[STARTUP_TOTAL])
+    assert not [name for name in extras[2] if name.startswith("startup.")]  # once
+    # no marks (other ranks, a restarted attempt): nothing
+    plain = run_attempt(lambda ctx: TrainLoop(LineAdapter(), ctx).run(), 0, 1, 1, tmp_path / "b").recorder.extras
+    assert not [name for name in plain[1] if name.startswith("startup.")]
 
 
 def test_checkpoint_schema_of_a_stopped_epoch(tmp_path):
