@@ -4,7 +4,8 @@ parts. Rank 0 logs them once, at its first step, as the run's `startup.*` metric
 - `startup.driver_s`: the driver, until the trainer is built: Python imports, config and data checks, Ray
   connection (a local Ray is started here), the MLflow run;
 - `startup.workers_s`: Ray Train's controller, its worker group, and each worker's imports;
-- `startup.data_s`: rank 0 pulling its shard from Ray Data (also the epoch metric `data_load_s`);
+- `startup.data_s`: rank 0 waiting for Ray Train to split the datasets, then pulling its shard from Ray Data
+  (the epoch metric `data_load_s` too);
 - `startup.model_s`: the model, optimizer, process group or strategy, and a checkpoint's restore;
 - `startup.first_step_s`: the first training step (kernel and graph warm-up, the first collectives);
 - `startup.total_s`: all of it.
