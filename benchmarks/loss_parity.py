@@ -68,22 +68,23 @@ def plot(curves: dict[str, np.ndarray], path: Path) -> None:
 
 
 def log_plot(uri: str, curves: dict[str, np.ndarray], deviations: dict[str, float], args: argparse.Namespace) -> str:
-    """A run `loss-parity` holding the plot, the recipe and each backend's largest deviation; returns its id."""
+    """A run `loss-parity`, in the pipelines' experiment, holding the plot, the benchmark's arguments and each
+    backend's largest deviation; returns its id."""
     from mlflow.tracking import MlflowClient
 
+    from contract import tracking
+    from contract.config import RunSection
+
+    arguments = vars(args)
+    run_id = tracking.start_run(uri, RunSection.experiment, "loss-parity", arguments,
+                                "".join(f"{key}: {value}\n" for key, value in arguments.items()))
     client = MlflowClient(uri)
-    experiment = client.get_experiment_by_name("ray-train-pipelines")
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment("ray-train-pipelines")
-    run = client.create_run(experiment_id, run_name="loss-parity")
-    run_id = run.info.run_id
-    for key, value in vars(args).items():
-        client.log_param(run_id, key, value)
     for name, deviation in deviations.items():
         client.log_metric(run_id, f"max_loss_deviation.{name}", deviation)
     with tempfile.TemporaryDirectory() as tmp:
         plot(curves, Path(tmp) / "loss_parity.png")
         client.log_artifact(run_id, str(Path(tmp) / "loss_parity.png"))
-    client.set_terminated(run_id)
+    tracking.end_run(uri, run_id)
     return run_id
 
 

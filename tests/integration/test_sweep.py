@@ -107,24 +107,33 @@ def test_smoke_sweep_nests_runs_rejects_points_and_reports(tmp_path, tiny_imdb, 
     check_text_run(client, by_layout[("ddp", "2")])
 
 
+def mnist_sweep(args: list[str], scheduler: str, tmp_path: Path, data: Path, mlflow_server: str,
+                ray_head: dict) -> tuple[MlflowClient, list]:
+    """`python -m pipelines.sweep sweep=pbt_mnist <args>` on the tiny MNIST data, required to end like any sweep
+    (exit 0, a FINISHED parent run of `scheduler` holding the report); returns (client, the child runs)."""
+    proc = subprocess.run([sys.executable, "-m", "pipelines.sweep", "sweep=pbt_mnist", f"data.path={data}",
+                           f"run.storage_path={tmp_path / 'ray'}", *args],
+                          cwd=ROOT, env=pipeline_env(mlflow_server, ray_head), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    client = MlflowClient(mlflow_server)
+    parent = client.get_run(parent_id_from(proc.stdout))
+    assert parent.info.status == "FINISHED" and parent.data.params["sweep.scheduler"] == scheduler
+    assert "report" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    return client, children
+
+
 def test_pbt_trial_continues_the_better_trials_checkpoint(tmp_path, tiny_mnist, mlflow_server, ray_head):
     """Synchronous PBT over two MNIST MLP trials: at epoch 2 the trial whose learning rate (1e-6) cannot learn
     continues from the other's checkpoint with its recipe mutated. Its child run records the switch (tag, the
     mutated keys' values from epoch 3), its epochs from then on are as good as the checkpoint it took, the
     other trial is left alone, and the sweep ends like any other (statuses, nested runs, report)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pipelines.sweep", "sweep=pbt_mnist", f"data.path={tiny_mnist}",
-         f"run.storage_path={tmp_path / 'ray'}", "trainer.epochs=3", "sweep.num_samples=1",
-         "sweep.grid=[{trainer.lr:[0.000001,0.01]}]", "sweep.pbt_synch=true", "sweep.pbt_quantile=0.5",
-         "sweep.pbt_interval=2"],
-        cwd=ROOT, env=pipeline_env(mlflow_server, ray_head), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    client = MlflowClient(mlflow_server)
-    parent = client.get_run(parent_id_from(proc.stdout))
-    assert parent.info.status == "FINISHED" and parent.data.params["sweep.scheduler"] == "pbt"
-    assert "report" in {a.path for a in client.list_artifacts(parent.info.run_id)}
-    children = client.search_runs([parent.info.experiment_id],
-                                  filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    client, children = mnist_sweep(["trainer.epochs=3", "sweep.num_samples=1",
+                                    "sweep.grid=[{trainer.lr:[0.000001,0.01]}]", "sweep.pbt_synch=true",
+                                    "sweep.pbt_quantile=0.5", "sweep.pbt_interval=2"],
+                                   "pbt", tmp_path, tiny_mnist, mlflow_server, ray_head)
     by_lr = {c.data.params["trainer.lr"]: c for c in children}
     assert set(by_lr) == {"1e-06", "0.01"} and all(c.info.status == "FINISHED" for c in children)
     poor, good = by_lr["1e-06"], by_lr["0.01"]
@@ -147,19 +156,10 @@ def test_random_search_under_asha_stops_the_poor_trials_early(tmp_path, tiny_mni
     epochs; the two that cannot learn in an epoch are stopped there (a trial runs ahead of Tune's decision by an
     epoch or so, the other 3 epochs are the margin). Every child run is FINISHED and nested under the parent, the
     stopped ones tagged with their last epoch, and the parent holds the report."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "pipelines.sweep", "sweep=pbt_mnist", f"data.path={tiny_mnist}",
-         f"run.storage_path={tmp_path / 'ray'}", "trainer.epochs=5", "sweep.scheduler=asha", "sweep.mutations=null",
-         "sweep.num_samples=3", "sweep.grid=[{trainer.lr:{loguniform:[0.0000001,0.01]}}]",
-         "sweep.max_concurrent_trials=1"],
-        cwd=ROOT, env=pipeline_env(mlflow_server, ray_head), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    client = MlflowClient(mlflow_server)
-    parent = client.get_run(parent_id_from(proc.stdout))
-    assert parent.info.status == "FINISHED" and parent.data.params["sweep.scheduler"] == "asha"
-    assert "report" in {a.path for a in client.list_artifacts(parent.info.run_id)}
-    children = client.search_runs([parent.info.experiment_id],
-                                  filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    client, children = mnist_sweep(["trainer.epochs=5", "sweep.scheduler=asha", "sweep.mutations=null",
+                                    "sweep.num_samples=3", "sweep.grid=[{trainer.lr:{loguniform:[0.0000001,0.01]}}]",
+                                    "sweep.max_concurrent_trials=1"],
+                                   "asha", tmp_path, tiny_mnist, mlflow_server, ray_head)
     by_lr = {c.data.params["trainer.lr"]: c for c in children}
     assert set(by_lr) == {"0.000153", "2.233e-06", "1.603e-07"}  # the seeded draws, each a trial
     assert all(c.info.status == "FINISHED" for c in children)
