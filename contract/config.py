@@ -82,8 +82,22 @@ class HorovodConfig(TrainerConfig):
     compression: str = "none"           # gradient compression on the wire: none | fp16
 
 
+@dataclass
+class DTensorMeshConfig:
+    batch: int = 2                      # devices along the batch dimension (data parallelism)
+    model: int = 1                      # devices along the model dimension (weights sharded)
+
+
+@dataclass
+class TFDTensorConfig(TrainerConfig):
+    backend: str = "tf_dtensor"
+    mesh: DTensorMeshConfig = field(default_factory=DTensorMeshConfig)  # batch x model = all workers' devices
+    devices_per_worker: int = 1         # DTensor devices per worker: GPUs, or logical CPU devices without
+
+
 TRAINER_SCHEMAS: dict[str, type[TrainerConfig]] = {"ddp": DDPConfig, "tp": TPConfig, "fsdp": FSDPConfig,
-                                                   "tf_mwms": TFMWMSConfig, "horovod": HorovodConfig}
+                                                   "tf_mwms": TFMWMSConfig, "horovod": HorovodConfig,
+                                                   "tf_dtensor": TFDTensorConfig}
 
 
 @dataclass
@@ -127,8 +141,15 @@ class EmbedPoolConfig:
     dropout: float = 0.1
 
 
+@dataclass
+class TfIdfConfig:
+    name: str = "tfidf"
+    hidden: int = 64
+    dropout: float = 0.0
+
+
 MODEL_SCHEMAS: dict[str, type] = {"mlp": MLPConfig, "cnn": CNNConfig, "bert": BertModelConfig,
-                                  "embed_pool": EmbedPoolConfig}
+                                  "embed_pool": EmbedPoolConfig, "tfidf": TfIdfConfig}
 
 
 @dataclass
@@ -184,8 +205,10 @@ def monitor_of(run: DictConfig) -> Monitor:
 
 
 def worker_resources(trainer: DictConfig) -> tuple[int, int]:
-    """(CPUs, GPUs) a run's workers take together: a CPU per thread, a GPU per worker when `use_gpu`."""
-    return trainer.num_workers * trainer.threads_per_worker, trainer.num_workers if trainer.use_gpu else 0
+    """(CPUs, GPUs) a run's workers take together: a CPU per thread, a GPU per worker (tf_dtensor: per device) when
+    `use_gpu`."""
+    gpus = trainer.num_workers * trainer.get("devices_per_worker", 1) if trainer.use_gpu else 0
+    return trainer.num_workers * trainer.threads_per_worker, gpus
 
 
 def parallel_degrees(trainer: DictConfig) -> tuple[int, int]:
@@ -194,4 +217,6 @@ def parallel_degrees(trainer: DictConfig) -> tuple[int, int]:
         return trainer.dp, trainer.tp
     if trainer.backend == "fsdp":
         return trainer.num_workers // (trainer.tp * trainer.pp), trainer.tp
+    if trainer.backend == "tf_dtensor":
+        return trainer.mesh.batch, trainer.mesh.model
     return trainer.num_workers, 1

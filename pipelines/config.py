@@ -27,15 +27,16 @@ class ConfigError(ValueError):
     """Invalid configuration; the message names the key."""
 
 
-DATA_MODELS = {"mnist": ("mlp", "cnn"), "imdb": ("bert", "embed_pool")}  # which models fit which data
+DATA_MODELS = {"mnist": ("mlp", "cnn"), "imdb": ("bert", "embed_pool", "tfidf")}  # which models fit which data
 KERAS_MODELS = ("mlp", "cnn", "embed_pool")  # trainers/models/keras_models.py
+DTENSOR_MODELS = ("mlp", "tfidf")  # trainers/models/tf_modules.py
 TF_LOOPS = ("fit", "custom")
 TF_COMMUNICATIONS = ("auto", "ring", "nccl")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 HOROVOD_FRAMEWORKS = ("torch", "tf")
 HOROVOD_COMPRESSIONS = ("none", "fp16")
 POSITIVE = ("num_workers", "threads_per_worker", "batch_size", "lr", "epochs", "tf_steps_per_execution",
-            "tf_devices", "grad_accum")  # trainer keys, where the backend has them
+            "tf_devices", "grad_accum", "devices_per_worker")  # trainer keys, where the backend has them
 
 
 def _schema_for(cfg: DictConfig) -> DictConfig:
@@ -95,6 +96,7 @@ def _check_values(cfg: DictConfig) -> None:
     _check_recipe(cfg)
     _check_parallelism(cfg)
     _check_tensorflow(cfg)
+    _check_dtensor(cfg)
     _check_horovod(cfg)
     _check_compile(cfg.trainer)
     if cfg.fault.max_failures < 0:
@@ -302,11 +304,37 @@ def _check_tensorflow(cfg: DictConfig) -> None:
                           f"got '{cfg.model.name}'")
 
 
+def _check_dtensor(cfg: DictConfig) -> None:
+    """The mesh fits the workers' devices and splits every sharded weight evenly; the models and recipe it has."""
+    from trainers.parallel.dtensor_layout import MeshDims, sharded_widths
+
+    trainer, model = cfg.trainer, cfg.model
+    if trainer.backend != "tf_dtensor":
+        if model.name == "tfidf":
+            raise ConfigError("model.name: the tfidf model is trained by trainer=tf_dtensor only")
+        return
+    if model.name not in DTENSOR_MODELS:
+        raise ConfigError(f"model.name: tf_dtensor has {', '.join(DTENSOR_MODELS)} models only, got '{model.name}'")
+    if min(trainer.mesh.batch, trainer.mesh.model) < 1:
+        raise ConfigError(f"trainer.mesh: batch and model must be >= 1, got {dict(trainer.mesh)}")
+    dims = MeshDims(trainer.mesh.batch, trainer.mesh.model, trainer.num_workers, trainer.devices_per_worker)
+    if dims.problem():
+        raise ConfigError(f"trainer.mesh: {dims.problem()}")
+    widths = sharded_widths([784, *model.hidden, 10] if model.name == "mlp" else [0, model.hidden, 2])
+    uneven = [w for w in widths if w % dims.model]
+    if uneven:
+        raise ConfigError(f"trainer.mesh.model: {dims.model} devices do not split the sharded layer widths {uneven} "
+                          f"evenly (model.hidden)")
+    for key, fine in (("grad_accum", trainer.grad_accum == 1), ("precision", trainer.precision == "fp32")):
+        if not fine:
+            raise ConfigError(f"trainer.{key}: tf_dtensor trains with grad_accum=1 and precision=fp32 only")
+
+
 def _check_compile(trainer: DictConfig) -> None:
     """torch.compile wraps the training forward of the PyTorch backends; a pipeline schedule runs its stages itself."""
     if not trainer.compile:
         return
-    if trainer.backend == "tf_mwms" or (trainer.backend == "horovod" and trainer.framework == "tf"):
+    if trainer.backend in ("tf_mwms", "tf_dtensor") or (trainer.backend == "horovod" and trainer.framework == "tf"):
         raise ConfigError("trainer.compile: torch.compile is for the PyTorch backends (TensorFlow compiles its "
                           "training step with tf.function already)")
     if trainer.backend == "fsdp" and trainer.pp > 1:

@@ -22,6 +22,7 @@ COMMON = ["trainer.epochs=2", "trainer.batch_size=16", "trainer.optimizer=sgd", 
 # boundary. SGD with momentum (COMMON), whose updates scale with the gradient (Adam's would hide a wrong
 # 1/grad_accum); the clipping at 5 is active in the first updates only (averaged gradient norms 13.5, 9.0, 6.8,
 # 7.4, then 3-5, measured unclipped).
+DTENSOR_2X2 = ["trainer.devices_per_worker=4", "trainer.mesh.batch=2", "trainer.mesh.model=2"]
 TF_RECIPE = ["trainer.lr_schedule=cosine", "trainer.warmup_steps=3", "trainer.grad_clip=5.0", "trainer.grad_accum=2"]
 ONE_DEVICE = ["trainer=tf_mwms", "trainer.tf_loop=custom", "model.hidden=[32]", *COMMON, *TF_RECIPE]
 BACKENDS = {
@@ -42,6 +43,9 @@ BACKENDS = {
     "tf_big_batch": [*ONE_DEVICE, "trainer.batch_size=64", "trainer.grad_accum=1"],
     "tf_bf16": [*ONE_DEVICE, "trainer.batch_size=32", "trainer.precision=bf16"],
     # 20 batches per epoch in groups of 3 (the last of 2), in bf16
+    # a 2x2 mesh of logical CPU devices (2D: batch and model sharded), 8 rows per batch coordinate
+    "tf_dtensor": ["trainer=tf_dtensor", *DTENSOR_2X2, "model.hidden=[32]", *COMMON, "trainer.batch_size=8",
+                   "trainer.lr_schedule=cosine", "trainer.warmup_steps=3", "trainer.grad_clip=5.0"],
     "tf_mwms_fit": ["trainer=tf_mwms", "trainer.tf_loop=fit", "data=imdb", "model=embed_pool", "model.embed_dim=8",
                     "model.hidden=8", "trainer.tf_steps_per_execution=4", *COMMON, "trainer.optimizer=adamw",
                     "trainer.weight_decay=0.01", "trainer.lr_schedule=linear", "trainer.warmup_steps=2",
@@ -58,6 +62,8 @@ PARITY_BACKENDS = {
     "horovod_tf": ["trainer=horovod", "trainer.framework=tf", *PARITY],
     "tf_mwms_custom": ["trainer=tf_mwms", "trainer.tf_loop=custom", *PARITY],
     "tf_mwms_fit": ["trainer=tf_mwms", "trainer.tf_loop=fit", "trainer.tf_steps_per_execution=1", *PARITY],
+    # the global batch of 16 as 2 batch coordinates of 8 rows, the weights sharded over 2 devices
+    "tf_dtensor": ["trainer=tf_dtensor", *DTENSOR_2X2, *PARITY, "trainer.batch_size=8"],
 }
 BACKENDS.update({f"parity_{name}": overrides for name, overrides in PARITY_BACKENDS.items()})
 
@@ -89,9 +95,9 @@ def runner(cfg):
     from trainers.tf_common import ShardArrays
 
     arrays = (ShardArrays.from_columns(train, cfg.data.name), ShardArrays.from_columns(evaluation, cfg.data.name))
-    from trainers import horovod_tf, tf_mwms
+    from trainers import horovod_tf, tf_dtensor, tf_mwms
 
-    module = horovod_tf if trainer.backend == "horovod" else tf_mwms
+    module = {"horovod": horovod_tf, "tf_dtensor": tf_dtensor}.get(trainer.backend, tf_mwms)
     return lambda ctx: module.run_worker(cfg, ctx, MODEL_INPUTS, data=arrays)
 
 
@@ -102,7 +108,7 @@ def main(backend: str, folder: str, attempt: str, restore: str | None = None) ->
     cfg = config(base / "cfg", [*BACKENDS[backend], *dump])
     result = run_attempt(runner(cfg), 0, 1, cfg.trainer.epochs, base / attempt,
                          restored=Path(restore) if restore else None, stop=attempt == "stopped")
-    if cfg.trainer.backend == "tf_mwms" or cfg.trainer.get("framework") == "tf":
+    if cfg.trainer.backend in ("tf_mwms", "tf_dtensor") or cfg.trainer.get("framework") == "tf":
         assert "torch" not in sys.modules, "a TensorFlow worker imported torch"
     print(json.dumps(attempt_to_json(result)))
 

@@ -17,6 +17,7 @@ BACKENDS: dict[str, str] = {
     "fsdp": "trainers.torch_fsdp",
     "tf_mwms": "trainers.tf_mwms",
     "horovod": "trainers.horovod",
+    "tf_dtensor": "trainers.tf_dtensor",
 }
 
 

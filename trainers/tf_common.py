@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -41,6 +41,18 @@ def set_threads(tf: Any, threads: int) -> None:
     so that an op blocked in a collective cannot starve the others."""
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(threads + 1)
+
+
+def local_devices(tf: Any, count: int, use_gpu: bool) -> list[str]:
+    """`count` local device names: GPUs, or the CPU split into logical devices (tests, GPU-less machines)."""
+    if use_gpu:
+        gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
+        if len(gpus) < count:
+            raise RuntimeError(f"trainer.tf_devices={count} but this worker sees {len(gpus)} GPUs")
+        return gpus[:count]
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+    return [d.name for d in tf.config.list_logical_devices("CPU")][:count]
 
 
 class ShardArrays:
@@ -266,7 +278,15 @@ class KerasAdapter:
             np.savez(Path(directory) / f"rank{self.rank}.npz", *self.model.get_weights())
 
 
-def _log_model_task(uri: str, run_id: str, cfg_dict: dict, checkpoint: Any, model_inputs: dict) -> None:
+def compiled_model_from(keras: Any, cfg: Any, model_inputs: dict, directory: str) -> Any:
+    """The Keras model a tf_mwms or horovod tf checkpoint in `directory` holds."""
+    model = build_compiled_model(keras, cfg, model_inputs)
+    model.load_weights(os.path.join(directory, WEIGHTS))
+    return model
+
+
+def _log_model_task(uri: str, run_id: str, cfg_dict: dict, checkpoint: Any, model_inputs: dict,
+                    model_from: Callable) -> None:
     import mlflow
     import tensorflow as tf
     import tf_keras as keras
@@ -275,9 +295,8 @@ def _log_model_task(uri: str, run_id: str, cfg_dict: dict, checkpoint: Any, mode
     # The logged model is float32 (no dtype policy is set here), so without fp16's LossScaleOptimizer too: an
     # unbuilt one cannot skip the optimizer variables in the weights file (see `load_keras_state`).
     cfg = typed_config({**cfg_dict, "trainer": {**cfg_dict["trainer"], "precision": "fp32"}})
-    model = build_compiled_model(keras, cfg, model_inputs)
     with checkpoint.as_directory() as directory:
-        model.load_weights(os.path.join(directory, WEIGHTS))
+        model = model_from(keras, cfg, model_inputs, directory)
         epoch = TrainState.read(directory).epoch
     mlflow.set_tracking_uri(uri)
     mlflow.start_run(run_id=run_id, log_system_metrics=False)
@@ -291,8 +310,10 @@ def _log_model_task(uri: str, run_id: str, cfg_dict: dict, checkpoint: Any, mode
         mlflow.end_run()
 
 
-def log_final_model(uri: str, run_id: str, cfg: Any, checkpoint: Any, model_inputs: dict) -> None:
-    """The final checkpoint's model, MLflow tensorflow (Keras) flavour. MLflow recognises Keras models via
+def log_final_model(uri: str, run_id: str, cfg: Any, checkpoint: Any, model_inputs: dict,
+                    model_from: Callable = compiled_model_from) -> None:
+    """The final checkpoint's model, MLflow tensorflow (Keras) flavour (`model_from`: the Keras model a
+    checkpoint folder holds). MLflow recognises Keras models via
     `tensorflow.keras`, which is tf-keras only with TF_USE_LEGACY_KERAS=1 from process start: so the model
     is logged from a Ray task started with that env var rather than from this (driver) process."""
     import ray
@@ -300,4 +321,4 @@ def log_final_model(uri: str, run_id: str, cfg: Any, checkpoint: Any, model_inpu
 
     task = ray.remote(num_cpus=1, runtime_env={"env_vars": {**LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}})(
         _log_model_task)
-    ray.get(task.remote(uri, run_id, OmegaConf.to_container(cfg, resolve=True), checkpoint, model_inputs))
+    ray.get(task.remote(uri, run_id, OmegaConf.to_container(cfg, resolve=True), checkpoint, model_inputs, model_from))

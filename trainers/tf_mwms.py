@@ -31,7 +31,7 @@ def make_strategy(tf: Any, trainer: DictConfig) -> Any:
     tfc.set_threads(tf, trainer.threads_per_worker)
     if trainer.num_workers == 1:
         if trainer.tf_devices > 1:
-            return tf.distribute.MirroredStrategy(devices=local_devices(tf, trainer.tf_devices, trainer.use_gpu))
+            return tf.distribute.MirroredStrategy(devices=tfc.local_devices(tf, trainer.tf_devices, trainer.use_gpu))
         # One replica: nothing to mirror or all-reduce; TF's default strategy has the same API without the
         # per-step collective machinery of MWMS (measured: benchmarks/README.md, tf_vs_bare).
         return tf.distribute.get_strategy()
@@ -40,18 +40,6 @@ def make_strategy(tf: Any, trainer: DictConfig) -> Any:
             "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL}[trainer.tf_communication]
     options = tf.distribute.experimental.CommunicationOptions(implementation=impl)
     return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-
-
-def local_devices(tf: Any, count: int, use_gpu: bool) -> list[str]:
-    """`count` local device names: GPUs, or the CPU split into logical devices (tests, GPU-less machines)."""
-    if use_gpu:
-        gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
-        if len(gpus) < count:
-            raise RuntimeError(f"trainer.tf_devices={count} but this worker sees {len(gpus)} GPUs")
-        return gpus[:count]
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
-    return [d.name for d in tf.config.list_logical_devices("CPU")][:count]
 
 
 class MirroredAdapter(tfc.KerasAdapter):

@@ -102,3 +102,55 @@ def accumulation_share(tf: Any, grads: list, passes: int) -> list:
     be summed in place). A step of `passes` batches thus applies their mean, and a short group at an epoch's end
     its sum / passes (as the PyTorch side: the loss of every batch is scaled by 1/passes)."""
     return [tf.convert_to_tensor(g) / passes for g in grads]
+
+
+class VariableOptimizer:
+    """The recipe's optimizer written over plain variables, for models that are not Keras models (tf_dtensor's
+    `tf.Module`s with DTensor variables: tf-keras' own `mesh=` optimizers left the variables unchanged in a
+    2-client run here, measured with TF 2.21). The arithmetic is tf-keras' (SGD with momentum, Adam, AdamW with
+    decoupled decay and `no_weight_decay`, clipping by the global norm, epsilon 1e-8), so a Keras optimizer on
+    plain variables is its reference (tests/dtensor_checks.py). Under DTensor the global norm is the norm over
+    every shard: each reduction of a sharded gradient is all-reduced by DTensor.
+
+    `apply(grads, lr)` runs inside the caller's `tf.function`; `lr` is the step's learning rate (the schedule's
+    `contract.recipe.lr_factor` times `trainer.lr`, computed by the caller from `updates`, which the caller also
+    counts and checkpoints). `slot_like(variable)` makes a zero variable laid out as `variable`."""
+
+    BETA_1, BETA_2 = 0.9, 0.999
+
+    def __init__(self, tf: Any, trainer: Any, variables: list, slot_like: Any):
+        self.tf, self.kind, self.variables = tf, trainer.optimizer, variables
+        self.momentum, self.weight_decay, self.clip = trainer.momentum, trainer.weight_decay, trainer.grad_clip
+        self.updates = 0  # optimizer steps applied: the schedule's position
+        self.first = [slot_like(v) for v in variables] if self.kind != "sgd" or self.momentum else []
+        self.second = [slot_like(v) for v in variables] if self.kind != "sgd" else []
+
+    def slots(self) -> list:
+        """The state a checkpoint keeps, beside `updates`."""
+        return [*self.first, *self.second]
+
+    def apply(self, grads: list, lr: Any, step: Any) -> None:
+        """One update; `step`: 1-based count of this update (float32, Adam's bias correction)."""
+        tf = self.tf
+        if self.clip is not None:
+            grads, _ = tf.clip_by_global_norm(grads, self.clip)
+        for i, (grad, variable) in enumerate(zip(grads, self.variables)):
+            # Each slot's new value is computed once and used from the tensor: in a tf.function over DTensor
+            # variables, a read after an assign in the same function saw the old value (TF 2.21, measured).
+            if self.kind == "sgd":
+                if self.first:
+                    velocity = self.momentum * self.first[i] - lr * grad
+                    self.first[i].assign(velocity)
+                    variable.assign_add(velocity)
+                else:
+                    variable.assign_sub(lr * grad)
+                continue
+            m = self.first[i] + (grad - self.first[i]) * (1 - self.BETA_1)
+            v = self.second[i] + (tf.square(grad) - self.second[i]) * (1 - self.BETA_2)
+            self.first[i].assign(m)
+            self.second[i].assign(v)
+            alpha = lr * tf.sqrt(1 - tf.pow(self.BETA_2, step)) / (1 - tf.pow(self.BETA_1, step))
+            update = m * alpha / (tf.sqrt(v) + TORCH_ADAM_EPSILON)
+            if self.kind == "adamw" and not no_weight_decay(variable.name, variable.shape.rank):
+                update += variable * self.weight_decay * lr  # decoupled, from the weights before this step
+            variable.assign_sub(update)

@@ -26,6 +26,14 @@ def build_keras_model(model_cfg: Any, keras: Any, model_inputs: dict | None = No
             layers.Dense(model_cfg.hidden, activation="relu"), layers.Dropout(model_cfg.dropout),
             layers.Dense(2, dtype="float32"),
         ], name="embed_pool")
+    if model_cfg.name == "tfidf":  # the twin of trainers/models/tf_modules.py's, which tf_dtensor trains
+        return keras.Sequential([
+            layers.Input(shape=(model_inputs["max_len"],), dtype="int32"),
+            layers.CategoryEncoding(model_inputs["vocab_size"], output_mode="count"),  # term counts [B, vocab]
+            layers.Dense(model_cfg.hidden),  # its kernel: the IDF times the module's first kernel
+            layers.BatchNormalization(momentum=0.99, epsilon=1e-3), layers.ReLU(), layers.Dropout(model_cfg.dropout),
+            layers.Dense(2, dtype="float32"),
+        ], name="tfidf")
     classes = 10
     if model_cfg.name == "mlp":
         stack = [layers.Input(shape=(784,))]
@@ -46,4 +54,4 @@ def build_keras_model(model_cfg: Any, keras: Any, model_inputs: dict | None = No
             layers.Dense(model_cfg.hidden, activation="relu"), layers.Dropout(model_cfg.dropout),
             layers.Dense(classes, dtype="float32"),
         ], name="cnn")
-    raise ValueError(f"no Keras model for '{model_cfg.name}' (choices: mlp, cnn, embed_pool)")
+    raise ValueError(f"no Keras model for '{model_cfg.name}' (choices: mlp, cnn, embed_pool, tfidf)")

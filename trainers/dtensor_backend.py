@@ -1,0 +1,56 @@
+"""Multi-client TensorFlow DTensor as a Ray Train V2 backend (`DTensorConfig`), for `DataParallelTrainer`: what
+`TensorflowTrainer` does for TF_CONFIG, done for DTensor's variables, the way trainers/horovod_backend.py does
+Horovod's rendezvous.
+
+Before the training function starts, every worker reports its Ray node IP and a free port there; every worker then
+gets `DTENSOR_CLIENT_ID` (its Ray world rank), `DTENSOR_NUM_CLIENTS`, `DTENSOR_JOB_NAME` and `DTENSOR_JOBS` (the
+clients' addresses in rank order). `dtensor.initialize_accelerator_system` in the training function reads them,
+serves on its address and connects to the others. One worker is a single client: no variables, no server. After
+a worker failure Ray Train starts a new worker group and calls `on_start` again: new ports, a new DTensor cluster.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from ray.train.backend import Backend, BackendConfig
+
+JOB_NAME = "worker"
+
+
+@dataclass
+class DTensorConfig(BackendConfig):
+    @property
+    def backend_cls(self) -> type:
+        return DTensorBackend
+
+
+def free_address() -> str:
+    """Runs on a worker: `ip:port` of a port free on its Ray node now (the client binds it moments later)."""
+    import ray.util
+
+    ip = ray.util.get_node_ip_address()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((ip, 0))
+        return f"{ip}:{probe.getsockname()[1]}"
+
+
+def client_env(rank: int, addresses: list[str]) -> dict[str, str]:
+    return {"DTENSOR_CLIENT_ID": str(rank), "DTENSOR_NUM_CLIENTS": str(len(addresses)),
+            "DTENSOR_JOB_NAME": JOB_NAME, "DTENSOR_JOBS": ",".join(addresses)}
+
+
+def _set_env(env: dict[str, str]) -> None:
+    os.environ.update(env)
+
+
+class DTensorBackend(Backend):
+    def on_start(self, worker_group, backend_config: DTensorConfig) -> None:
+        import ray
+
+        if len(worker_group) == 1:
+            return
+        addresses = worker_group.execute(free_address)
+        ray.get([worker_group.execute_single_async(rank, _set_env, client_env(rank, addresses))
+                 for rank in range(len(addresses))])

@@ -1,0 +1,244 @@
+"""TensorFlow DTensor (`trainer=tf_dtensor`) on Ray Train: data, model and 2D parallelism on a `batch x model`
+device mesh spanning the Ray workers, one DTensor client per worker (trainers/dtensor_backend.py connects them),
+each with `trainer.devices_per_worker` devices (GPUs, or logical CPU devices).
+
+An adapter on the shared loop (trainers/loop.py), so the metrics, checkpoints, stop/resume and MLflow logging are
+every backend's. The model is a plain `tf.Module` (trainers/models/tf_modules.py: the MNIST MLP, or the TF-IDF
+classifier for IMDb) whose variables `parallelize_dtensor` lays out on the mesh (trainers/parallel/): weights
+sharded on `model` (Megatron's column/row pairs), batches on `batch`. Each step packs this worker's rows of the
+batch onto its devices (`dtensor.pack`) and runs one `tf.function`; DTensor adds the collectives. The optimizer
+is the recipe's, over the DTensor variables (trainers/tf_recipe.py `VariableOptimizer`).
+
+Checkpoints hold whole values (`dtensor_model.npz`, `dtensor_optimizer.npz`: every sharded variable gathered,
+rank 0 writes), so a run resumes on any mesh. The logged model is a Keras twin with these weights that loads
+without a mesh. TF-IDF: the document frequencies are summed over the workers' train shards before the first step.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+from omegaconf import DictConfig
+
+from contract.data import MNIST_MEAN, MNIST_STD
+from contract.metrics import peak_rss_bytes
+from contract.recipe import lr_factor, schedule_steps
+from trainers import tf_common as tfc
+from trainers.loop import TrainLoop, WorkerContext
+from trainers.parallel.dtensor_layout import MeshDims
+
+MODEL_FILE, OPTIMIZER_FILE = "dtensor_model.npz", "dtensor_optimizer.npz"
+EVAL_BATCH = 256  # rows per batch coordinate
+
+
+def mesh_dims(trainer: DictConfig) -> MeshDims:
+    return MeshDims(trainer.mesh.batch, trainer.mesh.model, trainer.num_workers, trainer.devices_per_worker)
+
+
+class DTensorAdapter:
+    """The loop's adapter on the mesh. `trainer.batch_size` rows per batch coordinate: a global batch of
+    batch_size x mesh.batch rows, of which this worker packs the rows of its own coordinates."""
+
+    sharded_checkpoint = False  # rank 0 writes the gathered state
+
+    def __init__(self, cfg: DictConfig, mesh: Any, model: Any, train: tfc.ShardArrays, evaluation: tfc.ShardArrays,
+                 idf: np.ndarray | None):
+        import tensorflow as tf
+
+        from trainers.tf_recipe import VariableOptimizer
+
+        trainer, dims = cfg.trainer, mesh.dims
+        self.tf, self.mesh, self.model, self.train, self.evaluation, self.idf = tf, mesh, model, train, evaluation, idf
+        self.rank, self.replicas = mesh.client, dims.clients_per_group  # a model group's workers see the same rows
+        self.batch_size = trainer.batch_size
+        self.rows_per_step = trainer.batch_size * dims.coords_per_client
+        self.steps = train.steps(self.rows_per_step, trainer.max_steps_per_epoch)
+        self.seed = cfg.run.seed + 1000 * (self.rank // dims.clients_per_group)  # one shuffle per data shard
+        self.load_s = train.load_s + evaluation.load_s
+        self.lr, self.schedule = trainer.lr, trainer.lr_schedule
+        self.warmup, self.total_updates = schedule_steps(trainer, self.steps)
+        self.params = [v for v in model.weights() if v.trainable]
+        self.optimizer = VariableOptimizer(tf, trainer, self.params, mesh.zeros_like)
+        self.train_fn = tf.function(self._train_step)
+        self.predict_fn = tf.function(lambda x: tf.argmax(model(x, training=False), axis=1))
+
+    def _train_step(self, x: Any, y: Any, lr: Any, update: Any, seed: Any) -> Any:
+        tf = self.tf
+        with tf.GradientTape() as tape:
+            logits = self.model(x, training=True, seed=seed)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        self.optimizer.apply(tape.gradient(loss, self.params), lr, update)
+        return loss  # the global batch's mean
+
+    def inputs(self, features: np.ndarray) -> np.ndarray:
+        """Model inputs from stored rows: normalised MNIST images, or TF-IDF vectors of token ids."""
+        if self.idf is None:
+            return (features.astype(np.float32) / np.float32(255.0) - np.float32(MNIST_MEAN)) / np.float32(MNIST_STD)
+        from trainers.models.tf_modules import tfidf_features
+
+        return tfidf_features(features, self.idf)
+
+    def steps_per_epoch(self) -> int:
+        return self.steps
+
+    def batches(self, epoch: int, skip: int) -> Iterator[Any]:
+        order, rows = self.train.order(self.seed + epoch), self.rows_per_step
+        for step in range(skip, self.steps):
+            index = order[step * rows:(step + 1) * rows]
+            yield (self.mesh.pack_batch(self.inputs(self.train.features[index]), self.batch_size),
+                   self.mesh.pack_batch(self.train.labels[index], self.batch_size), int(self.train.lengths[index].sum()))
+
+    def train_step(self, batch: Any) -> tuple[float, int, int]:
+        from tensorflow.experimental import dtensor
+
+        x, y, tokens = batch
+        updates, mesh = self.optimizer.updates, self.mesh
+        lr = self.lr * lr_factor(updates, self.schedule, self.warmup, self.total_updates)
+        seed = mesh.put(np.array([self.seed, updates], np.int32))  # dropout masks: one per step
+        loss = self.train_fn(x, y, mesh.scalar(lr), mesh.scalar(float(updates + 1)), seed)
+        self.optimizer.updates += 1
+        return float(dtensor.unpack(loss)[0].numpy()), self.rows_per_step, tokens
+
+    def at_update_boundary(self) -> bool:
+        return True
+
+    def finish_epoch(self) -> None:
+        pass
+
+    def evaluate(self, epoch: int) -> tuple[int, int]:
+        """Every worker runs the same number of full batches (the mesh needs them): the last one padded."""
+        rows, features, labels = EVAL_BATCH * self.mesh.dims.coords_per_client, self.evaluation.features, \
+            self.evaluation.labels
+        correct = 0
+        for start in range(0, len(labels), rows):
+            chunk = self.inputs(features[start:start + rows])
+            padded = np.concatenate([chunk, np.zeros((rows - len(chunk), *chunk.shape[1:]), chunk.dtype)])
+            predicted = self.mesh.local_rows(self.predict_fn(self.mesh.pack_batch(padded, EVAL_BATCH)))
+            correct += int(np.sum(predicted[:len(chunk)] == labels[start:start + rows]))
+        return correct, len(labels)
+
+    def reduce(self, values: list[float], op: str) -> list[float]:
+        return self.mesh.over_clients(values, op)
+
+    def peak_memory_bytes(self) -> float:
+        return peak_rss_bytes()
+
+    def epoch_extras(self) -> dict[str, float]:
+        """The model sharding as it stands: bytes of weights on one device (1/model of the sharded ones)."""
+        from trainers.parallel.dtensor_mesh import device_bytes
+
+        return {"device_weight_bytes": float(device_bytes(self.model.weights()))}
+
+    def profiler(self, folder: str, steps: int) -> tfc.TFProfiler:
+        return tfc.TFProfiler(self.tf, folder, steps)
+
+    def whole_state(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(weights in `Classifier.weights` order, optimizer slots), gathered (collective)."""
+        return ([self.mesh.whole(v) for v in self.model.weights()],
+                [self.mesh.whole(s) for s in self.optimizer.slots()])
+
+    def save(self, directory: str) -> None:
+        weights, slots = self.whole_state()
+        if self.rank == 0:
+            extra = {} if self.idf is None else {"idf": self.idf}
+            np.savez(os.path.join(directory, MODEL_FILE), *weights, **extra)
+            np.savez(os.path.join(directory, OPTIMIZER_FILE), *slots, updates=self.optimizer.updates)
+
+    def load(self, directory: str) -> None:
+        with np.load(os.path.join(directory, MODEL_FILE)) as weights:
+            for i, variable in enumerate(self.model.weights()):
+                self.mesh.assign_whole(variable, weights[f"arr_{i}"])
+        with np.load(os.path.join(directory, OPTIMIZER_FILE)) as state:
+            for i, slot in enumerate(self.optimizer.slots()):
+                self.mesh.assign_whole(slot, state[f"arr_{i}"])
+            self.optimizer.updates = int(state["updates"])
+
+    def dump(self, directory: str | None) -> None:
+        """`run.dump_params_dir`: this rank's whole final weights as `rank<r>.npz` (collective)."""
+        if directory:
+            weights, _ = self.whole_state()
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            np.savez(Path(directory) / f"rank{self.rank}.npz", *weights)
+
+
+def shared_idf(mesh: Any, train: tfc.ShardArrays, vocab_size: int, replicas: int) -> np.ndarray:
+    """The IDF of the whole train split: document frequencies summed over the workers' shards (a model group's
+    workers hold the same shard: counted once)."""
+    from trainers.models.tf_modules import document_frequencies, inverse_document_frequency
+
+    df = document_frequencies(train.features, vocab_size)
+    totals = np.array(mesh.over_clients([*df.tolist(), float(len(train.labels))], "sum")) / replicas
+    return inverse_document_frequency(totals[:-1], totals[-1])
+
+
+def run_worker(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict,
+               data: tuple[tfc.ShardArrays, tfc.ShardArrays] | None = None) -> bool:
+    """The mesh, the data (Ray Data shards unless given: tests), the parallelized model, the loop, then
+    `run.dump_params_dir`. False: stopped."""
+    import tensorflow as tf
+
+    from trainers.models.tf_modules import build_module
+    from trainers.parallel.dtensor_mesh import DTensorMesh, parallelize_dtensor
+
+    tfc.set_threads(tf, cfg.trainer.threads_per_worker)  # before any other TF op
+    mesh = DTensorMesh(mesh_dims(cfg.trainer), ctx.rank, "GPU" if cfg.trainer.use_gpu else "CPU")
+    train, evaluation = data or tfc.worker_arrays(cfg.data.name)
+    idf = shared_idf(mesh, train, model_inputs["vocab_size"], mesh.dims.clients_per_group) \
+        if cfg.model.name == "tfidf" else None
+    model = parallelize_dtensor(build_module(cfg.model, model_inputs, cfg.run.seed), mesh)
+    adapter = DTensorAdapter(cfg, mesh, model, train, evaluation, idf)
+    if not TrainLoop(adapter, ctx).run():
+        return False
+    adapter.dump(cfg.run.dump_params_dir)
+    return True
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    from trainers.worker import ray_context, worker_config
+
+    cfg = worker_config(config)
+    run_worker(cfg, ray_context(config, cfg), config["model_inputs"])
+
+
+def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict,
+                  callbacks: list | None = None):
+    """`DataParallelTrainer` with the DTensor clients' variables as its backend; a model group spanning workers
+    reads one data shard (`OrderedShards`' tp)."""
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    from trainers.dtensor_backend import DTensorConfig
+    from trainers.shard_data import OrderedShards
+    from trainers.worker import loop_config, run_config, scaling_config
+
+    trainer, dims = cfg.trainer, mesh_dims(cfg.trainer)
+    resources = {"CPU": float(trainer.threads_per_worker)}
+    if trainer.use_gpu:
+        resources["GPU"] = float(trainer.devices_per_worker)
+    return DataParallelTrainer(
+        train_loop_per_worker,
+        train_loop_config=loop_config(cfg, run_id, tracking_uri, model_inputs),
+        backend_config=DTensorConfig(),
+        scaling_config=scaling_config(cfg, resources=resources),
+        run_config=run_config(cfg, run_id, callbacks, {**tfc.LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}),
+        datasets=datasets,
+        dataset_config=OrderedShards(dp=dims.data_groups, tp=dims.clients_per_group),  # ShardArrays caches its shard
+    )
+
+
+def twin_from(keras: Any, cfg: Any, model_inputs: dict, directory: str) -> Any:
+    """The Keras twin of the checkpoint's model (trainers/models/keras_models.py), no mesh needed to load it."""
+    from trainers.models.keras_models import build_keras_model
+    from trainers.models.tf_modules import keras_weights
+
+    model = build_keras_model(cfg.model, keras, model_inputs)
+    with np.load(os.path.join(directory, MODEL_FILE)) as saved:
+        weights = [saved[f"arr_{i}"] for i in range(sum(name.startswith("arr_") for name in saved.files))]
+        model.set_weights(keras_weights(weights, saved["idf"] if "idf" in saved.files else None))
+    return model
+
+
+def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, model_inputs: dict) -> None:
+    """MLflow tensorflow (Keras) flavour, as tf_mwms logs."""
+    tfc.log_final_model(uri, run_id, cfg, checkpoint, model_inputs, model_from=twin_from)
