@@ -48,13 +48,13 @@ def straight(tmp_path_factory):
 # 20 steps per epoch). The TF runs also schedule the LR and clip (horovod_tf: AdamW with decay; see
 # tests/loop_backends.py): the restored optimizer's update count must continue the schedule. The straight run of
 # tf_mwms_custom is also one of the runs compared below.
-@pytest.mark.parametrize("backend", ["horovod_torch", "horovod_tf", "tf_mwms_custom"])
+@pytest.mark.parametrize("backend", ["horovod_torch", "horovod_tf", "tf_mwms_custom", "tf_dtensor"])
 def test_stop_resume_parity(tmp_path, straight, backend):
     runs = {"straight": straight(backend), "stopped": attempt(backend, tmp_path, "stopped")}
     runs["resumed"] = attempt(backend, tmp_path, "resumed", last_checkpoint(tmp_path / backend / "stopped"))
     # The same ops in the same order after a restore: float32 results agree to rounding.
     check_parity(runs, epochs=2, text=False, rtol=1e-5, atol=1e-6)
-    rows_per_step = 32 if backend == "tf_mwms_custom" else 16  # tf_devices=2: 2 replicas x 16 rows
+    rows_per_step = 32 if backend == "tf_mwms_custom" else 16  # tf_devices=2: 2 replicas x 16; tf_dtensor: 2 x 8
     assert len(runs["straight"].recorder.step_losses) == 320 // rows_per_step * 2
 
 
@@ -109,7 +109,7 @@ def test_bf16_loss_curve_stays_close_to_fp32(straight):
     np.testing.assert_allclose(bf16, fp32, rtol=0, atol=0.1)
 
 
-@pytest.mark.parametrize("backend", ["horovod_torch", "horovod_tf", "tf_mwms_custom", "tf_mwms_fit"])
+@pytest.mark.parametrize("backend", ["horovod_torch", "horovod_tf", "tf_mwms_custom", "tf_mwms_fit", "tf_dtensor"])
 def test_loss_parity_with_the_ddp_reference(straight, backend):
     """The loss-parity gate: one seed, data order and recipe (tests/loop_backends.py: PARITY, the MNIST MLP with
     SGD and momentum, 40 steps) through each backend's worker give DDP's loss curve step for step: the same

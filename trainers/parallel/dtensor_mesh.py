@@ -25,11 +25,13 @@ BATCH, MODEL, WORLD = "batch", "model", "world"
 class DTensorMesh:
     """The `batch x model` mesh of this client and a 1-D mesh over the same devices for sums across clients."""
 
-    def __init__(self, dims: MeshDims, client: int, device_type: str = "CPU"):
-        """Before any other TF op (TF fixes its devices at the first): CPU clients split the CPU into
-        `devices_per_client` logical devices."""
-        cpus = dims.devices_per_client if device_type == "CPU" else None
-        dtensor.initialize_accelerator_system(device_type, num_logical_cpu_devices=cpus)
+    def __init__(self, dims: MeshDims, client: int, device_type: str = "CPU", initialize: bool = True):
+        """`initialize`: start this process's DTensor (once, before any other TF op: TF fixes its devices at the
+        first), a CPU client splitting the CPU into `devices_per_client` logical devices; False: a further mesh
+        over the devices of a process started already."""
+        if initialize:
+            cpus = dims.devices_per_client if device_type == "CPU" else None
+            dtensor.initialize_accelerator_system(device_type, num_logical_cpu_devices=cpus)
         self.dims, self.client = dims, client
         self.mesh = dtensor.create_distributed_mesh([(BATCH, dims.batch), (MODEL, dims.model)], device_type=device_type)
         self.world = dtensor.create_distributed_mesh([(WORLD, dims.devices)], device_type=device_type)
