@@ -146,6 +146,7 @@ class TfIdfConfig:
     name: str = "tfidf"
     hidden: int = 64
     dropout: float = 0.0
+    bigram_buckets: int = 0         # token pairs hashed into this many extra features (0: single tokens only)
 
 
 MODEL_SCHEMAS: dict[str, type] = {"mlp": MLPConfig, "cnn": CNNConfig, "bert": BertModelConfig,

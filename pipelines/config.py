@@ -369,6 +369,9 @@ def _check_model(model: DictConfig) -> None:
         sizes = list(model.hidden) if model.name == "mlp" else [model.hidden, *model.channels]
         if any(size <= 0 for size in sizes):
             raise ConfigError(f"model.hidden: layer sizes must be > 0, got {sizes}")
+    if model.name == "tfidf" and (model.hidden <= 0 or model.bigram_buckets < 0):
+        raise ConfigError(f"model.hidden: hidden must be > 0 and bigram_buckets >= 0, got hidden={model.hidden} "
+                          f"bigram_buckets={model.bigram_buckets}")
     if model.name == "embed_pool" and min(model.embed_dim, model.hidden) <= 0:
         raise ConfigError(f"model.embed_dim: sizes must be > 0, got embed_dim={model.embed_dim} hidden={model.hidden}")
     if model.name == "bert":

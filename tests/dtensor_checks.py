@@ -13,6 +13,7 @@ line; tests/unit/test_dtensor.py asserts on it.
 from __future__ import annotations
 
 import json
+import tempfile
 
 import numpy as np
 import tensorflow as tf
@@ -20,9 +21,9 @@ import tf_keras as keras
 from omegaconf import OmegaConf
 from tensorflow.experimental import dtensor
 
-from trainers.models.keras_models import build_keras_model
-from trainers.models.tf_modules import build_module, document_frequencies, inverse_document_frequency, \
-    keras_weights, tfidf_features
+from trainers.models.keras_models import build_keras_model, custom_objects
+from trainers.models.tf_modules import BIGRAM_HASH, SPECIAL_TOKENS, build_module, document_frequencies, \
+    inverse_document_frequency, keras_weights, tfidf_features
 from trainers.parallel.dtensor_layout import MeshDims
 from trainers.parallel.dtensor_mesh import DTensorMesh, device_bytes, parallelize_dtensor
 from trainers.tf_recipe import TORCH_ADAM_EPSILON, VariableOptimizer
@@ -32,7 +33,8 @@ VOCAB, MAX_LEN, ROWS, STEPS, LR = 64, 12, 16, 3, 0.01
 RECIPES = {"mlp": OmegaConf.create({"optimizer": "adamw", "momentum": 0.9, "weight_decay": 0.1, "grad_clip": 1.0}),
            "tfidf": OmegaConf.create({"optimizer": "sgd", "momentum": 0.9, "weight_decay": 0.0, "grad_clip": 1.0})}
 MODELS = {"mlp": OmegaConf.create({"name": "mlp", "hidden": [32, 16], "dropout": 0.0}),
-          "tfidf": OmegaConf.create({"name": "tfidf", "hidden": 8, "dropout": 0.0})}
+          "tfidf": OmegaConf.create({"name": "tfidf", "hidden": 8, "dropout": 0.0, "bigram_buckets": 16})}
+BUCKETS = MODELS["tfidf"].bigram_buckets
 
 
 def data(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
@@ -42,9 +44,10 @@ def data(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarr
     if name == "mlp":
         return rng.normal(size=(rows, 784)).astype(np.float32), rng.integers(0, 10, rows), None, None
     ids = rng.integers(1, VOCAB, (rows, MAX_LEN)).astype(np.int32)
-    ids[:, MAX_LEN // 2:] *= rng.integers(0, 2, (rows, MAX_LEN - MAX_LEN // 2))  # some [PAD]
-    idf = inverse_document_frequency(document_frequencies(ids, VOCAB), rows)
-    return tfidf_features(ids, idf), rng.integers(0, 2, rows), ids, idf
+    ids[:, MAX_LEN // 2:] *= rng.integers(0, 2, (rows, MAX_LEN - MAX_LEN // 2))  # some [PAD], id 0
+    ids[:, 0] = 2  # [CLS]
+    idf = inverse_document_frequency(document_frequencies(ids, VOCAB, BUCKETS), rows)
+    return tfidf_features(ids, idf, BUCKETS).numpy(), rng.integers(0, 2, rows), ids, idf
 
 
 def loss_of(model, x, y):
@@ -96,15 +99,33 @@ def on_mesh(mesh: DTensorMesh, name: str) -> tuple[list[float], list[np.ndarray]
     return losses, [mesh.whole(v) for v in model.weights()], device_bytes(model.weights())
 
 
-def twin_gap() -> float:
-    """Largest logit difference between the trained TF-IDF module and its Keras twin on token ids."""
+def features_gap() -> float:
+    """Largest difference between `tfidf_features` and the TF-IDF vectors counted here token by token."""
+    _, _, ids, idf = data("tfidf")
+    expected = np.zeros((len(ids), VOCAB + BUCKETS))
+    for row, tokens in enumerate(ids):
+        for token in tokens:
+            expected[row, token] += 1
+        for first, second in zip(tokens[:-1], tokens[1:]):
+            if first >= SPECIAL_TOKENS and second >= SPECIAL_TOKENS:
+                expected[row, VOCAB + (int(first) * BIGRAM_HASH + int(second)) % BUCKETS] += 1
+    expected = np.log1p(expected) * idf
+    expected /= np.linalg.norm(expected, axis=1, keepdims=True)
+    return float(np.abs(tfidf_features(ids, idf, BUCKETS).numpy() - expected).max())
+
+
+def twin_gap(folder: str) -> float:
+    """Largest logit difference between the trained TF-IDF module and its Keras twin on token ids, the twin saved
+    and loaded back as MLflow does (Keras format, our layer among the custom objects)."""
     _, _, ids, idf = data("tfidf")
     module = build_module(MODELS["tfidf"], {"vocab_size": VOCAB}, seed=3)
     module.norm.moving_mean.assign(np.linspace(-1, 1, 8).astype(np.float32))  # non-trivial statistics
     module.norm.moving_variance.assign(np.linspace(0.5, 2, 8).astype(np.float32))
     twin = build_keras_model(MODELS["tfidf"], keras, {"vocab_size": VOCAB, "max_len": MAX_LEN})
     twin.set_weights(keras_weights([v.numpy() for v in module.weights()], idf))
-    expected = module(tf.constant(tfidf_features(ids, idf)), training=False).numpy()
+    twin.save(f"{folder}/twin.keras")
+    twin = keras.models.load_model(f"{folder}/twin.keras", custom_objects=custom_objects(keras))
+    expected = module(tfidf_features(ids, idf, BUCKETS), training=False).numpy()
     return float(np.abs(twin(ids, training=False).numpy() - expected).max())
 
 
@@ -112,7 +133,8 @@ def main() -> None:
     # One client, 4 logical devices; meshes of every shape over them.
     first = DTensorMesh(MeshDims(*MESHES[0], clients=1, devices_per_client=4), client=0)
     meshes = [first] + [DTensorMesh(MeshDims(b, m, 1, 4), 0, initialize=False) for b, m in MESHES[1:]]
-    out: dict = {"twin_gap": twin_gap(), "meshes": {}}
+    with tempfile.TemporaryDirectory() as folder:
+        out: dict = {"twin_gap": twin_gap(folder), "features_gap": features_gap(), "meshes": {}}
     for name in MODELS:
         losses, weights = reference(name)
         out[name] = {"total_bytes": sum(w.nbytes for w in weights), "shapes": [list(w.shape) for w in weights]}

@@ -291,6 +291,7 @@ def _log_model_task(uri: str, run_id: str, cfg_dict: dict, checkpoint: Any, mode
     import tensorflow as tf
     import tf_keras as keras
     from contract.config import typed_config
+    from trainers.models.keras_models import custom_objects
 
     # The logged model is float32 (no dtype policy is set here), so without fp16's LossScaleOptimizer too: an
     # unbuilt one cannot skip the optimizer variables in the weights file (see `load_keras_state`).
@@ -304,6 +305,7 @@ def _log_model_task(uri: str, run_id: str, cfg_dict: dict, checkpoint: Any, mode
         # Explicit requirements: MLflow's inference imports and scans modules, seconds for nothing here.
         mlflow.tensorflow.log_model(model, name="model", input_example=input_example(cfg.data.name, model_inputs),
                                     keras_model_kwargs={"save_format": "keras"}, step=epoch,
+                                    custom_objects=custom_objects(keras),
                                     pip_requirements=[f"tensorflow=={tf.__version__}",
                                                       f"tf-keras=={keras.__version__}"])
     finally:

@@ -51,6 +51,7 @@ class DTensorAdapter:
 
         trainer, dims = cfg.trainer, mesh.dims
         self.tf, self.mesh, self.model, self.train, self.evaluation, self.idf = tf, mesh, model, train, evaluation, idf
+        self.bigram_buckets = cfg.model.get("bigram_buckets", 0)
         self.rank, self.replicas = mesh.client, dims.clients_per_group  # a model group's workers see the same rows
         self.batch_size = trainer.batch_size
         self.rows_per_step = trainer.batch_size * dims.coords_per_client
@@ -78,7 +79,7 @@ class DTensorAdapter:
             return (features.astype(np.float32) / np.float32(255.0) - np.float32(MNIST_MEAN)) / np.float32(MNIST_STD)
         from trainers.models.tf_modules import tfidf_features
 
-        return tfidf_features(features, self.idf)
+        return tfidf_features(features, self.idf, self.bigram_buckets).numpy()  # on this worker's CPU
 
     def steps_per_epoch(self) -> int:
         return self.steps
@@ -163,12 +164,12 @@ class DTensorAdapter:
             np.savez(Path(directory) / f"rank{self.rank}.npz", *weights)
 
 
-def shared_idf(mesh: Any, train: tfc.ShardArrays, vocab_size: int, replicas: int) -> np.ndarray:
+def shared_idf(mesh: Any, train: tfc.ShardArrays, vocab_size: int, bigram_buckets: int, replicas: int) -> np.ndarray:
     """The IDF of the whole train split: document frequencies summed over the workers' shards (a model group's
     workers hold the same shard: counted once)."""
     from trainers.models.tf_modules import document_frequencies, inverse_document_frequency
 
-    df = document_frequencies(train.features, vocab_size)
+    df = document_frequencies(train.features, vocab_size, bigram_buckets)
     totals = np.array(mesh.over_clients([*df.tolist(), float(len(train.labels))], "sum")) / replicas
     return inverse_document_frequency(totals[:-1], totals[-1])
 
@@ -185,8 +186,8 @@ def run_worker(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict,
     tfc.set_threads(tf, cfg.trainer.threads_per_worker)  # before any other TF op
     mesh = DTensorMesh(mesh_dims(cfg.trainer), ctx.rank, "GPU" if cfg.trainer.use_gpu else "CPU")
     train, evaluation = data or tfc.worker_arrays(cfg.data.name)
-    idf = shared_idf(mesh, train, model_inputs["vocab_size"], mesh.dims.clients_per_group) \
-        if cfg.model.name == "tfidf" else None
+    idf = shared_idf(mesh, train, model_inputs["vocab_size"], cfg.model.bigram_buckets,
+                     mesh.dims.clients_per_group) if cfg.model.name == "tfidf" else None
     model = parallelize_dtensor(build_module(cfg.model, model_inputs, cfg.run.seed), mesh)
     adapter = DTensorAdapter(cfg, mesh, model, train, evaluation, idf)
     if not TrainLoop(adapter, ctx).run():

@@ -143,6 +143,37 @@ def test_impossible_pipelines_are_rejected(fake_imdb, overrides, message):
         load_config(["trainer=fsdp", "data=imdb", "model=bert_tiny", fake_imdb, "trainer.pp=2", *overrides])
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.mesh.model=2"], r"^trainer\.mesh: the mesh has batch x model = 2 x 2 = 4 devices, the workers hold "
+                               r"num_workers x devices_per_worker = 2 x 1 = 2$"),
+    (["trainer.mesh.batch=1", "trainer.mesh.model=2", "model.hidden=[33, 30]"],  # 33 -> 30: split on its input
+     r"^trainer\.mesh\.model: 2 devices do not split the sharded layer widths \[33\]"),
+    (["trainer.mesh.batch=1", "trainer.mesh.model=3", "trainer.num_workers=3", "trainer.devices_per_worker=2",
+      "trainer.mesh.batch=2"], r"^trainer\.mesh: a model group of 3 devices must fill whole workers"),
+    (["trainer.mesh.batch=0"], r"^trainer\.mesh: batch and model must be >= 1"),
+    (["trainer.devices_per_worker=0"], r"^trainer\.devices_per_worker: must be > 0"),
+    (["model=cnn"], r"^model\.name: tf_dtensor has mlp, tfidf models only, got 'cnn'"),
+    (["trainer.grad_accum=2"], r"^trainer\.grad_accum: tf_dtensor trains with grad_accum=1 and precision=fp32 only"),
+    (["trainer.compile=true"], r"^trainer\.compile: torch\.compile is for the PyTorch backends"),
+    (["+trainer.tf_devices=2"], r"^trainer\.tf_devices: "),
+])
+def test_impossible_dtensor_meshes_are_rejected(data_override, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config([data_override, "trainer=tf_dtensor", *overrides])
+
+
+def test_dtensor_layouts_load(data_override, fake_imdb):
+    """A model group inside a worker (2 x 2 on 2 workers of 2 devices) and one across workers (1 x 2 on 2 workers);
+    the tfidf model is tf_dtensor's only."""
+    cfg = load_config([data_override, "trainer=tf_dtensor", "trainer.devices_per_worker=2", "trainer.mesh.model=2"])
+    assert (cfg.trainer.mesh.batch, cfg.trainer.mesh.model) == (2, 2)
+    cfg = load_config(["trainer=tf_dtensor", "data=imdb", "model=tfidf", fake_imdb, "trainer.mesh.batch=1",
+                       "trainer.mesh.model=2", "model.bigram_buckets=1024"])
+    assert cfg.model.bigram_buckets == 1024
+    with pytest.raises(ConfigError, match=r"^model\.name: the tfidf model is trained by trainer=tf_dtensor only"):
+        load_config(["trainer=ddp", "data=imdb", "model=tfidf", fake_imdb])
+
+
 def test_a_rank_without_a_batch_to_train_is_rejected(tmp_path):
     """100 training rows over 2 data-parallel ranks (4 workers, 2 pipeline stages) are 50 per rank: a pipeline
     trains full batches only, so a batch of 64 would train nothing; without a pipeline the short batch trains."""
@@ -177,7 +208,7 @@ def test_each_backend_has_its_own_trainer_keys(data_override, fake_imdb):
     assert "tp" not in load_config([data_override]).trainer
 
 
-@pytest.mark.parametrize("backend", ["trainer=ddp", "trainer=tf_mwms", "trainer=horovod"])
+@pytest.mark.parametrize("backend", ["trainer=ddp", "trainer=tf_mwms", "trainer=horovod", "trainer=tf_dtensor"])
 def test_every_backend_can_profile(data_override, backend):
     assert load_config([data_override, backend, "trainer.profile_steps=2"]).trainer.profile_steps == 2
 

@@ -52,9 +52,15 @@ def test_each_device_holds_its_share_of_the_sharded_weights(checks, model, mesh)
     assert checks["meshes"][f"{model} {mesh}"]["device_bytes"] == sharded // model_size + sum(sizes) - sharded
 
 
+def test_tfidf_features_count_tokens_and_pairs(checks):
+    """Sublinear TF-IDF of tokens and hashed token pairs (no pair with a special token), unit length, against a count
+    token by token (float32 rounding)."""
+    assert checks["features_gap"] <= 1e-6
+
+
 def test_the_logged_keras_twin_predicts_as_the_module(checks):
-    """The TF-IDF model's logged form (term counts -> Dense with the IDF folded in -> BatchNorm -> Dense) gives the
-    module's logits on token ids (float32 rounding: measured 2.4e-7)."""
+    """The TF-IDF model's logged form (token ids -> our feature layer -> Dense -> BatchNorm -> Dense), saved and
+    loaded back, gives the module's logits on token ids (float32 rounding: measured 2.4e-7)."""
     assert checks["twin_gap"] <= 1e-5
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 LAYERS = {"contract": 0, "trainers": 1, "pipelines": 2}  # a package may import its own layer and those below
-TF_WORKER_MODULES = ["trainers.tf_mwms", "trainers.horovod_tf", "trainers.horovod"]
+TF_WORKER_MODULES = ["trainers.tf_mwms", "trainers.horovod_tf", "trainers.horovod", "trainers.tf_dtensor"]
 
 
 def module_name(path: Path) -> str:

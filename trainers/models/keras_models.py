@@ -8,6 +8,7 @@ are computed in float32; under the default float32 policy this changes nothing.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from trainers.models.portable_init import mlp_weights
@@ -29,8 +30,8 @@ def build_keras_model(model_cfg: Any, keras: Any, model_inputs: dict | None = No
     if model_cfg.name == "tfidf":  # the twin of trainers/models/tf_modules.py's, which tf_dtensor trains
         return keras.Sequential([
             layers.Input(shape=(model_inputs["max_len"],), dtype="int32"),
-            layers.CategoryEncoding(model_inputs["vocab_size"], output_mode="count"),  # term counts [B, vocab]
-            layers.Dense(model_cfg.hidden),  # its kernel: the IDF times the module's first kernel
+            token_features_layer(keras)(model_inputs["vocab_size"], model_cfg.bigram_buckets),
+            layers.Dense(model_cfg.hidden),
             layers.BatchNormalization(momentum=0.99, epsilon=1e-3), layers.ReLU(), layers.Dropout(model_cfg.dropout),
             layers.Dense(2, dtype="float32"),
         ], name="tfidf")
@@ -55,3 +56,34 @@ def build_keras_model(model_cfg: Any, keras: Any, model_inputs: dict | None = No
             layers.Dense(classes, dtype="float32"),
         ], name="cnn")
     raise ValueError(f"no Keras model for '{model_cfg.name}' (choices: mlp, cnn, embed_pool, tfidf)")
+
+
+@functools.cache
+def token_features_layer(keras: Any) -> type:
+    """`TokenFeatures` on this Keras' base class: token ids [B, T] -> the TF-IDF vectors tf_dtensor trains on
+    (`tf_modules.tfidf_features`), the IDF a weight of the layer (set from the checkpoint)."""
+
+    class TokenFeatures(keras.layers.Layer):
+        def __init__(self, vocab_size: int, bigram_buckets: int, **kwargs: Any):
+            super().__init__(**kwargs)
+            self.vocab_size, self.bigram_buckets = vocab_size, bigram_buckets
+
+        def build(self, input_shape: Any) -> None:
+            self.idf = self.add_weight(name="idf", shape=(self.vocab_size + self.bigram_buckets,), trainable=False,
+                                       initializer="zeros")
+
+        def call(self, ids: Any) -> Any:
+            from trainers.models.tf_modules import tfidf_features
+
+            return tfidf_features(ids, self.idf, self.bigram_buckets)
+
+        def get_config(self) -> dict:
+            return {**super().get_config(), "vocab_size": self.vocab_size, "bigram_buckets": self.bigram_buckets}
+
+    return TokenFeatures
+
+
+def custom_objects(keras: Any) -> dict[str, type]:
+    """The layers of ours a saved Keras model may hold: MLflow stores them with the model and hands them back when
+    it loads it."""
+    return {"TokenFeatures": token_features_layer(keras)}

@@ -4,12 +4,12 @@ Dense layers with ReLU between them, and a BatchNorm after the first one for the
 
 - `mlp` (MNIST): normalised images [B, 784] -> logits [B, 10], the same layers and initial weights as the Keras and
   PyTorch MLPs (`portable_init`), so the loss-parity gate holds it to DDP's curve.
-- `tfidf` (IMDb): a review's TF-IDF vector [B, vocab] (`tfidf_features`: term counts of its token ids times the
-  inverse document frequency of each term in the train split; [PAD] weighs 0) -> Dense -> BatchNorm -> ReLU ->
-  Dense -> logits [B, 2].
+- `tfidf` (IMDb): a review's TF-IDF vector [B, vocab (+ bigram buckets)] (`tfidf_features`: sublinear counts of
+  its tokens, and optionally of its hashed token pairs, times the inverse document frequency of each in the train
+  split, scaled to unit length) -> Dense -> BatchNorm -> ReLU -> Dense -> logits [B, 2].
 
-The logged model is a Keras twin (trainers/models/keras_models.py) that loads without a mesh: `keras_weights`
-gives its weights, the IDF folded into the first kernel (counts @ (idf * W) = (counts * idf) @ W).
+The logged model is a Keras twin (trainers/models/keras_models.py) that loads without a mesh: it computes the same
+features from token ids in a layer of its own, with the IDF as that layer's weights (`keras_weights`).
 """
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ import tensorflow as tf
 from trainers.models.portable_init import mlp_weights
 
 BN_MOMENTUM, BN_EPSILON = 0.99, 1e-3  # Keras BatchNormalization's defaults (its twin)
-FEATURE_CHUNK = 1024  # rows counted at once (a [rows, vocab] table)
+FEATURE_CHUNK = 64  # rows counted at once (a [rows, vocab + buckets] table)
+SPECIAL_TOKENS = 5  # ids 0-4: [PAD] [UNK] [CLS] [SEP] [MASK] (pipelines/data/tokenize.py)
+BIGRAM_HASH = 1_000_003  # a prime: bigram (a, b) goes to bucket (a * BIGRAM_HASH + b) % buckets
 
 
 class Dense(tf.Module):
@@ -98,40 +100,53 @@ def build_module(model_cfg: Any, model_inputs: dict, seed: int) -> Classifier:
     if model_cfg.name == "mlp":
         return Classifier([784, *model_cfg.hidden, 10], model_cfg.dropout, seed, name="mlp")
     if model_cfg.name == "tfidf":
-        return Classifier([model_inputs["vocab_size"], model_cfg.hidden, 2], model_cfg.dropout, seed,
-                          batch_norm=True, name="tfidf")
+        features = model_inputs["vocab_size"] + model_cfg.bigram_buckets
+        return Classifier([features, model_cfg.hidden, 2], model_cfg.dropout, seed, batch_norm=True, name="tfidf")
     raise ValueError(f"no tf.Module model for '{model_cfg.name}' (choices: mlp, tfidf)")
 
 
-def document_frequencies(ids: np.ndarray, vocab_size: int) -> np.ndarray:
-    """float64 [vocab]: in how many rows of token ids [N, T] each term occurs."""
-    df = np.zeros(vocab_size, np.float64)
+def token_counts(ids: Any, vocab_size: int, bigram_buckets: int, binary: bool = False) -> tf.Tensor:
+    """float32 [B, vocab + buckets]: for each row of token ids [B, T], how often each token occurs, then each pair
+    of consecutive tokens, hashed into `bigram_buckets` buckets (0: no bigrams); `binary`: 1 if it occurs at all.
+    Special tokens count toward no bigram (their unigram columns get no weight: `inverse_document_frequency`)."""
+    ids = tf.cast(ids, tf.int64)
+    unigrams = tf.math.bincount(ids, minlength=vocab_size, maxlength=vocab_size, axis=-1, binary_output=binary,
+                                dtype=tf.float32)
+    if not bigram_buckets:
+        return unigrams
+    first, second = ids[:, :-1], ids[:, 1:]
+    words = (first >= SPECIAL_TOKENS) & (second >= SPECIAL_TOKENS)
+    pairs = tf.where(words, (first * BIGRAM_HASH + second) % bigram_buckets, bigram_buckets)  # else: one bucket past
+    bigrams = tf.math.bincount(pairs, minlength=bigram_buckets + 1, maxlength=bigram_buckets + 1, axis=-1,
+                               binary_output=binary, dtype=tf.float32)[:, :bigram_buckets]  # ... the end, dropped
+    return tf.concat([unigrams, bigrams], axis=1)
+
+
+def tfidf_features(ids: Any, idf: Any, bigram_buckets: int) -> tf.Tensor:
+    """float32 [B, vocab + buckets]: a row's sublinear TF-IDF vector, log(1 + count) x IDF, scaled to unit length
+    (long and short reviews alike)."""
+    counts = token_counts(ids, int(idf.shape[0]) - bigram_buckets, bigram_buckets)
+    return tf.math.l2_normalize(tf.math.log1p(counts) * idf, axis=1)
+
+
+def document_frequencies(ids: np.ndarray, vocab_size: int, bigram_buckets: int) -> np.ndarray:
+    """float64 [vocab + buckets]: in how many rows of token ids [N, T] each term occurs."""
+    df = np.zeros(vocab_size + bigram_buckets, np.float64)
     for start in range(0, len(ids), FEATURE_CHUNK):
-        df += (term_counts(ids[start:start + FEATURE_CHUNK], vocab_size) > 0).sum(axis=0)
+        chunk = token_counts(ids[start:start + FEATURE_CHUNK], vocab_size, bigram_buckets, binary=True)
+        df += tf.reduce_sum(chunk, axis=0).numpy()
     return df
 
 
-def inverse_document_frequency(df: np.ndarray, documents: int) -> np.ndarray:
-    """float32 [vocab]: Keras TextVectorization's `log(1 + N / (1 + df))`; 0 for [PAD] (id 0), which only pads."""
+def inverse_document_frequency(df: np.ndarray, documents: float) -> np.ndarray:
+    """float32: Keras TextVectorization's `log(1 + N / (1 + df))`; 0 for the special tokens ([PAD], [CLS], ...:
+    ids below SPECIAL_TOKENS), which say nothing about a review."""
     idf = np.log1p(documents / (1.0 + df)).astype(np.float32)
-    idf[0] = 0.0
+    idf[:SPECIAL_TOKENS] = 0.0
     return idf
 
 
-def term_counts(ids: np.ndarray, vocab_size: int) -> np.ndarray:
-    """float32 [N, vocab]: occurrences of each term in each row of token ids [N, T]."""
-    rows = np.repeat(np.arange(len(ids)), ids.shape[1]) * vocab_size
-    flat = np.bincount(rows + ids.reshape(-1).astype(np.int64), minlength=len(ids) * vocab_size)
-    return flat.reshape(len(ids), vocab_size).astype(np.float32)
-
-
-def tfidf_features(ids: np.ndarray, idf: np.ndarray) -> np.ndarray:
-    return term_counts(ids, len(idf)) * idf
-
-
 def keras_weights(weights: list[np.ndarray], idf: np.ndarray | None) -> list[np.ndarray]:
-    """The Keras twin's weights from the module's (`Classifier.weights` order): the TF-IDF model's twin counts
-    terms, so the IDF goes into its first kernel."""
-    if idf is None:
-        return list(weights)
-    return [idf[:, None] * weights[0], *weights[1:]]
+    """The Keras twin's weights from the module's (`Classifier.weights` order): the TF-IDF model's twin computes
+    the features itself, from its IDF weights."""
+    return list(weights) if idf is None else [idf, *weights]
