@@ -144,8 +144,8 @@ class EmbedPoolConfig:
 @dataclass
 class TfIdfConfig:
     name: str = "tfidf"
-    hidden: int = 64
-    dropout: float = 0.0
+    hidden: int = 128
+    dropout: float = 0.5
     bigram_buckets: int = 0         # token pairs hashed into this many extra features (0: single tokens only)
 
 

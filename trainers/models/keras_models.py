@@ -28,11 +28,13 @@ def build_keras_model(model_cfg: Any, keras: Any, model_inputs: dict | None = No
             layers.Dense(2, dtype="float32"),
         ], name="embed_pool")
     if model_cfg.name == "tfidf":  # the twin of trainers/models/tf_modules.py's, which tf_dtensor trains
+        from trainers.models.tf_modules import BN_EPSILON, BN_MOMENTUM
+
         return keras.Sequential([
             layers.Input(shape=(model_inputs["max_len"],), dtype="int32"),
             token_features_layer(keras)(model_inputs["vocab_size"], model_cfg.bigram_buckets),
             layers.Dense(model_cfg.hidden),
-            layers.BatchNormalization(momentum=0.99, epsilon=1e-3), layers.ReLU(), layers.Dropout(model_cfg.dropout),
+            layers.BatchNormalization(momentum=BN_MOMENTUM, epsilon=BN_EPSILON), layers.ReLU(), layers.Dropout(model_cfg.dropout),
             layers.Dense(2, dtype="float32"),
         ], name="tfidf")
     classes = 10

@@ -20,7 +20,10 @@ import tensorflow as tf
 
 from trainers.models.portable_init import mlp_weights
 
-BN_MOMENTUM, BN_EPSILON = 0.99, 1e-3  # Keras BatchNormalization's defaults (its twin)
+# BatchNorm's moving averages: momentum 0.9, not Keras' 0.99: an IMDb epoch is ~88 steps of 256 rows, after which
+# 0.99 still keeps 42% of the initial mean 0 and variance 1 (the hidden units' real variance is far smaller), so
+# evaluation normalised differently from training (measured: 80.2% validation accuracy after epoch 1, 84.7% at 0.9).
+BN_MOMENTUM, BN_EPSILON = 0.9, 1e-3
 FEATURE_CHUNK = 64  # rows counted at once (a [rows, vocab + buckets] table)
 SPECIAL_TOKENS = 5  # ids 0-4: [PAD] [UNK] [CLS] [SEP] [MASK] (pipelines/data/tokenize.py)
 BIGRAM_HASH = 1_000_003  # a prime: bigram (a, b) goes to bucket (a * BIGRAM_HASH + b) % buckets
