@@ -95,9 +95,18 @@ class TFDTensorConfig(TrainerConfig):
     devices_per_worker: int = 1         # DTensor devices per worker: GPUs, or logical CPU devices without
 
 
+@dataclass
+class TFPSConfig(TrainerConfig):
+    backend: str = "tf_ps"
+    num_ps: int = 1                     # parameter servers (Ray workers beside the chief and the num_workers workers)
+    ps_min_shard_bytes: int = 262144    # variables split over the servers in shards of at least this many bytes
+    tf_loop: str = "custom"             # custom (ClusterCoordinator.schedule) | fit (tf-keras model.fit)
+    tf_steps_per_execution: int = 1     # fit: training steps per scheduled function
+
+
 TRAINER_SCHEMAS: dict[str, type[TrainerConfig]] = {"ddp": DDPConfig, "tp": TPConfig, "fsdp": FSDPConfig,
                                                    "tf_mwms": TFMWMSConfig, "horovod": HorovodConfig,
-                                                   "tf_dtensor": TFDTensorConfig}
+                                                   "tf_dtensor": TFDTensorConfig, "tf_ps": TFPSConfig}
 
 
 @dataclass
@@ -180,6 +189,8 @@ class FaultConfig:
     resource_timeout_s: float = 600.0  # fail a run whose workers wait longer for the cluster's CPUs/GPUs; 0: wait
     inject_at_epoch: Optional[int] = None
     inject_marker: Optional[str] = None
+    kill_servers: list[str] = field(default_factory=list)  # tf_ps: "<worker|ps>:<i>@<epoch>": kill that server
+                                                            # once at that epoch's start (fired ones: inject_marker)
 
 
 def schema(backend: str, model: str) -> DictConfig:
@@ -207,9 +218,14 @@ def monitor_of(run: DictConfig) -> Monitor:
 
 def worker_resources(trainer: DictConfig) -> tuple[int, int]:
     """(CPUs, GPUs) a run's workers take together: a CPU per thread, a GPU per worker (tf_dtensor: per device) when
-    `use_gpu`."""
+    `use_gpu`. tf_ps' chief and parameter servers share its workers' CPUs (trainers/tf_ps.py: build_trainer)."""
     gpus = trainer.num_workers * trainer.get("devices_per_worker", 1) if trainer.use_gpu else 0
     return trainer.num_workers * trainer.threads_per_worker, gpus
+
+
+def ray_train_workers(trainer: DictConfig) -> int:
+    """Ray Train workers a run starts: one per worker, and for tf_ps also the chief and the parameter servers."""
+    return trainer.num_workers + (1 + trainer.num_ps if trainer.backend == "tf_ps" else 0)
 
 
 def parallel_degrees(trainer: DictConfig) -> tuple[int, int]:

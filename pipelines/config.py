@@ -36,7 +36,8 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 HOROVOD_FRAMEWORKS = ("torch", "tf")
 HOROVOD_COMPRESSIONS = ("none", "fp16")
 POSITIVE = ("num_workers", "threads_per_worker", "batch_size", "lr", "epochs", "tf_steps_per_execution",
-            "tf_devices", "grad_accum", "devices_per_worker")  # trainer keys, where the backend has them
+            "tf_devices", "grad_accum", "devices_per_worker", "num_ps",
+            "ps_min_shard_bytes")  # trainer keys, where the backend has them
 
 
 def _schema_for(cfg: DictConfig) -> DictConfig:
@@ -97,6 +98,7 @@ def _check_values(cfg: DictConfig) -> None:
     _check_parallelism(cfg)
     _check_tensorflow(cfg)
     _check_dtensor(cfg)
+    _check_tf_ps(cfg)
     _check_horovod(cfg)
     _check_compile(cfg.trainer)
     if cfg.fault.max_failures < 0:
@@ -188,6 +190,11 @@ def _check_steps_fit(cfg: DictConfig, manifest: dict) -> None:
     ranks = dp or trainer.num_workers
     per_rank, pipelined = rows // ranks, trainer.backend == "fsdp" and trainer.pp > 1
     steps = per_rank // trainer.batch_size if pipelined else -(-per_rank // trainer.batch_size)
+    if trainer.backend == "tf_ps":  # an epoch: the train split's full batches, whichever workers take them
+        steps = per_rank * ranks // trainer.batch_size
+        if steps == 0:
+            raise ConfigError(f"trainer.batch_size: the workers hold {per_rank * ranks} training rows in all: a batch "
+                              f"of {trainer.batch_size} leaves an epoch no step")
     if steps == 0:
         full = ", and a pipeline trains full batches only" if pipelined else ""
         raise ConfigError(f"trainer.batch_size: each of the {ranks} data-parallel rank(s) holds {per_rank} of the "
@@ -330,11 +337,44 @@ def _check_dtensor(cfg: DictConfig) -> None:
             raise ConfigError(f"trainer.{key}: tf_dtensor trains with grad_accum=1 and precision=fp32 only")
 
 
+def _check_tf_ps(cfg: DictConfig) -> None:
+    """ParameterServerStrategy's options, and the fault injection that kills one of its servers."""
+    trainer, fault = cfg.trainer, cfg.fault
+    if trainer.backend != "tf_ps":
+        if fault.kill_servers:
+            raise ConfigError("fault.kill_servers: only trainer=tf_ps runs servers to kill")
+        return
+    _choice("trainer", "tf_loop", trainer.tf_loop, TF_LOOPS)
+    if cfg.model.name not in KERAS_MODELS:
+        raise ConfigError(f"model.name: tf_ps has Keras models for {', '.join(KERAS_MODELS)} only, "
+                          f"got '{cfg.model.name}'")
+    if trainer.tf_loop == "fit" and cfg.data.name != "mnist":
+        raise ConfigError("trainer.tf_loop: tf_ps trains text with the custom loop only (it counts each step's "
+                          "tokens); use tf_loop=custom")
+    if trainer.use_gpu:
+        raise ConfigError("trainer.use_gpu: tf_ps runs on CPUs (Ray gives its chief and parameter servers the "
+                          "workers' resources: each would hold a GPU)")
+    for key, fine in (("grad_accum", trainer.grad_accum == 1), ("precision", trainer.precision == "fp32")):
+        if not fine:
+            raise ConfigError(f"trainer.{key}: tf_ps trains with grad_accum=1 and precision=fp32 only (each "
+                              f"worker applies its own gradients as it goes)")
+    for item in fault.kill_servers:
+        match = re.fullmatch(r"(worker|ps):(\d+)@(\d+)", item)
+        count = {"worker": trainer.num_workers, "ps": trainer.num_ps}[match[1]] if match else 0
+        if not match or int(match[2]) >= count or not 1 <= int(match[3]) <= trainer.epochs:
+            raise ConfigError(f"fault.kill_servers: expected worker:<i>@<epoch> (i < {trainer.num_workers}) or "
+                              f"ps:<i>@<epoch> (i < {trainer.num_ps}), epoch 1..{trainer.epochs}; got '{item}'")
+    if fault.kill_servers and (not fault.inject_marker or fault.inject_at_epoch is not None):
+        raise ConfigError("fault.kill_servers: needs fault.inject_marker (which kills fired) and no "
+                          "fault.inject_at_epoch (one injection at a time)")
+
+
 def _check_compile(trainer: DictConfig) -> None:
     """torch.compile wraps the training forward of the PyTorch backends; a pipeline schedule runs its stages itself."""
     if not trainer.compile:
         return
-    if trainer.backend in ("tf_mwms", "tf_dtensor") or (trainer.backend == "horovod" and trainer.framework == "tf"):
+    tensorflow = trainer.backend in ("tf_mwms", "tf_dtensor", "tf_ps")
+    if tensorflow or (trainer.backend == "horovod" and trainer.framework == "tf"):
         raise ConfigError("trainer.compile: torch.compile is for the PyTorch backends (TensorFlow compiles its "
                           "training step with tf.function already)")
     if trainer.backend == "fsdp" and trainer.pp > 1:

@@ -14,7 +14,7 @@ import sys
 from omegaconf import DictConfig, OmegaConf
 
 from contract import resume, tracking
-from contract.config import worker_resources
+from contract.config import ray_train_workers, worker_resources
 from pipelines.config import ConfigError, check_fits_this_machine, flatten, load_config, parallel_params
 from pipelines.data.idx import DataError
 from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
@@ -56,9 +56,9 @@ def check_cluster_fits(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.num_workers: {trainer.num_workers} workers need {cpus} CPUs and {gpus} GPUs, "
                           f"the Ray cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs")
     nodes = len([node for node in ray.nodes() if node["Alive"]])
-    if trainer.placement_strategy == "STRICT_SPREAD" and trainer.num_workers > nodes:
-        raise ConfigError(f"trainer.placement_strategy: STRICT_SPREAD puts each of the {trainer.num_workers} "
-                          f"workers on its own node, the Ray cluster has {nodes}")
+    if trainer.placement_strategy == "STRICT_SPREAD" and ray_train_workers(trainer) > nodes:
+        raise ConfigError(f"trainer.placement_strategy: STRICT_SPREAD puts each of the {ray_train_workers(trainer)} "
+                          f"Ray Train workers on its own node, the Ray cluster has {nodes}")
 
 
 def run_training(cfg: DictConfig, uri: str, run_id: str, first_attempt: bool = True) -> str | None:

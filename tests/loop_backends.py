@@ -10,10 +10,11 @@ Horovod runs as a lone process (size 1, no rendezvous). The TF backends also che
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
-from tests.loop_harness import attempt_to_json, config, imdb_columns, mnist_columns, run_attempt
+from tests.loop_harness import attempt_to_json, config, imdb_columns, mnist_columns, run_attempt, shard
 
 MODEL_INPUTS = {"vocab_size": 64, "max_len": 16}
 COMMON = ["trainer.epochs=2", "trainer.batch_size=16", "trainer.optimizer=sgd", "trainer.lr=0.01",
@@ -46,6 +47,9 @@ BACKENDS = {
     # a 2x2 mesh of logical CPU devices (2D: batch and model sharded), 8 rows per batch coordinate
     "tf_dtensor": ["trainer=tf_dtensor", *DTENSOR_2X2, "model.hidden=[32]", *COMMON, "trainer.batch_size=8",
                    "trainer.lr_schedule=cosine", "trainer.warmup_steps=3", "trainer.grad_clip=5.0"],
+    # one chief, one parameter server (the weights split in 2 shards: min 4 KiB), one worker: in order, so exact
+    "tf_ps": ["trainer=tf_ps", "trainer.num_ps=2", "trainer.ps_min_shard_bytes=4096", "model.hidden=[32]", *COMMON,
+              "trainer.lr_schedule=cosine", "trainer.warmup_steps=3", "trainer.grad_clip=5.0"],
     "tf_mwms_fit": ["trainer=tf_mwms", "trainer.tf_loop=fit", "data=imdb", "model=embed_pool", "model.embed_dim=8",
                     "model.hidden=8", "trainer.tf_steps_per_execution=4", *COMMON, "trainer.optimizer=adamw",
                     "trainer.weight_decay=0.01", "trainer.lr_schedule=linear", "trainer.warmup_steps=2",
@@ -64,6 +68,8 @@ PARITY_BACKENDS = {
     "tf_mwms_fit": ["trainer=tf_mwms", "trainer.tf_loop=fit", "trainer.tf_steps_per_execution=1", *PARITY],
     # the global batch of 16 as 2 batch coordinates of 8 rows, the weights sharded over 2 devices
     "tf_dtensor": ["trainer=tf_dtensor", *DTENSOR_2X2, *PARITY, "trainer.batch_size=8"],
+    # one worker's steps, in order, on weights split over 2 parameter servers
+    "tf_ps": ["trainer=tf_ps", "trainer.num_ps=2", "trainer.ps_min_shard_bytes=4096", *PARITY],
 }
 BACKENDS.update({f"parity_{name}": overrides for name, overrides in PARITY_BACKENDS.items()})
 
@@ -94,11 +100,38 @@ def runner(cfg):
         return lambda ctx: horovod_torch.run_worker(cfg, ctx, {}, train_data=batches)
     from trainers.tf_common import ShardArrays
 
+    if trainer.backend == "tf_ps":
+        return ps_runner(cfg, train, ShardArrays.from_columns(evaluation, cfg.data.name))
     arrays = (ShardArrays.from_columns(train, cfg.data.name), ShardArrays.from_columns(evaluation, cfg.data.name))
     from trainers import horovod_tf, tf_dtensor, tf_mwms
 
     module = {"horovod": horovod_tf, "tf_dtensor": tf_dtensor}.get(trainer.backend, tf_mwms)
     return lambda ctx: module.run_worker(cfg, ctx, MODEL_INPUTS, data=arrays)
+
+
+def ps_runner(cfg, train, evaluation):
+    """tf_ps in this process as its chief, with real TensorFlow servers (trainers/tf_ps_server.py, as the Ray workers
+    run them) for its parameter servers and workers on this machine, each worker's shard written as a Ray worker
+    writes it; the servers end with this process."""
+    import tempfile
+
+    from tests.conftest import free_port
+    from trainers import tf_ps
+    from trainers.tf_common import ShardArrays
+    from trainers.tf_ps_backend import roles, tf_config
+
+    trainer = cfg.trainer
+    world = 1 + trainer.num_ps + trainer.num_workers
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(world)]
+    published = []
+    for rank, (kind, index) in enumerate(roles(world, trainer.num_ps)):
+        if kind == "worker":
+            rows = shard(train, index, trainer.num_workers)
+            published.append(tf_ps.write_shard(ShardArrays.from_columns(rows, cfg.data.name), tempfile.mkdtemp()))
+        if kind != "chief":
+            tf_ps.ServerProcess(kind, index, trainer.threads_per_worker, tf_config(addresses, trainer.num_ps, rank))
+    os.environ["TF_CONFIG"] = tf_config(addresses, trainer.num_ps, 0)
+    return lambda ctx: tf_ps.run_chief(cfg, ctx, MODEL_INPUTS, tf_ps.WorkerShards(published), evaluation)
 
 
 def main(backend: str, folder: str, attempt: str, restore: str | None = None) -> None:
@@ -108,7 +141,7 @@ def main(backend: str, folder: str, attempt: str, restore: str | None = None) ->
     cfg = config(base / "cfg", [*BACKENDS[backend], *dump])
     result = run_attempt(runner(cfg), 0, 1, cfg.trainer.epochs, base / attempt,
                          restored=Path(restore) if restore else None, stop=attempt == "stopped")
-    if cfg.trainer.backend in ("tf_mwms", "tf_dtensor") or cfg.trainer.get("framework") == "tf":
+    if cfg.trainer.backend in ("tf_mwms", "tf_dtensor", "tf_ps") or cfg.trainer.get("framework") == "tf":
         assert "torch" not in sys.modules, "a TensorFlow worker imported torch"
     print(json.dumps(attempt_to_json(result)))
 

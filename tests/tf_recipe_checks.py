@@ -72,8 +72,6 @@ def accumulated_clipped_steps(folder: Path, data, strategy) -> dict:
     """SGD (no momentum, lr 0.5), gradients clipped to norm 1e-3, grad_accum=2, over an epoch of 3 batches (the
     last group short): the custom loop batch by batch (the weight change after each batch and at the epoch's
     end), and Keras `fit` over the same epoch from the same initial weights."""
-    from trainers.tf_mwms import run_fit
-
     recipe = ["trainer.optimizer=sgd", "trainer.momentum=0", "trainer.lr=0.5", "trainer.grad_clip=0.001",
               "trainer.grad_accum=2", "trainer.max_steps_per_epoch=3"]
     custom = adapter(folder, "custom", recipe, data, strategy)
@@ -84,7 +82,7 @@ def accumulated_clipped_steps(folder: Path, data, strategy) -> dict:
     custom.finish_epoch()
     weights.append(flat(custom.model.get_weights()))
     fit = adapter(folder, "fit", [*recipe, "trainer.tf_loop=fit"], data, strategy)
-    run_fit(fit, 1, 1)
+    fit.fit(1, 1, [])
     return {"moved": [float(np.linalg.norm(after - before)) for before, after in zip(weights, weights[1:])],
             "iterations": [int(run.model.optimizer.iterations.numpy()) for run in (custom, fit)],
             "custom": weights[-1].tolist(), "fit": flat(fit.model.get_weights()).tolist()}
@@ -99,8 +97,8 @@ def profiles(folder: Path, keras, data, strategy) -> dict:
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     from tests.loop_harness import Recorder, make_context
+    from trainers.keras_fit import fit_epochs
     from trainers.loop import TrainLoop
-    from trainers.tf_mwms import fit_epochs
 
     found = {}
     for kind in ("custom", "fit"):

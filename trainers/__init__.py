@@ -18,6 +18,7 @@ BACKENDS: dict[str, str] = {
     "tf_mwms": "trainers.tf_mwms",
     "horovod": "trainers.horovod",
     "tf_dtensor": "trainers.tf_dtensor",
+    "tf_ps": "trainers.tf_ps",
 }
 
 

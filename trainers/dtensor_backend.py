@@ -10,11 +10,11 @@ a worker failure Ray Train starts a new worker group and calls `on_start` again:
 """
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass
 
 from ray.train.backend import Backend, BackendConfig
+
+from trainers.worker import free_address, set_env
 
 JOB_NAME = "worker"
 
@@ -26,23 +26,9 @@ class DTensorConfig(BackendConfig):
         return DTensorBackend
 
 
-def free_address() -> str:
-    """Runs on a worker: `ip:port` of a port free on its Ray node now (the client binds it moments later)."""
-    import ray.util
-
-    ip = ray.util.get_node_ip_address()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((ip, 0))
-        return f"{ip}:{probe.getsockname()[1]}"
-
-
 def client_env(rank: int, addresses: list[str]) -> dict[str, str]:
     return {"DTENSOR_CLIENT_ID": str(rank), "DTENSOR_NUM_CLIENTS": str(len(addresses)),
             "DTENSOR_JOB_NAME": JOB_NAME, "DTENSOR_JOBS": ",".join(addresses)}
-
-
-def _set_env(env: dict[str, str]) -> None:
-    os.environ.update(env)
 
 
 class DTensorBackend(Backend):
@@ -52,5 +38,5 @@ class DTensorBackend(Backend):
         if len(worker_group) == 1:
             return
         addresses = worker_group.execute(free_address)
-        ray.get([worker_group.execute_single_async(rank, _set_env, client_env(rank, addresses))
+        ray.get([worker_group.execute_single_async(rank, set_env, client_env(rank, addresses))
                  for rank in range(len(addresses))])

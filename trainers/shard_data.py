@@ -35,6 +35,31 @@ class OrderedShards(DataConfig):
         return output
 
 
+class RoleShards(DataConfig):
+    """tf_ps: the train split in `workers` equal shards, in file order, for the last `workers` ranks (the
+    TensorFlow workers); the other splits whole for rank 0 (the chief, which evaluates). Ray Train wants an
+    iterator of every dataset on every rank: the others get an empty one (never read)."""
+
+    def __init__(self, workers: int):
+        super().__init__()
+        self.workers = workers
+
+    def configure(self, datasets: dict[str, Any], world_size: int, worker_handles: Any, worker_node_ids: Any,
+                  **kwargs: Any) -> list[dict[str, Any]]:
+        output: list[dict[str, Any]] = [{} for _ in range(world_size)]
+        first = world_size - self.workers
+        for name, dataset in datasets.items():
+            dataset.context.execution_options.preserve_order = True
+            for rank in range(world_size):
+                output[rank][name] = dataset.limit(0).iterator()
+            if name == "train":
+                for index, shard in enumerate(dataset.split(self.workers, equal=True)):
+                    output[first + index][name] = shard.iterator()
+            else:
+                output[0][name] = dataset.split(1)[0].iterator()
+        return output
+
+
 def shard_config(num_workers: int, cache_in_worker: bool, tp: int = 1) -> DataConfig:
     """Ordered shards when the workers cache their shard (the default) or TP needs identical batches across a
     group; Ray's streaming split otherwise (data too big to materialise: reproducible order is given up)."""

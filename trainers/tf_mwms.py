@@ -10,16 +10,15 @@ schedule, clipping, precision): trainers/tf_recipe.py; gradient accumulation: `M
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Iterator
 
 import numpy as np
 from omegaconf import DictConfig
 
-from contract.checkpoint import EpochTotals
 from contract.recipe import updates_per_epoch
 from trainers import tf_common as tfc
 from trainers import tf_recipe as tfr
+from trainers.keras_fit import fit_epochs
 from trainers.loop import TrainLoop, WorkerContext
 
 log_final_model = tfc.log_final_model  # the backend's logged-model flavour (MLflow tensorflow)
@@ -144,6 +143,25 @@ class MirroredAdapter(tfc.KerasAdapter):
         ds = ds.batch(self.local_replicas, drop_remainder=True).batch(self.passes)
         return ds.flat_map(lambda x, y: tf.data.Dataset.from_tensor_slices((swap(x), swap(y))))
 
+    def fit(self, first_epoch: int, epochs: int, callbacks: list) -> None:
+        """tf-keras `model.fit` over epochs `first_epoch`..`epochs` (1-based) of this worker's data."""
+        if self.passes > 1:
+            self.model.train_step = accumulating_train_step(self.tf, self.model, self.passes)
+        # The loss metric is synchronized across the workers already; tf-keras' default ("auto": "sum" off TPUs)
+        # adds it up once more over the workers in each batch's logs (measured: step_loss 2x with 2 workers).
+        self.model.distribute_reduction_method = "first"
+
+        def all_epochs(_):  # one dataset per epoch, each with its own shuffle seed, chained
+            chained = None
+            for epoch in range(first_epoch, epochs + 1):
+                ds = self.fit_dataset(epoch)
+                chained = ds if chained is None else chained.concatenate(ds)
+            return chained
+
+        distributed = self.strategy.distribute_datasets_from_function(all_epochs)
+        self.model.fit(distributed, epochs=epochs, initial_epoch=first_epoch - 1, steps_per_epoch=self.fit_steps(),
+                       callbacks=callbacks, verbose=0)
+
     def reduce(self, values: list[float], op: str) -> list[float]:
         rows = self._gather(values)
         return (rows.sum(axis=0) if op == "sum" else rows.max(axis=0)).tolist()
@@ -155,114 +173,6 @@ class MirroredAdapter(tfc.KerasAdapter):
         local = self.tf.constant([values], dtype=self.tf.float32)
         rows = self.strategy.gather(self.strategy.run(lambda: local), axis=0).numpy()
         return rows[::self.local_replicas]  # one row per replica, replicas grouped by worker
-
-
-def fit_epochs(keras: Any, loop: TrainLoop, adapter: MirroredAdapter, epochs: int) -> None:
-    """tf-keras `model.fit` over the remaining epochs; a callback hands each epoch's totals to `loop.end_epoch`.
-    `fit` does not watch STOP: a preempted fit run resumes from its last epoch checkpoint."""
-    ctx = loop.ctx
-
-    class ReportEachEpoch(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):  # Keras counts epochs from 0
-            if ctx.before_epoch is not None:
-                ctx.before_epoch(epoch + 1)
-            self.start = time.perf_counter()
-
-        def on_epoch_end(self, epoch, logs=None):
-            samples = adapter.steps * adapter.rows_per_step
-            # tf.data prefetches inside fit's step function: data waits are not separable here (reported 0).
-            totals = EpochTotals(loss_sum=float(logs["loss"]) * samples, samples=samples, steps=adapter.steps,
-                                 train_s=time.perf_counter() - self.start,
-                                 tokens=int(adapter.epoch_tokens(epoch + 1).sum()))
-            if loop.end_epoch(epoch + 1, totals):
-                self.model.stop_training = True  # early stopping (`run.patience`), decided alike on every worker
-
-    class LogStepLoss(keras.callbacks.Callback):
-        """Only added when step_loss is wanted: any batch hook makes Keras fetch the loss to the host."""
-
-        def on_epoch_begin(self, epoch, logs=None):
-            self.epoch, self.seen, self.mean = epoch + 1, 0, 0.0
-
-        def on_train_batch_end(self, batch, logs=None):
-            # Called every tf_steps_per_execution fit steps (of `passes` batches each) with the epoch's running
-            # mean loss per batch: the batches since the last call had mean (mean_k * k - mean_j * j) / (k - j).
-            done, mean = min((batch + 1) * adapter.passes, adapter.steps), float(logs["loss"])
-            window = (mean * done - self.mean * self.seen) / (done - self.seen)
-            loop.log_step_loss(self.epoch, done, window, since_step=self.seen, global_mean=True)
-            self.seen, self.mean = done, mean
-
-    class ShowProgress(keras.callbacks.Callback):
-        """The bar of each epoch's steps (`run.progress`, rank 0); a batch hook ends each compiled call of
-        `tf_steps_per_execution` fit steps, so the bar moves by that many batches."""
-
-        def on_epoch_begin(self, epoch, logs=None):
-            self.bar, self.done = loop.open_step_bar(epoch + 1, 0), 0
-
-        def on_train_batch_end(self, batch, logs=None):
-            done = min((batch + 1) * adapter.passes, adapter.steps)
-            self.bar.update(done - self.done)
-            self.done = done
-
-        def on_epoch_end(self, epoch, logs=None):
-            self.bar.close()
-
-    class LogStartup(keras.callbacks.Callback):
-        """`startup.*` after fit's first call of `tf_steps_per_execution` steps (rank 0, the run's first attempt)."""
-
-        def __init__(self):
-            super().__init__()
-            self._supports_tf_logs = True  # no per-batch copy of the logs to numpy for this hook
-
-        def on_epoch_begin(self, epoch, logs=None):
-            self.epoch = epoch + 1
-
-        def on_train_batch_end(self, batch, logs=None):
-            loop.log_startup(self.epoch)
-
-    class ProfileSteps(keras.callbacks.Callback):
-        """Drives the loop's profiler (`trainer.profile_steps`, rank 0). A batch hook here ends a compiled call of
-        `tf_steps_per_execution` steps: each profiled "step" is one such call."""
-
-        def on_epoch_begin(self, epoch, logs=None):
-            loop.start_profile(epoch + 1)
-
-        def on_train_batch_end(self, batch, logs=None):
-            loop.profile_step()
-
-        def on_epoch_end(self, epoch, logs=None):
-            loop.stop_profile()
-
-    callbacks = [ReportEachEpoch()]
-    if ctx.logger is not None and ctx.log_every_n_steps > 0:
-        callbacks.append(LogStepLoss())
-    if ctx.step_bar is not None:
-        callbacks.append(ShowProgress())
-    if loop.startup_due:
-        callbacks.append(LogStartup())
-    if ctx.profile_steps and ctx.profile_dir is not None:
-        callbacks.insert(0, ProfileSteps())  # before ReportEachEpoch: the trace is sent before the epoch's report
-
-    run_fit(adapter, loop.first_epoch, epochs, callbacks)
-
-
-def run_fit(adapter: MirroredAdapter, first_epoch: int, epochs: int, callbacks: list | None = None) -> None:
-    """tf-keras `model.fit` over epochs `first_epoch`..`epochs` (1-based) of the adapter's data."""
-    if adapter.passes > 1:
-        adapter.model.train_step = accumulating_train_step(adapter.tf, adapter.model, adapter.passes)
-    # The loss metric is synchronized across the workers already; tf-keras' default ("auto": "sum" off TPUs) adds
-    # it up once more over the workers in each batch's logs (measured: step_loss 2x with 2 workers).
-    adapter.model.distribute_reduction_method = "first"
-
-    def all_epochs(_):  # one dataset per epoch, each with its own shuffle seed, chained
-        chained = None
-        for epoch in range(first_epoch, epochs + 1):
-            ds = adapter.fit_dataset(epoch)
-            chained = ds if chained is None else chained.concatenate(ds)
-        return chained
-
-    distributed = adapter.strategy.distribute_datasets_from_function(all_epochs)
-    adapter.model.fit(distributed, epochs=epochs, initial_epoch=first_epoch - 1, steps_per_epoch=adapter.fit_steps(),
-                      callbacks=callbacks or [], verbose=0)
 
 
 def accumulating_train_step(tf: Any, model: Any, passes: int) -> Any:

@@ -2,6 +2,8 @@
 and the Ray Train run and scaling settings every trainer is built with."""
 from __future__ import annotations
 
+import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -153,3 +155,19 @@ def run_config(cfg: DictConfig, run_id: str, callbacks: list | None, env: dict[s
                                                   controller_failure_limit=-1 if patient else 0),
                      checkpoint_config=checkpoints, callbacks=list(callbacks or []),
                      worker_runtime_env={"env_vars": env} if env else None)
+
+
+def free_address() -> str:
+    """Runs on a worker (a backend's `on_start`): `ip:port` of a port free on its Ray node now, for a server the
+    worker starts moments later (DTensor clients, tf_ps servers)."""
+    import ray.util
+
+    ip = ray.util.get_node_ip_address()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((ip, 0))
+        return f"{ip}:{probe.getsockname()[1]}"
+
+
+def set_env(env: dict[str, str]) -> None:
+    """Runs on a worker (a backend's `on_start`): variables its training function reads."""
+    os.environ.update(env)

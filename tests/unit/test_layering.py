@@ -10,7 +10,8 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 LAYERS = {"contract": 0, "trainers": 1, "pipelines": 2}  # a package may import its own layer and those below
-TF_WORKER_MODULES = ["trainers.tf_mwms", "trainers.horovod_tf", "trainers.horovod", "trainers.tf_dtensor"]
+TF_WORKER_MODULES = ["trainers.tf_mwms", "trainers.horovod_tf", "trainers.horovod", "trainers.tf_dtensor",
+                     "trainers.tf_ps", "trainers.tf_ps_server"]
 
 
 def module_name(path: Path) -> str:

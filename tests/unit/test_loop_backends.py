@@ -1,7 +1,8 @@
-"""Stop/resume parity and the metric set for the Horovod (torch, tf) and tf_mwms adapters on the shared loop,
-each attempt in a fresh process (tests/loop_backends.py), no Ray cluster; and the loss-parity gate: every one of
-them trains DDP's loss curve from DDP's recipe, seed and data. Stop/resume of DDP and TP: tests/unit/test_loop.py and
-tests/parallel/test_tp_loop.py. Horovod runs as a lone process: the 2-rank paths are in tests/integration."""
+"""Stop/resume parity and the metric set for the Horovod (torch, tf), tf_mwms, tf_dtensor and tf_ps adapters on the
+shared loop, each attempt in a fresh process (tests/loop_backends.py), no Ray cluster (tf_ps with real TensorFlow
+servers); and the loss-parity gate: every one of them trains DDP's loss curve from DDP's recipe, seed and data.
+Stop/resume of DDP and TP: tests/unit/test_loop.py and tests/parallel/test_tp_loop.py. Horovod runs as a lone
+process: the 2-rank paths are in tests/integration."""
 from __future__ import annotations
 
 import json
@@ -48,7 +49,7 @@ def straight(tmp_path_factory):
 # 20 steps per epoch). The TF runs also schedule the LR and clip (horovod_tf: AdamW with decay; see
 # tests/loop_backends.py): the restored optimizer's update count must continue the schedule. The straight run of
 # tf_mwms_custom is also one of the runs compared below.
-@pytest.mark.parametrize("backend", ["horovod_torch", "horovod_tf", "tf_mwms_custom", "tf_dtensor"])
+@pytest.mark.parametrize("backend", ["horovod_torch", "horovod_tf", "tf_mwms_custom", "tf_dtensor", "tf_ps"])
 def test_stop_resume_parity(tmp_path, straight, backend):
     runs = {"straight": straight(backend), "stopped": attempt(backend, tmp_path, "stopped")}
     runs["resumed"] = attempt(backend, tmp_path, "resumed", last_checkpoint(tmp_path / backend / "stopped"))
@@ -109,7 +110,8 @@ def test_bf16_loss_curve_stays_close_to_fp32(straight):
     np.testing.assert_allclose(bf16, fp32, rtol=0, atol=0.1)
 
 
-@pytest.mark.parametrize("backend", ["horovod_torch", "horovod_tf", "tf_mwms_custom", "tf_mwms_fit", "tf_dtensor"])
+@pytest.mark.parametrize("backend", ["horovod_torch", "horovod_tf", "tf_mwms_custom", "tf_mwms_fit", "tf_dtensor",
+                                     "tf_ps"])
 def test_loss_parity_with_the_ddp_reference(straight, backend):
     """The loss-parity gate: one seed, data order and recipe (tests/loop_backends.py: PARITY, the MNIST MLP with
     SGD and momentum, 40 steps) through each backend's worker give DDP's loss curve step for step: the same

@@ -43,3 +43,50 @@ def test_tf_devices_is_tf_only_and_fine_with_one_worker(data_override):
     assert cfg.trainer.tf_devices == 2
     with pytest.raises(ConfigError, match=r"^trainer\.tf_devices: Key 'tf_devices' not in 'DDPConfig'"):
         load_config([data_override, "trainer=ddp", "+trainer.tf_devices=2"])
+
+
+def test_tf_ps_defaults_and_resources(data_override):
+    """tf_ps: the chief and the parameter servers are Ray Train workers too, sharing the workers' CPUs."""
+    from contract.config import ray_train_workers, worker_resources
+
+    cfg = load_config([data_override, "trainer=tf_ps", "trainer.num_ps=2", "trainer.num_workers=3"])
+    assert (cfg.trainer.tf_loop, cfg.trainer.num_ps) == ("custom", 2)
+    assert ray_train_workers(cfg.trainer) == 6 and worker_resources(cfg.trainer) == (3, 0)
+    cfg = load_config([data_override, "trainer=tf_mwms", "trainer.num_workers=3"])
+    assert ray_train_workers(cfg.trainer) == 3
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.num_ps=0"], r"^trainer\.num_ps: must be > 0"),
+    (["trainer.ps_min_shard_bytes=0"], r"^trainer\.ps_min_shard_bytes: must be > 0"),
+    (["trainer.tf_loop=eager"], r"^trainer\.tf_loop: unknown 'eager'"),
+    (["model=cnn", "model.channels=[8]"], r"^model\.channels: "),
+    (["data=imdb", "model=bert_tiny"], r"^model\.name: tf_ps has Keras models for mlp, cnn, embed_pool only"),
+    (["data=imdb", "model=embed_pool", "trainer.tf_loop=fit"], r"^trainer\.tf_loop: tf_ps trains text with the "
+                                                                r"custom loop only"),
+    (["trainer.use_gpu=true"], r"^trainer\.use_gpu: tf_ps runs on CPUs"),
+    (["trainer.grad_accum=2"], r"^trainer\.grad_accum: tf_ps trains with grad_accum=1 and precision=fp32 only"),
+    (["trainer.precision=bf16"], r"^trainer\.precision: tf_ps trains with grad_accum=1"),
+    (["trainer.compile=true"], r"^trainer\.compile: torch\.compile is for the PyTorch backends"),
+    (["+trainer.tp=2"], r"^trainer\.tp: "),
+    (["fault.kill_servers=[worker:2@1]", "fault.inject_marker=/tmp/m"],
+     r"^fault\.kill_servers: expected worker:<i>@<epoch> \(i < 2\) or ps:<i>@<epoch> \(i < 1\), epoch 1\.\.5; got "
+     r"'worker:2@1'"),
+    (["fault.kill_servers=[chief:0@1]", "fault.inject_marker=/tmp/m"], r"^fault\.kill_servers: expected worker:"),
+    (["fault.kill_servers=[ps:0@6]", "fault.inject_marker=/tmp/m"], r"^fault\.kill_servers: expected worker:"),
+    (["fault.kill_servers=[ps:0@1]"], r"^fault\.kill_servers: needs fault\.inject_marker"),
+    (["fault.kill_servers=[ps:0@1]", "fault.inject_marker=/tmp/m", "fault.inject_at_epoch=1"],
+     r"^fault\.kill_servers: needs fault\.inject_marker \(which kills fired\) and no fault\.inject_at_epoch"),
+])
+def test_bad_tf_ps_config_names_the_key(data_override, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config([data_override, "trainer=tf_ps", *overrides])
+
+
+def test_kill_servers_is_tf_ps_only(data_override):
+    with pytest.raises(ConfigError, match=r"^fault\.kill_servers: only trainer=tf_ps runs servers to kill"):
+        load_config([data_override, "trainer=tf_mwms", "fault.kill_servers=[worker:0@1]",
+                     "fault.inject_marker=/tmp/m"])
+    cfg = load_config([data_override, "trainer=tf_ps", "fault.kill_servers=[worker:1@2,ps:0@3]",
+                       "fault.inject_marker=/tmp/m"])
+    assert list(cfg.fault.kill_servers) == ["worker:1@2", "ps:0@3"]

@@ -1,0 +1,463 @@
+"""TensorFlow `ParameterServerStrategy` on Ray Train (`trainer=tf_ps`): asynchronous data parallelism. Every role
+is a Ray Train worker (trainers/tf_ps_backend.py sets TF_CONFIG): rank 0 the chief, then `trainer.num_ps`
+parameter servers, then `trainer.num_workers` workers. The variables live on the parameter servers (split into
+shards of at least `trainer.ps_min_shard_bytes`); each worker computes gradients on its own batches and applies
+them there without waiting for the others.
+
+- The chief runs the shared loop (trainers/loop.py) with a `ClusterCoordinator`: each loop step schedules one
+  step on whichever worker is free (one worker batch of `trainer.batch_size` rows), keeping up to
+  `trainer.ps_steps_in_flight` steps scheduled so the workers never wait for the chief. Or tf-keras `fit`, which
+  drives the same coordinator (`trainer.tf_loop=fit`). The chief evaluates, checkpoints and reports.
+- An epoch has no natural end when workers go at their own pace: here it is as many steps as the train split has
+  batches (rows // batch_size), after which the chief waits for the scheduled steps and evaluates. Which worker
+  takes a step is the coordinator's choice; each worker walks its own Ray Data shard in a seeded order per epoch
+  (`shuffled_order`, as every backend), wrapping around if it takes more than its share, and the step tells the
+  chief which worker ran it, so a stopped epoch resumes every worker where it stopped.
+- Parameter servers and workers run their TensorFlow server in a child process (trainers/tf_ps_server.py) that
+  their Ray worker starts and watches: a worker server that dies is started again, and the coordinator gives its
+  steps to the other workers meanwhile (the run goes on); a parameter server that dies, or the chief, ends the
+  attempt and Ray Train restarts the run from its last checkpoint (`fault.max_failures`).
+- Each worker writes its shard to a local folder; the dataset function (traced by the chief, run on the workers)
+  reads the folder of the worker it runs on.
+- Checkpoints are tf_mwms' (trainers/tf_common.py: `model.weights.h5`, `optimizer.npz`) with whole, unsharded
+  values (written through an unpartitioned twin of the model), plus each worker's position in a stopped epoch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import deque
+from dataclasses import replace
+from itertools import count
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+from omegaconf import DictConfig
+
+from contract.data import MNIST_MEAN, MNIST_STD, shuffled_order
+from trainers import tf_common as tfc
+from trainers.loop import TrainLoop, WorkerContext
+from trainers.tf_ps_backend import CHIEF, WORKER, TFPSConfig, board
+
+SERVER = Path(__file__).with_name("tf_ps_server.py")
+POSITIONS = "ps_positions.json"  # a stopped epoch: steps each worker took (beside tf_mwms' state files)
+FEATURES, LABELS = "features", "labels"
+
+
+def task_of_this_worker() -> tuple[str, int]:
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    return task["type"], int(task["index"])
+
+
+def write_shard(train: tfc.ShardArrays, folder: str) -> dict[str, Any]:
+    """This worker's train shard as raw arrays in `folder`, for the dataset function to read (no TensorFlow in
+    this process: the server is the one that runs it)."""
+    Path(folder, FEATURES).write_bytes(np.ascontiguousarray(train.features).tobytes())
+    Path(folder, LABELS).write_bytes(train.labels.astype(np.int64).tobytes())
+    return {"folder": folder, "rows": len(train.labels)}
+
+
+class ServerProcess:
+    """The TensorFlow server of task `kind:index` of the cluster `tf_config` (its TF_CONFIG) in a child process;
+    a worker's is started again when it dies, a parameter server's death raises (the run restarts from its
+    checkpoint)."""
+
+    def __init__(self, kind: str, index: int, threads: int, tf_config: str):
+        self.kind, self.index, self.threads, self.tf_config, self.restarts = kind, index, threads, tf_config, 0
+        self.process = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        env = {**os.environ, "TF_CONFIG": self.tf_config, "TF_PS_THREADS": str(self.threads),
+               "TF_CPP_MIN_LOG_LEVEL": "2"}
+        return subprocess.Popen([sys.executable, str(SERVER)], env=env)
+
+    def wait(self, ref: Any) -> Any:
+        """The value of the Ray object `ref`, watching the server while it is not ready."""
+        import ray
+
+        while True:
+            self.check()
+            if ray.wait([ref], timeout=1.0)[0]:
+                return ray.get(ref)
+
+    def check(self) -> None:
+        code = self.process.poll()
+        if code is None:
+            return
+        if self.kind != WORKER:
+            raise RuntimeError(f"tf_ps: the {self.kind}:{self.index} server exited with code {code}")
+        self.restarts += 1
+        print(f"tf_ps: the {self.kind}:{self.index} server exited with code {code}; starting it again "
+              f"(restart {self.restarts})", flush=True)
+        self.process = self._start()
+
+    def kill(self) -> None:
+        """Fault injection (`fault.kill_servers`): the server dies as a crashed process does."""
+        print(f"tf_ps: killing the {self.kind}:{self.index} server (fault.kill_servers)", flush=True)
+        self.process.kill()
+        self.process.wait()
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def serve(cfg: DictConfig, ctx: WorkerContext, kind: str, index: int) -> None:
+    """A parameter server's or worker's Ray worker: publish the shard (workers), run the server, and follow the
+    chief's messages (report along with it, kill the server on a fault injection) until it says done."""
+    from trainers.worker import dataset_shards
+
+    messages, folder = board(), None
+    if kind == WORKER:
+        (shard,), _ = dataset_shards("train")
+        folder = tempfile.mkdtemp(prefix="tf_ps-")
+        messages.put.remote(f"worker{index}", write_shard(tfc.ShardArrays(shard, cfg.data.name), folder))
+    server = ServerProcess(kind, index, cfg.trainer.threads_per_worker, os.environ["TF_CONFIG"])
+    try:
+        for number in count():
+            message = server.wait(messages.get.remote(f"message{number}"))
+            if message["op"] == "report":
+                ctx.report(message["metrics"], None)  # every rank reports (Ray Train syncs the checkpoint name)
+            elif message["op"] == "kill" and message["task"] == f"{kind}:{index}":
+                server.kill()
+                messages.put.remote(f"killed {message['task']}", True)
+            elif message["op"] == "done":
+                return
+    finally:
+        server.stop()
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def whole_values(variables: list) -> list[np.ndarray]:
+    """Variables as whole arrays, in order: the shards a partitioner made of one variable (named `<name>/part_<i>`,
+    split along axis 0) joined again. What an unpartitioned model's `get_weights` gives."""
+    groups: dict[str, list[np.ndarray]] = {}
+    for variable in variables:
+        groups.setdefault(variable.name.split("/part_")[0], []).append(variable.numpy())
+    return [np.concatenate(parts) if len(parts) > 1 else parts[0] for parts in groups.values()]
+
+
+def assign_whole(variables: list, values: list[np.ndarray]) -> None:
+    """`whole_values` backwards: each whole array split along axis 0 over its variable's shards."""
+    groups: dict[str, list] = {}
+    for variable in variables:
+        groups.setdefault(variable.name.split("/part_")[0], []).append(variable)
+    for shards, value in zip(groups.values(), values, strict=True):
+        ends = np.cumsum([shard.shape[0] for shard in shards])[:-1] if len(shards) > 1 else []
+        for shard, part in zip(shards, np.split(value, ends) if len(shards) > 1 else [value]):
+            shard.assign(part)
+
+
+class WorkerShards:
+    """The workers' train shards as the chief knows them (it holds none): each worker's folder and rows."""
+
+    def __init__(self, published: list[dict[str, Any]]):
+        self.folders = [shard["folder"] for shard in published]
+        self.rows = [shard["rows"] for shard in published]
+        self.load_s = 0.0  # the workers pull their shards; the chief's own wait is its evaluation shard's
+
+    def steps(self, batch_size: int, max_steps: int | None) -> int:
+        """Steps an epoch: as many as the train split has batches (each step is one worker's batch)."""
+        steps = sum(self.rows) // batch_size
+        return min(steps, max_steps) if max_steps else steps
+
+
+class PSAdapter(tfc.KerasAdapter):
+    """The chief's adapter on the shared loop. `reduce` is the identity: the chief is the loop's only rank."""
+
+    def __init__(self, keras: Any, cfg: DictConfig, strategy: Any, coordinator: Any, model: Any, twin: Any,
+                 shards: WorkerShards, evaluation: tfc.ShardArrays, model_inputs: dict, ctx: WorkerContext):
+        import tensorflow as tf
+
+        trainer = cfg.trainer
+        super().__init__(tf, strategy, model, shards, evaluation, trainer.batch_size, 0, cfg.run.seed,
+                         trainer.max_steps_per_epoch)
+        self.keras, self.coordinator, self.twin, self.shards = keras, coordinator, twin, shards
+        self.text = cfg.data.name == "imdb"
+        self.width = model_inputs["max_len"] if self.text else 784  # token ids, or MNIST pixels
+        self.in_flight = 4 * len(shards.rows)  # enough scheduled steps that no worker waits for the chief
+        self.stop_file, self.stop_every = ctx.stop_file, ctx.stop_check_every
+        self.positions = [0] * len(shards.rows)  # batches each worker took in the current epoch
+        self.pending: deque = deque()
+        self.fitting = False  # Keras fit runs the epochs (no positions kept)
+        self.step_fn = tf.function(self._step)
+
+    def _step(self, iterator: Any) -> tuple[Any, Any, Any]:
+        """One step on a worker: (its batch's mean loss, real tokens in the batch, the worker's index)."""
+        tf, strategy, model, losses = self.tf, self.strategy, self.model, self.keras.losses
+        optimizer = model.optimizer
+
+        def replica(x: Any, y: Any) -> Any:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(losses.sparse_categorical_crossentropy(y, model(x, training=True),
+                                                                             from_logits=True))
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+            return loss
+
+        x, y = next(iterator)
+        loss = strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica, args=(x, y)), axis=None)
+        tokens = tf.math.count_nonzero(x) if self.text else tf.constant(0, tf.int64)  # [PAD] is id 0
+        return loss, tokens, tf.distribute.coordinator.experimental_get_current_worker_index()
+
+    def worker_dataset(self, order: Any, skip: Any) -> Any:
+        """Runs on a worker (traced by the chief): its shard in the epoch's `order` [rows] (repeated: a worker may
+        take more than its share), batched, without its first `skip` batches."""
+        tf = self.tf
+        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+        folder = tf.gather(tf.constant(self.shards.folders), worker)
+        dtype = tf.int32 if self.text else tf.uint8
+        x = tf.reshape(tf.io.decode_raw(tf.io.read_file(folder + "/" + FEATURES), dtype), [-1, self.width])
+        y = tf.io.decode_raw(tf.io.read_file(folder + "/" + LABELS), tf.int64)
+        ds = tf.data.Dataset.from_tensor_slices((tf.gather(x, order), tf.gather(y, order)))
+        if not self.text:
+            ds = ds.map(lambda x, y: ((tf.cast(x, tf.float32) / 255.0 - MNIST_MEAN) / MNIST_STD, y))
+        return ds.repeat().batch(self.batch_size, drop_remainder=True).skip(skip).prefetch(2)
+
+    def epoch_iterator(self, epoch: int) -> Any:
+        """The workers' iterators over the epoch: worker i in `shuffled_order(rows, seed + 1000 i + epoch)` (every
+        backend's shard order), from its position in the epoch."""
+        tf, strategy = self.tf, self.strategy
+        orders = tf.constant(np.stack([shuffled_order(rows, self.seed + 1000 * i + epoch)
+                                       for i, rows in enumerate(self.shards.rows)]))
+        skips = tf.constant(self.positions, tf.int64)
+
+        def dataset_fn(_: Any) -> Any:
+            worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+            return self.worker_dataset(tf.gather(orders, worker), tf.gather(skips, worker))
+
+        per_worker = tf.function(lambda: strategy.distribute_datasets_from_function(dataset_fn))
+        return iter(self.coordinator.create_per_worker_dataset(per_worker))
+
+    def batches(self, epoch: int, skip: int) -> Iterator[Any]:
+        """Scheduled steps (their results to come), up to `in_flight` ahead of the one handed out. Once STOP
+        exists, nothing is scheduled past the next step at which the loop checks it, so a stop leaves no step
+        scheduled beyond the ones it counts (`at_update_boundary`)."""
+        if skip == 0:
+            self.positions = [0] * len(self.positions)
+        iterator, scheduled, pending = self.epoch_iterator(epoch), skip, self.pending
+        for _ in range(skip, self.steps):
+            while scheduled < self.steps and len(pending) < self.in_flight \
+                    and not (pending and self.holding(scheduled)):
+                pending.append(self.coordinator.schedule(self.step_fn, args=(iterator,)))
+                scheduled += 1
+            yield pending.popleft()
+
+    def holding(self, scheduled: int) -> bool:
+        return self.stop_file is not None and scheduled % self.stop_every == 0 and self.stop_file.exists()
+
+    def train_step(self, batch: Any) -> tuple[float, int, int]:
+        loss, tokens, worker = batch.fetch()
+        self.positions[int(worker)] += 1
+        return float(loss), self.batch_size, int(tokens)
+
+    def at_update_boundary(self) -> bool:
+        return not self.pending
+
+    def reduce(self, values: list[float], op: str) -> list[float]:
+        return list(values)
+
+    def epoch_extras(self) -> dict[str, float]:
+        """How the coordinator spread the epoch's steps over the workers (`ps_worker<i>_steps`; the custom loop)."""
+        if self.fitting:
+            return {}
+        return {f"ps_worker{i}_steps": float(steps) for i, steps in enumerate(self.positions)}
+
+    def epoch_tokens(self, epoch: int) -> np.ndarray:
+        return np.zeros(self.steps, dtype=np.int64)  # fit: MNIST only (pipelines/config.py), no tokens
+
+    def fit(self, first_epoch: int, epochs: int, callbacks: list) -> None:
+        """tf-keras `fit` with the coordinator, `steps` per epoch: each worker repeats its shard in one seeded order
+        (fit resumes at epoch ends only, so positions are not kept)."""
+        tf, self.fitting = self.tf, True
+
+        def dataset_fn(_: Any) -> Any:
+            worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+            rows = tf.gather(tf.constant(self.shards.rows, tf.int64), worker)
+            order = tf.random.experimental.stateless_shuffle(tf.range(rows), seed=[self.seed, worker])
+            return self.worker_dataset(order, tf.constant(0, tf.int64))
+
+        self.model.fit(self.keras.utils.experimental.DatasetCreator(dataset_fn), epochs=epochs,
+                       initial_epoch=first_epoch - 1, steps_per_epoch=self.steps, callbacks=callbacks, verbose=0)
+
+    def save(self, directory: str) -> None:
+        """tf_mwms' state files with whole values, through the unpartitioned twin; a stopped epoch's positions."""
+        self.twin.set_weights(whole_values(self.model.weights))
+        self.twin.optimizer.set_weights([self.tf.convert_to_tensor(v).numpy() for v in self.model.optimizer.variables])
+        tfc.save_keras_state(directory, self.twin)
+        Path(directory, POSITIONS).write_text(json.dumps(self.positions))
+
+    def load(self, directory: str) -> None:
+        tfc.load_keras_state(directory, self.twin, self.tf.distribute.get_strategy())
+        assign_whole(self.model.weights, self.twin.get_weights())
+        self.build_optimizer()
+        for variable, value in zip(self.model.optimizer.variables, self.twin.optimizer.variables, strict=True):
+            variable.assign(value)
+        self.positions = json.loads(Path(directory, POSITIONS).read_text())
+
+    def build_optimizer(self) -> None:
+        """The optimizer's slots on the parameter servers (sharded like their variables) and the twin's."""
+        with self.strategy.scope():
+            self.model.optimizer.build(self.model.trainable_variables)
+        self.twin.optimizer.build(self.twin.trainable_variables)
+
+    def dump(self, directory: str | None) -> None:
+        """`run.dump_params_dir`: the final weights, whole, as `rank0.npz`."""
+        if directory:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            np.savez(Path(directory) / "rank0.npz", *whole_values(self.model.weights))
+
+
+def make_strategy(tf: Any, trainer: DictConfig) -> tuple[Any, Any]:
+    """(ParameterServerStrategy over TF_CONFIG's cluster, its ClusterCoordinator): variables split by
+    `MinSizePartitioner` into at most `num_ps` shards of at least `ps_min_shard_bytes`. Connecting waits for
+    every server of the cluster to answer."""
+    tfc.set_threads(tf, trainer.threads_per_worker)
+    partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=trainer.ps_min_shard_bytes, max_shards=trainer.num_ps)
+    strategy = tf.distribute.ParameterServerStrategy(tf.distribute.cluster_resolver.TFConfigClusterResolver(),
+                                                     variable_partitioner=partitioner)
+    return strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)
+
+
+def build_adapter(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict, shards: WorkerShards,
+                  evaluation: tfc.ShardArrays) -> tuple[Any, PSAdapter]:
+    """(keras, adapter): the strategy first (before any other TF op), then the model on the parameter servers with
+    the same initial weights as tf_mwms' (drawn outside any strategy), and its unpartitioned twin."""
+    import tensorflow as tf
+
+    strategy, coordinator = make_strategy(tf, cfg.trainer)
+    import tf_keras as keras
+
+    from trainers.models.keras_models import build_keras_model
+
+    keras.utils.set_random_seed(cfg.run.seed)
+    initial = build_keras_model(cfg.model, keras, model_inputs, seed=cfg.run.seed).get_weights()
+    steps = shards.steps(cfg.trainer.batch_size, cfg.trainer.max_steps_per_epoch)
+    with strategy.scope():
+        model = tfc.build_compiled_model(keras, cfg, model_inputs, cfg.trainer.tf_steps_per_execution, steps)
+        assign_whole(model.weights, initial)
+    twin = tfc.build_compiled_model(keras, cfg, model_inputs, steps_per_epoch=steps)
+    adapter = PSAdapter(keras, cfg, strategy, coordinator, model, twin, shards, evaluation, model_inputs, ctx)
+    adapter.build_optimizer()
+    return keras, adapter
+
+
+def run_chief(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict, shards: WorkerShards,
+              evaluation: tfc.ShardArrays) -> bool:
+    """The coordinator's loop (or Keras `fit`) on the chief, then `run.dump_params_dir`. False: stopped."""
+    from trainers.keras_fit import fit_epochs
+
+    tfc.require_legacy_keras()
+    keras, adapter = build_adapter(cfg, ctx, model_inputs, shards, evaluation)
+    loop = TrainLoop(adapter, ctx)
+    if cfg.trainer.tf_loop == "fit":
+        if loop.first_epoch <= ctx.epochs and not loop.early_stopped():
+            fit_epochs(keras, loop, adapter, ctx.epochs)
+    elif not loop.run():
+        return False
+    adapter.dump(cfg.run.dump_params_dir)
+    return True
+
+
+class Chief:
+    """Rank 0's side of the board: numbered messages to every server role."""
+
+    def __init__(self, messages: Any):
+        self.messages, self.sent = messages, 0
+
+    def post(self, op: str, **fields: Any) -> None:
+        self.messages.put.remote(f"message{self.sent}", {"op": op, **fields})
+        self.sent += 1
+
+    def kill(self, task: str) -> None:
+        """Have `task`'s server killed, and wait until it is: the epoch's steps then find it dead."""
+        import ray
+
+        self.post("kill", task=task)
+        ray.get(self.messages.get.remote(f"killed {task}"))
+
+    def shards(self, workers: int) -> WorkerShards:
+        """What each worker published (it pulls and writes its shard first)."""
+        import ray
+
+        return WorkerShards(ray.get([self.messages.get.remote(f"worker{i}") for i in range(workers)]))
+
+    def context(self, ctx: WorkerContext, fault: DictConfig) -> WorkerContext:
+        """The loop's context on the chief: its only rank; each report goes to the server roles too (Ray Train
+        wants one from every rank); fault injection fails the chief or kills servers (`fault.kill_servers`)."""
+        from trainers.worker import maybe_inject_failure
+
+        def report(metrics: dict[str, float], directory: str | None) -> None:
+            self.post("report", metrics=metrics)
+            ctx.report(metrics, directory)
+
+        def before_epoch(epoch: int) -> None:
+            if not fault.kill_servers:
+                maybe_inject_failure(fault, epoch, 0, 1)  # the chief fails
+                return
+            marker = Path(fault.inject_marker)
+            fired = marker.read_text().split() if marker.exists() else []  # by an earlier attempt
+            for item in fault.kill_servers:
+                task, at = item.split("@")
+                if int(at) == epoch and item not in fired:
+                    with marker.open("a") as record:
+                        record.write(f"{item}\n")
+                    self.kill(task)
+        return replace(ctx, world_size=1, report=report, before_epoch=before_epoch)
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    from trainers.worker import dataset_shards, ray_context, worker_config
+
+    cfg = worker_config(config)
+    ctx = ray_context(config, cfg)
+    kind, index = task_of_this_worker()
+    if kind != CHIEF:
+        serve(cfg, ctx, kind, index)
+        return
+    chief = Chief(board())
+    try:
+        # Rank 0's request makes every rank's shards of a split (Ray Train V2): the chief asks for the train split too
+        (_, eval_shard), waited_s = dataset_shards("train", "eval")
+        evaluation = tfc.ShardArrays(eval_shard, cfg.data.name)
+        evaluation.load_s += waited_s
+        run_chief(cfg, chief.context(ctx, cfg.fault), config["model_inputs"], chief.shards(cfg.trainer.num_workers),
+                  evaluation)
+    finally:
+        chief.post("done")
+
+
+def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict,
+                  callbacks: list | None = None):
+    """`DataParallelTrainer` over every role. Ray gives each worker of a run the same resources: the run takes
+    `num_workers x threads_per_worker` CPUs (what its workers compute with; the chief and the parameter servers
+    mostly wait), split evenly over all its Ray workers."""
+    from ray.train import ScalingConfig
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    from contract.config import ray_train_workers
+    from trainers.shard_data import RoleShards
+    from trainers.worker import loop_config, run_config
+
+    trainer = cfg.trainer
+    world = ray_train_workers(trainer)
+    scaling = ScalingConfig(num_workers=world, use_gpu=False, placement_strategy=trainer.placement_strategy,
+                            resources_per_worker={"CPU": trainer.num_workers * trainer.threads_per_worker / world})
+    return DataParallelTrainer(
+        train_loop_per_worker,
+        train_loop_config=loop_config(cfg, run_id, tracking_uri, model_inputs),
+        backend_config=TFPSConfig(num_ps=trainer.num_ps),
+        scaling_config=scaling,
+        run_config=run_config(cfg, run_id, callbacks, {**tfc.LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}),
+        datasets=datasets,
+        dataset_config=RoleShards(workers=trainer.num_workers),
+    )
+
+
+log_final_model = tfc.log_final_model  # tf_mwms' checkpoint files: the same logged Keras model

@@ -1,0 +1,44 @@
+"""One TensorFlow server of a `trainer=tf_ps` cluster (a parameter server or a worker), as its own process:
+
+    python -m trainers.tf_ps_server        # TF_CONFIG in the environment names the cluster and this task
+
+A Ray Train worker of the tf_ps backend starts this process and watches it (trainers/tf_ps.py: `ServerProcess`):
+a worker server that dies is started again at the same address, and ClusterCoordinator gives its steps to the other
+workers meanwhile and rebuilds its dataset when it is back. That is why the server is not the Ray worker itself:
+Ray Train ends the whole run when one of its workers dies. The server dies with the process that started it
+(PR_SET_PDEATHSIG), so a Ray worker killed by Ray Train leaves no server holding its port.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent() -> None:
+    """The kernel sends SIGKILL when the thread that started this process ends (Linux)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def serve(threads: int) -> None:
+    """Serve this task of TF_CONFIG's cluster until killed."""
+    import tensorflow as tf
+
+    # Workers run the steps (intra-op threads: `trainer.threads_per_worker`); inter-op threads leave room for the
+    # coordinator's concurrent calls (an inter-op pool of 1 hung the coordinator: see STYLE.md).
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(threads + 3)
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    server = tf.distribute.Server(resolver.cluster_spec(), job_name=task["type"], task_index=task["index"],
+                                  protocol="grpc", start=True)
+    print(f"tf_ps server {task['type']}:{task['index']} serving at {server.target}", flush=True)
+    server.join()
+
+
+if __name__ == "__main__":
+    die_with_parent()
+    serve(int(os.environ.get("TF_PS_THREADS", "1")))
