@@ -351,6 +351,13 @@ def _check_tf_ps(cfg: DictConfig) -> None:
     if trainer.tf_loop == "fit" and cfg.data.name != "mnist":
         raise ConfigError("trainer.tf_loop: tf_ps trains text with the custom loop only (it counts each step's "
                           "tokens); use tf_loop=custom")
+    if trainer.tf_loop == "fit":  # tf-keras has no batch-level callbacks under ParameterServerStrategy
+        for key, wanted in (("trainer.log_every_n_steps", trainer.log_every_n_steps > 0),
+                            ("trainer.profile_steps", trainer.profile_steps > 0),
+                            ("run.progress", cfg.run.progress == "on")):
+            if wanted:
+                raise ConfigError(f"{key}: Keras fit under ParameterServerStrategy calls no batch-level callbacks "
+                                  f"(step losses, profiling, the step bar); use trainer.tf_loop=custom")
     if trainer.use_gpu:
         raise ConfigError("trainer.use_gpu: tf_ps runs on CPUs (Ray gives its chief and parameter servers the "
                           "workers' resources: each would hold a GPU)")

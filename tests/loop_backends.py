@@ -50,6 +50,9 @@ BACKENDS = {
     # one chief, one parameter server (the weights split in 2 shards: min 4 KiB), one worker: in order, so exact
     "tf_ps": ["trainer=tf_ps", "trainer.num_ps=2", "trainer.ps_min_shard_bytes=4096", "model.hidden=[32]", *COMMON,
               "trainer.lr_schedule=cosine", "trainer.warmup_steps=3", "trainer.grad_clip=5.0"],
+    # Keras fit driving the coordinator: 20 steps an epoch, 4 per scheduled function
+    "tf_ps_fit": ["trainer=tf_ps", "trainer.tf_loop=fit", "trainer.num_ps=2", "trainer.ps_min_shard_bytes=4096",
+                  "trainer.tf_steps_per_execution=4", "trainer.log_every_n_steps=0", "model.hidden=[32]", *COMMON],
     "tf_mwms_fit": ["trainer=tf_mwms", "trainer.tf_loop=fit", "data=imdb", "model=embed_pool", "model.embed_dim=8",
                     "model.hidden=8", "trainer.tf_steps_per_execution=4", *COMMON, "trainer.optimizer=adamw",
                     "trainer.weight_decay=0.01", "trainer.lr_schedule=linear", "trainer.warmup_steps=2",

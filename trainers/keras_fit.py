@@ -20,6 +20,7 @@ class FitAdapter(Protocol):
     steps: int           # batches per epoch
     rows_per_step: int   # this worker's rows per batch
     passes: int          # batches per optimizer step (grad_accum)
+    batch_hooks: bool    # Keras may call batch-level callbacks (not under ParameterServerStrategy)
 
     def epoch_tokens(self, epoch: int) -> np.ndarray: ...
     def fit(self, first_epoch: int, epochs: int, callbacks: list) -> None:
@@ -88,6 +89,13 @@ def fit_epochs(keras: Any, loop: TrainLoop, adapter: FitAdapter, epochs: int) ->
         def on_train_batch_end(self, batch, logs=None):
             loop.log_startup(self.epoch)
 
+    class LogStartupAtFirstEpoch(keras.callbacks.Callback):
+        """`startup.*` where Keras has no batch hooks (ParameterServerStrategy): when fit begins its first epoch,
+        so the first-step part is fit's own set-up (the workers' datasets) without the first step."""
+
+        def on_epoch_begin(self, epoch, logs=None):
+            loop.log_startup(epoch + 1)
+
     class ProfileSteps(keras.callbacks.Callback):
         """Drives the loop's profiler (`trainer.profile_steps`, rank 0). A batch hook here ends a compiled call of
         `tf_steps_per_execution` steps: each profiled "step" is one such call."""
@@ -102,13 +110,14 @@ def fit_epochs(keras: Any, loop: TrainLoop, adapter: FitAdapter, epochs: int) ->
             loop.stop_profile()
 
     callbacks = [ReportEachEpoch()]
-    if ctx.logger is not None and ctx.log_every_n_steps > 0:
-        callbacks.append(LogStepLoss())
-    if ctx.step_bar is not None:
-        callbacks.append(ShowProgress())
     if loop.startup_due:
-        callbacks.append(LogStartup())
-    if ctx.profile_steps and ctx.profile_dir is not None:
-        callbacks.insert(0, ProfileSteps())  # before ReportEachEpoch: the trace is sent before the epoch's report
+        callbacks.append(LogStartup() if adapter.batch_hooks else LogStartupAtFirstEpoch())
+    if adapter.batch_hooks:  # else the config refuses step losses, a forced bar and profiling (pipelines/config.py)
+        if ctx.logger is not None and ctx.log_every_n_steps > 0:
+            callbacks.append(LogStepLoss())
+        if ctx.step_bar is not None:
+            callbacks.append(ShowProgress())
+        if ctx.profile_steps and ctx.profile_dir is not None:
+            callbacks.insert(0, ProfileSteps())  # before ReportEachEpoch: the trace is sent before the epoch's report
 
     adapter.fit(loop.first_epoch, epochs, callbacks)

@@ -217,6 +217,7 @@ class KerasAdapter:
 
     replicas = 1
     sharded_checkpoint = False  # rank 0's folder holds the whole state
+    batch_hooks = True  # Keras fit may call batch-level callbacks (trainers/keras_fit.py)
 
     def __init__(self, tf: Any, strategy: Any, model: Any, train: ShardArrays, evaluation: ShardArrays,
                  batch_size: int, rank: int, seed: int, max_steps: int | None, local_replicas: int = 1,

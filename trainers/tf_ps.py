@@ -171,6 +171,8 @@ class WorkerShards:
 class PSAdapter(tfc.KerasAdapter):
     """The chief's adapter on the shared loop. `reduce` is the identity: the chief is the loop's only rank."""
 
+    batch_hooks = False  # tf-keras refuses batch-level callbacks under ParameterServerStrategy
+
     def __init__(self, keras: Any, cfg: DictConfig, strategy: Any, coordinator: Any, model: Any, twin: Any,
                  shards: WorkerShards, evaluation: tfc.ShardArrays, model_inputs: dict, ctx: WorkerContext):
         import tensorflow as tf
@@ -298,7 +300,9 @@ class PSAdapter(tfc.KerasAdapter):
         self.build_optimizer()
         for variable, value in zip(self.model.optimizer.variables, self.twin.optimizer.variables, strict=True):
             variable.assign(value)
-        self.positions = json.loads(Path(directory, POSITIONS).read_text())
+        positions = Path(directory, POSITIONS)  # absent from a tf_mwms checkpoint: a worker starts its epoch afresh
+        if positions.exists():
+            self.positions = json.loads(positions.read_text())
 
     def build_optimizer(self) -> None:
         """The optimizer's slots on the parameter servers (sharded like their variables) and the twin's."""

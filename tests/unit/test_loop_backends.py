@@ -70,6 +70,20 @@ def test_keras_fit_keeps_the_contract(tmp_path):
     assert sorted(fit.recorder.step_losses) == [12, 20, 32, 40]
 
 
+def test_tf_ps_keras_fit_keeps_the_contract_and_its_checkpoint_resumes_in_the_custom_loop(tmp_path):
+    """Keras `fit` driving tf_ps' coordinator (weights split over 2 parameter servers) hands its epochs to the loop:
+    the metric set every epoch; its epoch-1 checkpoint (whole values, tf_mwms' files) resumes in the custom loop,
+    which trains epoch 2 from it."""
+    fit = attempt("tf_ps_fit", tmp_path, "straight")
+    assert fit.finished
+    check_metric_set(fit.recorder, 2, text=False)
+    resumed = attempt("tf_ps", tmp_path, "resumed", tmp_path / "tf_ps_fit" / "straight" / "checkpoint_1")
+    assert resumed.finished and resumed.recorder.resumed == [1] and sorted(resumed.recorder.epochs) == [1, 2]
+    assert resumed.recorder.epochs[1] == fit.recorder.epochs[1]  # epoch 1 as the checkpoint recorded it
+    assert min(resumed.recorder.step_losses) == 21  # epoch 2's steps only
+    assert resumed.recorder.epochs[2]["train_loss"] < fit.recorder.epochs[1]["train_loss"]
+
+
 def test_two_devices_take_the_steps_of_one_device_with_the_double_batch(straight):
     """`trainer.tf_devices=2` (MirroredStrategy over two logical CPU devices) with 16 rows per replica takes the
     same steps as one device with 32 rows: same rows per step, gradients averaged over the global batch, then

@@ -64,6 +64,9 @@ def test_tf_ps_defaults_and_resources(data_override):
     (["data=imdb", "model=bert_tiny"], r"^model\.name: tf_ps has Keras models for mlp, cnn, embed_pool only"),
     (["data=imdb", "model=embed_pool", "trainer.tf_loop=fit"], r"^trainer\.tf_loop: tf_ps trains text with the "
                                                                 r"custom loop only"),
+    (["trainer.tf_loop=fit", "trainer.log_every_n_steps=5"], r"^trainer\.log_every_n_steps: Keras fit under "
+                                                               r"ParameterServerStrategy calls no batch-level"),
+    (["trainer.tf_loop=fit", "run.progress=on"], r"^run\.progress: Keras fit under ParameterServerStrategy"),
     (["trainer.use_gpu=true"], r"^trainer\.use_gpu: tf_ps runs on CPUs"),
     (["trainer.grad_accum=2"], r"^trainer\.grad_accum: tf_ps trains with grad_accum=1 and precision=fp32 only"),
     (["trainer.precision=bf16"], r"^trainer\.precision: tf_ps trains with grad_accum=1"),
