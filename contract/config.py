@@ -73,6 +73,8 @@ class TFMWMSConfig(TrainerConfig):
     tf_communication: str = "auto"      # collectives: auto | ring | nccl (nccl needs use_gpu)
     tf_steps_per_execution: int = 8     # fit: training steps per compiled call
     tf_devices: int = 1                 # replicas per worker (GPUs, or logical CPU devices without)
+    tf_strategy: str = "mirrored"       # one worker, several devices: mirrored | central_storage (variables on the CPU)
+    tf_cross_device_ops: str = "auto"   # mirrored, one worker: auto | nccl | hierarchical_copy | reduce_to_one
 
 
 @dataclass
@@ -101,7 +103,7 @@ class TFPSConfig(TrainerConfig):
     num_ps: int = 1                     # parameter servers (Ray workers beside the chief and the num_workers workers)
     ps_min_shard_bytes: int = 262144    # variables split over the servers in shards of at least this many bytes
     tf_loop: str = "custom"             # custom (ClusterCoordinator.schedule) | fit (tf-keras model.fit)
-    tf_steps_per_execution: int = 1     # fit: training steps per scheduled function
+    tf_steps_per_execution: int = 8     # training steps per scheduled function (each on one worker)
 
 
 TRAINER_SCHEMAS: dict[str, type[TrainerConfig]] = {"ddp": DDPConfig, "tp": TPConfig, "fsdp": FSDPConfig,

@@ -32,6 +32,8 @@ KERAS_MODELS = ("mlp", "cnn", "embed_pool")  # trainers/models/keras_models.py
 DTENSOR_MODELS = ("mlp", "tfidf")  # trainers/models/tf_modules.py
 TF_LOOPS = ("fit", "custom")
 TF_COMMUNICATIONS = ("auto", "ring", "nccl")
+TF_STRATEGIES = ("mirrored", "central_storage")
+TF_CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduce_to_one")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 HOROVOD_FRAMEWORKS = ("torch", "tf")
 HOROVOD_COMPRESSIONS = ("none", "fp16")
@@ -306,6 +308,19 @@ def _check_tensorflow(cfg: DictConfig) -> None:
                           "(MirroredStrategy in one process); with several workers each worker has one CPU replica")
     if trainer.tf_communication == "nccl" and not trainer.use_gpu:
         raise ConfigError("trainer.tf_communication: nccl needs GPUs; set trainer.use_gpu=true or use ring/auto")
+    _choice("trainer", "tf_strategy", trainer.tf_strategy, TF_STRATEGIES)
+    _choice("trainer", "tf_cross_device_ops", trainer.tf_cross_device_ops, TF_CROSS_DEVICE_OPS)
+    if trainer.tf_strategy == "central_storage" and trainer.num_workers > 1:
+        raise ConfigError("trainer.tf_strategy: central_storage keeps the variables on one machine: num_workers=1 "
+                          "(several devices: trainer.tf_devices)")
+    if trainer.tf_cross_device_ops != "auto":
+        if trainer.num_workers > 1 or trainer.tf_devices == 1 or trainer.tf_strategy != "mirrored":
+            raise ConfigError("trainer.tf_cross_device_ops: how MirroredStrategy sums over one worker's devices: "
+                              "needs num_workers=1, tf_devices > 1, tf_strategy=mirrored (workers: "
+                              "trainer.tf_communication)")
+        if trainer.tf_cross_device_ops == "nccl" and not trainer.use_gpu:
+            raise ConfigError("trainer.tf_cross_device_ops: nccl needs GPUs; on CPUs use hierarchical_copy or "
+                              "reduce_to_one")
     if cfg.model.name not in KERAS_MODELS:
         raise ConfigError(f"model.name: backend tf_mwms has Keras models for {', '.join(KERAS_MODELS)} only, "
                           f"got '{cfg.model.name}'")

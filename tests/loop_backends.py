@@ -36,10 +36,16 @@ BACKENDS = {
     # two logical CPU devices under MirroredStrategy: the strategy's gather and per-replica batches
     "tf_mwms_custom": ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.tf_devices=2", "model.hidden=[32]",
                        *COMMON, *TF_RECIPE],
-    # one device with 32 rows vs two with 16 each (and fit over the same two): the same steps
+    # one device with 32 rows vs two with 16 each (and fit over the same two, and the other ways of summing over
+    # them): the same steps
     "tf_one_device": [*ONE_DEVICE, "trainer.batch_size=32"],
     "tf_two_devices_fit": ["trainer=tf_mwms", "trainer.tf_loop=fit", "trainer.tf_devices=2", "model.hidden=[32]",
                            "trainer.tf_steps_per_execution=2", "trainer.log_every_n_steps=2", *COMMON, *TF_RECIPE],
+    **{f"tf_{ops}": ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.tf_devices=2", "model.hidden=[32]", *COMMON,
+                     *TF_RECIPE, f"trainer.tf_cross_device_ops={ops}"]
+       for ops in ("reduce_to_one", "hierarchical_copy")},
+    "tf_central_storage": ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.tf_devices=2", "model.hidden=[32]",
+                           *COMMON, *TF_RECIPE, "trainer.tf_strategy=central_storage"],
     # the updates of all three: 64 rows each, in one batch
     "tf_big_batch": [*ONE_DEVICE, "trainer.batch_size=64", "trainer.grad_accum=1"],
     "tf_bf16": [*ONE_DEVICE, "trainer.batch_size=32", "trainer.precision=bf16"],

@@ -29,8 +29,12 @@ def make_strategy(tf: Any, trainer: DictConfig) -> Any:
     at program startup")."""
     tfc.set_threads(tf, trainer.threads_per_worker)
     if trainer.num_workers == 1:
+        if trainer.tf_strategy == "central_storage":  # variables on one device (the CPU), computed on the others
+            devices = tfc.local_devices(tf, trainer.tf_devices, trainer.use_gpu)
+            return tf.distribute.experimental.CentralStorageStrategy(compute_devices=devices)
         if trainer.tf_devices > 1:
-            return tf.distribute.MirroredStrategy(devices=tfc.local_devices(tf, trainer.tf_devices, trainer.use_gpu))
+            return tf.distribute.MirroredStrategy(devices=tfc.local_devices(tf, trainer.tf_devices, trainer.use_gpu),
+                                                  cross_device_ops=cross_device_ops(tf, trainer.tf_cross_device_ops))
         # One replica: nothing to mirror or all-reduce; TF's default strategy has the same API without the
         # per-step collective machinery of MWMS (measured: benchmarks/README.md, tf_vs_bare).
         return tf.distribute.get_strategy()
@@ -39,6 +43,14 @@ def make_strategy(tf: Any, trainer: DictConfig) -> Any:
             "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL}[trainer.tf_communication]
     options = tf.distribute.experimental.CommunicationOptions(implementation=impl)
     return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+
+
+def cross_device_ops(tf: Any, name: str) -> Any:
+    """How MirroredStrategy sums the replicas' gradients in one worker (`trainer.tf_cross_device_ops`): auto is
+    TensorFlow's choice (NCCL between GPUs where it can)."""
+    return {"auto": None, "nccl": tf.distribute.NcclAllReduce(),
+            "hierarchical_copy": tf.distribute.HierarchicalCopyAllReduce(),
+            "reduce_to_one": tf.distribute.ReductionToOneDevice()}[name]
 
 
 class MirroredAdapter(tfc.KerasAdapter):

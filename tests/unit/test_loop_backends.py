@@ -100,6 +100,16 @@ def test_two_devices_take_the_steps_of_one_device_with_the_double_batch(straight
     np.testing.assert_allclose([fit.step_losses[s] for s in logged], windows, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize("variant", ["tf_reduce_to_one", "tf_hierarchical_copy", "tf_central_storage"])
+def test_every_way_of_summing_over_devices_takes_the_same_steps(straight, variant):
+    """The other ways one worker sums over its two devices (`trainer.tf_cross_device_ops`, or CentralStorageStrategy's
+    variables on one device, `trainer.tf_strategy=central_storage`) take the steps of one device with the double
+    batch, as MirroredStrategy's default does (above); with the recipe's accumulation and clipping."""
+    assert len(straight(variant).recorder.curve()) == 20
+    np.testing.assert_allclose(straight(variant).recorder.curve(), straight("tf_one_device").recorder.curve(),
+                               rtol=1e-4, atol=1e-5)
+
+
 def test_accumulation_takes_the_steps_of_the_whole_batch(straight):
     """grad_accum=2 over batches of 32 rows (one device, two devices, Keras `fit`) ends on the weights of one
     step per batch of 64 rows: each update applies the mean gradient of the same 64 rows, clipped alike, and the

@@ -27,6 +27,15 @@ def test_tf_mwms_defaults(data_override):
     (["+trainer.bogus=1"], r"^trainer\.bogus: "),
     (["trainer.tf_devices=0"], r"^trainer\.tf_devices: must be > 0"),
     (["trainer.tf_devices=2", "trainer.num_workers=2"], r"^trainer\.tf_devices: several CPU replicas per worker"),
+    (["trainer.tf_strategy=parameter_server"], r"^trainer\.tf_strategy: unknown 'parameter_server'"),
+    (["trainer.tf_strategy=central_storage", "trainer.num_workers=2"], r"^trainer\.tf_strategy: central_storage "
+                                                                        r"keeps the variables on one machine"),
+    (["trainer.tf_cross_device_ops=ring"], r"^trainer\.tf_cross_device_ops: unknown 'ring'"),
+    (["trainer.tf_cross_device_ops=reduce_to_one"], r"^trainer\.tf_cross_device_ops: how MirroredStrategy sums"),
+    (["trainer.tf_cross_device_ops=reduce_to_one", "trainer.num_workers=1", "trainer.tf_devices=2",
+      "trainer.tf_strategy=central_storage"], r"^trainer\.tf_cross_device_ops: how MirroredStrategy sums"),
+    (["trainer.tf_cross_device_ops=nccl", "trainer.num_workers=1", "trainer.tf_devices=2"],
+     r"^trainer\.tf_cross_device_ops: nccl needs GPUs"),
 ])
 def test_bad_tf_config_names_the_key(data_override, overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -36,6 +45,9 @@ def test_bad_tf_config_names_the_key(data_override, overrides, message):
 def test_nccl_with_gpu_passes_validation(data_override):
     cfg = load_config([data_override, "trainer=tf_mwms", "trainer.tf_communication=nccl", "trainer.use_gpu=true"])
     assert cfg.trainer.tf_communication == "nccl"
+    cfg = load_config([data_override, "trainer=tf_mwms", "trainer.tf_cross_device_ops=nccl", "trainer.use_gpu=true",
+                       "trainer.num_workers=1", "trainer.tf_devices=2"])
+    assert (cfg.trainer.tf_cross_device_ops, cfg.trainer.tf_strategy) == ("nccl", "mirrored")
 
 
 def test_tf_devices_is_tf_only_and_fine_with_one_worker(data_override):
