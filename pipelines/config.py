@@ -313,6 +313,15 @@ def _check_tensorflow(cfg: DictConfig) -> None:
     if trainer.tf_strategy == "central_storage" and trainer.num_workers > 1:
         raise ConfigError("trainer.tf_strategy: central_storage keeps the variables on one machine: num_workers=1 "
                           "(several devices: trainer.tf_devices)")
+    if trainer.tf_strategy == "central_storage" and trainer.grad_accum > 1:
+        raise ConfigError("trainer.grad_accum: under CentralStorageStrategy our accumulators become one variable "
+                          "summing the replicas' shares, which the optimizer sums again (measured: twice the "
+                          "gradient); use tf_strategy=mirrored")
+    scheduled = trainer.lr_schedule != "constant" or trainer.warmup_steps or trainer.warmup_fraction
+    if trainer.tf_strategy == "central_storage" and scheduled:
+        raise ConfigError("trainer.lr_schedule: tf-keras 2.21 fails to update a learning-rate schedule under "
+                          "CentralStorageStrategy (an AggregatingVariable updated in a replica context); use a "
+                          "constant rate there, or tf_strategy=mirrored")
     if trainer.tf_cross_device_ops != "auto":
         if trainer.num_workers > 1 or trainer.tf_devices == 1 or trainer.tf_strategy != "mirrored":
             raise ConfigError("trainer.tf_cross_device_ops: how MirroredStrategy sums over one worker's devices: "

@@ -25,6 +25,7 @@ COMMON = ["trainer.epochs=2", "trainer.batch_size=16", "trainer.optimizer=sgd", 
 # 7.4, then 3-5, measured unclipped).
 DTENSOR_2X2 = ["trainer.devices_per_worker=4", "trainer.mesh.batch=2", "trainer.mesh.model=2"]
 TF_RECIPE = ["trainer.lr_schedule=cosine", "trainer.warmup_steps=3", "trainer.grad_clip=5.0", "trainer.grad_accum=2"]
+CONSTANT_LR = ["trainer.lr_schedule=constant", "trainer.warmup_steps=0"]
 ONE_DEVICE = ["trainer=tf_mwms", "trainer.tf_loop=custom", "model.hidden=[32]", *COMMON, *TF_RECIPE]
 BACKENDS = {
     # clipping after Horovod's synchronize(), the schedule stepped by its DistributedOptimizer and checkpointed
@@ -44,8 +45,11 @@ BACKENDS = {
     **{f"tf_{ops}": ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.tf_devices=2", "model.hidden=[32]", *COMMON,
                      *TF_RECIPE, f"trainer.tf_cross_device_ops={ops}"]
        for ops in ("reduce_to_one", "hierarchical_copy")},
+    # at a constant rate, without accumulation (config errors there), against one device with 64 rows
+    "tf_big_batch_constant_lr": [*ONE_DEVICE, "trainer.batch_size=64", "trainer.grad_accum=1", *CONSTANT_LR],
     "tf_central_storage": ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.tf_devices=2", "model.hidden=[32]",
-                           *COMMON, *TF_RECIPE, "trainer.tf_strategy=central_storage"],
+                           *COMMON, *TF_RECIPE, "trainer.batch_size=32", "trainer.grad_accum=1", *CONSTANT_LR,
+                           "trainer.tf_strategy=central_storage"],
     # the updates of all three: 64 rows each, in one batch
     "tf_big_batch": [*ONE_DEVICE, "trainer.batch_size=64", "trainer.grad_accum=1"],
     "tf_bf16": [*ONE_DEVICE, "trainer.batch_size=32", "trainer.precision=bf16"],

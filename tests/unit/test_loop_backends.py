@@ -100,14 +100,18 @@ def test_two_devices_take_the_steps_of_one_device_with_the_double_batch(straight
     np.testing.assert_allclose([fit.step_losses[s] for s in logged], windows, rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("variant", ["tf_reduce_to_one", "tf_hierarchical_copy", "tf_central_storage"])
-def test_every_way_of_summing_over_devices_takes_the_same_steps(straight, variant):
+@pytest.mark.parametrize("variant, reference, steps", [("tf_reduce_to_one", "tf_one_device", 20),
+                                                      ("tf_hierarchical_copy", "tf_one_device", 20),
+                                                      ("tf_central_storage", "tf_big_batch_constant_lr", 10)])
+def test_every_way_of_summing_over_devices_takes_the_same_steps(straight, variant, reference, steps):
     """The other ways one worker sums over its two devices (`trainer.tf_cross_device_ops`, or CentralStorageStrategy's
     variables on one device, `trainer.tf_strategy=central_storage`) take the steps of one device with the double
-    batch, as MirroredStrategy's default does (above); with the recipe's accumulation and clipping."""
-    assert len(straight(variant).recorder.curve()) == 20
-    np.testing.assert_allclose(straight(variant).recorder.curve(), straight("tf_one_device").recorder.curve(),
-                               rtol=1e-4, atol=1e-5)
+    batch, as MirroredStrategy's default does (above); with the recipe's clipping, and its accumulation and schedule
+    except under central storage (config errors there: 2 devices x 32 rows at a constant rate against 64 rows on
+    one)."""
+    curve = straight(variant).recorder.curve()
+    assert len(curve) == steps
+    np.testing.assert_allclose(curve, straight(reference).recorder.curve(), rtol=1e-4, atol=1e-5)
 
 
 def test_accumulation_takes_the_steps_of_the_whole_batch(straight):

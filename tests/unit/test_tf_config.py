@@ -30,6 +30,12 @@ def test_tf_mwms_defaults(data_override):
     (["trainer.tf_strategy=parameter_server"], r"^trainer\.tf_strategy: unknown 'parameter_server'"),
     (["trainer.tf_strategy=central_storage", "trainer.num_workers=2"], r"^trainer\.tf_strategy: central_storage "
                                                                         r"keeps the variables on one machine"),
+    (["trainer.tf_strategy=central_storage", "trainer.num_workers=1", "trainer.grad_accum=2"],
+     r"^trainer\.grad_accum: under CentralStorageStrategy our accumulators become one variable"),
+    (["trainer.tf_strategy=central_storage", "trainer.num_workers=1", "trainer.lr_schedule=cosine"],
+     r"^trainer\.lr_schedule: tf-keras 2\.21 fails to update a learning-rate schedule under CentralStorageStrategy"),
+    (["trainer.tf_strategy=central_storage", "trainer.num_workers=1", "trainer.warmup_steps=2"],
+     r"^trainer\.lr_schedule: tf-keras 2\.21 fails"),
     (["trainer.tf_cross_device_ops=ring"], r"^trainer\.tf_cross_device_ops: unknown 'ring'"),
     (["trainer.tf_cross_device_ops=reduce_to_one"], r"^trainer\.tf_cross_device_ops: how MirroredStrategy sums"),
     (["trainer.tf_cross_device_ops=reduce_to_one", "trainer.num_workers=1", "trainer.tf_devices=2",
