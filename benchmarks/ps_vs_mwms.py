@@ -8,7 +8,7 @@ Both pipelines use Adam at 1e-3 and `--batch` rows per worker step. MWMS takes o
 (the gradients all-reduced); PS takes asynchronous steps of `batch` rows, each worker applying its own gradient on
 the parameter server, so an epoch has twice as many (smaller) updates. The bare loop is what a TensorFlow user would
 write without Ray: servers in child processes (trainers/tf_ps_server.py), a `ClusterCoordinator` scheduling each
-epoch's steps, each worker's dataset its half of the arrays. Throughput is the mean of epochs 2..N (global
+epoch's steps in functions of 8 (tf_ps' default), each worker's dataset its half of the arrays. Throughput is the mean of epochs 2..N (global
 samples/s). Last line: `ratio=<tf_ps / tf_mwms samples/s>`.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ from benchmarks.common import MNIST, QUIET_ENV, ROOT, ensure_mnist, free_ports, 
     pipeline_run, steady_rate
 
 WORKERS = 2
+STEPS_PER_FUNCTION = 8  # tf_ps' default trainer.tf_steps_per_execution
 
 
 def bare_ps(model: str, batch: int, epochs: int) -> list[float]:
@@ -64,20 +65,21 @@ def bare_ps(model: str, batch: int, epochs: int) -> list[float]:
             tf.function(lambda: strategy.distribute_datasets_from_function(dataset_fn))))
 
         @tf.function
-        def step(iterator):
+        def steps_fn(iterator):  # STEPS_PER_FUNCTION steps on one worker, as tf_ps schedules them
             def replica(x, y):
                 with tf.GradientTape() as tape:
                     loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, net(x, training=True),
                                                                                        from_logits=True))
                 optimizer.apply_gradients(zip(tape.gradient(loss, net.trainable_variables), net.trainable_variables))
                 return loss
-            return strategy.run(replica, args=next(iterator))
+            for _ in tf.range(STEPS_PER_FUNCTION):
+                strategy.run(replica, args=next(iterator))
 
-        steps, rates = len(labels) // batch, []
+        steps, rates = len(labels) // batch // STEPS_PER_FUNCTION * STEPS_PER_FUNCTION, []
         for _ in range(epochs):
             start = time.perf_counter()
-            for _ in range(steps):
-                coordinator.schedule(step, args=(iterator,))
+            for _ in range(steps // STEPS_PER_FUNCTION):
+                coordinator.schedule(steps_fn, args=(iterator,))
             coordinator.join()
             rates.append(steps * batch / (time.perf_counter() - start))
         return rates
