@@ -55,10 +55,11 @@ def check_cluster_fits(cfg: DictConfig) -> None:
     if cpus > total.get("CPU", 0) or gpus > total.get("GPU", 0):
         raise ConfigError(f"trainer.num_workers: {trainer.num_workers} workers need {cpus} CPUs and {gpus} GPUs, "
                           f"the Ray cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs")
-    nodes = len([node for node in ray.nodes() if node["Alive"]])
-    if trainer.placement_strategy == "STRICT_SPREAD" and ray_train_workers(trainer) > nodes:
-        raise ConfigError(f"trainer.placement_strategy: STRICT_SPREAD puts each of the {ray_train_workers(trainer)} "
-                          f"Ray Train workers on its own node, the Ray cluster has {nodes}")
+    nodes, workers = len([node for node in ray.nodes() if node["Alive"]]), ray_train_workers(trainer)
+    if trainer.placement_strategy == "STRICT_SPREAD" and workers > nodes:
+        what = "workers" if workers == trainer.num_workers else "Ray workers (the chief, parameter servers, workers)"
+        raise ConfigError(f"trainer.placement_strategy: STRICT_SPREAD puts each of the {workers} {what} on its own "
+                          f"node, the Ray cluster has {nodes}")
 
 
 def run_training(cfg: DictConfig, uri: str, run_id: str, first_attempt: bool = True) -> str | None:
