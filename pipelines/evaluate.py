@@ -107,11 +107,11 @@ def open_run(plan: Plan, uri: str) -> str:
 def evaluate_into_run(plan: Plan, uri: str, run_id: str) -> dict[str, float]:
     """Score the split on the connected Ray and log metrics and plots to the run; returns the metrics."""
     import mlflow
-    import ray.data
 
+    from pipelines.data.readers import read_parquet
     from pipelines.scoring import save_plots, score, summarise
 
-    ds = ray.data.read_parquet(plan.shards)
+    ds = read_parquet(plan.shards)
     labels, logits = score(ds, plan.model_uri, uri, plan.dataset, plan.cfg.batch_size, plan.cfg.concurrency,
                            plan.cfg.use_gpu)
     labels = labels.astype(np.int64)
