@@ -131,7 +131,7 @@ def ps_runner(cfg, train, evaluation):
     from tests.conftest import free_port
     from trainers import tf_ps
     from trainers.tf_common import ShardArrays
-    from trainers.tf_ps_backend import roles, tf_config
+    from trainers.tf_ps_backend import ServerProcess, WorkerShards, roles, tf_config, write_shard
 
     trainer = cfg.trainer
     world = 1 + trainer.num_ps + trainer.num_workers
@@ -140,11 +140,11 @@ def ps_runner(cfg, train, evaluation):
     for rank, (kind, index) in enumerate(roles(world, trainer.num_ps)):
         if kind == "worker":
             rows = shard(train, index, trainer.num_workers)
-            published.append(tf_ps.write_shard(ShardArrays.from_columns(rows, cfg.data.name), tempfile.mkdtemp()))
+            published.append(write_shard(ShardArrays.from_columns(rows, cfg.data.name), tempfile.mkdtemp()))
         if kind != "chief":
-            tf_ps.ServerProcess(kind, index, trainer.threads_per_worker, tf_config(addresses, trainer.num_ps, rank))
+            ServerProcess(kind, index, trainer.threads_per_worker, tf_config(addresses, trainer.num_ps, rank))
     os.environ["TF_CONFIG"] = tf_config(addresses, trainer.num_ps, 0)
-    return lambda ctx: tf_ps.run_chief(cfg, ctx, MODEL_INPUTS, tf_ps.WorkerShards(published), evaluation)
+    return lambda ctx: tf_ps.run_chief(cfg, ctx, MODEL_INPUTS, WorkerShards(published), evaluation)
 
 
 def main(backend: str, folder: str, attempt: str, restore: str | None = None) -> None:

@@ -1,5 +1,6 @@
 """TensorFlow `ParameterServerStrategy` on Ray Train (`trainer=tf_ps`): asynchronous data parallelism. Every role
-is a Ray Train worker (trainers/tf_ps_backend.py sets TF_CONFIG): rank 0 the chief, then `trainer.num_ps`
+is a Ray Train worker (trainers/tf_ps_backend.py: their TF_CONFIG, the board where the chief talks to the others,
+the servers' processes): rank 0 the chief, then `trainer.num_ps`
 parameter servers, then `trainer.num_workers` workers. The variables live on the parameter servers (split into
 shards of at least `trainer.ps_min_shard_bytes`); each worker computes gradients on its own batches and applies
 them there without waiting for the others.
@@ -26,14 +27,7 @@ them there without waiting for the others.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from collections import deque
-from dataclasses import replace
-from itertools import count
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -43,97 +37,10 @@ from omegaconf import DictConfig
 from contract.data import MNIST_MEAN, MNIST_STD, shuffled_order
 from trainers import tf_common as tfc
 from trainers.loop import TrainLoop, WorkerContext
-from trainers.tf_ps_backend import CHIEF, WORKER, TFPSConfig, board
+from trainers.tf_ps_backend import CHIEF, FEATURES, LABELS, Chief, TFPSConfig, WorkerShards, board, serve, \
+    task_of_this_worker
 
-SERVER = Path(__file__).with_name("tf_ps_server.py")
 POSITIONS = "ps_positions.json"  # a stopped epoch: steps each worker took (beside tf_mwms' state files)
-FEATURES, LABELS = "features", "labels"
-
-
-def task_of_this_worker() -> tuple[str, int]:
-    task = json.loads(os.environ["TF_CONFIG"])["task"]
-    return task["type"], int(task["index"])
-
-
-def write_shard(train: tfc.ShardArrays, folder: str) -> dict[str, Any]:
-    """This worker's train shard as raw arrays in `folder`, for the dataset function to read (no TensorFlow in
-    this process: the server is the one that runs it)."""
-    Path(folder, FEATURES).write_bytes(np.ascontiguousarray(train.features).tobytes())
-    Path(folder, LABELS).write_bytes(train.labels.astype(np.int64).tobytes())
-    return {"folder": folder, "rows": len(train.labels)}
-
-
-class ServerProcess:
-    """The TensorFlow server of task `kind:index` of the cluster `tf_config` (its TF_CONFIG) in a child process;
-    a worker's is started again when it dies, a parameter server's death raises (the run restarts from its
-    checkpoint)."""
-
-    def __init__(self, kind: str, index: int, threads: int, tf_config: str):
-        self.kind, self.index, self.threads, self.tf_config, self.restarts = kind, index, threads, tf_config, 0
-        self.process = self._start()
-
-    def _start(self) -> subprocess.Popen:
-        env = {**os.environ, "TF_CONFIG": self.tf_config, "TF_PS_THREADS": str(self.threads),
-               "TF_CPP_MIN_LOG_LEVEL": "2"}
-        return subprocess.Popen([sys.executable, str(SERVER)], env=env)
-
-    def wait(self, ref: Any) -> Any:
-        """The value of the Ray object `ref`, watching the server while it is not ready."""
-        import ray
-
-        while True:
-            self.check()
-            if ray.wait([ref], timeout=1.0)[0]:
-                return ray.get(ref)
-
-    def check(self) -> None:
-        code = self.process.poll()
-        if code is None:
-            return
-        if self.kind != WORKER:
-            raise RuntimeError(f"tf_ps: the {self.kind}:{self.index} server exited with code {code}")
-        self.restarts += 1
-        print(f"tf_ps: the {self.kind}:{self.index} server exited with code {code}; starting it again "
-              f"(restart {self.restarts})", flush=True)
-        self.process = self._start()
-
-    def kill(self) -> None:
-        """Fault injection (`fault.kill_servers`): the server dies as a crashed process does."""
-        print(f"tf_ps: killing the {self.kind}:{self.index} server (fault.kill_servers)", flush=True)
-        self.process.kill()
-        self.process.wait()
-
-    def stop(self) -> None:
-        self.process.kill()
-        self.process.wait()
-
-
-def serve(cfg: DictConfig, ctx: WorkerContext, kind: str, index: int) -> None:
-    """A parameter server's or worker's Ray worker: publish the shard (workers), run the server, and follow the
-    chief's messages (report along with it, kill the server on a fault injection) until it says done."""
-    from trainers.worker import dataset_shards
-
-    messages, folder = board(), None
-    if kind == WORKER:
-        (shard,), _ = dataset_shards("train")
-        folder = tempfile.mkdtemp(prefix="tf_ps-")
-        messages.put.remote(f"worker{index}", write_shard(tfc.ShardArrays(shard, cfg.data.name), folder))
-    server = ServerProcess(kind, index, cfg.trainer.threads_per_worker, os.environ["TF_CONFIG"])
-    try:
-        for number in count():
-            message = server.wait(messages.get.remote(f"message{number}"))
-            if message["op"] == "report":
-                ctx.report(message["metrics"], None)  # every rank reports (Ray Train syncs the checkpoint name)
-            elif message["op"] == "kill" and message["task"] == f"{kind}:{index}":
-                server.kill()
-                messages.put.remote(f"killed {message['task']}", True)
-            elif message["op"] == "done":
-                return
-    finally:
-        server.stop()
-        if folder:
-            shutil.rmtree(folder, ignore_errors=True)
-
 
 def whole_values(variables: list) -> list[np.ndarray]:
     """Variables as whole arrays, in order: the shards a partitioner made of one variable (named `<name>/part_<i>`,
@@ -153,20 +60,6 @@ def assign_whole(variables: list, values: list[np.ndarray]) -> None:
         ends = np.cumsum([shard.shape[0] for shard in shards])[:-1] if len(shards) > 1 else []
         for shard, part in zip(shards, np.split(value, ends) if len(shards) > 1 else [value]):
             shard.assign(part)
-
-
-class WorkerShards:
-    """The workers' train shards as the chief knows them (it holds none): each worker's folder and rows."""
-
-    def __init__(self, published: list[dict[str, Any]]):
-        self.folders = [shard["folder"] for shard in published]
-        self.rows = [shard["rows"] for shard in published]
-        self.load_s = 0.0  # the workers pull their shards; the chief's own wait is its evaluation shard's
-
-    def steps(self, batch_size: int, max_steps: int | None) -> int:
-        """Steps an epoch: as many as the train split has batches (each step is one worker's batch)."""
-        steps = sum(self.rows) // batch_size
-        return min(steps, max_steps) if max_steps else steps
 
 
 class PSAdapter(tfc.KerasAdapter):
@@ -388,53 +281,6 @@ def run_chief(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict, shards: W
         return False
     adapter.dump(cfg.run.dump_params_dir)
     return True
-
-
-class Chief:
-    """Rank 0's side of the board: numbered messages to every server role."""
-
-    def __init__(self, messages: Any):
-        self.messages, self.sent = messages, 0
-
-    def post(self, op: str, **fields: Any) -> None:
-        self.messages.put.remote(f"message{self.sent}", {"op": op, **fields})
-        self.sent += 1
-
-    def kill(self, task: str) -> None:
-        """Have `task`'s server killed, and wait until it is: the epoch's steps then find it dead."""
-        import ray
-
-        self.post("kill", task=task)
-        ray.get(self.messages.get.remote(f"killed {task}"))
-
-    def shards(self, workers: int) -> WorkerShards:
-        """What each worker published (it pulls and writes its shard first)."""
-        import ray
-
-        return WorkerShards(ray.get([self.messages.get.remote(f"worker{i}") for i in range(workers)]))
-
-    def context(self, ctx: WorkerContext, fault: DictConfig) -> WorkerContext:
-        """The loop's context on the chief: its only rank; each report goes to the server roles too (Ray Train
-        wants one from every rank); fault injection fails the chief or kills servers (`fault.kill_servers`)."""
-        from trainers.worker import maybe_inject_failure
-
-        def report(metrics: dict[str, float], directory: str | None) -> None:
-            self.post("report", metrics=metrics)
-            ctx.report(metrics, directory)
-
-        def before_epoch(epoch: int) -> None:
-            if not fault.kill_servers:
-                maybe_inject_failure(fault, epoch, 0, 1)  # the chief fails
-                return
-            marker = Path(fault.inject_marker)
-            fired = marker.read_text().split() if marker.exists() else []  # by an earlier attempt
-            for item in fault.kill_servers:
-                task, at = item.split("@")
-                if int(at) == epoch and item not in fired:
-                    with marker.open("a") as record:
-                        record.write(f"{item}\n")
-                    self.kill(task)
-        return replace(ctx, world_size=1, report=report, before_epoch=before_epoch)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
