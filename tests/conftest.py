@@ -90,13 +90,15 @@ def tiny_mnist(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_imdb(tmp_path_factory, ray_head) -> Path:
     """Prepared IMDb-format shards: 320 generated reviews -> 256 train / 64 validation, max_len 48 (tokenised on
-    the session's Ray head rather than a Ray of its own)."""
-    from tests.imdb_fixtures import make_aclimdb
+    the session's Ray head rather than a Ray of its own), with a fixed whole-word tokenizer: the same data in every
+    session (a trained one differs from run to run on this tiny text, and the tiny models learnt differently)."""
+    from tests.imdb_fixtures import fixed_tokenizer, make_aclimdb
 
     base = tmp_path_factory.mktemp("tiny_imdb")
     root = make_aclimdb(base / "src", per_label=160, bad_files=False)
+    tokenizer = fixed_tokenizer(root, base / "tokenizer.json")
     cmd = [sys.executable, "-m", "pipelines.prepare", "imdb", "--source", str(root), "--out", str(base / "out"),
-           "--shards", "2", "--vocab-size", "300", "--max-len", "48", "--val-fraction", "0.2"]
+           "--shards", "2", "--tokenizer", str(tokenizer), "--max-len", "48", "--val-fraction", "0.2"]
     proc = subprocess.run(cmd, cwd=ROOT, env=pipeline_env("unused", ray_head), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

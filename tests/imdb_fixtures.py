@@ -47,6 +47,20 @@ def make_aclimdb(root: Path, per_label: int, test_per_label: int = 0, bad_files:
     return root
 
 
+def fixed_tokenizer(root: Path, path: Path) -> Path:
+    """A WordPiece tokenizer at `path` whose vocabulary is every word of the train reviews under `root`, whole:
+    the same in every session. Trained on text this small and tie-heavy, WordPiece picks other sub-word pieces
+    from process to process (pipelines/data/tokenize.py), and so the tiny model learnt other things."""
+    from pipelines.data.tokenize import wordpiece_tokenizer
+
+    words = wordpiece_tokenizer([])  # its normaliser and pre-tokeniser
+    texts = (review.read_text(encoding="utf-8") for review in sorted((root / "aclImdb" / "train").glob("*/*.txt")))
+    tokens = {word for text in texts for word, _ in
+              words.pre_tokenizer.pre_tokenize_str(words.normalizer.normalize_str(text))}
+    wordpiece_tokenizer(tokens).save(str(path))
+    return path
+
+
 def movie_of(review_id: int) -> str:
     return f"tt{review_id // 2:07d}"
 

@@ -12,32 +12,42 @@ SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]  # [PAD] is id 0
 
 
 def train_wordpiece(texts: Iterable[str], vocab_size: int, min_frequency: int = 2):
-    """A BERT-style (lower-cased) WordPiece tokenizer trained on `texts`; adds [CLS] ... [SEP]."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    """A BERT-style (lower-cased) WordPiece tokenizer trained on `texts` (`wordpiece_tokenizer` of what it learnt)."""
+    from tokenizers import trainers
 
-    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tokenizer.decoder = decoders.WordPiece()
+    tokenizer = wordpiece_tokenizer([])
     trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
                                         special_tokens=SPECIAL_TOKENS, show_progress=False)
     tokenizer.train_from_iterator(texts, trainer=trainer)
     # The trainer numbers equally frequent symbols in hash-map order, which changes from process to
     # process (measured on the IMDb train split: same 8000 tokens, 140 with other ids). WordPiece
     # segments by the vocabulary set alone, so renumbering canonically makes the output deterministic.
-    # Ties between merges can still pick other sub-word pieces on tiny, tie-heavy text (two IMDb trainings
-    # gave the same 8000 tokens); `prepare imdb --tokenizer` reuses a tokenizer for exact repeats.
-    tokenizer.model = models.WordPiece(vocab=canonical_ids(tokenizer.get_vocab()), unk_token="[UNK]")
+    # Ties between merges can still pick other sub-word pieces on tiny, tie-heavy text (measured: 4 trainings on
+    # the tests' generated reviews, 4 vocabularies; two IMDb trainings gave the same 8000 tokens); `prepare imdb
+    # --tokenizer` reuses a tokenizer for exact repeats.
+    return wordpiece_tokenizer(tokenizer.get_vocab())
+
+
+def wordpiece_tokenizer(tokens: Iterable[str]):
+    """The BERT-style (lower-cased) WordPiece tokenizer over the vocabulary `tokens` plus the special tokens,
+    numbered canonically (`canonical_ids`); it adds [CLS] ... [SEP]."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    tokenizer = Tokenizer(models.WordPiece(vocab=canonical_ids(tokens), unk_token="[UNK]"))
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)  # never split, and `decode` leaves them out
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece()
     cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
     tokenizer.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
     return tokenizer
 
 
-def canonical_ids(vocab: dict[str, int]) -> dict[str, int]:
+def canonical_ids(tokens: Iterable[str]) -> dict[str, int]:
     """Special tokens first (so [PAD] = 0), then whole-word pieces, then '##' continuations, each by
     (length, text)."""
-    rest = sorted((t for t in vocab if t not in SPECIAL_TOKENS), key=lambda t: (t.startswith("##"), len(t), t))
+    rest = sorted(set(tokens) - set(SPECIAL_TOKENS), key=lambda t: (t.startswith("##"), len(t), t))
     return {token: i for i, token in enumerate(SPECIAL_TOKENS + rest)}
 
 
