@@ -390,14 +390,18 @@ def _check_tf_ps(cfg: DictConfig) -> None:
             raise ConfigError(f"trainer.{key}: tf_ps trains with grad_accum=1 and precision=fp32 only (each "
                               f"worker applies its own gradients as it goes)")
     for item in fault.kill_servers:
-        match = re.fullmatch(r"(worker|ps):(\d+)@(\d+)", item)
-        count = {"worker": trainer.num_workers, "ps": trainer.num_ps}[match[1]] if match else 0
+        match = re.fullmatch(r"(chief|worker|ps):(\d+)@(\d+)", item)
+        count = {"chief": 1, "worker": trainer.num_workers, "ps": trainer.num_ps}[match[1]] if match else 0
         if not match or int(match[2]) >= count or not 1 <= int(match[3]) <= trainer.epochs:
-            raise ConfigError(f"fault.kill_servers: expected worker:<i>@<epoch> (i < {trainer.num_workers}) or "
-                              f"ps:<i>@<epoch> (i < {trainer.num_ps}), epoch 1..{trainer.epochs}; got '{item}'")
+            raise ConfigError(f"fault.kill_servers: expected worker:<i>@<epoch> (i < {trainer.num_workers}), "
+                              f"ps:<i>@<epoch> (i < {trainer.num_ps}) or chief:0@<epoch>, epoch "
+                              f"1..{trainer.epochs}; got '{item}'")
     if fault.kill_servers and (not fault.inject_marker or fault.inject_at_epoch is not None):
         raise ConfigError("fault.kill_servers: needs fault.inject_marker (which kills fired) and no "
                           "fault.inject_at_epoch (one injection at a time)")
+    if fault.kill_servers and trainer.tf_loop == "fit":
+        raise ConfigError("fault.kill_servers: fires halfway through an epoch, which Keras fit under "
+                          "ParameterServerStrategy has no hook for; use trainer.tf_loop=custom")
 
 
 def _check_compile(trainer: DictConfig) -> None:

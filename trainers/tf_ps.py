@@ -17,8 +17,9 @@ them there without waiting for the others.
   chief which worker ran it, so a stopped epoch resumes every worker where it stopped.
 - Parameter servers and workers run their TensorFlow server in a child process (trainers/tf_ps_server.py) that
   their Ray worker starts and watches: a worker server that dies is started again, and the coordinator gives its
-  steps to the other workers meanwhile (the run goes on); a parameter server that dies, or the chief, ends the
-  attempt and Ray Train restarts the run from its last checkpoint (`fault.max_failures`).
+  steps to the other workers meanwhile (the run goes on; back within the epoch, the worker's dataset is rebuilt
+  from its position at the epoch's start); a parameter server that dies, or the chief, ends the attempt and Ray
+  Train restarts the run from its last checkpoint (`fault.max_failures`).
 - Each worker writes its shard to a local folder; the dataset function (traced by the chief, run on the workers)
   reads the folder of the worker it runs on.
 - Checkpoints are tf_mwms' (trainers/tf_common.py: `model.weights.h5`, `optimizer.npz`) with whole, unsharded
@@ -29,7 +30,7 @@ from __future__ import annotations
 import json
 from collections import deque
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 from omegaconf import DictConfig
@@ -68,7 +69,8 @@ class PSAdapter(tfc.KerasAdapter):
     batch_hooks = False  # tf-keras refuses batch-level callbacks under ParameterServerStrategy
 
     def __init__(self, keras: Any, cfg: DictConfig, strategy: Any, coordinator: Any, model: Any, twin: Any,
-                 shards: WorkerShards, evaluation: tfc.ShardArrays, model_inputs: dict, ctx: WorkerContext):
+                 shards: WorkerShards, evaluation: tfc.ShardArrays, model_inputs: dict, ctx: WorkerContext,
+                 halfway: Callable[[int], None] | None = None):
         import tensorflow as tf
 
         trainer = cfg.trainer
@@ -84,6 +86,7 @@ class PSAdapter(tfc.KerasAdapter):
         self.pending: deque = deque()  # scheduled functions, their results to come
         self.rows: deque = deque()  # fetched results of steps the loop has not taken yet
         self.fitting = False  # Keras fit runs the epochs (no positions kept)
+        self.halfway = halfway  # called with the epoch halfway through it (fault injection)
         self.steps_fn = tf.function(self._steps)
 
     def _steps(self, iterator: Any, count: Any) -> Any:
@@ -146,7 +149,9 @@ class PSAdapter(tfc.KerasAdapter):
         if skip == 0:
             self.positions = [0] * len(self.positions)
         iterator, scheduled, pending, rows = self.epoch_iterator(epoch), skip, self.pending, self.rows
-        for _ in range(skip, self.steps):
+        for step in range(skip, self.steps):
+            if step == self.steps // 2 and self.halfway is not None:
+                self.halfway(epoch)
             if not rows:
                 while scheduled < self.steps and len(pending) < self.in_flight \
                         and not (pending and self.stopping() and scheduled % self.stop_every == 0):
@@ -244,7 +249,7 @@ def make_strategy(tf: Any, trainer: DictConfig) -> tuple[Any, Any]:
 
 
 def build_adapter(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict, shards: WorkerShards,
-                  evaluation: tfc.ShardArrays) -> tuple[Any, PSAdapter]:
+                  evaluation: tfc.ShardArrays, halfway: Callable[[int], None] | None = None) -> tuple[Any, PSAdapter]:
     """(keras, adapter): the strategy first (before any other TF op), then the model on the parameter servers with
     the same initial weights as tf_mwms' (drawn outside any strategy), and its unpartitioned twin."""
     import tensorflow as tf
@@ -261,18 +266,20 @@ def build_adapter(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict, shard
         model = tfc.build_compiled_model(keras, cfg, model_inputs, cfg.trainer.tf_steps_per_execution, steps)
         assign_whole(model.weights, initial)
     twin = tfc.build_compiled_model(keras, cfg, model_inputs, steps_per_epoch=steps)
-    adapter = PSAdapter(keras, cfg, strategy, coordinator, model, twin, shards, evaluation, model_inputs, ctx)
+    adapter = PSAdapter(keras, cfg, strategy, coordinator, model, twin, shards, evaluation, model_inputs, ctx,
+                        halfway)
     adapter.build_optimizer()
     return keras, adapter
 
 
 def run_chief(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict, shards: WorkerShards,
-              evaluation: tfc.ShardArrays) -> bool:
-    """The coordinator's loop (or Keras `fit`) on the chief, then `run.dump_params_dir`. False: stopped."""
+              evaluation: tfc.ShardArrays, halfway: Callable[[int], None] | None = None) -> bool:
+    """The coordinator's loop (or Keras `fit`) on the chief, then `run.dump_params_dir`. False: stopped.
+    `halfway(epoch)` is called halfway through each epoch of the custom loop (fault injection)."""
     from trainers.keras_fit import fit_epochs
 
     tfc.require_legacy_keras()
-    keras, adapter = build_adapter(cfg, ctx, model_inputs, shards, evaluation)
+    keras, adapter = build_adapter(cfg, ctx, model_inputs, shards, evaluation, halfway)
     loop = TrainLoop(adapter, ctx)
     if cfg.trainer.tf_loop == "fit":
         if loop.first_epoch <= ctx.epochs and not loop.early_stopped():
@@ -299,7 +306,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         evaluation = tfc.ShardArrays(eval_shard, cfg.data.name)
         evaluation.load_s += waited_s
         run_chief(cfg, chief.context(ctx, cfg.fault), config["model_inputs"], chief.shards(cfg.trainer.num_workers),
-                  evaluation)
+                  evaluation, chief.halfway(cfg.fault))
     finally:
         chief.post("done")
 

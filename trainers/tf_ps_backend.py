@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, replace
 from itertools import count
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import ray
@@ -226,21 +226,28 @@ class Chief:
 
     def context(self, ctx: WorkerContext, fault: DictConfig) -> WorkerContext:
         """The loop's context on the chief: its only rank; each report goes to the server roles too (Ray Train
-        wants one from every rank); fault injection fails the chief or kills servers (`fault.kill_servers`)."""
+        wants one from every rank); `fault.inject_at_epoch` fails the chief."""
         def report(metrics: dict[str, float], directory: str | None) -> None:
             self.post("report", metrics=metrics)
             ctx.report(metrics, directory)
 
-        def before_epoch(epoch: int) -> None:
-            if not fault.kill_servers:
-                maybe_inject_failure(fault, epoch, 0, 1)  # the chief fails
-                return
-            marker = Path(fault.inject_marker)
-            fired = marker.read_text().split() if marker.exists() else []  # by an earlier attempt
+        return replace(ctx, world_size=1, report=report,
+                       before_epoch=lambda epoch: maybe_inject_failure(fault, epoch, 0, 1))
+
+    def halfway(self, fault: DictConfig) -> Callable[[int], None]:
+        """`fault.kill_servers` at the middle of an epoch (steps in flight): kill the server of each `worker:<i>`
+        or `ps:<i>` due then, or fail the chief (`chief:0`); each once, recorded in `fault.inject_marker` (which a
+        restarted attempt reads)."""
+        def at_half(epoch: int) -> None:
+            marker = Path(fault.inject_marker or "")
+            fired = marker.read_text().split() if fault.kill_servers and marker.exists() else []
             for item in fault.kill_servers:
                 task, at = item.split("@")
-                if int(at) == epoch and item not in fired:
-                    with marker.open("a") as record:
-                        record.write(f"{item}\n")
-                    self.kill(task)
-        return replace(ctx, world_size=1, report=report, before_epoch=before_epoch)
+                if int(at) != epoch or item in fired:
+                    continue
+                with marker.open("a") as record:
+                    record.write(f"{item}\n")
+                if task.startswith(CHIEF):
+                    raise RuntimeError(f"tf_ps: the chief fails halfway through epoch {epoch} (fault.kill_servers)")
+                self.kill(task)
+        return at_half

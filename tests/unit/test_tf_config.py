@@ -91,13 +91,17 @@ def test_tf_ps_defaults_and_resources(data_override):
     (["trainer.compile=true"], r"^trainer\.compile: torch\.compile is for the PyTorch backends"),
     (["+trainer.tp=2"], r"^trainer\.tp: "),
     (["fault.kill_servers=[worker:2@1]", "fault.inject_marker=/tmp/m"],
-     r"^fault\.kill_servers: expected worker:<i>@<epoch> \(i < 2\) or ps:<i>@<epoch> \(i < 1\), epoch 1\.\.5; got "
-     r"'worker:2@1'"),
-    (["fault.kill_servers=[chief:0@1]", "fault.inject_marker=/tmp/m"], r"^fault\.kill_servers: expected worker:"),
+     r"^fault\.kill_servers: expected worker:<i>@<epoch> \(i < 2\), ps:<i>@<epoch> \(i < 1\) or chief:0@<epoch>, "
+     r"epoch 1\.\.5; got 'worker:2@1'"),
+    (["fault.kill_servers=[chief:1@1]", "fault.inject_marker=/tmp/m"], r"^fault\.kill_servers: expected worker:"),
+    (["fault.kill_servers=[evaluator:0@1]", "fault.inject_marker=/tmp/m"], r"^fault\.kill_servers: expected worker:"),
     (["fault.kill_servers=[ps:0@6]", "fault.inject_marker=/tmp/m"], r"^fault\.kill_servers: expected worker:"),
     (["fault.kill_servers=[ps:0@1]"], r"^fault\.kill_servers: needs fault\.inject_marker"),
     (["fault.kill_servers=[ps:0@1]", "fault.inject_marker=/tmp/m", "fault.inject_at_epoch=1"],
      r"^fault\.kill_servers: needs fault\.inject_marker \(which kills fired\) and no fault\.inject_at_epoch"),
+    (["fault.kill_servers=[ps:0@1]", "fault.inject_marker=/tmp/m", "trainer.tf_loop=fit"],
+     r"^fault\.kill_servers: fires halfway through an epoch, which Keras fit under ParameterServerStrategy has no "
+     r"hook for"),
 ])
 def test_bad_tf_ps_config_names_the_key(data_override, overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -108,6 +112,6 @@ def test_kill_servers_is_tf_ps_only(data_override):
     with pytest.raises(ConfigError, match=r"^fault\.kill_servers: only trainer=tf_ps runs servers to kill"):
         load_config([data_override, "trainer=tf_mwms", "fault.kill_servers=[worker:0@1]",
                      "fault.inject_marker=/tmp/m"])
-    cfg = load_config([data_override, "trainer=tf_ps", "fault.kill_servers=[worker:1@2,ps:0@3]",
+    cfg = load_config([data_override, "trainer=tf_ps", "fault.kill_servers=[worker:1@2,ps:0@3,chief:0@4]",
                        "fault.inject_marker=/tmp/m"])
-    assert list(cfg.fault.kill_servers) == ["worker:1@2", "ps:0@3"]
+    assert list(cfg.fault.kill_servers) == ["worker:1@2", "ps:0@3", "chief:0@4"]
