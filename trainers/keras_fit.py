@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from contract.checkpoint import EpochTotals
-from trainers.loop import TrainLoop
+from trainers.loop import TrainLoop, WorkerContext
 
 
 class FitAdapter(Protocol):
@@ -25,6 +25,16 @@ class FitAdapter(Protocol):
     def epoch_tokens(self, epoch: int) -> np.ndarray: ...
     def fit(self, first_epoch: int, epochs: int, callbacks: list) -> None:
         """tf-keras `model.fit` over epochs `first_epoch`..`epochs` (1-based), with `callbacks`."""
+
+
+def run_epochs(keras: Any, adapter: FitAdapter, ctx: WorkerContext, tf_loop: str) -> bool:
+    """The remaining epochs through Keras `fit` (`tf_loop=fit`) or the shared loop's own. False: stopped."""
+    loop = TrainLoop(adapter, ctx)
+    if tf_loop != "fit":
+        return loop.run()
+    if loop.first_epoch <= ctx.epochs and not loop.early_stopped():
+        fit_epochs(keras, loop, adapter, ctx.epochs)
+    return True
 
 
 def fit_epochs(keras: Any, loop: TrainLoop, adapter: FitAdapter, epochs: int) -> None:

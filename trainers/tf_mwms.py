@@ -18,8 +18,8 @@ from omegaconf import DictConfig
 from contract.recipe import updates_per_epoch
 from trainers import tf_common as tfc
 from trainers import tf_recipe as tfr
-from trainers.keras_fit import fit_epochs
-from trainers.loop import TrainLoop, WorkerContext
+from trainers.keras_fit import run_epochs
+from trainers.loop import WorkerContext
 
 log_final_model = tfc.log_final_model  # the backend's logged-model flavour (MLflow tensorflow)
 
@@ -249,11 +249,7 @@ def run_worker(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict,
     tfc.require_legacy_keras()
     keras, adapter = build_adapter(cfg, model_inputs, ctx.rank, ctx.world_size,
                                    data or tfc.worker_arrays(cfg.data.name))
-    loop = TrainLoop(adapter, ctx)
-    if cfg.trainer.tf_loop == "fit":
-        if loop.first_epoch <= ctx.epochs and not loop.early_stopped():
-            fit_epochs(keras, loop, adapter, ctx.epochs)
-    elif not loop.run():
+    if not run_epochs(keras, adapter, ctx, cfg.trainer.tf_loop):
         return False
     adapter.dump(cfg.run.dump_params_dir)
     return True

@@ -37,7 +37,8 @@ from omegaconf import DictConfig
 
 from contract.data import MNIST_MEAN, MNIST_STD, shuffled_order
 from trainers import tf_common as tfc
-from trainers.loop import TrainLoop, WorkerContext
+from trainers.keras_fit import run_epochs
+from trainers.loop import WorkerContext
 from trainers.tf_ps_backend import CHIEF, FEATURES, LABELS, Chief, TFPSConfig, WorkerShards, board, serve, \
     task_of_this_worker
 
@@ -276,15 +277,9 @@ def run_chief(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict, shards: W
               evaluation: tfc.ShardArrays, halfway: Callable[[int], None] | None = None) -> bool:
     """The coordinator's loop (or Keras `fit`) on the chief, then `run.dump_params_dir`. False: stopped.
     `halfway(epoch)` is called halfway through each epoch of the custom loop (fault injection)."""
-    from trainers.keras_fit import fit_epochs
-
     tfc.require_legacy_keras()
     keras, adapter = build_adapter(cfg, ctx, model_inputs, shards, evaluation, halfway)
-    loop = TrainLoop(adapter, ctx)
-    if cfg.trainer.tf_loop == "fit":
-        if loop.first_epoch <= ctx.epochs and not loop.early_stopped():
-            fit_epochs(keras, loop, adapter, ctx.epochs)
-    elif not loop.run():
+    if not run_epochs(keras, adapter, ctx, cfg.trainer.tf_loop):
         return False
     adapter.dump(cfg.run.dump_params_dir)
     return True
