@@ -191,8 +191,8 @@ class FaultConfig:
     resource_timeout_s: float = 600.0  # fail a run whose workers wait longer for the cluster's CPUs/GPUs; 0: wait
     inject_at_epoch: Optional[int] = None
     inject_marker: Optional[str] = None
-    kill_servers: list[str] = field(default_factory=list)  # tf_ps: "<worker|ps>:<i>@<epoch>": kill that server
-                                                            # once at that epoch's start (fired ones: inject_marker)
+    kill_servers: list[str] = field(default_factory=list)  # tf_ps: "<worker|ps|chief>:<i>@<epoch>": kill that
+                                            # server (fail the chief) halfway through that epoch, once (inject_marker)
 
 
 def schema(backend: str, model: str) -> DictConfig:

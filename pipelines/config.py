@@ -183,22 +183,23 @@ def _check_recipe(cfg: DictConfig) -> None:
 def _check_steps_fit(cfg: DictConfig, manifest: dict) -> None:
     """Every data-parallel rank trains at least one batch an epoch, and warmup ends before the run does. A rank
     holds rows // ranks of the train split; a pipeline (pp > 1) trains full batches only (its stages need fixed
-    shapes: the epoch's short last batch is left out), every other backend keeps the short batch."""
+    shapes: the epoch's short last batch is left out), and so do the TensorFlow backends; the PyTorch backends keep
+    the short batch. tf_ps' epoch is the train split's full batches, whichever workers take them."""
     trainer = cfg.trainer
     rows = manifest.get("splits", {}).get("train", {}).get("rows")
     if not isinstance(rows, int):
         return
     dp, _ = parallel_degrees(trainer)
-    ranks = dp or trainer.num_workers
-    per_rank, pipelined = rows // ranks, trainer.backend == "fsdp" and trainer.pp > 1
-    steps = per_rank // trainer.batch_size if pipelined else -(-per_rank // trainer.batch_size)
-    if trainer.backend == "tf_ps":  # an epoch: the train split's full batches, whichever workers take them
-        steps = per_rank * ranks // trainer.batch_size
-        if steps == 0:
-            raise ConfigError(f"trainer.batch_size: the workers hold {per_rank * ranks} training rows in all: a batch "
-                              f"of {trainer.batch_size} leaves an epoch no step")
+    ranks = 1 if trainer.backend == "tf_ps" else dp or trainer.num_workers
+    per_rank = rows // ranks
+    if trainer.backend == "fsdp" and trainer.pp > 1:
+        full = ", and a pipeline trains full batches only"
+    elif trainer.backend in ("tf_mwms", "tf_dtensor", "tf_ps") or trainer.get("framework") == "tf":
+        full = ", and TensorFlow trains full batches only"
+    else:
+        full = ""
+    steps = per_rank // trainer.batch_size if full else -(-per_rank // trainer.batch_size)
     if steps == 0:
-        full = ", and a pipeline trains full batches only" if pipelined else ""
         raise ConfigError(f"trainer.batch_size: each of the {ranks} data-parallel rank(s) holds {per_rank} of the "
                           f"{rows} training rows{full}: a batch of {trainer.batch_size} leaves it nothing to train")
     if trainer.max_steps_per_epoch:
@@ -351,14 +352,19 @@ def _check_dtensor(cfg: DictConfig) -> None:
     dims = MeshDims(trainer.mesh.batch, trainer.mesh.model, trainer.num_workers, trainer.devices_per_worker)
     if dims.problem():
         raise ConfigError(f"trainer.mesh: {dims.problem()}")
+    # Layer widths, inputs first (the input width is never split: the TF-IDF model's is the vocabulary's, 0 here)
     widths = sharded_widths([784, *model.hidden, 10] if model.name == "mlp" else [0, model.hidden, 2])
     uneven = [w for w in widths if w % dims.model]
     if uneven:
         raise ConfigError(f"trainer.mesh.model: {dims.model} devices do not split the sharded layer widths {uneven} "
                           f"evenly (model.hidden)")
+    _require_fp32_without_accumulation(trainer, "")
+
+
+def _require_fp32_without_accumulation(trainer: DictConfig, why: str) -> None:
     for key, fine in (("grad_accum", trainer.grad_accum == 1), ("precision", trainer.precision == "fp32")):
         if not fine:
-            raise ConfigError(f"trainer.{key}: tf_dtensor trains with grad_accum=1 and precision=fp32 only")
+            raise ConfigError(f"trainer.{key}: {trainer.backend} trains with grad_accum=1 and precision=fp32 only{why}")
 
 
 def _check_tf_ps(cfg: DictConfig) -> None:
@@ -385,10 +391,7 @@ def _check_tf_ps(cfg: DictConfig) -> None:
     if trainer.use_gpu:
         raise ConfigError("trainer.use_gpu: tf_ps runs on CPUs (Ray gives its chief and parameter servers the "
                           "workers' resources: each would hold a GPU)")
-    for key, fine in (("grad_accum", trainer.grad_accum == 1), ("precision", trainer.precision == "fp32")):
-        if not fine:
-            raise ConfigError(f"trainer.{key}: tf_ps trains with grad_accum=1 and precision=fp32 only (each "
-                              f"worker applies its own gradients as it goes)")
+    _require_fp32_without_accumulation(trainer, " (each worker applies its own gradients as it goes)")
     for item in fault.kill_servers:
         match = re.fullmatch(r"(chief|worker|ps):(\d+)@(\d+)", item)
         count = {"chief": 1, "worker": trainer.num_workers, "ps": trainer.num_ps}[match[1]] if match else 0
@@ -396,6 +399,9 @@ def _check_tf_ps(cfg: DictConfig) -> None:
             raise ConfigError(f"fault.kill_servers: expected worker:<i>@<epoch> (i < {trainer.num_workers}), "
                               f"ps:<i>@<epoch> (i < {trainer.num_ps}) or chief:0@<epoch>, epoch "
                               f"1..{trainer.epochs}; got '{item}'")
+    tasks = [item.split("@")[0] for item in fault.kill_servers]
+    if len(set(tasks)) < len(tasks):
+        raise ConfigError(f"fault.kill_servers: each server (or the chief) at most once, got {list(fault.kill_servers)}")
     if fault.kill_servers and (not fault.inject_marker or fault.inject_at_epoch is not None):
         raise ConfigError("fault.kill_servers: needs fault.inject_marker (which kills fired) and no "
                           "fault.inject_at_epoch (one injection at a time)")
@@ -444,9 +450,10 @@ def _check_model(model: DictConfig) -> None:
         sizes = list(model.hidden) if model.name == "mlp" else [model.hidden, *model.channels]
         if any(size <= 0 for size in sizes):
             raise ConfigError(f"model.hidden: layer sizes must be > 0, got {sizes}")
-    if model.name == "tfidf" and (model.hidden <= 0 or model.bigram_buckets < 0):
-        raise ConfigError(f"model.hidden: hidden must be > 0 and bigram_buckets >= 0, got hidden={model.hidden} "
-                          f"bigram_buckets={model.bigram_buckets}")
+    if model.name == "tfidf" and model.hidden <= 0:
+        raise ConfigError(f"model.hidden: must be > 0, got {model.hidden}")
+    if model.name == "tfidf" and model.bigram_buckets < 0:
+        raise ConfigError(f"model.bigram_buckets: must be >= 0 (0: no token pairs), got {model.bigram_buckets}")
     if model.name == "embed_pool" and min(model.embed_dim, model.hidden) <= 0:
         raise ConfigError(f"model.embed_dim: sizes must be > 0, got embed_dim={model.embed_dim} hidden={model.hidden}")
     if model.name == "bert":

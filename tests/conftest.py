@@ -20,9 +20,19 @@ VENV_BIN = Path(sys.executable).parent
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """Loopback ports free right now, all different (held at once while picking)."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def free_port_block(size: int = 400) -> int:  # cluster/lib/ray-ports.sh RAY_PORT_BLOCK

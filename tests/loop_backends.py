@@ -53,16 +53,16 @@ BACKENDS = {
     # the updates of all three: 64 rows each, in one batch
     "tf_big_batch": [*ONE_DEVICE, "trainer.batch_size=64", "trainer.grad_accum=1"],
     "tf_bf16": [*ONE_DEVICE, "trainer.batch_size=32", "trainer.precision=bf16"],
-    # 20 batches per epoch in groups of 3 (the last of 2), in bf16
     # a 2x2 mesh of logical CPU devices (2D: batch and model sharded), 8 rows per batch coordinate
     "tf_dtensor": ["trainer=tf_dtensor", *DTENSOR_2X2, "model.hidden=[32]", *COMMON, "trainer.batch_size=8",
                    "trainer.lr_schedule=cosine", "trainer.warmup_steps=3", "trainer.grad_clip=5.0"],
-    # one chief, one parameter server (the weights split in 2 shards: min 4 KiB), one worker: in order, so exact
+    # one chief, two parameter servers (the weights split in 2 shards: min 4 KiB), one worker: in order, so exact
     "tf_ps": ["trainer=tf_ps", "trainer.num_ps=2", "trainer.ps_min_shard_bytes=4096", "model.hidden=[32]", *COMMON,
               "trainer.lr_schedule=cosine", "trainer.warmup_steps=3", "trainer.grad_clip=5.0"],
     # Keras fit driving the coordinator: 20 steps an epoch, 4 per scheduled function
     "tf_ps_fit": ["trainer=tf_ps", "trainer.tf_loop=fit", "trainer.num_ps=2", "trainer.ps_min_shard_bytes=4096",
                   "trainer.tf_steps_per_execution=4", "trainer.log_every_n_steps=0", "model.hidden=[32]", *COMMON],
+    # 20 batches per epoch in groups of 3 (the last of 2), in bf16
     "tf_mwms_fit": ["trainer=tf_mwms", "trainer.tf_loop=fit", "data=imdb", "model=embed_pool", "model.embed_dim=8",
                     "model.hidden=8", "trainer.tf_steps_per_execution=4", *COMMON, "trainer.optimizer=adamw",
                     "trainer.weight_decay=0.01", "trainer.lr_schedule=linear", "trainer.warmup_steps=2",
@@ -128,14 +128,14 @@ def ps_runner(cfg, train, evaluation):
     writes it; the servers end with this process."""
     import tempfile
 
-    from tests.conftest import free_port
+    from tests.conftest import free_ports
     from trainers import tf_ps
     from trainers.tf_common import ShardArrays
     from trainers.tf_ps_backend import ServerProcess, WorkerShards, roles, tf_config, write_shard
 
     trainer = cfg.trainer
     world = 1 + trainer.num_ps + trainer.num_workers
-    addresses = [f"127.0.0.1:{free_port()}" for _ in range(world)]
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(world)]
     published = []
     for rank, (kind, index) in enumerate(roles(world, trainer.num_ps)):
         if kind == "worker":

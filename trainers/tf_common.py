@@ -137,7 +137,7 @@ def build_compiled_model(keras: Any, cfg: Any, model_inputs: dict, steps_per_exe
                          steps_per_epoch: int = 1, seed: int | None = None) -> Any:
     """The Keras model of `cfg.model` compiled with the trainer's recipe optimizer (trainers/tf_recipe.py; its
     LR schedule spans `trainer.epochs` epochs of `steps_per_epoch` batches). `steps_per_execution` > 1 only
-    matters to `fit` (tf_mwms' `trainer.tf_steps_per_execution`). The dtype policy (`set_precision`) is the
+    matters to `fit` (tf_mwms' and tf_ps' `trainer.tf_steps_per_execution`). The dtype policy (`set_precision`) is the
     caller's: the logged model is built in float32."""
     from trainers.models.keras_models import build_keras_model
     from trainers.tf_recipe import make_optimizer
@@ -280,7 +280,7 @@ class KerasAdapter:
 
 
 def compiled_model_from(keras: Any, cfg: Any, model_inputs: dict, directory: str) -> Any:
-    """The Keras model a tf_mwms or horovod tf checkpoint in `directory` holds."""
+    """The Keras model a tf_mwms, tf_ps or horovod tf checkpoint in `directory` holds."""
     model = build_compiled_model(keras, cfg, model_inputs)
     model.load_weights(os.path.join(directory, WEIGHTS))
     return model

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import numpy as np
 from omegaconf import DictConfig
 
-from contract.data import MNIST_MEAN, MNIST_STD
+from contract.data import model_input
 from contract.metrics import peak_rss_bytes
 from contract.recipe import lr_factor, schedule_steps
 from trainers import tf_common as tfc
@@ -76,7 +76,7 @@ class DTensorAdapter:
     def inputs(self, features: np.ndarray) -> np.ndarray:
         """Model inputs from stored rows: normalised MNIST images, or TF-IDF vectors of token ids."""
         if self.idf is None:
-            return (features.astype(np.float32) / np.float32(255.0) - np.float32(MNIST_MEAN)) / np.float32(MNIST_STD)
+            return model_input("mnist", features)
         from trainers.models.tf_modules import tfidf_features
 
         return tfidf_features(features, self.idf, self.bigram_buckets).numpy()  # on this worker's CPU

@@ -132,7 +132,7 @@ class ServerProcess:
 
     def _start(self) -> subprocess.Popen:
         env = {**os.environ, "TF_CONFIG": self.tf_config, "TF_PS_THREADS": str(self.threads),
-               "TF_CPP_MIN_LOG_LEVEL": "2"}
+               "TF_PS_PARENT": str(os.getpid()), "TF_CPP_MIN_LOG_LEVEL": "2"}
         return subprocess.Popen([sys.executable, str(SERVER)], env=env)
 
     def wait(self, ref: Any) -> Any:

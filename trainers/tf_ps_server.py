@@ -2,7 +2,7 @@
 
     python -m trainers.tf_ps_server        # TF_CONFIG in the environment names the cluster and this task
 
-A Ray Train worker of the tf_ps backend starts this process and watches it (trainers/tf_ps.py: `ServerProcess`):
+A Ray Train worker of the tf_ps backend starts this process and watches it (trainers/tf_ps_backend.py: `ServerProcess`):
 a worker server that dies is started again at the same address, and ClusterCoordinator gives its steps to the other
 workers meanwhile and rebuilds its dataset when it is back. That is why the server is not the Ray worker itself:
 Ray Train ends the whole run when one of its workers dies. The server dies with the process that started it
@@ -14,13 +14,17 @@ import ctypes
 import json
 import os
 import signal
+import sys
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def die_with_parent() -> None:
-    """The kernel sends SIGKILL when the thread that started this process ends (Linux)."""
+def die_with_parent(parent: int | None) -> None:
+    """The kernel sends SIGKILL when the thread that started this process ends (Linux). A parent (pid `parent`)
+    already gone before that was asked: exit now."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if parent is not None and os.getppid() != parent:
+        sys.exit(f"tf_ps server: its parent {parent} has gone")
 
 
 def serve(threads: int) -> None:
@@ -28,7 +32,7 @@ def serve(threads: int) -> None:
     import tensorflow as tf
 
     # Workers run the steps (intra-op threads: `trainer.threads_per_worker`); inter-op threads leave room for the
-    # coordinator's concurrent calls (an inter-op pool of 1 hung the coordinator: see STYLE.md).
+    # coordinator's concurrent calls (measured here: an inter-op pool of 1 hung the coordinator).
     tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(threads + 3)
     task = json.loads(os.environ["TF_CONFIG"])["task"]
@@ -40,5 +44,5 @@ def serve(threads: int) -> None:
 
 
 if __name__ == "__main__":
-    die_with_parent()
+    die_with_parent(int(os.environ["TF_PS_PARENT"]) if "TF_PS_PARENT" in os.environ else None)
     serve(int(os.environ.get("TF_PS_THREADS", "1")))

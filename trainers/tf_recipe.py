@@ -112,9 +112,9 @@ class VariableOptimizer:
     plain variables is its reference (tests/dtensor_checks.py). Under DTensor the global norm is the norm over
     every shard: each reduction of a sharded gradient is all-reduced by DTensor.
 
-    `apply(grads, lr)` runs inside the caller's `tf.function`; `lr` is the step's learning rate (the schedule's
-    `contract.recipe.lr_factor` times `trainer.lr`, computed by the caller from `updates`, which the caller also
-    counts and checkpoints). `slot_like(variable)` makes a zero variable laid out as `variable`."""
+    `apply(grads, lr, step)` runs inside the caller's `tf.function`; `lr` is the step's learning rate (the
+    schedule's `contract.recipe.lr_factor` times `trainer.lr`, computed by the caller from `updates`, the
+    optimizer's count of updates, which the caller advances and checkpoints). `slot_like(variable)` makes a zero variable laid out as `variable`."""
 
     BETA_1, BETA_2 = 0.9, 0.999
 

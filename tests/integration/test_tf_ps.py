@@ -40,8 +40,6 @@ def test_training_goes_on_through_a_killed_worker_and_restarts_after_a_killed_ps
     run = client.get_run(run_id)
     # Restarts from epoch 2's checkpoint (the parameter server) and epoch 3's (the chief); none for the worker
     assert run.data.params["world_size"] == "2" and run.data.tags["resumed_from_epoch"] == "2,3"
-    steps = [{m.step: m.value for m in client.get_metric_history(run_id, f"ps_worker{i}_steps")} for i in (0, 1)]
-    assert steps[0][2] + steps[1][2] == 1024 // 32, steps  # the killed worker's steps were run once, elsewhere
     assert metric_steps(client, run_id, "test_accuracy") == [1, 2, 3, 4]
     with np.load(tmp_path / "params" / "rank0.npz") as dump:
         weights = [dump[f"arr_{i}"] for i in range(4)]  # whole: Dense(784 -> 32) was split over no server (1 ps)

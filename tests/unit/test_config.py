@@ -148,8 +148,7 @@ def test_impossible_pipelines_are_rejected(fake_imdb, overrides, message):
                                r"num_workers x devices_per_worker = 2 x 1 = 2$"),
     (["trainer.mesh.batch=1", "trainer.mesh.model=2", "model.hidden=[33, 30]"],  # 33 -> 30: split on its input
      r"^trainer\.mesh\.model: 2 devices do not split the sharded layer widths \[33\]"),
-    (["trainer.mesh.batch=1", "trainer.mesh.model=3", "trainer.num_workers=3", "trainer.devices_per_worker=2",
-      "trainer.mesh.batch=2"], r"^trainer\.mesh: a model group of 3 devices must fill whole workers"),
+    (["trainer.mesh.model=3", "trainer.num_workers=3", "trainer.devices_per_worker=2", "trainer.mesh.batch=2"], r"^trainer\.mesh: a model group of 3 devices must fill whole workers"),
     (["trainer.mesh.batch=0"], r"^trainer\.mesh: batch and model must be >= 1"),
     (["trainer.devices_per_worker=0"], r"^trainer\.devices_per_worker: must be > 0"),
     (["model=cnn"], r"^model\.name: tf_dtensor has mlp, tfidf models only, got 'cnn'"),
@@ -170,6 +169,8 @@ def test_dtensor_layouts_load(data_override, fake_imdb):
     cfg = load_config(["trainer=tf_dtensor", "data=imdb", "model=tfidf", fake_imdb, "trainer.mesh.batch=1",
                        "trainer.mesh.model=2", "model.bigram_buckets=1024"])
     assert cfg.model.bigram_buckets == 1024
+    with pytest.raises(ConfigError, match=r"^model\.bigram_buckets: must be >= 0 \(0: no token pairs\), got -1$"):
+        load_config(["trainer=tf_dtensor", "data=imdb", "model=tfidf", fake_imdb, "model.bigram_buckets=-1"])
     with pytest.raises(ConfigError, match=r"^model\.name: the tfidf model is trained by trainer=tf_dtensor only"):
         load_config(["trainer=ddp", "data=imdb", "model=tfidf", fake_imdb])
 
@@ -188,6 +189,19 @@ def test_a_rank_without_a_batch_to_train_is_rejected(tmp_path):
     assert load_config([*base, "trainer.batch_size=64"]).trainer.batch_size == 64  # 4 ranks of 25 rows: 1 step
     with pytest.raises(ConfigError, match=r"^trainer\.batch_size: each of the 128 data-parallel rank\(s\) holds 0 "):
         load_config([*base, "trainer.num_workers=128"])
+
+
+@pytest.mark.parametrize("backend", [["trainer=tf_mwms"], ["trainer=horovod", "trainer.framework=tf"],
+                                     ["trainer=tf_dtensor", "trainer.mesh.batch=2"]])
+def test_a_tensorflow_rank_needs_a_full_batch(tmp_path, backend):
+    """The TensorFlow backends train full batches only: 50 rows a rank and a batch of 64 would train nothing
+    (the PyTorch backends train the short batch)."""
+    (tmp_path / "manifest.json").write_text(json.dumps({"splits": {"train": {"rows": 100}}}))
+    base = ["data=mnist", "model=mlp", f"data.path={tmp_path}", "trainer.batch_size=64"]
+    with pytest.raises(ConfigError, match=r"^trainer\.batch_size: each of the 2 data-parallel rank\(s\) holds 50 "
+                                          r"of the 100 training rows, and TensorFlow trains full batches only"):
+        load_config([*base, *backend])
+    assert load_config([*base, "trainer=ddp"]).trainer.batch_size == 64
 
 
 def test_a_pipeline_layout_loads(fake_imdb):

@@ -97,6 +97,8 @@ def test_tf_ps_defaults_and_resources(data_override):
     (["fault.kill_servers=[evaluator:0@1]", "fault.inject_marker=/tmp/m"], r"^fault\.kill_servers: expected worker:"),
     (["fault.kill_servers=[ps:0@6]", "fault.inject_marker=/tmp/m"], r"^fault\.kill_servers: expected worker:"),
     (["fault.kill_servers=[ps:0@1]"], r"^fault\.kill_servers: needs fault\.inject_marker"),
+    (["fault.kill_servers=[worker:1@2,worker:1@3]", "fault.inject_marker=/tmp/m"],
+     r"^fault\.kill_servers: each server \(or the chief\) at most once"),
     (["fault.kill_servers=[ps:0@1]", "fault.inject_marker=/tmp/m", "fault.inject_at_epoch=1"],
      r"^fault\.kill_servers: needs fault\.inject_marker \(which kills fired\) and no fault\.inject_at_epoch"),
     (["fault.kill_servers=[ps:0@1]", "fault.inject_marker=/tmp/m", "trainer.tf_loop=fit"],

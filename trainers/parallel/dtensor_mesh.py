@@ -93,7 +93,7 @@ class DTensorMesh:
         return dtensor.DVariable(tf.zeros_like(variable.read_value()), trainable=False)
 
 
-def layer_specs(model: Classifier, model_axis: str = MODEL) -> list[dict[str, list[str]]]:
+def layer_specs(model: Classifier) -> list[dict[str, list[str]]]:
     """Per layer of `model.layers()`, each variable's sharding spec: Dense layers by `dense_plan`, a BatchNorm
     like the features it follows (sharded after a column-parallel layer)."""
     plan = iter(dense_plan(len(model.dense)))
@@ -101,11 +101,11 @@ def layer_specs(model: Classifier, model_axis: str = MODEL) -> list[dict[str, li
     for layer in model.layers():
         if isinstance(layer, Dense):
             kind = next(plan)
-            kernel = [U, model_axis] if kind == COLUMN else ([model_axis, U] if kind == ROW else [U, U])
-            specs.append({"kernel": kernel, "bias": [model_axis] if kind == COLUMN else [U]})
+            kernel = [U, MODEL] if kind == COLUMN else ([MODEL, U] if kind == ROW else [U, U])
+            specs.append({"kernel": kernel, "bias": [MODEL] if kind == COLUMN else [U]})
             features_sharded = kind == COLUMN
         elif isinstance(layer, BatchNorm):
-            spec = [model_axis] if features_sharded else [U]
+            spec = [MODEL] if features_sharded else [U]
             specs.append({name: spec for name in ("gamma", "beta", "moving_mean", "moving_variance")})
     return specs
 
