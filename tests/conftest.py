@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -227,8 +228,17 @@ def read_split(data_path: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
 def train_ok(args: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, str]:
     """Run the pipeline, require exit 0; (the process, its MLflow run id)."""
     proc = run_pipeline(args, env)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, error_lines(proc.stdout + proc.stderr) + "\n---\n" + proc.stdout[-4000:] + \
+        proc.stderr[-4000:]
     return proc, run_id_from(proc.stdout)
+
+
+def error_lines(output: str) -> str:
+    """Each distinct `<Name>Error: ...` line of a run's output (its workers' too), in order: every error of every
+    attempt, where the output's tail shows only the last."""
+    lines = (re.sub(r"\x1b\[[0-9;]*m|\(\w+ pid=\d+\)", "", line).strip() for line in output.splitlines()
+             if re.search(r"\w+(Error|Exception): ", line))
+    return "\n".join(list(dict.fromkeys(lines))[:40])
 
 
 def check_finished_run(client: Any, run_id: str, backend: str, epochs: int) -> str:

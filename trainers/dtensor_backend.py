@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ray.train.backend import Backend, BackendConfig
 
-from trainers.worker import free_address, set_env
+from trainers.worker import free_addresses, set_env
 
 JOB_NAME = "worker"
 
@@ -37,6 +37,6 @@ class DTensorBackend(Backend):
 
         if len(worker_group) == 1:
             return
-        addresses = worker_group.execute(free_address)
+        addresses = free_addresses(worker_group)
         ray.get([worker_group.execute_single_async(rank, set_env, client_env(rank, addresses))
                  for rank in range(len(addresses))])

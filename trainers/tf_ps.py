@@ -36,6 +36,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from contract.data import MNIST_MEAN, MNIST_STD, shuffled_order
+from contract.tracking import say
 from trainers import tf_common as tfc
 from trainers.keras_fit import run_epochs
 from trainers.loop import WorkerContext
@@ -84,7 +85,7 @@ class PSAdapter(tfc.KerasAdapter):
         self.in_flight = 2 * len(shards.rows)  # scheduled functions: enough that no worker waits for the chief
         self.stop_file, self.stop_every = ctx.stop_file, ctx.stop_check_every
         self.positions = [0] * len(shards.rows)  # batches each worker took in the current epoch
-        self.pending: deque = deque()  # scheduled functions, their results to come
+        self.pending: deque = deque()  # (scheduled function, its steps): their results to come
         self.rows: deque = deque()  # fetched results of steps the loop has not taken yet
         self.fitting = False  # Keras fit runs the epochs (no positions kept)
         self.halfway = halfway  # called with the epoch halfway through it (fault injection)
@@ -157,10 +158,28 @@ class PSAdapter(tfc.KerasAdapter):
                 while scheduled < self.steps and len(pending) < self.in_flight \
                         and not (pending and self.stopping() and scheduled % self.stop_every == 0):
                     count = self.call_steps(scheduled)
-                    pending.append(self.coordinator.schedule(self.steps_fn, args=(iterator, self.tf.constant(count))))
+                    pending.append((self.schedule(iterator, count), count))
                     scheduled += count
-                rows.extend(pending.popleft().fetch().tolist())
+                rows.extend(self.fetch(iterator, *pending.popleft()))
             yield rows.popleft()
+
+    def schedule(self, iterator: Any, count: int) -> Any:
+        return self.coordinator.schedule(self.steps_fn, args=(iterator, self.tf.constant(count)))
+
+    def fetch(self, iterator: Any, result: Any, count: int) -> list:
+        """The rows of a scheduled function. The coordinator runs a function again when its worker dies while
+        running it, but a finished function's result stays on its worker until fetched: when that worker dies
+        first, the function is scheduled again (on a live worker) and its new result taken. The lost run's updates
+        stay applied, as with any step run twice by this strategy (at least once). Three losses in a row end the
+        attempt."""
+        for attempt in range(4):
+            try:
+                return result.fetch().tolist()
+            except self.tf.errors.UnavailableError as err:
+                if not lost_with_its_worker(err) or attempt == 3:
+                    raise  # a parameter server's failure, or no worker that stays: the attempt ends
+                say(f"tf_ps: the result of {count} finished step(s) was lost with its worker; running them again")
+                result = self.schedule(iterator, count)
 
     def call_steps(self, scheduled: int) -> int:
         """Steps of the next scheduled function: `steps_per_call`, fewer at the epoch's end and, once STOP exists,
@@ -235,6 +254,13 @@ class PSAdapter(tfc.KerasAdapter):
         if directory:
             Path(directory).mkdir(parents=True, exist_ok=True)
             np.savez(Path(directory) / "rank0.npz", *whole_values(self.model.weights))
+
+
+def lost_with_its_worker(error: Exception) -> bool:
+    """Whether a fetch failed because the worker holding the result is gone (the coordinator's own test for a
+    worker failure, `_is_worker_failure`, is private): unavailable, a worker named, no parameter server."""
+    message = str(error)
+    return "/job:worker/" in message and "/job:ps/" not in message
 
 
 def make_strategy(tf: Any, trainer: DictConfig) -> tuple[Any, Any]:

@@ -3,6 +3,7 @@ and the Ray Train run and scaling settings every trainer is built with."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import time
 from pathlib import Path
@@ -157,15 +158,36 @@ def run_config(cfg: DictConfig, run_id: str, callbacks: list | None, env: dict[s
                      worker_runtime_env={"env_vars": env} if env else None)
 
 
+def free_addresses(worker_group: Any) -> list[str]:
+    """In a backend's `on_start`: for each worker, `ip:port` of a port free on its Ray node now, for a server the
+    worker starts moments later (DTensor clients, tf_ps servers); no two alike (each worker draws its own)."""
+    for _ in range(5):
+        addresses = worker_group.execute(free_address)
+        if len(set(addresses)) == len(addresses):
+            return addresses
+    raise RuntimeError(f"no distinct free ports for the workers' servers, drew {addresses}")
+
+
 def free_address() -> str:
-    """Runs on a worker (a backend's `on_start`): `ip:port` of a port free on its Ray node now, for a server the
-    worker starts moments later (DTensor clients, tf_ps servers)."""
+    """Runs on a worker: `ip:port` of a port free on its Ray node now, above the kernel's range of ports for
+    outgoing connections when that leaves room (Linux: 61000-65535): any outgoing connection may take a port of
+    that range before the server binds it (seen: a tf_ps server's 'Could not start gRPC server' after a restart)."""
     import ray.util
 
     ip = ray.util.get_node_ip_address()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((ip, 0))
-        return f"{ip}:{probe.getsockname()[1]}"
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[1]) + 1
+    except (OSError, ValueError, IndexError):
+        low = 65536
+    candidates = [random.randint(low, 65535) for _ in range(50)] if low <= 65535 - 100 else []
+    for port in [*candidates, 0]:  # 0: the kernel's choice
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((ip, port))
+            except OSError:
+                continue
+            return f"{ip}:{probe.getsockname()[1]}"
+    raise RuntimeError(f"no free port on {ip}")
 
 
 def set_env(env: dict[str, str]) -> None:
