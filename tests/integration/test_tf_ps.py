@@ -39,10 +39,8 @@ def test_training_goes_on_through_a_killed_worker_and_restarts_after_a_killed_ps
     check_finished_run(client, run_id, "tf_ps", epochs=4)
     run = client.get_run(run_id)
     assert run.data.params["world_size"] == "2"
-    # Two restarts (the parameter server's, the chief's), none for the worker, each from a checkpoint: the last
-    # registered one, epoch 2's and 3's unless the failure came before Ray Train collected that epoch's reports
-    resumed = [int(epoch) for epoch in run.data.tags["resumed_from_epoch"].split(",")]
-    assert len(resumed) == 2 and 1 <= resumed[0] <= 2 and resumed[0] <= resumed[1] <= 3, (resumed, said)
+    # Restarts from epoch 2's checkpoint (the parameter server) and epoch 3's (the chief); none for the worker
+    assert run.data.tags["resumed_from_epoch"] == "2,3", said
     assert metric_steps(client, run_id, "test_accuracy") == [1, 2, 3, 4]
     with np.load(tmp_path / "params" / "rank0.npz") as dump:
         weights = [dump[f"arr_{i}"] for i in range(4)]  # whole: Dense(784 -> 32) was split over no server (1 ps)
