@@ -175,7 +175,7 @@ class PSAdapter(tfc.KerasAdapter):
         for attempt in range(4):
             try:
                 return result.fetch().tolist()
-            except self.tf.errors.UnavailableError as err:
+            except self.tf.errors.OpError as err:
                 if not lost_with_its_worker(err) or attempt == 3:
                     raise  # a parameter server's failure, or no worker that stays: the attempt ends
                 say(f"tf_ps: the result of {count} finished step(s) was lost with its worker; running them again")
@@ -257,10 +257,12 @@ class PSAdapter(tfc.KerasAdapter):
 
 
 def lost_with_its_worker(error: Exception) -> bool:
-    """Whether a fetch failed because the worker holding the result is gone (the coordinator's own test for a
-    worker failure, `_is_worker_failure`, is private): unavailable, a worker named, no parameter server."""
-    message = str(error)
-    return "/job:worker/" in message and "/job:ps/" not in message
+    """Whether a fetch failed because the worker holding the result is gone or was replaced: the coordinator's own
+    test for a worker failure (private in TF 2.21, which is pinned), by which it runs a closure again: the error
+    names a worker and no parameter server, and is one a dead or restarted server gives."""
+    from tensorflow.python.distribute.coordinator.cluster_coordinator import _is_worker_failure
+
+    return _is_worker_failure(error)
 
 
 def make_strategy(tf: Any, trainer: DictConfig) -> tuple[Any, Any]:
