@@ -401,7 +401,8 @@ def _check_tf_ps(cfg: DictConfig) -> None:
                               f"1..{trainer.epochs}; got '{item}'")
     tasks = [item.split("@")[0] for item in fault.kill_servers]
     if len(set(tasks)) < len(tasks):
-        raise ConfigError(f"fault.kill_servers: each server (or the chief) at most once, got {list(fault.kill_servers)}")
+        raise ConfigError(f"fault.kill_servers: each server (or the chief) at most once, got "
+                          f"{list(fault.kill_servers)}")
     if fault.kill_servers and (not fault.inject_marker or fault.inject_at_epoch is not None):
         raise ConfigError("fault.kill_servers: needs fault.inject_marker (which kills fired) and no "
                           "fault.inject_at_epoch (one injection at a time)")

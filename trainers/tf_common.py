@@ -137,8 +137,8 @@ def build_compiled_model(keras: Any, cfg: Any, model_inputs: dict, steps_per_exe
                          steps_per_epoch: int = 1, seed: int | None = None) -> Any:
     """The Keras model of `cfg.model` compiled with the trainer's recipe optimizer (trainers/tf_recipe.py; its
     LR schedule spans `trainer.epochs` epochs of `steps_per_epoch` batches). `steps_per_execution` > 1 only
-    matters to `fit` (tf_mwms' and tf_ps' `trainer.tf_steps_per_execution`). The dtype policy (`set_precision`) is the
-    caller's: the logged model is built in float32."""
+    matters to `fit` (tf_mwms' and tf_ps' `trainer.tf_steps_per_execution`). The dtype policy (`set_precision`) is
+    the caller's: the logged model is built in float32."""
     from trainers.models.keras_models import build_keras_model
     from trainers.tf_recipe import make_optimizer
 

@@ -170,7 +170,7 @@ class PSAdapter(tfc.KerasAdapter):
         """The rows of a scheduled function. The coordinator runs a function again when its worker dies while
         running it, but a finished function's result stays on its worker until fetched: when that worker dies
         first, the function is scheduled again (on a live worker) and its new result taken. The lost run's updates
-        stay applied, as with any step run twice by this strategy (at least once). Three losses in a row end the
+        stay applied, as with any step run twice by this strategy (at least once). A fourth loss in a row ends the
         attempt."""
         for attempt in range(4):
             try:

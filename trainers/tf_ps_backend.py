@@ -137,8 +137,6 @@ class ServerProcess:
 
     def wait(self, ref: Any) -> Any:
         """The value of the Ray object `ref`, watching the server while it is not ready."""
-        import ray
-
         while True:
             self.check()
             if ray.wait([ref], timeout=1.0)[0]:

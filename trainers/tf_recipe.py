@@ -114,7 +114,8 @@ class VariableOptimizer:
 
     `apply(grads, lr, step)` runs inside the caller's `tf.function`; `lr` is the step's learning rate (the
     schedule's `contract.recipe.lr_factor` times `trainer.lr`, computed by the caller from `updates`, the
-    optimizer's count of updates, which the caller advances and checkpoints). `slot_like(variable)` makes a zero variable laid out as `variable`."""
+    optimizer's count of updates, which the caller advances and checkpoints). `slot_like(variable)` makes a zero
+    variable laid out as `variable`."""
 
     BETA_1, BETA_2 = 0.9, 0.999
 

@@ -1,8 +1,9 @@
 """TensorFlow ParameterServerStrategy end to end: a real Ray head, a real MLflow server, 4 Ray workers (a chief, a
 parameter server, 2 workers) whose TensorFlow servers are real processes, and three failures halfway through an
 epoch: a worker's server dies (the coordinator gives its steps to the other worker, the run goes on), then the
-parameter server's, then the chief fails (each time Ray Train restarts the run from its checkpoint). Stop/resume parity and the DDP loss-parity gate (one worker, weights split
-over 2 parameter servers) are checked in-process (tests/unit/test_loop_backends.py)."""
+parameter server's, then the chief fails (each time Ray Train restarts the run from its checkpoint). Stop/resume
+parity and the DDP loss-parity gate (one worker, weights split over 2 parameter servers) are checked in-process
+(tests/unit/test_loop_backends.py)."""
 from __future__ import annotations
 
 import numpy as np

@@ -148,7 +148,8 @@ def test_impossible_pipelines_are_rejected(fake_imdb, overrides, message):
                                r"num_workers x devices_per_worker = 2 x 1 = 2$"),
     (["trainer.mesh.batch=1", "trainer.mesh.model=2", "model.hidden=[33, 30]"],  # 33 -> 30: split on its input
      r"^trainer\.mesh\.model: 2 devices do not split the sharded layer widths \[33\]"),
-    (["trainer.mesh.model=3", "trainer.num_workers=3", "trainer.devices_per_worker=2", "trainer.mesh.batch=2"], r"^trainer\.mesh: a model group of 3 devices must fill whole workers"),
+    (["trainer.mesh.model=3", "trainer.num_workers=3", "trainer.devices_per_worker=2", "trainer.mesh.batch=2"],
+     r"^trainer\.mesh: a model group of 3 devices must fill whole workers"),
     (["trainer.mesh.batch=0"], r"^trainer\.mesh: batch and model must be >= 1"),
     (["trainer.devices_per_worker=0"], r"^trainer\.devices_per_worker: must be > 0"),
     (["model=cnn"], r"^model\.name: tf_dtensor has mlp, tfidf models only, got 'cnn'"),
