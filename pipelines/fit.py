@@ -21,12 +21,18 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
     """Build the backend's Ray Train trainer over the Parquet shards, fit it, and log the final model to the MLflow
     run. Returns where the run stopped ("epoch E step S") when it stopped on request (no model is logged then:
     the checkpoint holds a half-done epoch), else None. `callbacks`: e.g. a sweep trial's TrialReporter."""
-    from pipelines.data.readers import model_inputs, parquet_datasets
-    from trainers import get_backend
+    from pipelines.data.readers import Materializing, model_inputs, parquet_datasets
+
+    datasets = parquet_datasets(cfg.data.path, {"train": "train", "eval": cfg.data.eval_split}, cfg.run.progress)
+    # Workers that cache their shard get it by an ordered split, which materialises the datasets anyway: start
+    # that now (data too large to cache streams instead, and stays lazy).
+    materialized = Materializing(datasets) if cfg.data.cache_in_worker else None
+    from trainers import get_backend  # imports the backend's framework (torch: 1.5 s) while the data is read
 
     backend = get_backend(cfg.trainer.backend)
-    datasets = parquet_datasets(cfg.data.path, {"train": "train", "eval": cfg.data.eval_split}, cfg.run.progress)
     inputs = model_inputs(read_manifest(cfg.data.path))
+    if materialized is not None:
+        datasets = materialized.result()
     if cfg.fault.resource_timeout_s > 0:  # read by Ray Train's controller (trainers/worker.py: run_config)
         os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.fault.resource_timeout_s)
     trainer = backend.build_trainer(cfg, datasets, run_id, uri, inputs, callbacks=callbacks)

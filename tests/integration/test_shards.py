@@ -44,6 +44,25 @@ def test_each_rank_gets_its_contiguous_part_in_file_order_every_time(tmp_path, r
         assert rows_of(shards[1]["train"]) == list(range(total // 2, total))
 
 
+def test_datasets_the_driver_materialised_split_the_same(tmp_path, ray_driver):
+    """pipelines/fit.py reads cached data in the driver while it builds the trainer (`Materializing`): the ranks
+    get the same contiguous rows as from the lazy dataset, and a failed read is raised by `result()`."""
+    from ray.data.dataset import MaterializedDataset
+
+    from pipelines.data.readers import Materializing, read_parquet
+
+    total = FILES * ROWS_PER_FILE
+    datasets = Materializing({"train": read_rows(tmp_path)}).result()
+    assert isinstance(datasets["train"], MaterializedDataset)
+    shards = OrderedShards(dp=2).configure(datasets, world_size=2, worker_handles=None, worker_node_ids=None)
+    assert rows_of(shards[0]["train"]) == list(range(total // 2))
+    assert rows_of(shards[1]["train"]) == list(range(total // 2, total))
+    (tmp_path / "part-00003.parquet").write_bytes(b"PAR1 cut short")
+    reading = Materializing({"train": read_parquet(sorted(str(p) for p in tmp_path.glob("part-*.parquet")))})
+    with pytest.raises(Exception, match="part-00003"):
+        reading.result()
+
+
 def test_ranks_of_one_tp_group_read_the_same_shard(tmp_path, ray_driver):
     shards = OrderedShards(dp=2, tp=2).configure({"train": read_rows(tmp_path)}, world_size=4, worker_handles=None,
                                                  worker_node_ids=None)
