@@ -29,7 +29,8 @@ class OrderedShards(DataConfig):
         output: list[dict[str, Any]] = [{} for _ in range(world_size)]
         for name, dataset in datasets.items():
             dataset.context.execution_options.preserve_order = True
-            shards = dataset.split(self.dp, equal=True)  # materialises; block order = file order
+            # materialises, unless the driver did (pipelines/data/readers.py); block order = file order
+            shards = dataset.split(self.dp, equal=True)
             for rank in range(world_size):
                 output[rank][name] = shards[rank // self.tp].iterator()
         return output

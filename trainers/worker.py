@@ -86,8 +86,8 @@ def restored_checkpoint(cfg: DictConfig) -> Any:
 
 def dataset_shards(*names: str) -> tuple[list[Any], float]:
     """This worker's Ray Data shards of the datasets `names`, and the seconds it waited for them: the first call
-    waits while Ray Train splits the datasets (`shard_data.OrderedShards` materialises them), which is part of
-    pulling the data (measured: 9 of the 10 s a worker took to get MNIST on 2 cores)."""
+    waits while Ray Train splits the datasets (`shard_data.OrderedShards`; cached data the driver has
+    read by then, `pipelines/data/readers.Materializing`), which is part of pulling the data."""
     import ray.train
 
     start = time.perf_counter()
