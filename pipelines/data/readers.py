@@ -42,9 +42,9 @@ class Materializing:
     per dataset, so that their reads overlap too); `result()` waits and gives {name: `MaterializedDataset`}. The
     ordered shard configs (trainers/shard_data.py) split materialised datasets without reading anything, so the
     read overlaps what the driver does meanwhile (importing the backend, building its trainer) instead of
-    waiting for Ray Train's worker group, whose start used to come first (measured: 3.3 of a submitted MNIST
-    demo's 22 s to its first step). Ray Data runs the read tasks in Ray workers; the threads only drive them.
-    Daemons: an interrupted driver does not wait for them."""
+    waiting for Ray Train's worker group, whose start used to come first (measured: 3.2 of a submitted MNIST
+    demo's 20.1 s to its first step, benchmarks/README.md). Ray Data runs the read tasks in Ray workers; the
+    threads only drive them. Daemons: an interrupted driver does not wait for them."""
 
     def __init__(self, datasets: dict):
         self.outcome: dict[str, Any] = {}
