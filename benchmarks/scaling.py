@@ -85,7 +85,7 @@ def bare_tf_worker(args: argparse.Namespace) -> list[float]:
     from trainers.models.keras_models import build_keras_model
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(2)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
     strategy = (tf.distribute.MultiWorkerMirroredStrategy() if args.world > 1 else tf.distribute.get_strategy())
     cfg = load_config([f"data.path={MNIST}", f"model={args.model}"])
     images, labels = (a[args.rank::args.world].copy() for a in mnist_arrays("train"))

@@ -37,10 +37,9 @@ def require_legacy_keras() -> None:
 
 
 def set_threads(tf: Any, threads: int) -> None:
-    """Before any other TF op (TF fixes them at its first). Inter-op threads >= 2: a precaution (not measured)
-    so that an op blocked in a collective cannot starve the others."""
+    """Before any other TF op (TF fixes them at its first)."""
     tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(threads + 1)
+    tf.config.threading.set_inter_op_parallelism_threads(threads)
 
 
 def local_devices(tf: Any, count: int, use_gpu: bool) -> list[str]:
