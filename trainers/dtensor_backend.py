@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ray.train.backend import Backend, BackendConfig
 
-from trainers.worker import free_addresses, set_env
+from trainers.worker import free_addresses, set_worker_envs
 
 JOB_NAME = "worker"
 
@@ -33,10 +33,7 @@ def client_env(rank: int, addresses: list[str]) -> dict[str, str]:
 
 class DTensorBackend(Backend):
     def on_start(self, worker_group, backend_config: DTensorConfig) -> None:
-        import ray
-
         if len(worker_group) == 1:
             return
         addresses = free_addresses(worker_group)
-        ray.get([worker_group.execute_single_async(rank, set_env, client_env(rank, addresses))
-                 for rank in range(len(addresses))])
+        set_worker_envs(worker_group, [client_env(rank, addresses) for rank in range(len(addresses))])

@@ -35,7 +35,7 @@ from ray.train.backend import Backend, BackendConfig
 
 from trainers import tf_common as tfc
 from trainers.loop import WorkerContext
-from trainers.worker import dataset_shards, free_addresses, maybe_inject_failure, set_env
+from trainers.worker import dataset_shards, free_addresses, maybe_inject_failure, set_worker_envs
 
 BOARD_NAMESPACE = "tf_ps"
 CHIEF, PS, WORKER = "chief", "ps", "worker"
@@ -97,9 +97,8 @@ class TFPSBackend(Backend):
         name = f"board-{uuid.uuid4().hex}"
         self.board = Board.options(name=name, namespace=BOARD_NAMESPACE).remote()
         addresses = free_addresses(worker_group)
-        ray.get([worker_group.execute_single_async(
-            rank, set_env, {"TF_CONFIG": tf_config(addresses, backend_config.num_ps, rank), "TF_PS_BOARD": name})
-            for rank in range(len(addresses))])
+        set_worker_envs(worker_group, [{"TF_CONFIG": tf_config(addresses, backend_config.num_ps, rank),
+                                        "TF_PS_BOARD": name} for rank in range(len(addresses))])
 
     def on_shutdown(self, worker_group: Any, backend_config: TFPSConfig) -> None:
         board = getattr(self, "board", None)

@@ -190,6 +190,13 @@ def free_address() -> str:
     raise RuntimeError(f"no free port on {ip}")
 
 
+def set_worker_envs(worker_group: Any, envs: list[dict[str, str]]) -> None:
+    """In a backend's `on_start`: variables each worker's training function reads, `envs[rank]` for each rank."""
+    import ray
+
+    ray.get([worker_group.execute_single_async(rank, set_env, env) for rank, env in enumerate(envs)])
+
+
 def set_env(env: dict[str, str]) -> None:
-    """Runs on a worker (a backend's `on_start`): variables its training function reads."""
+    """Runs on a worker: see `set_worker_envs`."""
     os.environ.update(env)
