@@ -41,6 +41,22 @@ def fit_epochs(keras: Any, loop: TrainLoop, adapter: FitAdapter, epochs: int) ->
     """tf-keras `model.fit` over the remaining epochs; a callback hands each epoch's totals to `loop.end_epoch`.
     `fit` does not watch STOP: a preempted fit run resumes from its last epoch checkpoint."""
     ctx = loop.ctx
+    callbacks = [report_each_epoch(keras, loop, adapter)]
+    if loop.startup_due:
+        callbacks.append(log_startup(keras, loop, adapter.batch_hooks))
+    if adapter.batch_hooks:  # else the config refuses step losses, a forced bar and profiling (pipelines/config.py)
+        if ctx.logger is not None and ctx.log_every_n_steps > 0:
+            callbacks.append(log_step_loss(keras, loop, adapter))
+        if ctx.step_bar is not None:
+            callbacks.append(show_progress(keras, loop, adapter))
+        if ctx.profile_steps and ctx.profile_dir is not None:
+            callbacks.insert(0, profile_steps(keras, loop))  # before the report: the trace goes before the epoch's
+    adapter.fit(loop.first_epoch, epochs, callbacks)
+
+
+def report_each_epoch(keras: Any, loop: TrainLoop, adapter: FitAdapter) -> Any:
+    """Hands each epoch's totals to `loop.end_epoch` (metrics, checkpoint, report, MLflow); early stopping."""
+    ctx = loop.ctx
 
     class ReportEachEpoch(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):  # Keras counts epochs from 0
@@ -57,9 +73,13 @@ def fit_epochs(keras: Any, loop: TrainLoop, adapter: FitAdapter, epochs: int) ->
             if loop.end_epoch(epoch + 1, totals):
                 self.model.stop_training = True  # early stopping (`run.patience`), decided alike on every worker
 
-    class LogStepLoss(keras.callbacks.Callback):
-        """Only added when step_loss is wanted: any batch hook makes Keras fetch the loss to the host."""
+    return ReportEachEpoch()
 
+
+def log_step_loss(keras: Any, loop: TrainLoop, adapter: FitAdapter) -> Any:
+    """Only added when step_loss is wanted: any batch hook makes Keras fetch the loss to the host."""
+
+    class LogStepLoss(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
             self.epoch, self.seen, self.mean = epoch + 1, 0, 0.0
 
@@ -71,10 +91,14 @@ def fit_epochs(keras: Any, loop: TrainLoop, adapter: FitAdapter, epochs: int) ->
             loop.log_step_loss(self.epoch, done, window, since_step=self.seen, global_mean=True)
             self.seen, self.mean = done, mean
 
-    class ShowProgress(keras.callbacks.Callback):
-        """The bar of each epoch's steps (`run.progress`, rank 0); a batch hook ends each compiled call of
-        `tf_steps_per_execution` fit steps, so the bar moves by that many batches."""
+    return LogStepLoss()
 
+
+def show_progress(keras: Any, loop: TrainLoop, adapter: FitAdapter) -> Any:
+    """The bar of each epoch's steps (`run.progress`, rank 0); a batch hook ends each compiled call of
+    `tf_steps_per_execution` fit steps, so the bar moves by that many batches."""
+
+    class ShowProgress(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
             self.bar, self.done = loop.open_step_bar(epoch + 1, 0), 0
 
@@ -86,9 +110,16 @@ def fit_epochs(keras: Any, loop: TrainLoop, adapter: FitAdapter, epochs: int) ->
         def on_epoch_end(self, epoch, logs=None):
             self.bar.close()
 
-    class LogStartup(keras.callbacks.Callback):
-        """`startup.*` after fit's first call of `tf_steps_per_execution` steps (rank 0, the run's first attempt)."""
+    return ShowProgress()
 
+
+def log_startup(keras: Any, loop: TrainLoop, batch_hooks: bool) -> Any:
+    """`startup.*` (rank 0, the run's first attempt) after fit's first call of `tf_steps_per_execution` steps; where
+    Keras has no batch hooks (ParameterServerStrategy, which refuses a callback that overrides one), when fit
+    begins its first epoch, so the first-step part is fit's own set-up (the workers' datasets) without the first
+    step."""
+
+    class LogStartup(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
             self._supports_tf_logs = True  # no per-batch copy of the logs to numpy for this hook
@@ -100,16 +131,17 @@ def fit_epochs(keras: Any, loop: TrainLoop, adapter: FitAdapter, epochs: int) ->
             loop.log_startup(self.epoch)
 
     class LogStartupAtFirstEpoch(keras.callbacks.Callback):
-        """`startup.*` where Keras has no batch hooks (ParameterServerStrategy): when fit begins its first epoch,
-        so the first-step part is fit's own set-up (the workers' datasets) without the first step."""
-
         def on_epoch_begin(self, epoch, logs=None):
             loop.log_startup(epoch + 1)
 
-    class ProfileSteps(keras.callbacks.Callback):
-        """Drives the loop's profiler (`trainer.profile_steps`, rank 0). A batch hook here ends a compiled call of
-        `tf_steps_per_execution` steps: each profiled "step" is one such call."""
+    return LogStartup() if batch_hooks else LogStartupAtFirstEpoch()
 
+
+def profile_steps(keras: Any, loop: TrainLoop) -> Any:
+    """Drives the loop's profiler (`trainer.profile_steps`, rank 0). A batch hook here ends a compiled call of
+    `tf_steps_per_execution` steps: each profiled "step" is one such call."""
+
+    class ProfileSteps(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
             loop.start_profile(epoch + 1)
 
@@ -119,15 +151,4 @@ def fit_epochs(keras: Any, loop: TrainLoop, adapter: FitAdapter, epochs: int) ->
         def on_epoch_end(self, epoch, logs=None):
             loop.stop_profile()
 
-    callbacks = [ReportEachEpoch()]
-    if loop.startup_due:
-        callbacks.append(LogStartup() if adapter.batch_hooks else LogStartupAtFirstEpoch())
-    if adapter.batch_hooks:  # else the config refuses step losses, a forced bar and profiling (pipelines/config.py)
-        if ctx.logger is not None and ctx.log_every_n_steps > 0:
-            callbacks.append(LogStepLoss())
-        if ctx.step_bar is not None:
-            callbacks.append(ShowProgress())
-        if ctx.profile_steps and ctx.profile_dir is not None:
-            callbacks.insert(0, ProfileSteps())  # before ReportEachEpoch: the trace is sent before the epoch's report
-
-    adapter.fit(loop.first_epoch, epochs, callbacks)
+    return ProfileSteps()
