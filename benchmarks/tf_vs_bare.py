@@ -15,7 +15,8 @@ import subprocess
 import sys
 import time
 
-from benchmarks.common import MNIST, QUIET_ENV, ROOT, ensure_mnist, mnist_arrays, mnist_parser, pipeline_run, steady_rate
+from benchmarks.common import (MNIST, QUIET_ENV, ROOT, ensure_mnist, mnist_arrays, mnist_parser, pipeline_run,
+                               steady_rate)
 
 
 def bare_keras(model: str, batch: int, epochs: int, steps_per_execution: int) -> list[float]:

@@ -3,8 +3,8 @@
 Rank 0 logs, per epoch (MLflow step = epoch): EPOCH_METRICS always, TEXT_METRICS for text data, and
 FIRST_EPOCH_METRICS at the first epoch of every attempt (a resumed run logs them again). `step_loss` every
 `trainer.log_every_n_steps` global steps: the mean loss of that step's global batch (over every data-parallel
-rank; Keras `fit`: of the steps since the last one logged). Tags: `rank<r>.node` per worker, `resumed_from_epoch`, and on a stop
-`preempted_at` (contract/tracking.py).
+rank; Keras `fit`: of the steps since the last one logged). Tags: `rank<r>.node` per worker, `resumed_from_epoch`,
+and on a stop `preempted_at` (contract/tracking.py).
 """
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ class SweepConfig:
     max_concurrent_trials: Optional[int] = None  # default (and cap): what the cluster holds at once
     trial_max_failures: int = 1         # Tune restarts a failed trial this often (it resumes its checkpoint)
     asha_grace_period: int = 1          # asha: epochs every trial runs before it can be stopped
-    mutations: Any = None               # pbt: {recipe key: [values] | {distribution: args}} that exploiting trials perturb
+    mutations: Any = None               # pbt: {recipe key: [values] | {distribution: args}} that exploiters perturb
     pbt_interval: int = 1               # pbt: epochs between perturbations
     pbt_quantile: float = 0.25          # pbt: the bottom fraction of trials continues from the top fraction
     pbt_synch: bool = False             # pbt: every trial waits at each perturbation (paused, later restarted)

@@ -6,8 +6,8 @@ For each mesh (4x1 batch, 1x4 model, 2x2) and model (the MLP with a column, a ro
 TF-IDF model with its BatchNorm), 3 steps of our optimizer on the DTensor model against tf-keras' on the same model
 with plain variables, the same batches, global-norm clipping on: AdamW with decay for the MLP, SGD with momentum for
 the TF-IDF model (the gradient of its Dense bias before the BatchNorm is 0 but for float noise, which Adam's
-normalisation would blow up into steps of the learning rate, different in every summation order). Also the bytes of weights
-on one device, and the Keras twin (the logged model) against the module on token ids. Prints JSON on its last
+normalisation would blow up into steps of the learning rate, different in every summation order). Also the bytes of
+weights on one device, and the Keras twin (the logged model) against the module on token ids. Prints JSON on its last
 line; tests/unit/test_dtensor.py asserts on it.
 """
 from __future__ import annotations

@@ -138,7 +138,8 @@ def check_parity(runs: dict[str, Attempt], epochs: int, text: bool, rtol: float,
     straight, stopped, resumed = runs["straight"], runs["stopped"], runs["resumed"]
     assert straight.finished and resumed.finished and not stopped.finished
     # The stop report: where it stopped, and the monitored metric at its worst (never kept as a best checkpoint).
-    assert stopped.reports[-1] == {**dict(zip(STOP_METRICS, (1.0, float(STOP_AT)))), "test_accuracy": -sys.float_info.max}
+    assert stopped.reports[-1] == {**dict(zip(STOP_METRICS, (1.0, float(STOP_AT)))),
+                                   "test_accuracy": -sys.float_info.max}
     assert stopped.recorder.epochs == {} and sorted(stopped.recorder.step_losses) == list(range(1, STOP_AT + 1))
     assert resumed.recorder.resumed == [0]
     assert min(resumed.recorder.step_losses) == STOP_AT + 1  # the trained steps were skipped

@@ -89,7 +89,8 @@ class DTensorAdapter:
         for step in range(skip, self.steps):
             index = order[step * rows:(step + 1) * rows]
             yield (self.mesh.pack_batch(self.inputs(self.train.features[index]), self.batch_size),
-                   self.mesh.pack_batch(self.train.labels[index], self.batch_size), int(self.train.lengths[index].sum()))
+                   self.mesh.pack_batch(self.train.labels[index], self.batch_size),
+                   int(self.train.lengths[index].sum()))
 
     def train_step(self, batch: Any) -> tuple[float, int, int]:
         from tensorflow.experimental import dtensor

@@ -205,7 +205,8 @@ def test_a_tracking_server_away_at_the_end_loses_nothing_and_the_replay_finishes
         assert run_id_from(replay.stdout) == run_id
         model_uri = check_finished_run(client, run_id, "fsdp", 3)  # each epoch's metrics once, the model logged
         run = client.get_run(run_id)
-        assert {"rank0.node", "rank1.node", "final_model_epoch"} <= set(run.data.tags)  # the driver's went via final.json
+        # final_model_epoch: the driver's tag, sent through final.json
+        assert {"rank0.node", "rank1.node", "final_model_epoch"} <= set(run.data.tags)
         assert list(folder.glob("*.json")) == []
         assert (tmp_path / "failed-once").exists() and run.data.tags["resumed_from_epoch"] == "1"
         checkpoint = max(p for p in (tmp_path / "ray" / f"run-{run_id}").glob("checkpoint_*") if p.is_dir())
@@ -222,9 +223,9 @@ def test_a_tracking_server_away_at_the_end_loses_nothing_and_the_replay_finishes
 def test_a_run_waiting_for_a_busy_cluster_ctrl_c_kills_it_and_the_timeout_fails_it(tmp_path, tiny_mnist,
                                                                                      mlflow_server, ray_head):
     """Another job holds 5 of the session cluster's 6 CPUs, so a run's 2 workers cannot start. Ctrl-C while Ray
-    Train waits for them: it aborts the run within seconds, the driver exits 1 with one line, and the MLflow run is KILLED with an `interrupted` tag (not
-    FAILED, not left RUNNING). `fault.resource_timeout_s`: the run fails (FAILED, exit 1) with one line naming what
-    it needed and what is free."""
+    Train waits for them: it aborts the run within seconds, the driver exits 1 with one line, and the MLflow run is
+    KILLED with an `interrupted` tag (not FAILED, not left RUNNING). `fault.resource_timeout_s`: the run fails
+    (FAILED, exit 1) with one line naming what it needed and what is free."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 

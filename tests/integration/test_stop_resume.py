@@ -30,7 +30,8 @@ def test_stop_request_checkpoints_mid_epoch_and_resumes_every_step_once(tmp_path
     env = pipeline_env(mlflow_server, ray_head)
     # 1024 rows / 2 workers / 16 = 32 steps per epoch; SGD with momentum: its buffers are in the checkpoint.
     common = [f"data.path={tiny_mnist}", "trainer.epochs=2", "trainer.batch_size=16",
-              "trainer.optimizer=sgd", "trainer.lr=0.01", "trainer.log_every_n_steps=1", "model.hidden=[64]", "model.dropout=0",
+              "trainer.optimizer=sgd", "trainer.lr=0.01", "trainer.log_every_n_steps=1", "model.hidden=[64]",
+              "model.dropout=0",
               f"run.storage_path={tmp_path / 'ray'}"]
     resume_dir = tmp_path / "resume"
     resume_dir.mkdir()

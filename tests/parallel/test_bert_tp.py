@@ -140,5 +140,6 @@ def _data_and_tensor_parallel(rank: int, n: int, impl: str) -> None:
 
 
 @pytest.mark.parametrize("impl", ["megatron", "dtensor"])
-def test_2d_data_and_tensor_parallel_matches_dense_on_the_whole_batch_and_clips_by_its_norm(run_ranks: RankPools, impl: str) -> None:
+def test_2d_data_and_tensor_parallel_matches_dense_on_the_whole_batch_and_clips_by_its_norm(run_ranks: RankPools,
+                                                                                              impl: str) -> None:
     run_ranks(_data_and_tensor_parallel, 4, impl)

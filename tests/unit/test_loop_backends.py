@@ -19,7 +19,8 @@ from tests.loop_harness import attempt_from_json, check_metric_set, check_parity
 
 def attempt(backend: str, folder, name: str, restore=None):
     env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "tests.loop_backends", backend, str(folder / backend), name, *([str(restore)] if restore else [])]
+    cmd = [sys.executable, "-m", "tests.loop_backends", backend, str(folder / backend), name,
+           *([str(restore)] if restore else [])]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return attempt_from_json(json.loads(proc.stdout.strip().splitlines()[-1]))

@@ -138,7 +138,8 @@ def test_max_concurrent_follows_the_largest_trial(fake_imdb):
     ("sweep.grid=[{trainer.lr: {loguniform: [0, 0.1]}}]", r"^sweep\.grid: 'trainer.lr': loguniform needs low > 0"),
     ("sweep.grid=[{trainer.batch_size: {randint: [8, 64.5]}}]", r"^sweep\.grid: 'trainer.batch_size': randint needs "
                                                                  r"integers"),
-    ("sweep.grid=[{trainer.batch_size: {choice: []}}]", r"^sweep\.grid: 'trainer.batch_size': choice needs a non-empty"),
+    ("sweep.grid=[{trainer.batch_size: {choice: []}}]",
+     r"^sweep\.grid: 'trainer.batch_size': choice needs a non-empty"),
     ("sweep.num_sample=3", r"^sweep\.num_sample: not a sweep key \(did you mean sweep\.num_samples\?\)"),
     ("sweep.time_budget_s=0", r"^sweep\.time_budget_s: must be > 0"),
     ("sweep.num_samples=0", r"^sweep\.num_samples: must be >= 1"),
@@ -207,7 +208,8 @@ def test_trial_outcomes_from_tune_results():
     assert (broken.status, broken.message, broken.failed) == ("FAILED", "RuntimeError: boom", True)
     stopped = outcome_of(result({"stopped_at_epoch": 1.0, "stopped_at_step": 5.0}), 3, False)
     assert (stopped.status, stopped.message, stopped.failed) == ("KILLED", "stopped on request at epoch 1 step 5", True)
-    assert outcome_of(None, 3, False).message == "not run: the sweep stopped first" and outcome_of(None, 3, False).failed
+    not_run = outcome_of(None, 3, False)
+    assert not_run.message == "not run: the sweep stopped first" and not_run.failed
     for cut in (outcome_of(None, 3, True), outcome_of(result({}), 3, True)):
         assert (cut.status, cut.failed) == ("KILLED", False) and "time budget" in cut.message
     assert outcome_of(result({}), 3, False).failed  # no budget: a trial without an epoch did not finish

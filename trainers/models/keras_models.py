@@ -34,7 +34,8 @@ def build_keras_model(model_cfg: Any, keras: Any, model_inputs: dict | None = No
             layers.Input(shape=(model_inputs["max_len"],), dtype="int32"),
             token_features_layer(keras)(model_inputs["vocab_size"], model_cfg.bigram_buckets),
             layers.Dense(model_cfg.hidden),
-            layers.BatchNormalization(momentum=BN_MOMENTUM, epsilon=BN_EPSILON), layers.ReLU(), layers.Dropout(model_cfg.dropout),
+            layers.BatchNormalization(momentum=BN_MOMENTUM, epsilon=BN_EPSILON), layers.ReLU(),
+            layers.Dropout(model_cfg.dropout),
             layers.Dense(2, dtype="float32"),
         ], name="tfidf")
     classes = 10
