@@ -28,8 +28,11 @@ TF_RECIPE = ["trainer.lr_schedule=cosine", "trainer.warmup_steps=3", "trainer.gr
 CONSTANT_LR = ["trainer.lr_schedule=constant", "trainer.warmup_steps=0"]
 ONE_DEVICE = ["trainer=tf_mwms", "trainer.tf_loop=custom", "model.hidden=[32]", *COMMON, *TF_RECIPE]
 BACKENDS = {
-    # clipping after Horovod's synchronize(), the schedule stepped by its DistributedOptimizer and checkpointed
-    "horovod_torch": ["trainer=horovod", "trainer.grad_accum=2", "model.hidden=[32]", *COMMON,
+    # clipping after Horovod's synchronize(), the schedule stepped by its DistributedOptimizer and checkpointed; a
+    # CNN, trained channels-last: its convolutions' weights, gradients and momentum buffers are not contiguous
+    # tensors, which Horovod takes through contiguous copies (all-reduce, the broadcasts at the start and the restore)
+    "horovod_torch": ["trainer=horovod", "trainer.grad_accum=2", "model=cnn", "model.channels=[4,8]",
+                      "model.hidden=16", *COMMON,
                       "trainer.lr_schedule=cosine", "trainer.warmup_steps=3", "trainer.grad_clip=1.0"],
     "horovod_tf": ["trainer=horovod", "trainer.framework=tf", "model.hidden=[32]", *COMMON,
                    "trainer.optimizer=adamw", "trainer.weight_decay=0.01", "trainer.lr_schedule=linear",

@@ -29,6 +29,34 @@ def hvd_reducer(hvd: Any) -> Reducer:
     return reduce
 
 
+class ContiguousCompression:
+    """Horovod all-reduces and broadcasts only contiguous tensors, and a channels-last model's
+    (`torch_common.place_model`) convolution weights and gradients are not: each such gradient is all-reduced as a
+    contiguous copy (through `inner`, Horovod's compression) and the result copied back into it."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        dense = tensor.contiguous()
+        compressed, inner_ctx = self.inner.compress(dense)
+        return compressed, (tensor, dense, inner_ctx)
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        original, dense, inner_ctx = ctx
+        reduced = self.inner.decompress(tensor, inner_ctx)
+        return reduced if dense is original else original.copy_(reduced)
+
+
+def broadcast_from_rank0(hvd: Any, tensors: dict[str, torch.Tensor]) -> None:
+    """`hvd.broadcast_parameters` for tensors in any memory layout: rank 0's values into every rank's tensors."""
+    dense = {name: tensor.contiguous() for name, tensor in tensors.items()}
+    hvd.broadcast_parameters(dense, root_rank=0)
+    for name, tensor in tensors.items():
+        if dense[name] is not tensor:
+            tensor.copy_(dense[name])
+
+
 class HorovodTorchAdapter(tc.TorchAdapter):
     """Rank 0's weights become everyone's at the start (ranks draw different initial weights on purpose, so the
     broadcast is what aligns them) and again after a restore, with the optimizer state. On a fresh start the
@@ -37,7 +65,7 @@ class HorovodTorchAdapter(tc.TorchAdapter):
     def __init__(self, hvd: Any, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.hvd = hvd
-        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        broadcast_from_rank0(hvd, self.model.state_dict())
 
     def step_optimizer(self) -> None:
         with self.optimizer.skip_synchronize():  # `sync_gradients` (optimizer.synchronize) already ran
@@ -45,25 +73,29 @@ class HorovodTorchAdapter(tc.TorchAdapter):
 
     def load_dense_state(self, model_state: dict[str, torch.Tensor], optimizer_state: dict | None) -> None:
         super().load_dense_state(model_state, optimizer_state)
-        self.hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        broadcast_from_rank0(self.hvd, self.model.state_dict())
         if optimizer_state is not None:
+            for state in self.optimizer.state.values():  # Horovod broadcasts these in place: contiguous ones
+                for key, value in state.items():
+                    if torch.is_tensor(value) and not value.is_contiguous():
+                        state[key] = value.contiguous()
             self.hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
 
 
 def build_adapter(hvd: Any, cfg: DictConfig, model_inputs: dict, rank: int,
                   train_data: tc.TrainData) -> HorovodTorchAdapter:
-    # Different initial weights per rank on purpose: the broadcast must align them. Not channels-last: Horovod
-    # needs contiguous tensors.
+    # Different initial weights per rank on purpose: the broadcast must align them.
     torch.manual_seed(cfg.run.seed + rank)
-    model = build_model(cfg.model, model_inputs, seed=cfg.run.seed + rank)
+    device = torch.device("cpu")
+    model = tc.place_model(build_model(cfg.model, model_inputs, seed=cfg.run.seed + rank), device)
     train, evaluation = train_data(cfg.run.seed + 1000 * rank)
+    compression = hvd.Compression.fp16 if cfg.trainer.compression == "fp16" else hvd.Compression.none
 
     def distributed(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         # Horovod all-reduces each gradient once per `backward_passes_per_step` backward passes (accumulation).
         return hvd.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters(), backward_passes_per_step=cfg.trainer.grad_accum,
-            compression=hvd.Compression.fp16 if cfg.trainer.compression == "fp16" else hvd.Compression.none)
-    device = torch.device("cpu")
+            compression=ContiguousCompression(compression))
     recipe = build_recipe(model, cfg.trainer, train.steps(), device, wrap_optimizer=distributed)
     return HorovodTorchAdapter(hvd, model, recipe, train, evaluation, device, rank, reduce=hvd_reducer(hvd),
                                sync_gradients=recipe.optimizer.synchronize)

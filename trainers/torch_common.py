@@ -33,7 +33,7 @@ Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor, int]  # (model inputs, lab
 def place_model(model: nn.Module, device: torch.device) -> nn.Module:
     """`model` on `device`; a convolutional one in channels-last memory format, which oneDNN (and cuDNN) run
     faster: the MNIST CNN's training step is 1.9x faster on one CPU thread (NCHW max-pooling is a slow path;
-    benchmarks/README.md). Horovod refuses such tensors (not contiguous in NCHW order): it keeps NCHW."""
+    benchmarks/README.md). Horovod takes them through contiguous copies (`horovod_torch.ContiguousCompression`)."""
     if any(isinstance(m, nn.Conv2d) for m in model.modules()):
         return model.to(device, memory_format=torch.channels_last)
     return model.to(device)

@@ -43,8 +43,31 @@ def probe(config: dict) -> None:
         "broadcast": to_list(hvd.broadcast(as_tensor([float(rank) + 7.0]), root_rank=1, name="bcast")),
         "env": {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_")},
     }
+    if config["framework"] == "torch":
+        got["channels_last"] = channels_last_collectives(hvd, rank)
     assert np.isfinite(got["sum"]).all()
     Path(config["out"], f"rank{rank}.json").write_text(json.dumps(got))
+
+
+def channels_last_collectives(hvd, rank: int) -> dict:
+    """A channels-last gradient all-reduced through `ContiguousCompression` as Horovod's optimizer does (compress,
+    in-place all-reduce, decompress), and channels-last weights broadcast from rank 0: the values, and whether the
+    gradient tensor itself holds the result in its own layout."""
+    import torch
+
+    from trainers.horovod_torch import ContiguousCompression, broadcast_from_rank0
+
+    def block(value: float) -> torch.Tensor:
+        return torch.full((2, 3, 2, 2), value).contiguous(memory_format=torch.channels_last)
+    grad, weights = block(rank + 1.0), {"w": block(rank + 5.0)}
+    compression = ContiguousCompression(hvd.Compression.none)
+    packed, ctx = compression.compress(grad)
+    reduced = compression.decompress(hvd.allreduce_(packed, op=hvd.Average, name="channels_last"), ctx)
+    broadcast_from_rank0(hvd, weights)
+    return {"average": sorted(set(reduced.flatten().tolist())), "into_the_gradient": reduced is grad,
+            "broadcast": sorted(set(weights["w"].flatten().tolist())),
+            "layouts_kept": all(not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+                                for t in (grad, weights["w"]))}
 
 
 def main(framework: str, out: str, storage: str) -> int:

@@ -48,6 +48,9 @@ def test_allreduce_of_known_values(tmp_path, ray_head, framework):
         assert got["fp16_sum"] == [3.0, 30.0]  # exact in float16 too
         assert got["allgather"] == [[0.0, 0.0], [1.0, 1.0]]
         assert got["broadcast"] == [8.0]  # rank 1's 1 + 7
+        if framework == "torch":  # a channels-last model's tensors (trainers/horovod_torch.ContiguousCompression)
+            assert got["channels_last"] == {"average": [1.5], "into_the_gradient": True, "broadcast": [5.0],
+                                            "layouts_kept": True}
         env_vars = got["env"]
         assert env_vars["HOROVOD_CONTROLLER"] == "gloo" and env_vars["HOROVOD_CPU_OPERATIONS"] == "gloo"
         assert env_vars["HOROVOD_GLOO_IFACE"] == "lo"  # one node: loopback, as horovodrun picks for local hosts
