@@ -138,7 +138,8 @@ class CNNConfig:
 class BertModelConfig:
     name: str = "bert"
     flavour: str = "tiny"           # tiny | small | base | large (trainers/models/bert.py)
-    dropout: float = 0.1
+    dropout: float = 0.1            # embedding, residual and MLP dropout
+    attention_dropout: float = 0.0  # on the attention probabilities: > 0 makes attention 3x slower on CPU
     hidden: Optional[int] = None    # optional overrides of the flavour
     layers: Optional[int] = None
     heads: Optional[int] = None

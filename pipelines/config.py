@@ -110,8 +110,9 @@ def _check_values(cfg: DictConfig) -> None:
                           f"got {cfg.fault.resource_timeout_s}")
     if cfg.run.system_metrics_interval_s < 1:  # a request per sample per process: more would flood the server
         raise ConfigError(f"run.system_metrics_interval_s: must be >= 1, got {cfg.run.system_metrics_interval_s}")
-    if not 0 <= cfg.model.dropout < 1:
-        raise ConfigError(f"model.dropout: must be in [0, 1), got {cfg.model.dropout}")
+    for key in ("dropout", "attention_dropout"):
+        if key in cfg.model and not 0 <= cfg.model[key] < 1:
+            raise ConfigError(f"model.{key}: must be in [0, 1), got {cfg.model[key]}")
     if cfg.run.resume_from and not (Path(cfg.run.resume_from) / STATE_FILE).is_file():
         raise ConfigError(f"run.resume_from: no checkpoint at '{cfg.run.resume_from}' (missing {STATE_FILE})")
     manifest = Path(cfg.data.path) / "manifest.json"

@@ -42,7 +42,7 @@ class Plan:
     model_uri: str
     dataset: str
     rows: pa.Table  # `row`, `source`, and `image` (MNIST) or `text` (IMDb)
-    tokenizer: tuple[str, int] | None  # (tokenizer JSON, max_len) for text
+    tokenizer: tuple[str, int, int | None] | None  # `Tokenise`'s (tokenizer JSON, max_len, head_tokens) for text
 
 
 def parse(argv: list[str]) -> Any:
@@ -52,9 +52,9 @@ def parse(argv: list[str]) -> Any:
     return cfg
 
 
-def training_tokenizer(run: Any, uri: str) -> tuple[str, int]:
-    """The tokenizer JSON and sequence length of the data the run trained on: logged with the run's data, or
-    with its sweep's (the parent run's) for a sweep trial."""
+def training_tokenizer(run: Any, uri: str) -> tuple[str, int, int | None]:
+    """The tokenizer JSON, sequence length and head tokens (`Tokenise`'s arguments) of the data the run trained
+    on: logged with the run's data, or with its sweep's (the parent run's) for a sweep trial."""
     import mlflow
 
     for run_id in filter(None, (run.info.run_id, run.data.tags.get("mlflow.parentRunId"))):
@@ -65,7 +65,7 @@ def training_tokenizer(run: Any, uri: str) -> tuple[str, int]:
         tokenizer = Path(manifest.get("tokenizer") or "").name
         if tokenizer in names:
             return (mlflow.artifacts.load_text(f"runs:/{run_id}/{tokenizer}"),
-                    manifest["model_inputs"]["max_len"])
+                    manifest["model_inputs"]["max_len"], manifest.get("head_tokens"))  # None: older data
     raise ConfigError(f"model: training run {run.info.run_id} (or its sweep) logged no tokenizer with its data")
 
 

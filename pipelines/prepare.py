@@ -36,6 +36,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     im.add_argument("--shards", type=int, default=4)
     im.add_argument("--vocab-size", type=int, default=8000)
     im.add_argument("--max-len", type=int, default=256)
+    im.add_argument("--head-tokens", type=int, default=128,
+                    help="a longer review keeps this many tokens from its start and the rest from its end "
+                         "(>= max-len - 2: its start only)")
     im.add_argument("--val-fraction", type=float, default=0.1)
     im.add_argument("--seed", type=int, default=0, help="seed of the shuffle and validation split")
     im.add_argument("--tokenizer", type=Path, default=None,
@@ -57,14 +60,14 @@ def prepare_imdb(args: argparse.Namespace) -> dict:
         raise DataError(f"{source}: not found (pass --source, or --download when online)")
     if args.tokenizer is not None and not args.tokenizer.is_file():
         raise DataError(f"{args.tokenizer}: tokenizer file not found")
-    if not 0 < args.val_fraction < 1 or args.vocab_size < 16 or args.max_len < 4:
-        raise DataError("--val-fraction must be in (0, 1), --vocab-size >= 16, --max-len >= 4")
+    if not 0 < args.val_fraction < 1 or args.vocab_size < 16 or args.max_len < 4 or args.head_tokens < 0:
+        raise DataError("--val-fraction must be in (0, 1), --vocab-size >= 16, --max-len >= 4, --head-tokens >= 0")
     # Bad input is reported before Ray starts (Ray only tokenises).
     splits = imdb.plan_splits(*imdb.read_source(source), source, args.val_fraction, args.seed)
     ray.init(address=os.environ.get("RAY_ADDRESS", "local"), include_dashboard=False, log_to_driver=False)
     try:
         return imdb.prepare(splits, source, args.out.resolve(), args.shards, args.vocab_size, args.max_len,
-                            args.val_fraction, args.seed, args.tokenizer)
+                            min(args.head_tokens, args.max_len - 2), args.val_fraction, args.seed, args.tokenizer)
     finally:
         ray.shutdown()
 

@@ -243,9 +243,10 @@ def plan_splits(reviews: dict[str, SplitReviews], outside: SplitReviews, source:
 
 
 def prepare(splits: Splits, source: Path, out_dir: Path, num_shards: int, vocab_size: int, max_len: int,
-            val_fraction: float, seed: int, tokenizer_path: Path | None = None) -> dict:
+            head_tokens: int, val_fraction: float, seed: int, tokenizer_path: Path | None = None) -> dict:
     """Splits (`plan_splits`) -> WordPiece tokenizer (trained on our train split only, or the one at
-    `tokenizer_path`) -> tokenised Parquet shards in `out_dir` (replaced as a whole, once all is written).
+    `tokenizer_path`) -> tokenised Parquet shards in `out_dir` (replaced as a whole, once all is written); a
+    review longer than `max_len` ids keeps `head_tokens` from its start and the rest from its end.
     Tokenises with Ray Data: needs a Ray connection."""
     from pipelines.data.tokenize import tokenise_table, train_wordpiece
 
@@ -259,7 +260,7 @@ def prepare(splits: Splits, source: Path, out_dir: Path, num_shards: int, vocab_
         tokenizer.save(str(stage / "tokenizer.json"))
         splits_info = {}
         for split, table in splits.tables.items():
-            tokenised = tokenise_table(table, tokenizer.to_str(), max_len)
+            tokenised = tokenise_table(table, tokenizer.to_str(), max_len, head_tokens)
             splits_info[split] = {"rows": tokenised.num_rows,
                                   "shards": write_split_shards(tokenised, stage, split, num_shards)}
         manifest = {"dataset": "imdb", "splits": splits_info, "skipped": splits.skipped,
@@ -269,6 +270,7 @@ def prepare(splits: Splits, source: Path, out_dir: Path, num_shards: int, vocab_
                     "seed": seed, "val_fraction": val_fraction,
                     "validation_grouped_by": "movie" if splits.by_movie else "review",
                     "model_inputs": {"vocab_size": tokenizer.get_vocab_size(), "max_len": max_len},
+                    "head_tokens": head_tokens,  # kept from a long review's start; the rest from its end
                     "schema": str(tokenised.schema)}
         write_manifest(stage, manifest)
     return manifest

@@ -56,6 +56,7 @@ def test_shards_schema_counts_and_skips(prepared):
 
     vocab_size = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()
     assert manifest["model_inputs"] == {"vocab_size": vocab_size, "max_len": MAX_LEN} and vocab_size <= 200
+    assert manifest["head_tokens"] == MAX_LEN - 2  # the default 128 is longer: a long review keeps its head
     table = split_table(out, "train")
     assert table.schema.field("input_ids").type == pa.list_(pa.int32(), MAX_LEN)
     assert set(table.column_names) == {"id", "rating", "label", "input_ids", "length"}

@@ -105,3 +105,17 @@ def test_attention_infers_local_head_count_from_shapes() -> None:
     assert halves[0].shape == (2, 5, 32)
     # Heads are independent, so the two halves plus the bias rebuild the full output (the TP identity).
     torch.testing.assert_close(halves[0] + halves[1] + attn.out_proj.bias, attn(x, key_mask), **TOL)
+
+
+def test_attention_dropout_is_its_own_setting() -> None:
+    """`dropout` acts on embeddings, the residual stream and the MLP; `attention_dropout` on attention alone."""
+    cfg = bert_config("tiny", vocab_size=50, max_len=8, dropout=0.0, attention_dropout=0.5)
+    model = BertClassifier(cfg).train()
+    assert [block.attn.dropout for block in model.blocks] == [0.5, 0.5]
+    ids = torch.randint(1, 50, (4, 8))
+    assert not torch.equal(model(ids), model(ids))  # only attention drops anything here
+    model.eval()
+    assert torch.equal(model(ids), model(ids))
+    plain = BertClassifier(bert_config("tiny", vocab_size=50, max_len=8, dropout=0.1)).train()
+    assert [block.attn.dropout for block in plain.blocks] == [0.0, 0.0]
+    assert plain.emb_drop.p == 0.1 and plain.blocks[0].mlp.drop.p == 0.1

@@ -108,3 +108,23 @@ def test_parquet_and_csv_sources_with_counted_skips(tmp_path):
     pacsv.write_csv(pa.table({"text": [1, 2], "label": [0, 1]}), tmp_path / "numbers.csv")
     with pytest.raises(DataError, match="numbers.csv: column 'text' holds int64 values, not text"):
         read_table_file(tmp_path / "numbers.csv")
+
+
+def test_a_long_review_keeps_its_head_and_its_tail():
+    import pyarrow as pa
+
+    from pipelines.data.tokenize import Tokenise, wordpiece_tokenizer
+
+    words = [f"w{i}" for i in range(20)]
+    tokenizer = wordpiece_tokenizer(words)
+    full = tokenizer.encode(" ".join(words)).ids  # [CLS] w0 .. w19 [SEP]
+    texts = pa.table({"text": [" ".join(words), "w3 w4"]})
+    table = Tokenise(tokenizer.to_str(), 10, head_tokens=3)(texts)
+    long, short = table.column("input_ids").to_pylist()
+    assert long == full[:4] + full[-6:]  # [CLS] w0 w1 w2, then w15 .. w19 [SEP]
+    assert short == tokenizer.encode("w3 w4").ids + [0] * 6  # shorter than max_len: whole, then [PAD]s
+    assert table.column("length").to_pylist() == [10, 4]
+    # head_tokens None (data prepared before it existed): the head alone, as the tokenizer's own truncation cuts.
+    tokenizer.enable_truncation(10)
+    head_only = Tokenise(tokenizer.to_str(), 10)(texts).column("input_ids").to_pylist()[0]
+    assert head_only == tokenizer.encode(" ".join(words)).ids and head_only[-1] == full[-1]

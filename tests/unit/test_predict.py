@@ -13,6 +13,7 @@ from PIL import Image
 from pipelines import predict
 from pipelines.data.idx import DataError
 from pipelines.data.raw_inputs import read_images, read_texts
+from pipelines.data.shards import read_manifest
 from pipelines.data.tokenize import Tokenise
 from tests.conftest import make_mnist_like, read_split
 
@@ -45,7 +46,8 @@ def test_reviews_from_lines_csv_and_folders_tokenise_as_prepare_did(tmp_path, ti
     # shards' tokenizer as `predict` does, gives exactly the token ids `prepare` stored (train + validation).
     sources, texts = read_texts(tiny_imdb.parent / "src")
     assert len(texts) == 320 and not any("urls_" in s for s in sources)
-    tokenised = Tokenise((tiny_imdb / "tokenizer.json").read_text(), 48)(pa.table({"text": texts}))
+    head_tokens = read_manifest(tiny_imdb)["head_tokens"]
+    tokenised = Tokenise((tiny_imdb / "tokenizer.json").read_text(), 48, head_tokens)(pa.table({"text": texts}))
     ours = sorted(map(tuple, np.stack(tokenised.column("input_ids").to_numpy(zero_copy_only=False))))
     stored = [read_split(tiny_imdb, split)[0] for split in ("train", "validation")]
     assert ours == sorted(map(tuple, np.concatenate(stored)))

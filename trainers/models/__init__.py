@@ -23,7 +23,8 @@ def build_model(model_cfg: Any, model_inputs: dict | None = None, seed: int | No
 
         overrides = {k: model_cfg[k] for k in ("hidden", "layers", "heads") if model_cfg[k] is not None}
         config = bert_config(model_cfg.flavour, vocab_size=model_inputs["vocab_size"],
-                             max_len=model_inputs["max_len"], dropout=model_cfg.dropout, **overrides)
+                             max_len=model_inputs["max_len"], dropout=model_cfg.dropout,
+                             attention_dropout=model_cfg.attention_dropout, **overrides)
         return BertClassifier(config)
     if model_cfg.name == "embed_pool":
         from trainers.models.text import EmbedPool
