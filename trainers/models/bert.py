@@ -25,8 +25,8 @@ class BertConfig:
     mlp_ratio: int = 4  # MLP inner width = mlp_ratio * hidden
     dropout: float = 0.1  # embedding, residual and MLP dropout
     # On the attention probabilities. Off by default, as in nanoGPT and TorchTitan: with it, torch's CPU
-    # attention leaves its fused kernel (measured: 3x slower at 256 tokens, 3.4x at 512), and IMDb accuracy
-    # did not depend on it (benchmarks/README.md).
+    # attention leaves its fused kernel (BERT tiny's training step 1.21x slower at 256 tokens, 1.60x at 512),
+    # and IMDb accuracy did not depend on it (benchmarks/README.md, attention_dropout.py).
     attention_dropout: float = 0.0
     num_classes: int = 2  # classifier outputs
     pad_id: int = 0  # informational: the caller builds attention_mask from it (see `padding_mask`)
