@@ -2,12 +2,14 @@
 order and recipe on 2 workers, and its step losses are compared with DDP's, step for step.
 
     python -m benchmarks.loss_parity [--steps 50] [--epochs 2] [--batch 64] [--only ddp,tf_mwms_custom]
+                                     [--dropout 0.2 --only fsdp,horovod_torch]
 
 Each backend is a `pipelines.train` run (Ray Data shards, Ray Train workers, MLflow) logging `step_loss` every
 step. What makes the curves comparable: the MLP starts from the same weights in PyTorch and Keras for one seed
 (trainers/models/portable_init.py), every backend shuffles its shard with the same numpy permutation (with
-`data.cache_in_worker=true`, the default, under which the PyTorch backends hold their shard), dropout is off, and
-SGD with momentum runs at a constant rate (the two frameworks define momentum alike only then). The overlay
+`data.cache_in_worker=true`, the default, under which the PyTorch backends hold their shard), dropout is off
+(`--dropout p`: on; the PyTorch backends draw the same masks, trainers/torch_common.seed_dropout, TensorFlow its
+own), and SGD with momentum runs at a constant rate (the two frameworks define momentum alike only then). The overlay
 plot of the curves, with each one's distance to DDP's below it, is logged as `loss_parity.png` to an MLflow run
 named `loss-parity` in the tracking store of the runs (MLFLOW_TRACKING_URI, else the pipelines' default).
 The gate with a stated tolerance is a test, in-process (one worker each, no Ray):
@@ -36,7 +38,7 @@ REFERENCE = "ddp"
 
 
 def recipe(args: argparse.Namespace) -> list[str]:
-    return [f"data.path={MNIST}", "model=mlp", "model.dropout=0", "trainer.num_workers=2", "run.seed=0",
+    return [f"data.path={MNIST}", "model=mlp", f"model.dropout={args.dropout}", "trainer.num_workers=2", "run.seed=0",
             "trainer.optimizer=sgd", "trainer.momentum=0.9", f"trainer.lr={args.lr}",
             f"trainer.batch_size={args.batch}", f"trainer.epochs={args.epochs}",
             f"trainer.max_steps_per_epoch={args.steps}", "trainer.log_every_n_steps=1", "run.system_metrics=false"]
@@ -97,6 +99,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="per worker")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--only", default=",".join(BACKENDS), help="comma-separated rows (ddp is always run)")
+    parser.add_argument("--dropout", type=float, default=0.0, help="the MLP's dropout (0: off)")
     args = parser.parse_args()
     ensure_mnist()
     uri = tracking_uri()

@@ -97,6 +97,7 @@ def build_adapter(hvd: Any, cfg: DictConfig, model_inputs: dict, rank: int,
             optimizer, named_parameters=model.named_parameters(), backward_passes_per_step=cfg.trainer.grad_accum,
             compression=ContiguousCompression(compression))
     recipe = build_recipe(model, cfg.trainer, train.steps(), device, wrap_optimizer=distributed)
+    tc.seed_dropout(cfg.run.seed, rank)  # as trainer=ddp: the same seed trains the same model
     return HorovodTorchAdapter(hvd, model, recipe, train, evaluation, device, rank, reduce=hvd_reducer(hvd),
                                sync_gradients=recipe.optimizer.synchronize)
 

@@ -24,6 +24,7 @@ def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, train_data: tc
     train, evaluation = train_data(cfg.run.seed + 1000 * rank)
     recipe = build_recipe(model, cfg.trainer, train.steps(), device)
     model = wrap(model) if wrap is not None else model
+    tc.seed_dropout(cfg.run.seed, rank)
     return tc.TorchAdapter(model, recipe, train, evaluation, device, rank)
 
 

@@ -185,14 +185,14 @@ def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: in
     dims = parallel_dims(trainer, world_size)
     dims.validate(world_size)
     mesh = build_nd_mesh(dims, device.type)
-    # The same dense weights on every rank before each keeps its part, and the same dropout masks in a TP group.
-    torch.manual_seed(cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)  # the same dense weights on every rank before each keeps its part
     model = build_model(cfg.model, model_inputs, seed=cfg.run.seed).to(device)
     split = parallelize(model, dims, mesh, trainer.pp_schedule, trainer.activation_checkpointing,
                         trainer.reshard_after_forward, AUTOCAST_DTYPES[trainer.precision])
     train, evaluation = train_data(cfg.run.seed + 1000 * dims.data_rank(rank))
     # The recipe over the sharded parameters, without autocast: bf16 is FSDP's mixed-precision policy.
     recipe = replace(build_recipe(nn.ModuleList(split.parts), trainer, train.steps(), device), autocast_dtype=None)
+    tc.seed_dropout(cfg.run.seed, dims.data_rank(rank))  # the same dropout masks in a TP or PP group
     if dims.pp == 1:
         return FSDPAdapter(split.parts, recipe, train, evaluation, device, rank, replicas=dims.batch_group)
     pp_group = mesh.get_group("pp")

@@ -107,12 +107,12 @@ def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: in
     dims.validate(world_size)
     dp_rank, _ = rank_coords(rank, dims.dp, dims.tp)
     mesh = build_mesh(dims, "cuda" if cfg.trainer.use_gpu else "cpu")
-    # Same seed everywhere: identical dense weights before sharding, identical dropout masks inside a TP group.
-    torch.manual_seed(cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)  # same seed everywhere: identical dense weights before sharding
     model = parallelize_bert(build_model(cfg.model, model_inputs).to(device), mesh, impl=cfg.trainer.tp_impl)
     dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
     train, evaluation = train_data(cfg.run.seed + 1000 * dp_rank)  # same shuffle in a TP group
     recipe = build_recipe(model, cfg.trainer, train.steps(), device)
+    tc.seed_dropout(cfg.run.seed, dp_rank)  # identical dropout masks inside a TP group
     return TPAdapter(model, recipe, train, evaluation, device, rank, replicas=dims.tp,
                      sync_gradients=lambda: average_gradients(model, dp_group),
                      clip=lambda max_norm: clip_grad_norm(model, max_norm, tp_group))

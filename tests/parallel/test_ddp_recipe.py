@@ -33,18 +33,22 @@ def _batches(rank: int):
 
 def _dense_reference(cfg, model: nn.Module) -> dict[str, torch.Tensor]:
     """One process: each optimizer step's gradient is the mean over both ranks' batches of the group (each batch's
-    loss / grad_accum, averaged over the 2 ranks, as DDP does), clipped, then SGD with the linear schedule."""
+    loss / grad_accum, averaged over the 2 ranks, as DDP does), clipped, then SGD with the linear schedule. Each
+    rank's batches draw their dropout masks from that rank's own stream (seed + 1000 x rank)."""
     from trainers.torch_recipe import build_recipe
 
     recipe = build_recipe(model, cfg.trainer, 5, torch.device("cpu"))
     epochs = [list(_batches(r)(cfg.run.seed + 1000 * r)[0].epoch(1)) for r in range(2)]
+    streams = [torch.Generator().manual_seed(cfg.run.seed + 1000 * r).get_state() for r in range(2)]
     loss_fn = nn.CrossEntropyLoss()
     for group in ([0, 1], [2, 3], [4]):
         recipe.optimizer.zero_grad()
         for rank in range(2):
             for i in group:
                 inputs, labels, _ = epochs[rank][i]
+                torch.set_rng_state(streams[rank])
                 (loss_fn(model(*inputs), labels) / 2 / 2).backward()
+                streams[rank] = torch.get_rng_state()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip)
         recipe.optimizer.step()
         recipe.scheduler.step()
@@ -53,8 +57,10 @@ def _dense_reference(cfg, model: nn.Module) -> dict[str, torch.Tensor]:
 
 # the CNN trains in channels-last memory format (trainers/torch_common.place_model); its reference is plain NCHW.
 # `compiled`: the same MLP trained through torch.compile (DDP's graph split at its buckets).
+# `dropout`: the MLP with dropout on; the reference draws each rank's masks from its own stream
+# (trainers/torch_common.seed_dropout), so ranks sharing one stream would fail it.
 MODELS = {"mlp": ["model.hidden=[32]"], "cnn": ["model=cnn", "model.channels=[4,8]", "model.hidden=16"],
-          "compiled": ["model.hidden=[32]", "trainer.compile=true"]}
+          "compiled": ["model.hidden=[32]", "trainer.compile=true"], "dropout": ["model.hidden=[32]", "model.dropout=0.5"]}
 
 
 def _accumulate(rank: int, world_size: int, tmp: str, model: str) -> None:
@@ -62,7 +68,7 @@ def _accumulate(rank: int, world_size: int, tmp: str, model: str) -> None:
     from trainers.torch_ddp import build_adapter, run_worker
 
     torch.set_default_dtype(torch.float32)  # the pool's ranks may have run a float64 test before
-    cfg = config(Path(tmp) / f"cfg{rank}", [*MODELS[model], *OVERRIDES])
+    cfg = config(Path(tmp) / f"cfg{rank}", [*OVERRIDES, *MODELS[model]])  # the model's keys last: they win
     adapter = build_adapter(cfg, {}, rank, _batches(rank), torch.device("cpu"),
                             wrap=lambda m: nn.parallel.DistributedDataParallel(m))
     convs = [m for m in adapter.model.modules() if isinstance(m, nn.Conv2d)]
