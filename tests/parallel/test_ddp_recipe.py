@@ -60,7 +60,8 @@ def _dense_reference(cfg, model: nn.Module) -> dict[str, torch.Tensor]:
 # `dropout`: the MLP with dropout on; the reference draws each rank's masks from its own stream
 # (trainers/torch_common.seed_dropout), so ranks sharing one stream would fail it.
 MODELS = {"mlp": ["model.hidden=[32]"], "cnn": ["model=cnn", "model.channels=[4,8]", "model.hidden=16"],
-          "compiled": ["model.hidden=[32]", "trainer.compile=true"], "dropout": ["model.hidden=[32]", "model.dropout=0.5"]}
+          "compiled": ["model.hidden=[32]", "trainer.compile=true"],
+          "dropout": ["model.hidden=[32]", "model.dropout=0.5"]}
 
 
 def _accumulate(rank: int, world_size: int, tmp: str, model: str) -> None:
