@@ -39,13 +39,13 @@ def place_model(model: nn.Module, device: torch.device) -> nn.Module:
     return model.to(device)
 
 
-def seed_dropout(seed: int, data_rank: int) -> None:
+def seed_dropout(seed: int, stream: int) -> None:
     """Seed the dropout masks of training, once the model is built (its initial weights come from `seed` alone).
-    Each data-parallel rank draws its own masks, as one process would draw a fresh mask for every sample of the
-    global batch; ranks that read the same batches (a TP or PP group) share a data rank and draw the same masks,
-    as dropout on replicated activations requires. Every torch backend seeds this way, so the same `run.seed`
+    `stream`: the rank's data-parallel rank, so each draws its own masks, as one process would draw a fresh mask
+    for every sample of the global batch; the ranks of a TP group share one (`ParallelDims.dropout_stream`), as
+    dropout on their replicated activations requires. Every torch backend seeds this way, so the same `run.seed`
     trains the same model through ddp, fsdp and horovod (benchmarks/loss_parity.py)."""
-    torch.manual_seed(seed + 1000 * data_rank)  # the offset the shard shuffle uses too (another generator)
+    torch.manual_seed(seed + 1000 * stream)  # the offset the shard shuffle uses too (another generator)
 
 
 def normalise(images: torch.Tensor) -> torch.Tensor:

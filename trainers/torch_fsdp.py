@@ -192,7 +192,7 @@ def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: in
     train, evaluation = train_data(cfg.run.seed + 1000 * dims.data_rank(rank))
     # The recipe over the sharded parameters, without autocast: bf16 is FSDP's mixed-precision policy.
     recipe = replace(build_recipe(nn.ModuleList(split.parts), trainer, train.steps(), device), autocast_dtype=None)
-    tc.seed_dropout(cfg.run.seed, dims.data_rank(rank))  # the same dropout masks in a TP or PP group
+    tc.seed_dropout(cfg.run.seed, dims.dropout_stream(rank))  # the same masks in a TP group
     if dims.pp == 1:
         return FSDPAdapter(split.parts, recipe, train, evaluation, device, rank, replicas=dims.batch_group)
     pp_group = mesh.get_group("pp")

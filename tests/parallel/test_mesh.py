@@ -40,3 +40,5 @@ def test_pipeline_and_tp_ranks_read_the_same_batches() -> None:
     dims.validate(world_size=8)
     assert (dims.world_size, dims.batch_group, dims.dp_shard) == (8, 4, 1)
     assert [dims.data_rank(rank) for rank in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    # dropout: a TP group's ranks draw alike; the two stages of one data shard draw their own
+    assert [dims.dropout_stream(rank) for rank in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]

@@ -36,6 +36,11 @@ class ParallelDims:
         """Which data-parallel shard `rank` reads."""
         return rank // self.batch_group
 
+    def dropout_stream(self, rank: int) -> int:
+        """Which dropout stream `rank` draws from: one per TP group, whose ranks hold replicated activations that
+        must be dropped alike; a pipeline's stages hold different layers and draw their own."""
+        return rank // self.tp
+
     def validate(self, world_size: int, heads: int | None = None, hidden: int | None = None) -> None:
         """Raise ValueError before any process group exists if these dims cannot run the model."""
         if min(self.dp, self.tp, self.pp, self.dp_replicate) < 1:
