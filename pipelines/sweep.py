@@ -38,7 +38,7 @@ from contract.metrics import REPORTED_EPOCH
 from pipelines.config import ConfigError, check_fits_this_machine, flatten, parallel_params
 from pipelines.data.idx import DataError
 from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
-from pipelines.fit import replay_run, stopped_at
+from pipelines.fit import init_ray, replay_run, stopped_at
 from pipelines.sweep_pbt import PBT_CHECKPOINTS_KEPT, check_mutated_trials, make_pbt, mutations, param_space
 from pipelines.sweep_space import (Trial, cpus_needed, load_sweep, max_concurrent, plan_trials, reject_unfit,
                                    split_argv, stop_thresholds, trial_name)
@@ -90,19 +90,14 @@ def rejected_text(trials: list[Trial]) -> str:
     return "\n".join(f"  rejected #{t.index} {t.combo}: {t.reason}" for t in trials if t.cfg is None)
 
 
-def init_ray(trials: list[Trial]) -> tuple[float, float]:
-    """Connect (RAY_ADDRESS) or start a local Ray sized for the largest trial; returns (CPUs, GPUs)."""
+def start_ray(trials: list[Trial]) -> tuple[float, float]:
+    """Connect (RAY_ADDRESS) or start a local Ray sized for the largest trial; returns (CPUs, GPUs). A trial that
+    Tune stops early (ASHA) relies on Ray Train's placement-group cleaner to free its workers' resources for the
+    next trials, which `init_ray` lets it find."""
     import ray
 
-    if os.environ.get("RAY_ADDRESS"):
-        # Ray Train's placement-group cleaner (a detached actor) finds its cluster through RAY_ADDRESS or "auto";
-        # with several Ray instances on one machine "auto" fails, and a trial that Tune stops early (ASHA)
-        # would then leave its workers' placement group behind, starving the next trials.
-        address = os.environ["RAY_ADDRESS"]
-        ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": {"RAY_ADDRESS": address}})
-    else:  # our own Ray, never someone else's on this machine (see pipelines.train)
-        needed = max(cpus_needed(t.cfg) for t in trials if t.cfg is not None)
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(needed)), dashboard_host="127.0.0.1")
+    valid = [cpus_needed(t.cfg) for t in trials if t.cfg is not None]
+    init_ray(max(os.cpu_count() or 1, int(max(valid, default=1))))
     resources = ray.cluster_resources()
     return resources.get("CPU", 0.0), resources.get("GPU", 0.0)
 
@@ -381,7 +376,7 @@ def run_sweep(spec: DictConfig, trials: list[Trial], uri: str, resume_dir: str |
     sweep stopped on request with trials left to continue)."""
     import ray
 
-    cpus, gpus = init_ray(trials)
+    cpus, gpus = start_ray(trials)
     parent_id = None
     pending: dict[int, str] = {}  # the child runs this attempt runs
     outcomes: dict[int, Outcome] = {}

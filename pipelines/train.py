@@ -18,7 +18,7 @@ from contract.config import ray_train_workers, worker_resources
 from pipelines.config import ConfigError, check_fits_this_machine, flatten, load_config, parallel_params
 from pipelines.data.idx import DataError
 from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
-from pipelines.fit import fit_backend, fit_still_running
+from pipelines.fit import fit_backend, fit_still_running, init_ray
 
 
 def validate(argv: list[str]) -> tuple[DictConfig, dict, str]:
@@ -31,18 +31,6 @@ def validate(argv: list[str]) -> tuple[DictConfig, dict, str]:
     uri = tracking.tracking_uri()
     tracking.check_reachable(uri)
     return cfg, manifest, uri
-
-
-def init_ray(cfg: DictConfig) -> None:
-    import ray
-
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
-        return
-    # Never attach to some other cluster on this machine by accident: start our own.
-    needed = cfg.trainer.num_workers * cfg.trainer.threads_per_worker + 2  # +2: Ray Data readers
-    # The dashboard hosts the State API that Ray Train's placement-group cleaner polls; keep it on.
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), dashboard_host="127.0.0.1")
 
 
 def check_cluster_fits(cfg: DictConfig) -> None:
@@ -127,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import ray
 
-    init_ray(cfg)
+    needed = cfg.trainer.num_workers * cfg.trainer.threads_per_worker + 2  # +2: Ray Data readers
+    init_ray(max(os.cpu_count() or 1, needed))  # a local Ray's CPUs, if it starts one
     try:
         check_cluster_fits(cfg)
     except ConfigError as err:
