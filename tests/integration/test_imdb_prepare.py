@@ -15,11 +15,13 @@ from tests.imdb_fixtures import make_aclimdb, tar_of
 
 pytestmark = pytest.mark.slow
 MAX_LEN = 32
+HEAD = 8  # a review longer than MAX_LEN ids keeps [CLS] + 8 tokens + its last 23 ids (its tail and [SEP])
 
 
 def prepare(source: Path, out: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "pipelines.prepare", "imdb", "--source", str(source), "--out", str(out),
-           "--shards", "2", "--vocab-size", "200", "--max-len", str(MAX_LEN), "--val-fraction", "0.2", *extra]
+           "--shards", "2", "--vocab-size", "200", "--max-len", str(MAX_LEN), "--head-tokens", str(HEAD),
+           "--val-fraction", "0.2", *extra]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -56,7 +58,7 @@ def test_shards_schema_counts_and_skips(prepared):
 
     vocab_size = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()
     assert manifest["model_inputs"] == {"vocab_size": vocab_size, "max_len": MAX_LEN} and vocab_size <= 200
-    assert manifest["head_tokens"] == MAX_LEN - 2  # the default 128 is longer: a long review keeps its head
+    assert manifest["head_tokens"] == HEAD
     table = split_table(out, "train")
     assert table.schema.field("input_ids").type == pa.list_(pa.int32(), MAX_LEN)
     assert set(table.column_names) == {"id", "rating", "label", "input_ids", "length"}
@@ -65,6 +67,31 @@ def test_shards_schema_counts_and_skips(prepared):
     for row, length in zip(ids, lengths):
         assert (row[length:] == 0).all() and (row[:length] != 0).all()  # [PAD]=0 exactly after the tokens
     assert set(table.column("label").to_pylist()) == {0, 1}
+
+
+def test_a_long_review_keeps_its_head_and_its_tail(prepared):
+    """Each train row against its review file, tokenised whole: a long one keeps its first HEAD tokens and its
+    end (where a verdict often is), a short one is whole."""
+    from tokenizers import Tokenizer
+
+    from pipelines.data.imdb import clean_text
+
+    root, out, _ = prepared
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    tokenizer.no_truncation()
+    table = split_table(out, "train").to_pydict()
+    cut = 0
+    for review_id, rating, label, ids, length in zip(table["id"], table["rating"], table["label"],
+                                                     table["input_ids"], table["length"]):
+        folder = root / "aclImdb" / "train" / ("pos" if label else "neg")
+        full = tokenizer.encode(clean_text((folder / f"{review_id}_{rating}.txt").read_text(encoding="utf-8"))).ids
+        if len(full) <= MAX_LEN:
+            assert ids[:length] == full
+            continue
+        cut += 1
+        assert length == MAX_LEN
+        assert ids[:1 + HEAD] == full[:1 + HEAD] and ids[1 + HEAD:] == full[-(MAX_LEN - 1 - HEAD):]
+    assert 0 < cut < len(table["id"])  # both kinds are checked
 
 
 def test_archive_and_folder_give_identical_output(prepared):
