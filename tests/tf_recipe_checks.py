@@ -122,6 +122,20 @@ def profiles(folder: Path, keras, data, strategy) -> dict:
     return found
 
 
+def dropout_by_rank(folder: Path, data, strategy) -> list[float]:
+    """The loss of one training step on the same batch and initial weights with dropout 0.5, for adapters built
+    as ranks 0, 1 and 0 again (trainers/tf_common.seed_dropout): the masks of each rank, and their repeat."""
+    from trainers.tf_mwms import build_adapter
+
+    losses, batch = [], None
+    for run, rank in enumerate((0, 1, 0)):
+        cfg = config(folder / f"dropout-{run}", [*BASE, "model.dropout=0.5", "trainer.max_steps_per_epoch=1"])
+        model = build_adapter(cfg, MODEL_INPUTS, rank, 1, data, strategy)[1]
+        batch = batch or next(iter(model.batches(1, 0)))  # rank 0's first batch, for every rank
+        losses.append(model.train_step(batch)[0])
+    return losses
+
+
 def main(folder: str) -> None:
     import tensorflow as tf
 
@@ -137,7 +151,7 @@ def main(folder: str) -> None:
                     data, strategy)
     result = {"lr": {name: learning_rates(base, keras, tf, name, warmup, 8) for name, warmup in SCHEDULES.items()},
               "decay": decay_exclusion(tf, adamw.model), "steps": accumulated_clipped_steps(base, data, strategy),
-              "profiles": profiles(base, keras, data, strategy)}
+              "profiles": profiles(base, keras, data, strategy), "dropout": dropout_by_rank(base, data, strategy)}
     assert "torch" not in sys.modules, "a TensorFlow worker imported torch"
     print(json.dumps(result))
 

@@ -143,6 +143,7 @@ def run_worker(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict,
     train, evaluation = data or tfc.worker_arrays(cfg.data.name)
     steps = train.steps(cfg.trainer.batch_size, cfg.trainer.max_steps_per_epoch)  # for the LR schedule
     model = tfc.build_compiled_model(keras, cfg, model_inputs, steps_per_epoch=steps, seed=cfg.run.seed + ctx.rank)
+    tfc.seed_dropout(tf, cfg.run.seed, ctx.rank)
     adapter = HorovodTFAdapter(hvd, keras, cfg, tf, tf.distribute.get_strategy(), model, train, evaluation,
                                cfg.trainer.batch_size, ctx.rank, cfg.run.seed + 1000 * ctx.rank,
                                cfg.trainer.max_steps_per_epoch, grad_accum=cfg.trainer.grad_accum)

@@ -42,6 +42,13 @@ def set_threads(tf: Any, threads: int) -> None:
     tf.config.threading.set_inter_op_parallelism_threads(threads)
 
 
+def seed_dropout(tf: Any, seed: int, stream: int) -> None:
+    """Seed TF's random ops of training (dropout), once the model is built, as trainers/torch_common.seed_dropout
+    does for torch: each worker (`stream`: its rank) draws its own masks. Every worker sets the same global seed
+    for the initial weights, and the ops of a function traced afterwards take their seeds from the global one."""
+    tf.random.set_seed(seed + 1000 * stream)
+
+
 def local_devices(tf: Any, count: int, use_gpu: bool) -> list[str]:
     """`count` local device names: GPUs, or the CPU split into logical devices (tests, GPU-less machines)."""
     if use_gpu:

@@ -237,6 +237,7 @@ def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: in
     with strategy.scope():
         model = tfc.build_compiled_model(keras, cfg, model_inputs, trainer.tf_steps_per_execution, steps)
         model.set_weights(initial)
+    tfc.seed_dropout(tf, cfg.run.seed, rank)  # before the training step is traced
     adapter = MirroredAdapter(keras, world_size, tf, strategy, model, train, evaluation, trainer.batch_size,
                               rank, cfg.run.seed + 1000 * rank, trainer.max_steps_per_epoch, local_replicas,
                               grad_accum=trainer.grad_accum)

@@ -65,3 +65,10 @@ def test_rank0_profiles_two_steps_after_a_warmup_step(measured, loop):
     assert trace.startswith("plugins/profile/") and trace.endswith(".xplane.pb")
     assert profile["events"]["CollectiveOpV2Kernel::Run"] == 4
     assert [path for _, path in profile["artifacts"]] == ["profile"]
+
+
+def test_each_rank_draws_its_own_dropout_masks(measured):
+    """The same batch and initial weights, dropout 0.5: rank 1's masks are not rank 0's (the loss differs), and
+    rank 0 rebuilt draws its masks again (the loss repeats exactly)."""
+    rank0, rank1, rank0_again = measured["dropout"]
+    assert rank0 == rank0_again and rank1 != rank0
