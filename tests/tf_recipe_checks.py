@@ -127,12 +127,12 @@ def dropout_by_rank(folder: Path, data, strategy) -> list[float]:
     as ranks 0, 1 and 0 again (trainers/tf_common.seed_dropout): the masks of each rank, and their repeat."""
     from trainers.tf_mwms import build_adapter
 
-    losses, batch = [], None
+    losses = []
     for run, rank in enumerate((0, 1, 0)):
         cfg = config(folder / f"dropout-{run}", [*BASE, "model.dropout=0.5", "trainer.max_steps_per_epoch=1"])
         model = build_adapter(cfg, MODEL_INPUTS, rank, 1, data, strategy)[1]
-        batch = batch or next(iter(model.batches(1, 0)))  # rank 0's first batch, for every rank
-        losses.append(model.train_step(batch)[0])
+        model.seed = cfg.run.seed  # rank 0's shuffle: the same first batch for every rank
+        losses.append(model.train_step(next(iter(model.batches(1, 0))))[0])
     return losses
 
 
