@@ -23,9 +23,9 @@ def init_ray(num_cpus: int) -> None:
     on this machine by accident), and tell the job's processes which cluster is theirs. Ray Train's placement-group
     cleaner (a detached actor) asks Ray's State API whether the run's controller lives; without RAY_ADDRESS or
     RAY_API_SERVER_ADDRESS it looks for "the" cluster in /tmp/ray/ray_current_cluster, which the last `ray start`
-    without `--temp-dir` on this machine wrote: a head long gone (the cleaner's thread then dies with a traceback, and cleans nothing),
-    or another live cluster, which does not know our controller, so the cleaner removes our workers' placement
-    group mid-run."""
+    without `--temp-dir` on this machine wrote: a head long gone (the cleaner's thread then dies with a traceback,
+    and cleans nothing), or another live cluster, which does not know our controller, so the cleaner removes our
+    workers' placement group mid-run."""
     import ray
 
     if address := os.environ.get("RAY_ADDRESS"):
