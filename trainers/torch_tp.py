@@ -112,7 +112,7 @@ def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: in
     dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
     train, evaluation = train_data(cfg.run.seed + 1000 * dp_rank)  # same shuffle in a TP group
     recipe = build_recipe(model, cfg.trainer, train.steps(), device)
-    tc.seed_dropout(cfg.run.seed, dp_rank)  # identical dropout masks inside a TP group
+    tc.seed_dropout(cfg.run.seed, dims.dropout_stream(rank))  # identical dropout masks inside a TP group
     return TPAdapter(model, recipe, train, evaluation, device, rank, replicas=dims.tp,
                      sync_gradients=lambda: average_gradients(model, dp_group),
                      clip=lambda max_norm: clip_grad_norm(model, max_norm, tp_group))
