@@ -117,6 +117,7 @@ class DataConfig:
     path: str = "data/mnist/parquet"
     eval_split: str = "test"
     cache_in_worker: bool = True
+    bucket_by_length: bool = False  # text: batches of similar length, cut to their longest row (contract/data.py)
 
 
 @dataclass

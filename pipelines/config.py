@@ -96,6 +96,7 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"model.name: model '{cfg.model.name}' does not fit data '{cfg.data.name}' "
                           f"(choices: {DATA_MODELS[cfg.data.name]})")
     _check_model(cfg.model)
+    _check_buckets(cfg.data)
     _check_recipe(cfg)
     _check_parallelism(cfg)
     _check_tensorflow(cfg)
@@ -136,6 +137,14 @@ def _manifest_json(path: Path) -> dict:
 def _choice(section: str, key: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise ConfigError(f"{section}.{key}: unknown '{value}' (choices: {', '.join(map(str, choices))})")
+
+
+def _check_buckets(data: DictConfig) -> None:
+    if data.bucket_by_length and data.name != "imdb":
+        raise ConfigError(f"data.bucket_by_length: only token data has lengths to group by; '{data.name}' has none")
+    if data.bucket_by_length and not data.cache_in_worker:
+        raise ConfigError("data.bucket_by_length: grouping an epoch by length needs its rows in memory "
+                          "(data.cache_in_worker=true)")
 
 
 def _check_recipe(cfg: DictConfig) -> None:

@@ -146,7 +146,8 @@ def run_worker(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict,
     tfc.seed_dropout(tf, cfg.run.seed, ctx.rank)
     adapter = HorovodTFAdapter(hvd, keras, cfg, tf, tf.distribute.get_strategy(), model, train, evaluation,
                                cfg.trainer.batch_size, ctx.rank, cfg.run.seed + 1000 * ctx.rank,
-                               cfg.trainer.max_steps_per_epoch, grad_accum=cfg.trainer.grad_accum)
+                               cfg.trainer.max_steps_per_epoch, grad_accum=cfg.trainer.grad_accum,
+                               bucket_by_length=cfg.data.bucket_by_length)
     if not TrainLoop(adapter, ctx).run():
         return False
     adapter.dump(cfg.run.dump_params_dir)

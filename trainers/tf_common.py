@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from contract.checkpoint import TrainState
-from contract.data import MNIST_MEAN, MNIST_STD, shuffled_order
+from contract.data import MNIST_MEAN, MNIST_STD, bucketed_order, shuffled_order
 from contract.metrics import peak_rss_bytes
 from trainers.worker import dataset_shards
 
@@ -91,6 +91,9 @@ class ShardArrays:
                            else np.zeros(len(column), dtype=np.int64))
         self.features, self.labels = np.concatenate(features), np.concatenate(labels)
         self.lengths = np.concatenate(lengths)  # zeros for images: no tokens to count
+        # Rows per step when shuffled epochs are grouped by length (`data.bucket_by_length`, set by the adapter;
+        # the batches keep their stored width, so only the order changes: the same one as PyTorch's); 0: off.
+        self.bucket_rows = 0
 
     def steps(self, batch_size: int, max_steps: int | None) -> int:
         # Every worker must run the same number of steps (each is a collective): Ray's DataConfig splits
@@ -99,9 +102,13 @@ class ShardArrays:
         return min(steps, max_steps) if max_steps else steps
 
     def order(self, seed: int | None) -> np.ndarray:
-        """Row order of an epoch: shuffled by `seed`, or as stored when None."""
+        """Row order of an epoch: shuffled by `seed` (in `bucketed_order` when `bucket_rows` is set), or as stored
+        when None."""
         rows = len(self.labels)
-        return np.arange(rows) if seed is None else shuffled_order(rows, seed)
+        if seed is None:
+            return np.arange(rows)
+        order = shuffled_order(rows, seed)
+        return bucketed_order(order, self.lengths, self.bucket_rows, seed) if self.bucket_rows else order
 
     def step_tokens(self, rows_per_step: int, seed: int, steps: int) -> np.ndarray:
         """Real tokens in each of an epoch's `steps` steps of `rows_per_step` rows (in `order(seed)`)."""
@@ -227,11 +234,13 @@ class KerasAdapter:
 
     def __init__(self, tf: Any, strategy: Any, model: Any, train: ShardArrays, evaluation: ShardArrays,
                  batch_size: int, rank: int, seed: int, max_steps: int | None, local_replicas: int = 1,
-                 save_on_every_rank: bool = False, grad_accum: int = 1):
+                 save_on_every_rank: bool = False, grad_accum: int = 1, bucket_by_length: bool = False):
         self.tf, self.strategy, self.model, self.train, self.evaluation = tf, strategy, model, train, evaluation
         self.batch_size, self.rank, self.seed, self.local_replicas = batch_size, rank, seed, local_replicas
         self.passes = grad_accum
         self.rows_per_step = batch_size * local_replicas  # this worker's rows per step, over its replicas
+        if bucket_by_length:
+            train.bucket_rows = self.rows_per_step
         self.steps = train.steps(self.rows_per_step, max_steps)
         self.save_on_every_rank = save_on_every_rank
         self.load_s = train.load_s + evaluation.load_s

@@ -55,6 +55,8 @@ class DTensorAdapter:
         self.rank, self.replicas = mesh.client, dims.clients_per_group  # a model group's workers see the same rows
         self.batch_size = trainer.batch_size
         self.rows_per_step = trainer.batch_size * dims.coords_per_client
+        if cfg.data.bucket_by_length:
+            train.bucket_rows = self.rows_per_step
         self.steps = train.steps(self.rows_per_step, trainer.max_steps_per_epoch)
         self.seed = cfg.run.seed + 1000 * (self.rank // dims.clients_per_group)  # one shuffle per data shard
         self.load_s = train.load_s + evaluation.load_s

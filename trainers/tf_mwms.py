@@ -240,7 +240,7 @@ def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: in
     tfc.seed_dropout(tf, cfg.run.seed, rank)  # before the training step is traced
     adapter = MirroredAdapter(keras, world_size, tf, strategy, model, train, evaluation, trainer.batch_size,
                               rank, cfg.run.seed + 1000 * rank, trainer.max_steps_per_epoch, local_replicas,
-                              grad_accum=trainer.grad_accum)
+                              grad_accum=trainer.grad_accum, bucket_by_length=cfg.data.bucket_by_length)
     return keras, adapter
 
 

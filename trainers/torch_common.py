@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from contract.data import MNIST_MEAN, MNIST_STD, shuffled_order
+from contract.data import MNIST_MEAN, MNIST_STD, bucketed_order, shuffled_order
 from contract.metrics import Reducer, peak_rss_bytes
 from trainers.parallel.comm import collective_device
 from trainers.parallel.data_parallel import average_gradients
@@ -79,10 +79,13 @@ class ShardBatches:
     """
 
     def __init__(self, shard: Any, dataset: str, batch_size: int, cache: bool, seed: int,
-                 max_steps: int | None = None, drop_last: bool = False):
+                 max_steps: int | None = None, drop_last: bool = False, bucket_by_length: bool = False,
+                 trim: bool = False):
         self.columns, self.adapt = DATA_ADAPTERS[dataset]
         self.shard, self.batch_size, self.seed, self.max_steps = shard, batch_size, seed, max_steps
         self.drop_last = drop_last  # leave out an epoch's last batch if it is short (pipelines need fixed shapes)
+        self.bucket_by_length = bucket_by_length  # shuffled epochs in `bucketed_order` (cached text shards)
+        self.trim = trim  # cut each text batch to its longest row: the same outputs, less padding to compute
         self.cached: dict[str, torch.Tensor] | None = None
         self.load_s = 0.0
         if cache:
@@ -96,9 +99,11 @@ class ShardBatches:
 
     @classmethod
     def from_columns(cls, columns: dict[str, torch.Tensor], dataset: str, batch_size: int, seed: int,
-                     max_steps: int | None = None, drop_last: bool = False) -> "ShardBatches":
+                     max_steps: int | None = None, drop_last: bool = False, bucket_by_length: bool = False,
+                     trim: bool = False) -> "ShardBatches":
         """A shard already in memory (in-process tests, benchmarks): what caching a Ray Data shard gives."""
-        batches = cls(None, dataset, batch_size, cache=False, seed=seed, max_steps=max_steps, drop_last=drop_last)
+        batches = cls(None, dataset, batch_size, cache=False, seed=seed, max_steps=max_steps, drop_last=drop_last,
+                      bucket_by_length=bucket_by_length, trim=trim)
         batches.cached = {c: columns[c] for c in batches.columns}
         return batches
 
@@ -115,17 +120,27 @@ class ShardBatches:
     def _epoch(self, epoch: int, shuffle: bool) -> Iterator[Batch]:
         if self.cached is None:
             for batch in self.shard.iter_torch_batches(batch_size=self.batch_size, drop_last=self.drop_last):
-                yield self.adapt(batch)
+                yield self.adapt(self._trimmed(batch))
             return
         rows = len(self.cached["label"])
         if shuffle:
-            order = torch.from_numpy(shuffled_order(rows, self.seed + epoch))  # as the TF backends shuffle
+            order = shuffled_order(rows, self.seed + epoch)  # as the TF backends shuffle
+            if self.bucket_by_length:
+                order = bucketed_order(order, self.cached["length"].numpy(), self.batch_size, self.seed + epoch)
+            order = torch.from_numpy(order)
         else:
             order = torch.arange(rows)
         end = rows - rows % self.batch_size if self.drop_last else rows
         for start in range(0, end, self.batch_size):
             idx = order[start:start + self.batch_size]
-            yield self.adapt({c: t[idx] for c, t in self.cached.items()})
+            yield self.adapt(self._trimmed({c: t[idx] for c, t in self.cached.items()}))
+
+    def _trimmed(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch with its token ids cut after its longest row's tokens, when `trim` is set. Padding is masked
+        out of attention and pooling, so the model's outputs do not change."""
+        if not self.trim or "length" not in batch:
+            return batch
+        return {**batch, "input_ids": batch["input_ids"][:, :max(int(batch["length"].max()), 1)]}
 
     def row_keys(self) -> torch.Tensor | None:
         """Sorted keys of the cached text rows (id * 2 + label, unique per review): which rows a rank holds."""
@@ -144,9 +159,10 @@ def worker_data(cfg: Any, seed: int) -> tuple[ShardBatches, ShardBatches]:
     pipeline = cfg.trainer.get("pp", 1) > 1
     (train_shard, eval_shard), waited_s = dataset_shards("train", "eval")
     train = ShardBatches(train_shard, cfg.data.name, cfg.trainer.batch_size, cfg.data.cache_in_worker, seed,
-                         cfg.trainer.max_steps_per_epoch, drop_last=pipeline)
+                         cfg.trainer.max_steps_per_epoch, drop_last=pipeline,
+                         bucket_by_length=cfg.data.bucket_by_length, trim=not pipeline)
     evaluation = ShardBatches(eval_shard, cfg.data.name, cfg.trainer.batch_size if pipeline else EVAL_BATCH,
-                              cfg.data.cache_in_worker, seed)
+                              cfg.data.cache_in_worker, seed, trim=not pipeline)
     train.load_s += waited_s
     return train, evaluation
 

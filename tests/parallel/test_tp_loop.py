@@ -26,8 +26,9 @@ def _data(seed: int):
 
     train = {k: torch.from_numpy(v) for k, v in imdb_columns(320, 64, 16).items()}  # dp=1: the whole set
     evaluation = {k: torch.from_numpy(v) for k, v in imdb_columns(64, 64, 16, seed=1).items()}
-    return (tc.ShardBatches.from_columns(train, "imdb", 16, seed),
-            tc.ShardBatches.from_columns(evaluation, "imdb", 64, seed))
+    # as a run reads IMDb (data.bucket_by_length): batches of similar length, each cut to its longest row
+    return (tc.ShardBatches.from_columns(train, "imdb", 16, seed, bucket_by_length=True, trim=True),
+            tc.ShardBatches.from_columns(evaluation, "imdb", 64, seed, trim=True))
 
 
 def _tp_run(cfg):

@@ -57,6 +57,7 @@ def test_defaults_compose_and_flatten(data_override):
     ("trainer.profile_steps=-1", r"^trainer\.profile_steps: must be >= 0"),
     ("trainer=tf_mwms trainer.compile=true", r"^trainer\.compile: torch\.compile is for the PyTorch backends"),
     ("run.resume_from=/no/checkpoint", r"^run\.resume_from: no checkpoint at '/no/checkpoint' \(missing train_state"),
+    ("data.bucket_by_length=true", r"^data\.bucket_by_length: only token data has lengths to group by; 'mnist'"),
 ])
 def test_bad_config_names_the_key(data_override, override, message):
     with pytest.raises(ConfigError, match=message):
@@ -106,6 +107,14 @@ def fake_imdb(tmp_path) -> str:
 def test_impossible_parallelism_is_rejected(fake_imdb, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(["trainer=tp", "data=imdb", "model=bert_tiny", fake_imdb, *overrides])
+
+
+def test_imdb_groups_batches_by_length_only_from_memory(fake_imdb):
+    assert load_config(["data=imdb", "model=bert_tiny", fake_imdb]).data.bucket_by_length  # IMDb's default
+    with pytest.raises(ConfigError, match=r"^data\.bucket_by_length: grouping an epoch by length needs its rows"):
+        load_config(["data=imdb", "model=bert_tiny", fake_imdb, "data.cache_in_worker=false"])
+    assert not load_config(["data=imdb", "model=bert_tiny", fake_imdb, "data.cache_in_worker=false",
+                            "data.bucket_by_length=false"]).data.cache_in_worker
 
 
 @pytest.mark.parametrize("overrides, message", [
