@@ -144,7 +144,7 @@ def _check_buckets(data: DictConfig) -> None:
         raise ConfigError(f"data.bucket_by_length: only token data has lengths to group by; '{data.name}' has none")
     if data.bucket_by_length and not data.cache_in_worker:
         raise ConfigError("data.bucket_by_length: grouping an epoch by length needs its rows in memory "
-                          "(data.cache_in_worker=true)")
+                          "(data.cache_in_worker=true), or set data.bucket_by_length=false to stream")
 
 
 def _check_recipe(cfg: DictConfig) -> None:
