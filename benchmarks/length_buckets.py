@@ -10,7 +10,6 @@ The rows are the first `--rows` of the train split (the lengths of real reviews 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -19,15 +18,18 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
+from pipelines.data.shards import read_manifest, shard_paths
 from trainers.models.bert import BertClassifier, bert_config
 from trainers.torch_common import ShardBatches
 
 
 def load_rows(folder: Path, rows: int) -> dict[str, torch.Tensor]:
-    table = pq.read_table(sorted(folder.glob("train-*.parquet"))[0], columns=["input_ids", "length", "label", "id"])
-    table = table.slice(0, rows)
-    ids = np.stack(table["input_ids"].to_numpy(zero_copy_only=False))
-    return {"input_ids": torch.from_numpy(ids), "length": torch.from_numpy(table["length"].to_numpy()),
+    """The first `rows` rows of the train split's first shard (the manifest and shards checked, as training does)."""
+    first_shard = shard_paths(folder, read_manifest(folder), "train")[0]
+    table = pq.read_table(first_shard, columns=["input_ids", "length", "label", "id"]).slice(0, rows)
+    ids = table.column("input_ids").combine_chunks()
+    return {"input_ids": torch.from_numpy(ids.flatten().to_numpy().reshape(len(ids), -1).copy()),
+            "length": torch.from_numpy(table["length"].to_numpy()),
             "label": torch.from_numpy(table["label"].to_numpy().astype(np.int64)),
             "id": torch.from_numpy(table["id"].to_numpy())}
 
@@ -62,7 +64,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model_inputs = json.loads((args.data / "manifest.json").read_text())["model_inputs"]
+    model_inputs = read_manifest(args.data)["model_inputs"]
     columns = load_rows(args.data, args.rows)
     results = {}
     for name, bucketed in (("padded", False), ("bucketed", True)):
