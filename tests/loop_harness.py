@@ -90,11 +90,22 @@ def make_context(rank: int, world_size: int, epochs: int, folder: Path, recorder
         reports.append(dict(metrics))
         if directory is not None:
             shutil.copytree(directory, folder / f"checkpoint_{len(reports)}", dirs_exist_ok=True)
+        _wait_for_every_rank()
 
     return WorkerContext(rank=rank, world_size=world_size, report=report, epochs=epochs,
                          restored=Checkpoint.from_directory(str(restored)) if restored else None,
                          logger=recorder if rank == 0 else None, stop_file=stop_file,
                          log_every_n_steps=log_every_n_steps)
+
+
+def _wait_for_every_rank() -> None:
+    """`ray.train.report` is collective: a checkpoint is whole only once every rank has reported its part. Ranks
+    in a gloo rank pool share torch.distributed's default group, so they wait there: without it rank 0 could read
+    a sharded checkpoint while rank 1 is still copying its shard in. Other harness users (TensorFlow, Horovod
+    subprocesses) have no torch.distributed group and do not wait here."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def run_attempt(run: Callable[[WorkerContext], bool], rank: int, world_size: int, epochs: int, folder: Path,
@@ -112,7 +123,7 @@ def run_attempt(run: Callable[[WorkerContext], bool], rank: int, world_size: int
 
 
 def last_checkpoint(folder: Path) -> Path | None:
-    """The newest checkpoint rank 0 reported in `folder` (other ranks: look after a barrier)."""
+    """The newest checkpoint reported in `folder` (whole: reports wait for every rank)."""
     checkpoints = sorted(folder.glob("checkpoint_*"), key=lambda p: int(p.name.split("_")[1]))
     return checkpoints[-1] if checkpoints else None
 
