@@ -49,6 +49,15 @@ def mnist_arrays(split: str) -> tuple[np.ndarray, np.ndarray]:
     return images.copy(), table.column("label").to_numpy().astype(np.int64)
 
 
+def cluster_missing(cpus: int) -> bool:
+    """True (after one line on stderr) when no Ray head is set (RAY_ADDRESS): a 4-worker layout needs one that
+    declares `cpus` CPUs, since the pipeline refuses more one-thread workers than this machine has cores."""
+    if os.environ.get("RAY_ADDRESS"):
+        return False
+    print(f"error: RAY_ADDRESS: start a Ray head with {cpus} CPUs first (see the module docstring)", file=sys.stderr)
+    return True
+
+
 def pipeline_run(overrides: list[str], on_cluster: bool = False,
                  tracking_uri: str | None = None) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Run `python -m pipelines.train <overrides>` and return (every metric's history in step order, the last

@@ -15,11 +15,10 @@ Last line: `ratio=<FSDP's parameter bytes per rank / DDP's>` (ideal 0.25 at 4 wo
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-from benchmarks.common import ROOT, pipeline_run
+from benchmarks.common import ROOT, cluster_missing, pipeline_run
 
 # name, overrides, ranks that share a batch (pp x tp): the per-replica batch is global / (4 / that)
 LAYOUTS = [
@@ -52,8 +51,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--global-batch", type=int, default=32)
     args = parser.parse_args()
-    if not os.environ.get("RAY_ADDRESS"):
-        print("error: RAY_ADDRESS: start a Ray head with 6 CPUs first (see the module docstring)", file=sys.stderr)
+    if cluster_missing(6):
         return 2
     results = {name: run(args.data.resolve(), overrides, args.global_batch * tp // WORKERS, args.steps)
                for name, overrides, tp in LAYOUTS}

@@ -2,9 +2,13 @@
 for tp in {1, 2, 4} and 2D dp=2 x tp=2, on the same BERT and data in one run. The dense tp=1 run is the
 reference (it is plain data-parallel-free PyTorch on one worker).
 
+    bash cluster/local/ray-local.sh start /tmp/bench-ray 6 && source /tmp/bench-ray/ray.env
     python -m benchmarks.tp_scaling [--data data/imdb/parquet] [--steps 30] [--impl megatron]
+    bash cluster/local/ray-local.sh stop /tmp/bench-ray
 
-Needs prepared IMDb shards (`python -m pipelines.prepare imdb --source ... --out data/imdb/parquet`).
+Needs prepared IMDb shards (`python -m pipelines.prepare imdb --source ... --out data/imdb/parquet`), and a Ray
+head declaring 6 CPUs (RAY_ADDRESS): the tp=4 and dp=2 x tp=2 layouts run 4 one-thread workers, which the
+pipeline refuses on a 2-core machine without one. Every layout runs on that head.
 Last line: `ratio=<rank-0 parameter bytes at tp=2 / at tp=1>` (ideal 0.5 for the sharded layers).
 """
 from __future__ import annotations
@@ -13,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from benchmarks.common import ROOT, pipeline_run
+from benchmarks.common import ROOT, cluster_missing, pipeline_run
 
 LAYOUTS = [("tp=1", 1, 1), ("tp=2", 2, 2), ("tp=4", 4, 4), ("dp=2 x tp=2", 4, 2)]  # name, workers, tp
 
@@ -21,7 +25,8 @@ LAYOUTS = [("tp=1", 1, 1), ("tp=2", 2, 2), ("tp=4", 4, 4), ("dp=2 x tp=2", 4, 2)
 def run(data: Path, workers: int, tp: int, steps: int, impl: str) -> dict[str, float]:
     _, last = pipeline_run(["trainer=tp", "data=imdb", "model=bert_tiny", "model.heads=4", f"data.path={data}",
                             f"trainer.num_workers={workers}", f"trainer.tp={tp}", f"trainer.tp_impl={impl}",
-                            "trainer.epochs=1", f"trainer.max_steps_per_epoch={steps}", "trainer.batch_size=16"])
+                            "trainer.epochs=1", f"trainer.max_steps_per_epoch={steps}", "trainer.batch_size=16"],
+                           on_cluster=True)
     return last
 
 
@@ -31,6 +36,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--impl", default="megatron", choices=["megatron", "dtensor"])
     args = parser.parse_args()
+    if cluster_missing(6):
+        return 2
     results = {name: run(args.data.resolve(), workers, tp, args.steps, args.impl) for name, workers, tp in LAYOUTS}
     dense_bytes = results["tp=1"]["rank0.param_bytes"]
     print(f"BERT tiny (2 layers, hidden 128, 4 heads), batch 16 per DP replica, {args.steps} steps, "
