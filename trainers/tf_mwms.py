@@ -63,9 +63,10 @@ class MirroredAdapter(tfc.KerasAdapter):
     optimizer all-reduces the sums, clips and steps. Python picks which of two compiled steps runs: a `tf.cond`
     around `apply_gradients` fails under MirroredStrategy (a RuntimeError from its merge_call in the branch)."""
 
-    def __init__(self, keras: Any, world_size: int, *args: Any, **kwargs: Any):
+    def __init__(self, keras: Any, world_size: int, last_epoch: int, *args: Any, **kwargs: Any):
         super().__init__(*args, save_on_every_rank=True, **kwargs)
-        self.world_size = world_size
+        self.world_size, self.last_epoch = world_size, last_epoch
+        self.stream, self.stream_epoch = None, 0  # the custom loop's iterator, and the epoch it is at
         self.pending = 0  # batches accumulated since the last optimizer step
         self.sums = self._accumulators()
         self.update_step = self._make_step(keras, apply=True)
@@ -116,10 +117,25 @@ class MirroredAdapter(tfc.KerasAdapter):
         return step
 
     def batches(self, epoch: int, skip: int) -> Iterator[Any]:
-        # From a function: its batches are per replica (not re-batched by the strategy).
-        iterator = iter(self.strategy.distribute_datasets_from_function(lambda _: self.epoch_dataset(epoch, skip)))
+        """The epoch's batches from one distributed iterator over the attempt's remaining epochs, made at its
+        first epoch (or a resumed one: `skip` steps done). An iterator made and dropped every epoch cost 1.3-2.5 s
+        at some epochs' ends: its destructor waited for tf.data's autotuning thread (seen with gdb;
+        benchmarks/README.md, scaling.py)."""
+        if skip or self.stream is None or self.stream_epoch != epoch or epoch > self.last_epoch:
+            # From a function: its batches are per replica (not re-batched by the strategy).
+            self.stream = iter(self.strategy.distribute_datasets_from_function(
+                lambda _: self.remaining_epochs(epoch, skip)))
         for tokens in self.epoch_tokens(epoch)[skip:]:
-            yield next(iterator), int(tokens)
+            yield next(self.stream), int(tokens)
+        self.stream_epoch = epoch + 1
+
+    def remaining_epochs(self, first: int, skip: int) -> Any:
+        """Epochs `first` (without its first `skip` steps) .. `last_epoch`, each in its own order, chained (an
+        epoch past `last_epoch`, which only a caller with its own epoch count asks for, on its own)."""
+        chained = self.epoch_dataset(first, skip)
+        for epoch in range(first + 1, self.last_epoch + 1):
+            chained = chained.concatenate(self.epoch_dataset(epoch))
+        return chained
 
     def train_step(self, batch: Any) -> tuple[float, int, int]:
         (images, labels), tokens = batch
@@ -238,9 +254,9 @@ def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: in
         model = tfc.build_compiled_model(keras, cfg, model_inputs, trainer.tf_steps_per_execution, steps)
         model.set_weights(initial)
     tfc.seed_dropout(tf, cfg.run.seed, rank)  # before the training step is traced
-    adapter = MirroredAdapter(keras, world_size, tf, strategy, model, train, evaluation, trainer.batch_size,
-                              rank, cfg.run.seed + 1000 * rank, trainer.max_steps_per_epoch, local_replicas,
-                              grad_accum=trainer.grad_accum, bucket_by_length=cfg.data.bucket_by_length)
+    adapter = MirroredAdapter(keras, world_size, trainer.epochs, tf, strategy, model, train, evaluation,
+                              trainer.batch_size, rank, cfg.run.seed + 1000 * rank, trainer.max_steps_per_epoch,
+                              local_replicas, grad_accum=trainer.grad_accum, bucket_by_length=cfg.data.bucket_by_length)
     return keras, adapter
 
 
