@@ -10,7 +10,7 @@ schedule, clipping, precision): trainers/tf_recipe.py; gradient accumulation: `M
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 from omegaconf import DictConfig
@@ -122,20 +122,16 @@ class MirroredAdapter(tfc.KerasAdapter):
         at some epochs' ends: its destructor waited for tf.data's autotuning thread (seen with gdb;
         benchmarks/README.md, scaling.py)."""
         if skip or self.stream is None or self.stream_epoch != epoch or epoch > self.last_epoch:
-            # From a function: its batches are per replica (not re-batched by the strategy).
+            def remaining(e: int) -> Any:  # the first without its `skip` done steps
+                return self.epoch_dataset(e, skip if e == epoch else 0)
+
+            # From a function: its batches are per replica (not re-batched by the strategy). An epoch past
+            # `last_epoch` (only a caller with its own epoch count asks for one) comes on its own.
             self.stream = iter(self.strategy.distribute_datasets_from_function(
-                lambda _: self.remaining_epochs(epoch, skip)))
+                lambda _: chained_epochs(remaining, epoch, self.last_epoch)))
         for tokens in self.epoch_tokens(epoch)[skip:]:
             yield next(self.stream), int(tokens)
         self.stream_epoch = epoch + 1
-
-    def remaining_epochs(self, first: int, skip: int) -> Any:
-        """Epochs `first` (without its first `skip` steps) .. `last_epoch`, each in its own order, chained (an
-        epoch past `last_epoch`, which only a caller with its own epoch count asks for, on its own)."""
-        chained = self.epoch_dataset(first, skip)
-        for epoch in range(first + 1, self.last_epoch + 1):
-            chained = chained.concatenate(self.epoch_dataset(epoch))
-        return chained
 
     def train_step(self, batch: Any) -> tuple[float, int, int]:
         (images, labels), tokens = batch
@@ -179,14 +175,8 @@ class MirroredAdapter(tfc.KerasAdapter):
         # adds it up once more over the workers in each batch's logs (measured: step_loss 2x with 2 workers).
         self.model.distribute_reduction_method = "first"
 
-        def all_epochs(_):  # one dataset per epoch, each with its own shuffle seed, chained
-            chained = None
-            for epoch in range(first_epoch, epochs + 1):
-                ds = self.fit_dataset(epoch)
-                chained = ds if chained is None else chained.concatenate(ds)
-            return chained
-
-        distributed = self.strategy.distribute_datasets_from_function(all_epochs)
+        distributed = self.strategy.distribute_datasets_from_function(
+            lambda _: chained_epochs(self.fit_dataset, first_epoch, epochs))
         self.model.fit(distributed, epochs=epochs, initial_epoch=first_epoch - 1, steps_per_epoch=self.fit_steps(),
                        callbacks=callbacks, verbose=0)
 
@@ -201,6 +191,15 @@ class MirroredAdapter(tfc.KerasAdapter):
         local = self.tf.constant([values], dtype=self.tf.float32)
         rows = self.strategy.gather(self.strategy.run(lambda: local), axis=0).numpy()
         return rows[::self.local_replicas]  # one row per replica, replicas grouped by worker
+
+
+def chained_epochs(epoch_dataset: Callable[[int], Any], first: int, last: int) -> Any:
+    """`epoch_dataset(e)` for epochs `first`..`last` (`first` at least), each with its own shuffle, one after the
+    other: both loops read an attempt's epochs through one iterator (see `MirroredAdapter.batches`)."""
+    chained = epoch_dataset(first)
+    for epoch in range(first + 1, last + 1):
+        chained = chained.concatenate(epoch_dataset(epoch))
+    return chained
 
 
 def accumulating_train_step(tf: Any, model: Any, passes: int) -> Any:
