@@ -88,8 +88,11 @@ FIT_THREAD = "ray-train-fit"
 
 def fit_still_running() -> bool:
     """Whether an interrupted `fit_in_thread` left its thread inside Ray Train: once Ray is shut down, that
-    thread's next call into Ray ends the whole process ("The core worker has already been shutdown")."""
-    return any(thread.name == FIT_THREAD and thread.is_alive() for thread in threading.enumerate())
+    thread's next call into Ray ends the whole process ("The core worker has already been shutdown").
+    Not `Thread.is_alive()`: when a signal interrupts the `join()` waiting on a thread, Python 3.11 marks that
+    thread stopped although it runs on (threading.py, bpo-45274), so after Ctrl-C it always said False. A thread
+    leaves `threading.enumerate()` only once its function has returned."""
+    return any(thread.name == FIT_THREAD for thread in threading.enumerate())
 
 
 def fit_in_thread(trainer: Any) -> Any:
