@@ -1,9 +1,10 @@
 """One attempt of a backend's worker in this (fresh) process, on the shared loop without Ray:
 
     python -m tests.loop_backends BACKEND FOLDER ATTEMPT [RESTORE]
+    python -m tests.loop_backends ps_dropout FOLDER
 
 BACKEND: a key of BACKENDS; ATTEMPT: straight | stopped | resumed.
-Prints the attempt as JSON (tests/loop_harness.py) on its last line. A fresh process per attempt: TensorFlow fixes
+Prints the attempt as JSON (tests/loop_harness.py) on its last line; `ps_dropout`: `ps_dropout_draws`' dict. A fresh process per attempt: TensorFlow fixes
 its threads and logical devices at its first op, and tf-keras needs TF_USE_LEGACY_KERAS=1 before TF is imported.
 Horovod runs as a lone process (size 1, no rendezvous). The TF backends also check they never import torch.
 """
@@ -14,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from tests.loop_harness import attempt_to_json, config, imdb_columns, mnist_columns, run_attempt, shard
+from tests.loop_harness import attempt_to_json, config, imdb_columns, make_context, mnist_columns, run_attempt, shard
 
 MODEL_INPUTS = {"vocab_size": 64, "max_len": 16}
 COMMON = ["trainer.epochs=2", "trainer.batch_size=16", "trainer.optimizer=sgd", "trainer.lr=0.01",
@@ -126,13 +127,20 @@ def runner(cfg):
 
 
 def ps_runner(cfg, train, evaluation):
-    """tf_ps in this process as its chief, with real TensorFlow servers (trainers/tf_ps_server.py, as the Ray workers
-    run them) for its parameter servers and workers on this machine, each worker's shard written as a Ray worker
-    writes it; the servers end with this process."""
+    """tf_ps in this process as its chief (`ps_cluster`)."""
+    from trainers import tf_ps
+
+    shards = ps_cluster(cfg, train)
+    return lambda ctx: tf_ps.run_chief(cfg, ctx, MODEL_INPUTS, shards, evaluation)
+
+
+def ps_cluster(cfg, train):
+    """Real TensorFlow servers (trainers/tf_ps_server.py, as the Ray workers run them) for the parameter servers and
+    workers of `cfg`'s tf_ps cluster on this machine, each worker's shard written as a Ray worker writes it, and
+    TF_CONFIG naming this process its chief; returns the workers' shards. The servers end with this process."""
     import tempfile
 
     from tests.conftest import free_ports
-    from trainers import tf_ps
     from trainers.tf_common import ShardArrays
     from trainers.tf_ps_backend import ServerProcess, WorkerShards, roles, tf_config, write_shard
 
@@ -147,11 +155,49 @@ def ps_runner(cfg, train, evaluation):
         if kind != "chief":
             ServerProcess(kind, index, trainer.threads_per_worker, tf_config(addresses, trainer.num_ps, rank))
     os.environ["TF_CONFIG"] = tf_config(addresses, trainer.num_ps, 0)
-    return lambda ctx: tf_ps.run_chief(cfg, ctx, MODEL_INPUTS, WorkerShards(published), evaluation)
+    return WorkerShards(published)
 
 
-def main(backend: str, folder: str, attempt: str, restore: str | None = None) -> None:
+def ps_dropout_draws(folder: Path) -> dict[int, list[list[float]]]:
+    """The model tf_ps trains (trainers/tf_ps.build_adapter: MNIST MLP, dropout 0.5, 2 workers, 1 parameter server)
+    applied to one all-ones image in training mode by functions the coordinator schedules, until each worker has
+    run at least 4: {worker index: the logits of each of its functions, in the order they ran}. The weights do not
+    change, so two draws differ only by their dropout masks."""
+    import tensorflow as tf
+
+    from trainers import tf_ps
+    from trainers.tf_common import ShardArrays
+
+    cfg = config(folder / "cfg", ["trainer=tf_ps", "trainer.num_ps=1", "trainer.num_workers=2", "model.hidden=[32]",
+                                  "model.dropout=0.5", "trainer.epochs=1", "trainer.batch_size=16"])
+    train, evaluation = data_for(cfg)
+    context = make_context(0, 1, 1, folder / "checkpoints", None, [])
+    _, adapter = tf_ps.build_adapter(cfg, context, MODEL_INPUTS, ps_cluster(cfg, train),
+                                     ShardArrays.from_columns(evaluation, "mnist"))
+
+    @tf.function
+    def draw():
+        worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+        logits = adapter.strategy.run(lambda: adapter.model(tf.ones([1, 784]), training=True))
+        return tf.concat([tf.cast([worker], tf.float32), tf.reshape(logits, [-1])], 0)
+
+    draws: dict[int, list[list[float]]] = {0: [], 1: []}
+    for _ in range(50):  # bounded: a worker slow to connect may run none of a round's functions
+        results = [adapter.coordinator.schedule(draw) for _ in range(8)]
+        adapter.coordinator.join()
+        for result in results:
+            values = result.fetch()
+            draws[int(values[0])].append(values[1:].tolist())
+        if min(len(runs) for runs in draws.values()) >= 4:
+            break
+    return draws
+
+
+def main(backend: str, folder: str, attempt: str = "", restore: str | None = None) -> None:
     base = Path(folder)
+    if backend == "ps_dropout":
+        print(json.dumps(ps_dropout_draws(base)))
+        return
     # The TF runs leave their final weights in `ATTEMPT/params/rank0.npz` (run.dump_params_dir).
     dump = [f"run.dump_params_dir={base / attempt / 'params'}"] if backend != "horovod_torch" else []
     cfg = config(base / "cfg", [*BACKENDS[backend], *dump])

@@ -290,6 +290,11 @@ def build_adapter(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict, shard
 
     keras.utils.set_random_seed(cfg.run.seed)
     initial = build_keras_model(cfg.model, keras, model_inputs, seed=cfg.run.seed).get_weights()
+    # Dropout: tf-keras' default ops take their seeds when the chief traces a step, and each worker's kernels start
+    # from them: worker i's k-th step drew worker j's k-th masks (tests/unit/test_loop_backends.py). With a
+    # tf.random.Generator per layer, made under the strategy, its state is on a parameter server and every step
+    # draws on from it. What it costs (the masks come from the parameter server): benchmarks/README.md ps_vs_mwms.
+    keras.backend.experimental.enable_tf_random_generator()
     steps = shards.steps(cfg.trainer.batch_size, cfg.trainer.max_steps_per_epoch)
     with strategy.scope():
         model = tfc.build_compiled_model(keras, cfg, model_inputs, cfg.trainer.tf_steps_per_execution, steps)

@@ -157,3 +157,19 @@ def test_loss_parity_with_the_ddp_reference(straight, backend):
         assert other.epochs[epoch]["test_accuracy"] == reference.epochs[epoch]["test_accuracy"]
         np.testing.assert_allclose(other.epochs[epoch]["train_loss"], reference.epochs[epoch]["train_loss"],
                                    **tolerance)
+
+
+def test_tf_ps_workers_draw_their_own_dropout_masks(tmp_path):
+    """Under tf_ps the chief traces each step once and every worker runs it: worker 1's k-th step must not draw
+    worker 0's k-th masks (tf-keras' default stateful dropout ops did, all of them: every worker's kernels started
+    from the seeds the chief traced), and no two steps may draw the same masks."""
+    env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "tests.loop_backends", "ps_dropout", str(tmp_path)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    draws = {int(worker): [tuple(logits) for logits in runs]
+             for worker, runs in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+    assert min(len(runs) for runs in draws.values()) >= 4
+    assert not any(first == second for first, second in zip(draws[0], draws[1]))
+    every = draws[0] + draws[1]
+    assert len(set(every)) == len(every)
