@@ -1,10 +1,11 @@
 """One attempt of a backend's worker in this (fresh) process, on the shared loop without Ray:
 
     python -m tests.loop_backends BACKEND FOLDER ATTEMPT [RESTORE]
-    python -m tests.loop_backends ps_dropout FOLDER
+    python -m tests.loop_backends ps_dropout|dtensor_dropout FOLDER
 
 BACKEND: a key of BACKENDS; ATTEMPT: straight | stopped | resumed.
-Prints the attempt as JSON (tests/loop_harness.py) on its last line; `ps_dropout`: `ps_dropout_draws`' dict. A fresh process per attempt: TensorFlow fixes
+Prints the attempt as JSON (tests/loop_harness.py) on its last line; `ps_dropout`, `dtensor_dropout`: what
+`ps_dropout_draws` and `dtensor_dropout_draws` return. A fresh process per attempt: TensorFlow fixes
 its threads and logical devices at its first op, and tf-keras needs TF_USE_LEGACY_KERAS=1 before TF is imported.
 Horovod runs as a lone process (size 1, no rendezvous). The TF backends also check they never import torch.
 """
@@ -193,10 +194,36 @@ def ps_dropout_draws(folder: Path) -> dict[int, list[list[float]]]:
     return draws
 
 
+def dtensor_dropout_draws(folder: Path) -> list[list[list[float]]]:
+    """tf_dtensor's model (MNIST MLP, dropout 0.5) on a 2 x 2 mesh (batch x model) of this process' 4 CPU devices,
+    one training-mode forward pass of the step's seed on a batch of identical all-ones images: each device's logits
+    [rows, 10], devices in mesh order (0, 1: batch coordinate 0; 2, 3: coordinate 1)."""
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.experimental import dtensor
+
+    from trainers import tf_common as tfc
+    from trainers.models.tf_modules import build_module
+    from trainers.parallel.dtensor_mesh import DTensorMesh, parallelize_dtensor
+    from trainers.tf_dtensor import mesh_dims
+
+    cfg = config(folder / "cfg", ["trainer=tf_dtensor", *DTENSOR_2X2, "model.hidden=[32]", "model.dropout=0.5",
+                                  "trainer.batch_size=4", "trainer.num_workers=1"])
+    tfc.set_threads(tf, 1)
+    mesh = DTensorMesh(mesh_dims(cfg.trainer), 0, "CPU")
+    model = parallelize_dtensor(build_module(cfg.model, MODEL_INPUTS, cfg.run.seed), mesh)
+    rows = cfg.trainer.batch_size * mesh.dims.coords_per_client
+    images = mesh.pack_batch(np.ones((rows, 784), np.float32), cfg.trainer.batch_size)
+    seed = mesh.put(np.array([cfg.run.seed, 3], np.int32))  # as DTensorAdapter.train_step's, at update 3
+    logits = tf.function(lambda x, s: model(x, training=True, seed=s))(images, seed)
+    return [shard.numpy().tolist() for shard in dtensor.unpack(logits)]
+
+
 def main(backend: str, folder: str, attempt: str = "", restore: str | None = None) -> None:
     base = Path(folder)
-    if backend == "ps_dropout":
-        print(json.dumps(ps_dropout_draws(base)))
+    if backend in ("ps_dropout", "dtensor_dropout"):
+        draws = ps_dropout_draws if backend == "ps_dropout" else dtensor_dropout_draws
+        print(json.dumps(draws(base)))
         return
     # The TF runs leave their final weights in `ATTEMPT/params/rank0.npz` (run.dump_params_dir).
     dump = [f"run.dump_params_dir={base / attempt / 'params'}"] if backend != "horovod_torch" else []

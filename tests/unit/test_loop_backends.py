@@ -159,17 +159,32 @@ def test_loss_parity_with_the_ddp_reference(straight, backend):
                                    **tolerance)
 
 
+def dropout_draws(kind: str, folder):
+    """What `python -m tests.loop_backends <kind>_dropout` returns (JSON)."""
+    env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "tests.loop_backends", f"{kind}_dropout", str(folder)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def test_tf_ps_workers_draw_their_own_dropout_masks(tmp_path):
     """Under tf_ps the chief traces each step once and every worker runs it: worker 1's k-th step must not draw
     worker 0's k-th masks (tf-keras' default stateful dropout ops did, all of them: every worker's kernels started
     from the seeds the chief traced), and no two steps may draw the same masks."""
-    env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tests.loop_backends", "ps_dropout", str(tmp_path)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     draws = {int(worker): [tuple(logits) for logits in runs]
-             for worker, runs in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+             for worker, runs in dropout_draws("ps", tmp_path).items()}
     assert min(len(runs) for runs in draws.values()) >= 4
     assert not any(first == second for first, second in zip(draws[0], draws[1]))
     every = draws[0] + draws[1]
     assert len(set(every)) == len(every)
+
+
+def test_tf_dtensor_batch_shards_draw_their_own_dropout_masks(tmp_path):
+    """tf_dtensor's stateless dropout, one seed per step on a 2 x 2 mesh, identical input rows: the two devices of
+    a batch coordinate (one model replica, split over the model axis) draw the same masks, as replicated
+    activations need; the two batch coordinates draw different ones, as one process would for different rows."""
+    first, first_twin, second, second_twin = (np.array(logits) for logits in dropout_draws("dtensor", tmp_path))
+    np.testing.assert_array_equal(first_twin, first)
+    np.testing.assert_array_equal(second_twin, second)
+    assert first.shape == (4, 10) and not np.any(np.all(first == second, axis=1))
