@@ -55,7 +55,7 @@ def wait_job(env: dict[str, str], job_id: str, timeout_s: float, restarts: int =
 
 def skip_requeue_delay(env: dict[str, str], job_id: str, timeout_s: float) -> None:
     """Slurm makes a requeued job eligible again only after a delay (its BeginTime, about two minutes later);
-    a site's scheduler would start it then. The test moves that begin time to 10 s after the requeue: not to now,
+    a site's scheduler would start it then. The test moves that begin time to 5 s after the requeue: not to now,
     because slurmd refuses a launch whose credential dates from the same second as the old instance's revocation
     ("Job credential revoked", seen once when the new allocation came 0.2 s after the requeue)."""
     def requeued() -> bool:  # pending again, or already past it
@@ -63,7 +63,7 @@ def skip_requeue_delay(env: dict[str, str], job_id: str, timeout_s: float) -> No
         return int(info.get("Restarts", 0)) >= 1 and info.get("JobState") in ("PENDING", "RUNNING", *TERMINAL)
     wait_until(requeued, timeout_s, f"slurm job {job_id} to be requeued")
     if job_info(env, job_id).get("JobState") == "PENDING":
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+10"], env=env, check=True)
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+5"], env=env, check=True)
 
 
 def job_output(out_dir: Path, job_id: str) -> str:
