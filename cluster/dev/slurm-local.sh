@@ -68,7 +68,7 @@ JobRequeue=1
 KillWait=5
 MinJobAge=600
 # Scheduling passes every few seconds (defaults: 30 s backfill, 60 s main loop), so that a requeued job
-# starts soon after its begin time rather than at the next pass: a dev cluster has no queue to spare.
+# starts soon after its begin time rather than at the next pass; with a queue of a few jobs they cost nothing.
 SchedulerParameters=bf_interval=2,sched_interval=5
 NodeName=${NODES[0]} NodeAddr=${ADDRS[0]} NodeHostname=${host} Port=$((CTLD_PORT + 1)) CPUs=4 State=UNKNOWN
 NodeName=${NODES[1]} NodeAddr=${ADDRS[1]} NodeHostname=${host} Port=$((CTLD_PORT + 2)) CPUs=4 State=UNKNOWN
