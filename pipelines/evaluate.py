@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from contract import tracking
 from pipelines.config import ConfigError
 from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
+from pipelines.ray_session import shutdown_ray
 from pipelines.scoring_cli import USAGE_ERRORS, ScoringConfig, find_model, init_ray, parse_args, plan_before_start
 from pipelines.train import close_failed_run
 
@@ -134,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     except USAGE_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    import ray
 
     run_id = open_run(plan, uri)
     print(f"MLflow run {run_id} ({uri}): scoring {plan.model_uri} on {plan.data_path} split {plan.split}",
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         print(close_failed_run(uri, run_id, err, "evaluation"), file=sys.stderr)
         code = 1
     finally:
-        ray.shutdown()
+        shutdown_ray()
     sys.stdout.write(f"mlflow_run_id={run_id}\n")  # after the shutdown: no worker log line inside it
     sys.stdout.flush()
     return code

@@ -27,6 +27,7 @@ from omegaconf import MISSING
 
 from pipelines.config import ConfigError
 from pipelines.data.raw_inputs import read_images, read_texts
+from pipelines.ray_session import shutdown_ray
 from pipelines.scoring_cli import USAGE_ERRORS, ScoringConfig, find_model, init_ray, parse_args, plan_before_start
 
 
@@ -127,7 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     except USAGE_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    import ray
 
     output = Path(cfg.output).resolve()
     init_ray(cfg.concurrency)
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: prediction failed: {type(err).__name__}: {err}; nothing written", file=sys.stderr)
         return 1
     finally:
-        ray.shutdown()
+        shutdown_ray()
     print(f"{work.rows.num_rows} predictions of {work.model_uri} written")
     sys.stdout.write(f"predictions={output}\n")
     sys.stdout.flush()

@@ -15,6 +15,7 @@ from pathlib import Path
 from pipelines.data import mnist
 from pipelines.data.idx import DataError
 from pipelines.data.shards import check_out_dir
+from pipelines.ray_session import shutdown_ray
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -69,7 +70,7 @@ def prepare_imdb(args: argparse.Namespace) -> dict:
         return imdb.prepare(splits, source, args.out.resolve(), args.shards, args.vocab_size, args.max_len,
                             min(args.head_tokens, args.max_len - 2), args.val_fraction, args.seed, args.tokenizer)
     finally:
-        ray.shutdown()
+        shutdown_ray()
 
 
 def main(argv: list[str] | None = None) -> int:

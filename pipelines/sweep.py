@@ -39,6 +39,7 @@ from pipelines.config import ConfigError, check_fits_this_machine, flatten, para
 from pipelines.data.idx import DataError
 from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
 from pipelines.fit import init_ray, replay_run, stopped_at
+from pipelines.ray_session import shutdown_ray
 from pipelines.sweep_pbt import PBT_CHECKPOINTS_KEPT, check_mutated_trials, make_pbt, mutations, param_space
 from pipelines.sweep_space import (Trial, cpus_needed, load_sweep, max_concurrent, plan_trials, reject_unfit,
                                    split_argv, stop_thresholds, trial_name)
@@ -410,7 +411,7 @@ def run_sweep(spec: DictConfig, trials: list[Trial], uri: str, resume_dir: str |
         tracking.end_unfinished_run(uri, parent_id, err)
         raise SweepFailed(parent_id, err) from err
     finally:
-        ray.shutdown()
+        shutdown_ray()
 
 
 class SweepFailed(RuntimeError):

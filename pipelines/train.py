@@ -19,6 +19,7 @@ from pipelines.config import ConfigError, check_fits_this_machine, flatten, load
 from pipelines.data.idx import DataError
 from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
 from pipelines.fit import fit_backend, fit_still_running, init_ray
+from pipelines.ray_session import shutdown_ray
 
 
 def validate(argv: list[str]) -> tuple[DictConfig, dict, str]:
@@ -113,28 +114,27 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, tracking.TrackingUnavailable) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    import ray
 
     needed = cfg.trainer.num_workers * cfg.trainer.threads_per_worker + 2  # +2: Ray Data readers
     init_ray(max(os.cpu_count() or 1, needed))  # a local Ray's CPUs, if it starts one
     try:
         check_cluster_fits(cfg)
     except ConfigError as err:
-        ray.shutdown()
+        shutdown_ray()
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
         code, run_id, message = train_into_run(cfg, manifest, uri)
     except BaseException:
-        ray.shutdown()
+        shutdown_ray()
         raise
     if fit_still_running():  # interrupted: say it before the shutdown, which may end this process
         report_end(message, run_id)
-        ray.shutdown()
+        shutdown_ray()
     else:
         # After the shutdown, so that they are the last lines: Ray's thread that forwards the workers' logs can
         # no longer write after them, or into the middle of them.
-        ray.shutdown()
+        shutdown_ray()
         report_end(message, run_id)
     return code
 
