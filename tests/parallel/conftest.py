@@ -8,7 +8,7 @@ import pytest
 from tests.parallel.dist_utils import RankPools
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # ended after tests/parallel: 6 idle ranks took ~5 CPU-s a minute from later tests
 def run_ranks() -> Iterator[RankPools]:
     pools = RankPools()
     try:
