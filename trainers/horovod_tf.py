@@ -92,6 +92,7 @@ class HorovodTFAdapter(tfc.KerasAdapter):
     def __init__(self, hvd: Any, keras: Any, cfg: DictConfig, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.hvd = hvd
+        self.stream = tfc.EpochStream(self.epoch_dataset, cfg.trainer.epochs, lambda make: iter(make()))
         self.step_fn, self.finish = make_train_step(hvd, self.tf, keras, self.model, cfg)
         self._reduce = tf_reducer(hvd, self.tf)
         self.calls = 0  # steps since the epoch's (re)start: a stop lands on a multiple of `passes`
@@ -108,7 +109,8 @@ class HorovodTFAdapter(tfc.KerasAdapter):
 
     def batches(self, epoch: int, skip: int) -> Iterator[Any]:
         self.calls = 0
-        for (images, labels), tokens in zip(self.epoch_dataset(epoch, skip), self.epoch_tokens(epoch)[skip:]):
+        for (images, labels), tokens in zip(self.stream.batches(epoch, skip, self.steps - skip),
+                                            self.epoch_tokens(epoch)[skip:]):
             yield images, labels, int(tokens)
 
     def train_step(self, batch: Any) -> tuple[float, int, int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -221,6 +221,42 @@ class TFProfiler:
         if self.recording:
             self.tf.profiler.experimental.stop()
             self.recording = False
+
+
+def chained_epochs(epoch_dataset: Callable[[int], Any], first: int, last: int) -> Any:
+    """`epoch_dataset(e)` for epochs `first`..`last` (`first` at least), each with its own shuffle, one after the
+    other: Keras `fit` and `EpochStream` read an attempt's epochs through one iterator."""
+    chained = epoch_dataset(first)
+    for epoch in range(first + 1, last + 1):
+        chained = chained.concatenate(epoch_dataset(epoch))
+    return chained
+
+
+class EpochStream:
+    """A custom loop's batches, an attempt's epochs read through one iterator, each epoch in its own order. An
+    iterator made and dropped every epoch cost 1.3-2.5 s at some epochs' ends with two workers, and the other
+    worker waited in the next collective: the iterator's destructor waited for tf.data's autotuning thread
+    (seen with gdb; benchmarks/README.md, scaling.py). `open_iterator(make)` opens an iterator over the dataset
+    `make()` builds (the strategy's distributed one, or a plain one)."""
+
+    def __init__(self, epoch_dataset: Callable[[int, int], Any], last_epoch: int,
+                 open_iterator: Callable[[Callable[[], Any]], Iterator[Any]]):
+        self.epoch_dataset, self.last_epoch, self.open_iterator = epoch_dataset, last_epoch, open_iterator
+        self.iterator: Iterator[Any] | None = None
+        self.next_epoch = 0  # the epoch the open iterator is at, once the previous one was read to its end
+
+    def batches(self, epoch: int, skip: int, count: int) -> Iterator[Any]:
+        """The epoch's `count` batches after its first `skip`: from the open iterator when it is at this epoch,
+        else (an attempt's first epoch, a resumed one, or one past `last_epoch`, which only a caller with its
+        own epoch count asks for) from a new one over epochs `epoch`..`last_epoch`."""
+        if skip or self.iterator is None or self.next_epoch != epoch or epoch > self.last_epoch:
+            def remaining(e: int) -> Any:  # the first without its `skip` done steps
+                return self.epoch_dataset(e, skip if e == epoch else 0)
+
+            self.iterator = self.open_iterator(lambda: chained_epochs(remaining, epoch, self.last_epoch))
+        for _ in range(count):
+            yield next(self.iterator)
+        self.next_epoch = epoch + 1
 
 
 class KerasAdapter:

@@ -10,7 +10,7 @@ schedule, clipping, precision): trainers/tf_recipe.py; gradient accumulation: `M
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 from omegaconf import DictConfig
@@ -65,8 +65,10 @@ class MirroredAdapter(tfc.KerasAdapter):
 
     def __init__(self, keras: Any, world_size: int, last_epoch: int, *args: Any, **kwargs: Any):
         super().__init__(*args, save_on_every_rank=True, **kwargs)
-        self.world_size, self.last_epoch = world_size, last_epoch
-        self.stream, self.stream_epoch = None, 0  # the custom loop's iterator, and the epoch it is at
+        self.world_size = world_size
+        # From a function: its batches are per replica (not re-batched by the strategy).
+        self.stream = tfc.EpochStream(self.epoch_dataset, last_epoch, lambda make: iter(
+            self.strategy.distribute_datasets_from_function(lambda _: make())))
         self.pending = 0  # batches accumulated since the last optimizer step
         self.sums = self._accumulators()
         self.update_step = self._make_step(keras, apply=True)
@@ -117,21 +119,8 @@ class MirroredAdapter(tfc.KerasAdapter):
         return step
 
     def batches(self, epoch: int, skip: int) -> Iterator[Any]:
-        """The epoch's batches from one distributed iterator over the attempt's remaining epochs, made at its
-        first epoch (or a resumed one: `skip` steps done). An iterator made and dropped every epoch cost 1.3-2.5 s
-        at some epochs' ends: its destructor waited for tf.data's autotuning thread (seen with gdb;
-        benchmarks/README.md, scaling.py)."""
-        if skip or self.stream is None or self.stream_epoch != epoch or epoch > self.last_epoch:
-            def remaining(e: int) -> Any:  # the first without its `skip` done steps
-                return self.epoch_dataset(e, skip if e == epoch else 0)
-
-            # From a function: its batches are per replica (not re-batched by the strategy). An epoch past
-            # `last_epoch` (only a caller with its own epoch count asks for one) comes on its own.
-            self.stream = iter(self.strategy.distribute_datasets_from_function(
-                lambda _: chained_epochs(remaining, epoch, self.last_epoch)))
-        for tokens in self.epoch_tokens(epoch)[skip:]:
-            yield next(self.stream), int(tokens)
-        self.stream_epoch = epoch + 1
+        for batch, tokens in zip(self.stream.batches(epoch, skip, self.steps - skip), self.epoch_tokens(epoch)[skip:]):
+            yield batch, int(tokens)
 
     def train_step(self, batch: Any) -> tuple[float, int, int]:
         (images, labels), tokens = batch
@@ -176,7 +165,7 @@ class MirroredAdapter(tfc.KerasAdapter):
         self.model.distribute_reduction_method = "first"
 
         distributed = self.strategy.distribute_datasets_from_function(
-            lambda _: chained_epochs(self.fit_dataset, first_epoch, epochs))
+            lambda _: tfc.chained_epochs(self.fit_dataset, first_epoch, epochs))
         self.model.fit(distributed, epochs=epochs, initial_epoch=first_epoch - 1, steps_per_epoch=self.fit_steps(),
                        callbacks=callbacks, verbose=0)
 
@@ -191,15 +180,6 @@ class MirroredAdapter(tfc.KerasAdapter):
         local = self.tf.constant([values], dtype=self.tf.float32)
         rows = self.strategy.gather(self.strategy.run(lambda: local), axis=0).numpy()
         return rows[::self.local_replicas]  # one row per replica, replicas grouped by worker
-
-
-def chained_epochs(epoch_dataset: Callable[[int], Any], first: int, last: int) -> Any:
-    """`epoch_dataset(e)` for epochs `first`..`last` (`first` at least), each with its own shuffle, one after the
-    other: both loops read an attempt's epochs through one iterator (see `MirroredAdapter.batches`)."""
-    chained = epoch_dataset(first)
-    for epoch in range(first + 1, last + 1):
-        chained = chained.concatenate(epoch_dataset(epoch))
-    return chained
 
 
 def accumulating_train_step(tf: Any, model: Any, passes: int) -> Any:
