@@ -1,4 +1,4 @@
-"""The TensorFlow recipe measured in this (fresh) process, for tests/unit/test_tf_recipe.py to assert:
+"""The TensorFlow recipe (and evaluation) measured in this (fresh) process, for tests/unit/test_tf_recipe.py to assert:
 
     python -m tests.tf_recipe_checks FOLDER
 
@@ -136,6 +136,21 @@ def dropout_by_rank(folder: Path, data, strategy) -> list[float]:
     return losses
 
 
+def evaluations(folder: Path, strategy) -> dict:
+    """Three evaluations of one adapter in a row (trainers/tf_common.KerasAdapter.evaluate: one pass each from an
+    iterator kept between them) on 300 rows (a full batch and a short one), and the count of right answers the
+    model gives on all of them at once."""
+    from contract.data import MNIST_MEAN, MNIST_STD
+    from trainers.tf_common import ShardArrays
+
+    columns = mnist_columns(300, seed=2)
+    data = (ShardArrays.from_columns(mnist_columns(160, 0), "mnist"), ShardArrays.from_columns(columns, "mnist"))
+    model = adapter(folder, "evaluations", [], data, strategy)
+    logits = model.model.predict((columns["image"].astype(np.float32) / 255.0 - MNIST_MEAN) / MNIST_STD, verbose=0)
+    return {"calls": [list(model.evaluate(epoch)) for epoch in (1, 2, 3)],
+            "reference": int(np.sum(np.argmax(logits, axis=1) == columns["label"]))}
+
+
 def main(folder: str) -> None:
     import tensorflow as tf
 
@@ -151,7 +166,8 @@ def main(folder: str) -> None:
                     data, strategy)
     result = {"lr": {name: learning_rates(base, keras, tf, name, warmup, 8) for name, warmup in SCHEDULES.items()},
               "decay": decay_exclusion(tf, adamw.model), "steps": accumulated_clipped_steps(base, data, strategy),
-              "profiles": profiles(base, keras, data, strategy), "dropout": dropout_by_rank(base, data, strategy)}
+              "profiles": profiles(base, keras, data, strategy), "dropout": dropout_by_rank(base, data, strategy),
+              "evaluations": evaluations(base, strategy)}
     assert "torch" not in sys.modules, "a TensorFlow worker imported torch"
     print(json.dumps(result))
 

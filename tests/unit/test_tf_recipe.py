@@ -72,3 +72,10 @@ def test_each_rank_draws_its_own_dropout_masks(measured):
     rank 0 rebuilt draws its masks again (the loss repeats exactly)."""
     rank0, rank1, rank0_again = measured["dropout"]
     assert rank0 == rank0_again and rank1 != rank0
+
+
+def test_every_evaluation_reads_the_evaluation_set_once(measured):
+    """Evaluations one after the other, from one iterator kept between them, each count the whole set exactly once:
+    the right answers of the model on all of it."""
+    evaluations = measured["evaluations"]
+    assert evaluations["calls"] == [[evaluations["reference"], 300]] * 3
