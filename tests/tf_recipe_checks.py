@@ -151,6 +151,23 @@ def evaluations(folder: Path, strategy) -> dict:
             "reference": int(np.sum(np.argmax(logits, axis=1) == columns["label"]))}
 
 
+def chained_epochs_memory() -> dict:
+    """What opening an iterator over 20 chained epochs of a 20,000-image shard (and reading a batch) adds to this
+    process's resident memory, next to the shard's size."""
+    import tensorflow as tf
+
+    from trainers.tf_common import ShardArrays, chained_epochs
+
+    def resident_bytes() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+    shard = ShardArrays.from_columns(mnist_columns(20_000, seed=3), "mnist")
+    before = resident_bytes()
+    batches = iter(chained_epochs(lambda epoch: shard.dataset(tf, 128, seed=epoch, steps=156), 1, 20))
+    next(batches)
+    return {"added": resident_bytes() - before, "shard": shard.features.nbytes}
+
+
 def main(folder: str) -> None:
     import tensorflow as tf
 
@@ -167,7 +184,7 @@ def main(folder: str) -> None:
     result = {"lr": {name: learning_rates(base, keras, tf, name, warmup, 8) for name, warmup in SCHEDULES.items()},
               "decay": decay_exclusion(tf, adamw.model), "steps": accumulated_clipped_steps(base, data, strategy),
               "profiles": profiles(base, keras, data, strategy), "dropout": dropout_by_rank(base, data, strategy),
-              "evaluations": evaluations(base, strategy)}
+              "evaluations": evaluations(base, strategy), "chained_memory": chained_epochs_memory()}
     assert "torch" not in sys.modules, "a TensorFlow worker imported torch"
     print(json.dumps(result))
 

@@ -94,6 +94,7 @@ class ShardArrays:
         # Rows per step when shuffled epochs are grouped by length (`data.bucket_by_length`, set by the adapter;
         # the batches keep their stored width, so only the order changes: the same one as PyTorch's); 0: off.
         self.bucket_rows = 0
+        self._tensors: tuple[Any, Any] | None = None  # features and labels in TensorFlow, once asked for
 
     def steps(self, batch_size: int, max_steps: int | None) -> int:
         # Every worker must run the same number of steps (each is a collective): Ray's DataConfig splits
@@ -114,20 +115,33 @@ class ShardArrays:
         """Real tokens in each of an epoch's `steps` steps of `rows_per_step` rows (in `order(seed)`)."""
         return self.lengths[self.order(seed)][:steps * rows_per_step].reshape(steps, rows_per_step).sum(axis=1)
 
+    def tensors(self, tf: Any) -> tuple[Any, Any]:
+        """The shard's features and labels as TensorFlow tensors, made once: every epoch's dataset gathers its
+        batches from them, so an attempt's chained epochs (`chained_epochs`) hold one copy of the shard, not one
+        per epoch (20 chained epochs of a 30,000-image MNIST shard: 1.3 GB with a copy each, 45 MB now)."""
+        if self._tensors is None:
+            self._tensors = (tf.constant(self.features), tf.constant(self.labels))
+        return self._tensors
+
     def dataset(self, tf: Any, batch_size: int, seed: int | None = None, steps: int | None = None) -> Any:
         """One epoch as a `tf.data.Dataset` of (features, labels [B]); shuffled with `seed` (per epoch) when
         given. TF's auto-sharding is off: Ray already gave each worker its shard."""
-        order = self.order(seed)
-        ds = tf.data.Dataset.from_tensor_slices((self.features[order], self.labels[order]))
+        ds = tf.data.Dataset.from_tensor_slices(self.order(seed))
         ds = ds.batch(batch_size, drop_remainder=steps is not None)
         if steps is not None:
             ds = ds.take(steps)
+        features, labels = self.tensors(tf)
+        ds = ds.map(lambda rows: (tf.gather(features, rows), tf.gather(labels, rows)))
         if self.column == "image":
             ds = ds.map(lambda x, y: ((tf.cast(x, tf.float32) / 255.0 - MNIST_MEAN) / MNIST_STD, y))
         else:
             ds = ds.map(lambda x, y: (tf.cast(x, tf.int32), y))
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        # tf.data's default graph rewrites, made when an iterator opens, copy the shard into every epoch's part of
+        # a chained dataset (20 MNIST epochs: 0.5 GB); a pipeline this small gains nothing from them (measured:
+        # 3 chained epochs read in 0.15 s without, 0.35 s with).
+        options.experimental_optimization.apply_default_optimizations = False
         return ds.with_options(options).prefetch(2)
 
 

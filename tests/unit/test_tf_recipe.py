@@ -79,3 +79,10 @@ def test_every_evaluation_reads_the_evaluation_set_once(measured):
     the right answers of the model on all of it."""
     evaluations = measured["evaluations"]
     assert evaluations["calls"] == [[evaluations["reference"], 300]] * 3
+
+
+def test_chained_epochs_hold_one_copy_of_the_shard(measured):
+    """An attempt's epochs chained into one dataset (trainers/tf_common.chained_epochs) gather their batches from one
+    copy of the shard: 20 epochs add less than 4 shards' worth of memory (a copy per epoch added 43)."""
+    memory = measured["chained_memory"]
+    assert memory["added"] < 4 * memory["shard"], memory
