@@ -120,7 +120,8 @@ class ShardArrays:
         batches from them, so an attempt's chained epochs (`chained_epochs`) hold one copy of the shard, not one
         per epoch (20 chained epochs of a 30,000-image MNIST shard: 1.3 GB with a copy each, 45 MB now)."""
         if self._tensors is None:
-            self._tensors = (tf.constant(self.features), tf.constant(self.labels))
+            with tf.device("/CPU:0"):  # host memory, as tf.data's own copies were (not a GPU's, where one is seen)
+                self._tensors = (tf.constant(self.features), tf.constant(self.labels))
         return self._tensors
 
     def dataset(self, tf: Any, batch_size: int, seed: int | None = None, steps: int | None = None) -> Any:
