@@ -140,13 +140,13 @@ def evaluations(folder: Path, strategy) -> dict:
     """Three evaluations of one adapter in a row (trainers/tf_common.KerasAdapter.evaluate: one pass each from an
     iterator kept between them) on 300 rows (a full batch and a short one), and the count of right answers the
     model gives on all of them at once."""
-    from contract.data import MNIST_MEAN, MNIST_STD
+    from contract.data import model_input
     from trainers.tf_common import ShardArrays
 
     columns = mnist_columns(300, seed=2)
     data = (ShardArrays.from_columns(mnist_columns(160, 0), "mnist"), ShardArrays.from_columns(columns, "mnist"))
     model = adapter(folder, "evaluations", [], data, strategy)
-    logits = model.model.predict((columns["image"].astype(np.float32) / 255.0 - MNIST_MEAN) / MNIST_STD, verbose=0)
+    logits = model.model.predict(model_input("mnist", columns["image"]), verbose=0)
     return {"calls": [list(model.evaluate(epoch)) for epoch in (1, 2, 3)],
             "reference": int(np.sum(np.argmax(logits, axis=1) == columns["label"]))}
 

@@ -109,9 +109,8 @@ class HorovodTFAdapter(tfc.KerasAdapter):
 
     def batches(self, epoch: int, skip: int) -> Iterator[Any]:
         self.calls = 0
-        for (images, labels), tokens in zip(self.stream.batches(epoch, skip, self.steps - skip),
-                                            self.epoch_tokens(epoch)[skip:]):
-            yield images, labels, int(tokens)
+        for (images, labels), tokens in self.streamed_batches(epoch, skip):
+            yield images, labels, tokens
 
     def train_step(self, batch: Any) -> tuple[float, int, int]:
         images, labels, tokens = batch

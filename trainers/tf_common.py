@@ -310,6 +310,13 @@ class KerasAdapter:
     def epoch_tokens(self, epoch: int) -> np.ndarray:
         return self.train.step_tokens(self.rows_per_step, self.seed + epoch, self.steps)
 
+    def streamed_batches(self, epoch: int, skip: int) -> Iterator[tuple[Any, int]]:
+        """The custom loops' (tf_mwms custom, horovod tf): the epoch's batches after its first `skip`, each with its
+        real tokens, from their `EpochStream` (`self.stream`)."""
+        tokens = self.epoch_tokens(epoch)[skip:]
+        for batch, count in zip(self.stream.batches(epoch, skip, len(tokens)), tokens):
+            yield batch, int(count)
+
     def at_update_boundary(self) -> bool:
         return True
 

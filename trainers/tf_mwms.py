@@ -119,8 +119,7 @@ class MirroredAdapter(tfc.KerasAdapter):
         return step
 
     def batches(self, epoch: int, skip: int) -> Iterator[Any]:
-        for batch, tokens in zip(self.stream.batches(epoch, skip, self.steps - skip), self.epoch_tokens(epoch)[skip:]):
-            yield batch, int(tokens)
+        return self.streamed_batches(epoch, skip)
 
     def train_step(self, batch: Any) -> tuple[float, int, int]:
         (images, labels), tokens = batch
