@@ -6,8 +6,9 @@ compute-bound model (the MNIST CNN by default).
 
 Each row trains `--steps` steps of `--batch` samples per worker per epoch, one thread per worker. Throughput is
 global samples/s, the mean of epochs 2..N (median over `--repeats` runs); efficiency = T(2 workers) / (2 x T(1
-worker)). The bare frameworks are plain processes on this machine: torch.distributed (gloo, DDP) and tf-keras `fit`
-under MultiWorkerMirroredStrategy (1 process: TF's default strategy, as our backend does). TP, FSDP and pipelines
+worker)). The bare frameworks are plain processes on this machine: torch.distributed (gloo, DDP), tf-keras `fit`
+under MultiWorkerMirroredStrategy (1 process: TF's default strategy, as our backend does), and Horovod's own recipes
+for PyTorch and TF2 started by `horovodrun --gloo`, each Horovod row's counterpart. TP, FSDP and pipelines
 are not here: they do not apply to the CNN (benchmarks/layouts.py compares them on BERT).
 Last line: `min_efficiency=<lowest efficiency among ddp, horovod_torch and tf_mwms_fit>`.
 """
@@ -18,7 +19,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -32,47 +35,90 @@ PIPELINES = {  # row name -> pipelines.train overrides
     "tf_mwms_fit": ["trainer=tf_mwms", "trainer.tf_loop=fit"],
     "tf_mwms_custom": ["trainer=tf_mwms", "trainer.tf_loop=custom"],
 }
-BARE = ("bare_torch", "bare_tf")
-COUNTERPART = {"ddp": "bare_torch", "horovod_torch": "bare_torch", "horovod_tf": "bare_tf",
+BARE = ("bare_torch", "bare_tf", "bare_horovod_torch", "bare_horovod_tf")
+COUNTERPART = {"ddp": "bare_torch", "horovod_torch": "bare_horovod_torch", "horovod_tf": "bare_horovod_tf",
                "tf_mwms_fit": "bare_tf", "tf_mwms_custom": "bare_tf"}
 GATED = ("ddp", "horovod_torch", "tf_mwms_fit")
+
+
+def torch_epochs(model, optimizer, rank: int, world: int, barrier, args: argparse.Namespace) -> list[float]:
+    """The bare PyTorch loop both bare torch rows run on rank `rank`'s shard; global samples/s per epoch."""
+    import torch
+    from torch import nn
+
+    from contract.data import MNIST_MEAN, MNIST_STD
+
+    images, labels = (torch.from_numpy(a[rank::world].copy()) for a in mnist_arrays("train"))
+    loss_fn, rates = nn.CrossEntropyLoss(), []
+    for epoch in range(args.epochs):
+        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(epoch))
+        barrier()
+        start = time.perf_counter()
+        for step in range(args.steps):
+            idx = order[step * args.batch:(step + 1) * args.batch]
+            x = ((images[idx].float() / 255.0 - MNIST_MEAN) / MNIST_STD).reshape(-1, 1, 28, 28)
+            optimizer.zero_grad()  # sets them to None (torch 2; Horovod takes no argument)
+            loss_fn(model(x), labels[idx]).backward()
+            optimizer.step()
+        barrier()
+        rates.append(world * args.steps * args.batch / (time.perf_counter() - start))
+    return rates
+
+
+def channels_last_model(model_name: str):
+    """The model and Adam learning rate `trainer=ddp` and `trainer=horovod` train, in their channels-last layout."""
+    import torch
+
+    from pipelines.config import load_config
+    from trainers.models import build_model
+
+    torch.set_num_threads(1)
+    cfg = load_config([f"data.path={MNIST}", f"model={model_name}"])
+    torch.manual_seed(0)
+    return build_model(cfg.model).to(memory_format=torch.channels_last), cfg.trainer.lr
 
 
 def bare_torch_worker(args: argparse.Namespace) -> list[float]:
     """One rank of a plain torch.distributed DDP loop on its shard; returns global samples/s per epoch."""
     import torch
     import torch.distributed as dist
-    from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from contract.data import MNIST_MEAN, MNIST_STD
-    from pipelines.config import load_config
-    from trainers.models import build_model
-
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                             world_size=args.world)
-    cfg = load_config([f"data.path={MNIST}", f"model={args.model}"])
-    torch.manual_seed(0)
-    images, labels = (torch.from_numpy(a[args.rank::args.world].copy()) for a in mnist_arrays("train"))
-    model = build_model(cfg.model).to(memory_format=torch.channels_last)  # as trainer=ddp trains it
+    model, lr = channels_last_model(args.model)
     model = DistributedDataParallel(model) if args.world > 1 else model
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.trainer.lr)
-    loss_fn, rates = nn.CrossEntropyLoss(), []
-    for epoch in range(args.epochs):
-        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(epoch))
-        dist.barrier()
-        start = time.perf_counter()
-        for step in range(args.steps):
-            idx = order[step * args.batch:(step + 1) * args.batch]
-            x = ((images[idx].float() / 255.0 - MNIST_MEAN) / MNIST_STD).reshape(-1, 1, 28, 28)
-            optimizer.zero_grad(set_to_none=True)
-            loss_fn(model(x), labels[idx]).backward()
-            optimizer.step()
-        dist.barrier()
-        rates.append(args.world * args.steps * args.batch / (time.perf_counter() - start))
+    rates = torch_epochs(model, torch.optim.Adam(model.parameters(), lr=lr), args.rank, args.world, dist.barrier,
+                         args)
     dist.destroy_process_group()
     return rates
+
+
+def bare_horovod_torch_worker(args: argparse.Namespace) -> list[float]:
+    """One rank of Horovod's documented PyTorch recipe (started by `horovodrun`): `DistributedOptimizer` and a
+    broadcast of rank 0's weights. Horovod refuses non-contiguous tensors, so the channels-last gradients and
+    weights go through contiguous copies, as `trainer=horovod` does (`ContiguousCompression`)."""
+    import horovod.torch as hvd
+    import torch
+
+    from trainers.horovod_torch import ContiguousCompression, broadcast_from_rank0
+
+    hvd.init()
+    model, lr = channels_last_model(args.model)
+    broadcast_from_rank0(hvd, model.state_dict())
+    optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=lr),
+                                         named_parameters=model.named_parameters(),
+                                         compression=ContiguousCompression(hvd.Compression.none))
+    return torch_epochs(model, optimizer, hvd.rank(), hvd.size(), hvd.barrier, args)
+
+
+def tf_shard_batches(tf, rank: int, world: int, batch: int):
+    """Both bare TF rows' input: rank `rank`'s shard of MNIST's train split, shuffled, repeated, normalised."""
+    from contract.data import MNIST_MEAN, MNIST_STD
+
+    images, labels = (a[rank::world].copy() for a in mnist_arrays("train"))
+    return (tf.data.Dataset.from_tensor_slices((images, labels)).shuffle(len(labels), seed=0).repeat().batch(batch)
+            .map(lambda x, y: ((tf.cast(x, tf.float32) / 255.0 - MNIST_MEAN) / MNIST_STD, y)).prefetch(2))
 
 
 def bare_tf_worker(args: argparse.Namespace) -> list[float]:
@@ -80,7 +126,6 @@ def bare_tf_worker(args: argparse.Namespace) -> list[float]:
     import tensorflow as tf
     import tf_keras as keras
 
-    from contract.data import MNIST_MEAN, MNIST_STD
     from pipelines.config import load_config
     from trainers.models.keras_models import build_keras_model
 
@@ -88,12 +133,9 @@ def bare_tf_worker(args: argparse.Namespace) -> list[float]:
     tf.config.threading.set_inter_op_parallelism_threads(1)
     strategy = (tf.distribute.MultiWorkerMirroredStrategy() if args.world > 1 else tf.distribute.get_strategy())
     cfg = load_config([f"data.path={MNIST}", f"model={args.model}"])
-    images, labels = (a[args.rank::args.world].copy() for a in mnist_arrays("train"))
 
     def dataset(_context):
-        return (tf.data.Dataset.from_tensor_slices((images, labels)).shuffle(len(labels), seed=0).repeat()
-                .batch(args.batch).map(lambda x, y: ((tf.cast(x, tf.float32) / 255.0 - MNIST_MEAN) / MNIST_STD, y))
-                .prefetch(2))
+        return tf_shard_batches(tf, args.rank, args.world, args.batch)
 
     with strategy.scope():
         net = build_keras_model(cfg.model, keras)
@@ -113,20 +155,78 @@ def bare_tf_worker(args: argparse.Namespace) -> list[float]:
     return rates
 
 
+def bare_horovod_tf_worker(args: argparse.Namespace) -> list[float]:
+    """One rank of Horovod's documented TF2 recipe (started by `horovodrun`): a compiled step on
+    `DistributedGradientTape`, rank 0's variables broadcast before the first step, a tf.data pipeline on the
+    rank's shard (as the bare TF row's)."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+    import tf_keras as keras
+
+    from pipelines.config import load_config
+    from trainers.models.keras_models import build_keras_model
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    hvd.init()
+    rank, world = hvd.rank(), hvd.size()
+    cfg = load_config([f"data.path={MNIST}", f"model={args.model}"])
+    data = iter(tf_shard_batches(tf, rank, world, args.batch))
+    model = build_keras_model(cfg.model, keras)
+    optimizer, loss_fn = keras.optimizers.Adam(cfg.trainer.lr), keras.losses.SparseCategoricalCrossentropy(True)
+    optimizer.build(model.trainable_variables)
+    hvd.broadcast_variables(model.variables, root_rank=0)
+    hvd.broadcast_variables(optimizer.variables, root_rank=0)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = hvd.DistributedGradientTape(tape)
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    rates = []
+    for _ in range(args.epochs):
+        hvd.join()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            loss = step(*next(data))
+        float(loss)  # the last step has run
+        hvd.join()
+        rates.append(world * args.steps * args.batch / (time.perf_counter() - start))
+    return rates
+
+
+BARE_WORKERS = {"torch": bare_torch_worker, "tf": bare_tf_worker, "horovod_torch": bare_horovod_torch_worker,
+                "horovod_tf": bare_horovod_tf_worker}
+
+
 def bare_run(framework: str, args: argparse.Namespace, world: int) -> list[float]:
-    """Start `world` plain processes of the bare `framework` loop; rank 0's per-epoch global samples/s."""
+    """Run the bare `framework` loop in `world` plain processes (Horovod's: started by `horovodrun`, its own
+    launcher); rank 0's per-epoch global samples/s."""
+    env = {**os.environ, **QUIET_ENV, "TF_USE_LEGACY_KERAS": "1"}
+    common = ["--bare-worker", framework, "--world", str(world), f"--model={args.model}", f"--epochs={args.epochs}",
+              f"--steps={args.steps}", f"--batch={args.batch}", *(["--pin"] if args.pin else [])]
+    if framework.startswith("horovod"):
+        with tempfile.TemporaryDirectory() as folder:
+            out = Path(folder) / "rates.json"
+            cmd = ["horovodrun", "-np", str(world), "-H", f"localhost:{world}", "--gloo", sys.executable, "-m",
+                   "benchmarks.scaling", *common, f"--out={out}"]
+            env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+            done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"bare {framework} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+            return json.loads(out.read_text())
     ports = free_ports(world)
     procs = []
     for rank in range(world):
-        env = {**os.environ, **QUIET_ENV, "TF_USE_LEGACY_KERAS": "1"}
         if framework == "tf" and world > 1:
             env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
                                            "task": {"type": "worker", "index": rank}})
-        cmd = [sys.executable, "-m", "benchmarks.scaling", "--bare-worker", framework, "--rank", str(rank),
-               "--world", str(world), "--port", str(ports[0]), f"--model={args.model}", f"--epochs={args.epochs}",
-               f"--steps={args.steps}", f"--batch={args.batch}", *(["--pin"] if args.pin else [])]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+        cmd = [sys.executable, "-m", "benchmarks.scaling", *common, "--rank", str(rank), "--port", str(ports[0])]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=dict(env), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
     outputs = [p.communicate() for p in procs]
     for p, (out, err) in zip(procs, outputs):
         if p.returncode != 0:
@@ -165,15 +265,19 @@ def main() -> int:
                         "worker has exactly one core (TF otherwise runs its input pipeline on a second one)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per row and world size (median)")
     parser.add_argument("--set", nargs="*", default=[], help="more overrides for every pipeline row")
-    parser.add_argument("--bare-worker", choices=["torch", "tf"], help=argparse.SUPPRESS)
+    parser.add_argument("--bare-worker", choices=list(BARE_WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)  # where a horovodrun rank 0 writes its rates
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.bare_worker:  # a child process of bare_run
+        rank = int(os.environ.get("HOROVOD_RANK", args.rank))  # horovodrun starts every rank alike
         if args.pin:
-            os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[args.rank]})
-        rates = (bare_torch_worker if args.bare_worker == "torch" else bare_tf_worker)(args)
+            os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})
+        rates = BARE_WORKERS[args.bare_worker](args)
+        if args.out and rank == 0:
+            Path(args.out).write_text(json.dumps(rates))
         print(json.dumps(rates))
         return 0
     ensure_mnist()
@@ -181,7 +285,7 @@ def main() -> int:
     print(f"model={args.model} batch={args.batch}/worker steps={args.steps}/worker/epoch epochs={args.epochs} "
           f"(mean of epochs 2..{args.epochs}); pipeline overrides {args.set}; load at start {os.getloadavg()[0]:.1f}",
           flush=True)
-    print(f"{'row':16s} {'1 worker':>10s} {'2 workers':>10s} {'efficiency':>10s} {'vs bare (1/2)':>14s} "
+    print(f"{'row':18s} {'1 worker':>10s} {'2 workers':>10s} {'efficiency':>10s} {'vs bare (1/2)':>14s} "
           f"{'load (1/2)':>11s}", flush=True)
     results: dict[str, tuple[float, float]] = {}
     for name in rows:
@@ -189,7 +293,7 @@ def main() -> int:
         results[name] = (one, two)
         bare = results.get(COUNTERPART.get(name, ""))
         versus = f"{one / bare[0]:.2f}/{two / bare[1]:.2f}" if bare else "-"
-        print(f"{name:16s} {one:10.0f} {two:10.0f} {two / (2 * one):10.3f} {versus:>14s} "
+        print(f"{name:18s} {one:10.0f} {two:10.0f} {two / (2 * one):10.3f} {versus:>14s} "
               f"{load1:5.1f}/{load2:<5.1f}", flush=True)
     gated = [two / (2 * one) for name, (one, two) in results.items() if name in GATED]
     print(f"min_efficiency={min(gated):.3f}" if gated else "min_efficiency=nan (no gated row ran)")
