@@ -202,6 +202,20 @@ BARE_WORKERS = {"torch": bare_torch_worker, "tf": bare_tf_worker, "horovod_torch
                 "horovod_tf": bare_horovod_tf_worker}
 
 
+def horovodrun_rates(framework: str, worker_args: list[str], env: dict[str, str], world: int) -> list[float]:
+    """`world` ranks of the bare Horovod `framework` loop started by `horovodrun --gloo` on this machine; rank 0's
+    per-epoch global samples/s (written to a file: horovodrun prefixes every line the ranks print)."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "rates.json"
+        cmd = ["horovodrun", "-np", str(world), "-H", f"localhost:{world}", "--gloo", sys.executable, "-m",
+               "benchmarks.scaling", *worker_args, f"--out={out}"]
+        env = {**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"}
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"bare {framework} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
 def bare_run(framework: str, args: argparse.Namespace, world: int) -> list[float]:
     """Run the bare `framework` loop in `world` plain processes (Horovod's: started by `horovodrun`, its own
     launcher); rank 0's per-epoch global samples/s."""
@@ -209,15 +223,7 @@ def bare_run(framework: str, args: argparse.Namespace, world: int) -> list[float
     common = ["--bare-worker", framework, "--world", str(world), f"--model={args.model}", f"--epochs={args.epochs}",
               f"--steps={args.steps}", f"--batch={args.batch}", *(["--pin"] if args.pin else [])]
     if framework.startswith("horovod"):
-        with tempfile.TemporaryDirectory() as folder:
-            out = Path(folder) / "rates.json"
-            cmd = ["horovodrun", "-np", str(world), "-H", f"localhost:{world}", "--gloo", sys.executable, "-m",
-                   "benchmarks.scaling", *common, f"--out={out}"]
-            env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-            done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"bare {framework} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-            return json.loads(out.read_text())
+        return horovodrun_rates(framework, common, env, world)
     ports = free_ports(world)
     procs = []
     for rank in range(world):
