@@ -27,6 +27,8 @@ CUDA = torch.device("cuda", 0)
 MNIST = ["trainer.use_gpu=true", "trainer.num_workers=1", "trainer.batch_size=16", "trainer.optimizer=sgd",
          "trainer.lr=0.01", "model.hidden=[32]", "model.dropout=0", "trainer.epochs=2", "trainer.lr_schedule=cosine",
          "trainer.warmup_steps=3", "trainer.grad_clip=1.0", "trainer.grad_accum=2"]
+CNN = ["trainer.use_gpu=true", "trainer.num_workers=1", "trainer.batch_size=16", "model=cnn", "model.channels=[8,16]",
+       "model.hidden=32", "model.dropout=0"]
 
 
 @pytest.fixture
@@ -91,8 +93,9 @@ def test_fp16_with_loss_scaling_and_bf16_track_fp32_on_the_gpu(nccl, tmp_path):
 
 def test_fsdp_over_nccl_on_the_gpu_trains_the_dense_model(nccl, tmp_path):
     """FSDP2 (`fully_shard` on a one-rank CUDA mesh, NCCL) trains the dense model (float32 on the CPU: the same
-    step losses within float tolerance, other kernels); with bf16 mixed precision its step losses differ but stay
-    within 0.05 of float32's; the sharded checkpoint exports dense float32 weights."""
+    step losses within float tolerance, other kernels); with bf16 mixed precision its step losses differ, follow
+    float32's within 0.01 for 15 steps (later ones drift further as training amplifies the rounding: 0.08 apart at
+    step 20 on an H200) and fall; the sharded checkpoint exports dense float32 weights."""
     from trainers.torch_ddp import run_worker
     from trainers.torch_fsdp import build_adapter, dense_model_state
 
@@ -111,4 +114,22 @@ def test_fsdp_over_nccl_on_the_gpu_trains_the_dense_model(nccl, tmp_path):
     dense, _ = dense_training(config(tmp_path / "dense", keys), model_inputs, [data(cfg.run.seed)[0]])
     np.testing.assert_allclose(curves["fp32"], dense, rtol=1e-4, atol=1e-4)
     assert not np.array_equal(curves["bf16"], curves["fp32"])
-    np.testing.assert_allclose(curves["bf16"], curves["fp32"], rtol=0, atol=0.05)
+    np.testing.assert_allclose(curves["bf16"][:15], curves["fp32"][:15], rtol=0, atol=0.01)
+    assert curves["bf16"][-5:].mean() < curves["bf16"][:5].mean()
+
+
+def test_compiled_cnn_on_the_gpu_trains_the_eager_step_losses(nccl, tmp_path):
+    """`trainer.compile=true` on CUDA (Inductor's Triton kernels, DDP over NCCL): the CNN's step losses are eager's
+    within float tolerance for 15 steps and stay within 1% over 40 (other kernels, other rounding, which training
+    amplifies: 0.12% apart at step 39 on an H200); the forward really went through Dynamo."""
+    keys = [*CNN, "trainer.optimizer=sgd", "trainer.lr=0.01", "trainer.epochs=2", "trainer.grad_clip=1.0"]
+    curves = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        cfg = config(tmp_path / str(compiled), [*keys, f"trainer.compile={str(compiled).lower()}"])
+        curves[compiled] = run_attempt(ddp_run(cfg), 0, 1, 2, tmp_path / str(compiled) / "run").recorder.curve()
+        assert (torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0) == compiled
+    np.testing.assert_allclose(curves[True][:15], curves[False][:15], rtol=1e-4, atol=0)
+    np.testing.assert_allclose(curves[True], curves[False], rtol=1e-2, atol=0)
+    assert curves[True][-5:].mean() < curves[True][:5].mean()
