@@ -75,7 +75,9 @@ class ShardBatches:
     `read_parquet` gave only 2-9k rows/s per worker here, slower than a small MLP trains, so
     re-streaming every epoch would make ingest the bottleneck. cache=False streams from Ray Data every
     epoch (for data that does not fit in memory), in shard order. `shard`: anything with Ray's
-    `iter_torch_batches` (a Ray Data shard, or a Dataset in tests).
+    `iter_torch_batches` (a Ray Data shard, or a Dataset in tests). In a GPU worker Ray Data hands the
+    batches over on the worker's GPU (`iter_torch_batches`' device "auto"), so the cache is in GPU memory
+    and each batch is indexed there.
     """
 
     def __init__(self, shard: Any, dataset: str, batch_size: int, cache: bool, seed: int,
