@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
 from torch import nn
 
 from benchmarks.common import MNIST, ensure_mnist, mnist_arrays, steady_rate
@@ -36,13 +37,14 @@ from trainers.torch_ddp import build_adapter, run_worker
 CUDA = torch.device("cuda", 0)
 
 
-def model_config(batch: int, epochs: int, compile_: bool, threads: int):
+def model_config(batch: int, epochs: int, compile_: bool, threads: int) -> DictConfig:
+    """The validated pipeline config both loops train with (the CNN, one GPU worker)."""
     return load_config([f"data.path={MNIST}", "model=cnn", f"trainer.batch_size={batch}", f"trainer.epochs={epochs}",
                         "trainer.num_workers=1", "trainer.use_gpu=true", f"trainer.threads_per_worker={threads}",
                         f"trainer.compile={str(compile_).lower()}"])
 
 
-def bare_rates(cfg, images: torch.Tensor, labels: torch.Tensor) -> list[float]:
+def bare_rates(cfg: DictConfig, images: torch.Tensor, labels: torch.Tensor) -> list[float]:
     """A plain loop on GPU 0: samples/s per epoch."""
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model).to(CUDA, memory_format=torch.channels_last)
@@ -65,7 +67,8 @@ def bare_rates(cfg, images: torch.Tensor, labels: torch.Tensor) -> list[float]:
     return rates
 
 
-def loop_rates(cfg, images: torch.Tensor, labels: torch.Tensor, test: dict[str, torch.Tensor]) -> list[float]:
+def loop_rates(cfg: DictConfig, images: torch.Tensor, labels: torch.Tensor,
+               test: dict[str, torch.Tensor]) -> list[float]:
     """The shared loop with the DDP adapter on GPU 0 (one worker: no DDP wrapper, as Ray's `prepare_model`
     leaves it); its `samples_per_s` per epoch. Evaluation and checkpoints run as in a pipeline, outside that."""
     data = lambda seed: (tc.ShardBatches.from_columns({"image": images, "label": labels}, "mnist",  # noqa: E731
