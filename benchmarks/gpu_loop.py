@@ -27,7 +27,6 @@ from omegaconf import DictConfig
 from torch import nn
 
 from benchmarks.common import MNIST, ensure_mnist, mnist_arrays, steady_rate
-from contract.data import MNIST_MEAN, MNIST_STD
 from pipelines.config import load_config
 from trainers import torch_common as tc
 from trainers.loop import WorkerContext
@@ -57,7 +56,7 @@ def bare_rates(cfg: DictConfig, images: torch.Tensor, labels: torch.Tensor) -> l
         start = time.perf_counter()
         for i in range(0, len(labels), batch):
             idx = order[i:i + batch]
-            x = ((images[idx].float() / 255.0 - MNIST_MEAN) / MNIST_STD).reshape(-1, 1, 28, 28)
+            x = tc.normalise(images[idx]).reshape(-1, 1, 28, 28)
             x, y = x.pin_memory().to(CUDA, non_blocking=True), labels[idx].pin_memory().to(CUDA, non_blocking=True)
             optimizer.zero_grad()
             loss_fn(forward(x), y).backward()
