@@ -61,6 +61,10 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
         datasets = materialized.result()
     if cfg.fault.resource_timeout_s > 0:  # read by Ray Train's controller (trainers/worker.py: run_config)
         os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.fault.resource_timeout_s)
+    # Ray Train's preemption watcher (an actor per run, ~1 CPU-s to start) polls Ray for nodes being drained
+    # (cloud autoscalers) and tells `ray.train.get_preemption_info`, which nothing here reads: a Slurm preemption
+    # stops a run through its STOP file (contract/resume.py). Off unless the user turns it on.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     trainer = backend.build_trainer(cfg, datasets, run_id, uri, inputs, callbacks=callbacks)
     system = tracking.SystemMetrics(uri, run_id, "driver", cfg.run.system_metrics_interval_s) \
         if cfg.run.system_metrics else None

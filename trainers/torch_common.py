@@ -382,15 +382,17 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def torch_trainer(loop: Callable[[dict], None], cfg: Any, datasets: dict, run_id: str, tracking_uri: str,
                   model_inputs: dict, dataset_config: Any = None, callbacks: list | None = None) -> Any:
-    """The `TorchTrainer` every PyTorch backend but Horovod uses: gloo on CPU / NCCL on GPU."""
-    from ray.train.torch import TorchConfig, TorchTrainer
+    """The `TorchTrainer` every PyTorch backend but Horovod uses: gloo on CPU / NCCL on GPU, set up by
+    trainers/torch_backend.py (the process group `TorchConfig` sets up, without torch in Ray Train's controller)."""
+    from ray.train.torch import TorchTrainer
 
     from trainers.shard_data import shard_config
+    from trainers.torch_backend import TorchGroupConfig
 
     return TorchTrainer(
         loop,
         train_loop_config=loop_config(cfg, run_id, tracking_uri, model_inputs),
-        torch_config=TorchConfig(backend="nccl" if cfg.trainer.use_gpu else "gloo"),
+        torch_config=TorchGroupConfig(backend="nccl" if cfg.trainer.use_gpu else "gloo"),
         scaling_config=scaling_config(cfg),
         run_config=run_config(cfg, run_id, callbacks),
         datasets=datasets,

@@ -68,3 +68,20 @@ def test_tensorflow_workers_import_no_torch():
         parents = [".".join(m.split(".")[:i]) for m in found for i in range(1, m.count(".") + 2)]
         todo.extend(p for p in parents if p in modules)
     assert {"trainers.loop", "trainers.tf_common", "contract.metrics"} <= seen  # the walk reached them
+
+
+def test_ray_trains_controller_unpickles_the_torch_backend_config_without_torch():
+    """The controller unpickles the trainer's backend config (trainers/torch_backend.py); Ray's own `TorchConfig`
+    would import torch there. Checked in a fresh interpreter, as the controller's process is."""
+    import pickle
+    import subprocess
+    import sys
+
+    from trainers.torch_backend import TorchGroupConfig
+
+    config = pickle.dumps(TorchGroupConfig(backend="gloo"))
+    probe = ("import pickle, sys; config = pickle.loads(sys.stdin.buffer.read()); "
+             "assert config.backend == 'gloo' and config.backend_cls.__name__ == 'TorchGroupBackend'; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    seen = subprocess.run([sys.executable, "-c", probe], input=config, capture_output=True, cwd=ROOT, check=True)
+    assert seen.stdout.decode().strip() == "[]"
