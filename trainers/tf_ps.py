@@ -12,13 +12,15 @@ them there without waiting for the others.
   reports.
 - An epoch has no natural end when workers go at their own pace: here it is as many steps as the train split has
   batches (rows // batch_size), after which the chief waits for the scheduled steps and evaluates. Which worker
-  takes a step is the coordinator's choice; each worker walks its own Ray Data shard in a seeded order per epoch
-  (`shuffled_order`, as every backend), wrapping around if it takes more than its share, and the step tells the
-  chief which worker ran it, so a stopped epoch resumes every worker where it stopped.
+  takes a step is the coordinator's choice; each worker walks its own Ray Data shard pass after pass, pass k in
+  the seeded order of epoch k (`shuffled_order`, as every backend), through one iterator for the attempt: a
+  worker that took less than its share in an epoch goes on with its pass in the next, one that took more has
+  begun its next pass. The step tells the chief which worker ran it, so a stopped epoch resumes every worker
+  where it stopped.
 - Parameter servers and workers run their TensorFlow server in a child process (trainers/tf_ps_server.py) that
   their Ray worker starts and watches: a worker server that dies is started again, and the coordinator gives its
-  steps to the other workers meanwhile (the run goes on; back within the epoch, the worker's dataset is rebuilt
-  from its position at the epoch's start); a parameter server that dies, or the chief, ends the attempt and Ray
+  steps to the other workers meanwhile (the run goes on; back, the worker's dataset is rebuilt from its position
+  at the attempt's start); a parameter server that dies, or the chief, ends the attempt and Ray
   Train restarts the run from its last checkpoint (`fault.max_failures`).
 - Each worker writes its shard to a local folder; the dataset function (traced by the chief, run on the workers)
   reads the folder of the worker it runs on.
@@ -43,7 +45,7 @@ from trainers.loop import WorkerContext
 from trainers.tf_ps_backend import CHIEF, FEATURES, LABELS, Chief, TFPSConfig, WorkerShards, board, serve, \
     task_of_this_worker
 
-POSITIONS = "ps_positions.json"  # a stopped epoch: steps each worker took (beside tf_mwms' state files)
+POSITIONS = "ps_positions.json"  # a stopped epoch: where each worker is (beside tf_mwms' state files)
 
 def whole_values(variables: list) -> list[np.ndarray]:
     """Variables as whole arrays, in order: the shards a partitioner made of one variable (named `<name>/part_<i>`,
@@ -85,6 +87,9 @@ class PSAdapter(tfc.KerasAdapter):
         self.in_flight = 2 * len(shards.rows)  # scheduled functions: enough that no worker waits for the chief
         self.stop_file, self.stop_every = ctx.stop_file, ctx.stop_check_every
         self.positions = [0] * len(shards.rows)  # batches each worker took in the current epoch
+        self.cursors = [0] * len(shards.rows)  # rows each worker's stream has handed out, from its first pass on
+        self.stream: Any = None  # the attempt's per-worker iterator, over all its epochs (`batches`)
+        self.last_epoch = trainer.epochs
         self.pending: deque = deque()  # (scheduled function, its steps): their results to come
         self.rows: deque = deque()  # fetched results of steps the loop has not taken yet
         self.fitting = False  # Keras fit runs the epochs (no positions kept)
@@ -115,31 +120,40 @@ class PSAdapter(tfc.KerasAdapter):
             results = results.write(i, tf.stack([tf.cast(value, tf.float64) for value in (loss, tokens, worker)]))
         return results.stack()
 
-    def worker_dataset(self, order: Any, skip: Any) -> Any:
-        """Runs on a worker (traced by the chief): its shard in the epoch's `order` [rows] (repeated: a worker may
-        take more than its share), batched, without its first `skip` batches."""
+    def worker_dataset(self, orders: Any, skip: Any) -> Any:
+        """Runs on a worker (traced by the chief): its shard in each order of `orders` [passes, rows] in turn
+        (repeated: a worker may take more than its share), without its first `skip` rows, batched."""
         tf = self.tf
         worker = tf.distribute.coordinator.experimental_get_current_worker_index()
         folder = tf.gather(tf.constant(self.shards.folders), worker)
         dtype = tf.int32 if self.text else tf.uint8
         x = tf.reshape(tf.io.decode_raw(tf.io.read_file(folder + "/" + FEATURES), dtype), [-1, self.width])
         y = tf.io.decode_raw(tf.io.read_file(folder + "/" + LABELS), tf.int64)
-        ds = tf.data.Dataset.from_tensor_slices((tf.gather(x, order), tf.gather(y, order)))
+        ds = tf.data.Dataset.from_tensor_slices(orders).repeat().flat_map(
+            lambda order: tf.data.Dataset.from_tensor_slices((tf.gather(x, order), tf.gather(y, order)))).skip(skip)
         if not self.text:
             ds = ds.map(lambda x, y: ((tf.cast(x, tf.float32) / 255.0 - MNIST_MEAN) / MNIST_STD, y))
-        return ds.repeat().batch(self.batch_size, drop_remainder=True).skip(skip).prefetch(2)
+        return ds.batch(self.batch_size, drop_remainder=True).prefetch(2)
 
-    def epoch_iterator(self, epoch: int) -> Any:
-        """The workers' iterators over the epoch: worker i in `shuffled_order(rows, seed + 1000 i + epoch)` (every
-        backend's shard order), from its position in the epoch."""
+    def stream_iterator(self) -> Any:
+        """The workers' iterators for the rest of the attempt. Worker i reads its shard in pass after pass, pass k in
+        `shuffled_order(rows, seed + 1000 i + k)` (every backend's shard order, pass k for epoch k), from its
+        `cursors[i]` (rows since the start of pass 1) on; batches run across passes. One iterator for every epoch:
+        dropping a tf.data iterator may wait seconds for tf.data's autotuning thread (measured here: `del` of the
+        epoch's iterator took 0.9 s and 6.0 s at the ends of two of six epochs; tf_mwms had the same,
+        trainers/tf_common.EpochStream). A worker's server started again reads its stream from the attempt's start."""
         tf, strategy = self.tf, self.strategy
-        orders = tf.constant(np.stack([shuffled_order(rows, self.seed + 1000 * i + epoch)
-                                       for i, rows in enumerate(self.shards.rows)]))
-        skips = tf.constant(self.positions, tf.int64)
+        first = [cursor // rows + 1 for cursor, rows in zip(self.cursors, self.shards.rows)]
+        passes = range(min(first), self.last_epoch + 2)  # a worker may run into the pass after the last epoch's
+        orders = tf.constant(np.stack([np.stack([shuffled_order(rows, self.seed + 1000 * i + k) for k in passes])
+                                       for i, rows in enumerate(self.shards.rows)]).astype(np.int32))
+        starts = tf.constant([k - passes.start for k in first], tf.int64)
+        skips = tf.constant([cursor % rows for cursor, rows in zip(self.cursors, self.shards.rows)], tf.int64)
 
         def dataset_fn(_: Any) -> Any:
             worker = tf.distribute.coordinator.experimental_get_current_worker_index()
-            return self.worker_dataset(tf.gather(orders, worker), tf.gather(skips, worker))
+            return self.worker_dataset(tf.gather(orders, worker)[tf.gather(starts, worker):],
+                                       tf.gather(skips, worker))
 
         per_worker = tf.function(lambda: strategy.distribute_datasets_from_function(dataset_fn))
         return iter(self.coordinator.create_per_worker_dataset(per_worker))
@@ -148,9 +162,16 @@ class PSAdapter(tfc.KerasAdapter):
         """Each step's result (loss, tokens, worker), in order, from functions of `steps_per_call` steps scheduled
         up to `in_flight` ahead. Once STOP exists, nothing is scheduled past the next step at which the loop checks
         it, so a stop leaves no step done beyond the ones it counts (`at_update_boundary`)."""
+        if self.stream is None:
+            if skip == 0:  # the attempt starts at this epoch: every worker at the start of its pass
+                self.cursors = [(epoch - 1) * rows for rows in self.shards.rows]
+            elif self.cursors is None:  # an older checkpoint's stopped epoch: each worker from its pass' start
+                self.cursors = [(epoch - 1) * rows + steps * self.batch_size
+                                for rows, steps in zip(self.shards.rows, self.positions)]
+            self.stream = self.stream_iterator()
         if skip == 0:
             self.positions = [0] * len(self.positions)
-        iterator, scheduled, pending, rows = self.epoch_iterator(epoch), skip, self.pending, self.rows
+        iterator, scheduled, pending, rows = self.stream, skip, self.pending, self.rows
         for step in range(skip, self.steps):
             if step == self.steps // 2 and self.halfway is not None:
                 self.halfway(epoch)
@@ -195,6 +216,7 @@ class PSAdapter(tfc.KerasAdapter):
     def train_step(self, batch: Any) -> tuple[float, int, int]:
         loss, tokens, worker = batch
         self.positions[int(worker)] += 1
+        self.cursors[int(worker)] += self.batch_size
         return float(loss), self.batch_size, int(tokens)
 
     def at_update_boundary(self) -> bool:
@@ -221,17 +243,18 @@ class PSAdapter(tfc.KerasAdapter):
             worker = tf.distribute.coordinator.experimental_get_current_worker_index()
             rows = tf.gather(tf.constant(self.shards.rows, tf.int64), worker)
             order = tf.random.experimental.stateless_shuffle(tf.range(rows), seed=[self.seed, worker])
-            return self.worker_dataset(order, tf.constant(0, tf.int64))
+            return self.worker_dataset(order[tf.newaxis], tf.constant(0, tf.int64))
 
         self.model.fit(self.keras.utils.experimental.DatasetCreator(dataset_fn), epochs=epochs,
                        initial_epoch=first_epoch - 1, steps_per_epoch=self.steps, callbacks=callbacks, verbose=0)
 
     def save(self, directory: str) -> None:
-        """tf_mwms' state files with whole values, through the unpartitioned twin; a stopped epoch's positions."""
+        """tf_mwms' state files with whole values, through the unpartitioned twin; where a stopped epoch left the
+        workers (their steps in it, and where their streams are)."""
         self.twin.set_weights(whole_values(self.model.weights))
         self.twin.optimizer.set_weights([self.tf.convert_to_tensor(v).numpy() for v in self.model.optimizer.variables])
         tfc.save_keras_state(directory, self.twin)
-        Path(directory, POSITIONS).write_text(json.dumps(self.positions))
+        Path(directory, POSITIONS).write_text(json.dumps({"positions": self.positions, "cursors": self.cursors}))
 
     def load(self, directory: str) -> None:
         tfc.load_keras_state(directory, self.twin, self.tf.distribute.get_strategy())
@@ -241,7 +264,11 @@ class PSAdapter(tfc.KerasAdapter):
             variable.assign(value)
         positions = Path(directory, POSITIONS)  # absent from a tf_mwms checkpoint: a worker starts its epoch afresh
         if positions.exists():
-            self.positions = json.loads(positions.read_text())
+            saved = json.loads(positions.read_text())
+            if isinstance(saved, list):  # before streams (2026-11-27): the steps of the stopped epoch only
+                self.positions, self.cursors = saved, None
+            else:
+                self.positions, self.cursors = saved["positions"], saved["cursors"]
 
     def build_optimizer(self) -> None:
         """The optimizer's slots on the parameter servers (sharded like their variables) and the twin's."""
