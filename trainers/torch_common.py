@@ -383,11 +383,11 @@ def unwrap(model: nn.Module) -> nn.Module:
 def torch_trainer(loop: Callable[[dict], None], cfg: Any, datasets: dict, run_id: str, tracking_uri: str,
                   model_inputs: dict, dataset_config: Any = None, callbacks: list | None = None) -> Any:
     """The `TorchTrainer` every PyTorch backend but Horovod uses: gloo on CPU / NCCL on GPU, set up by
-    trainers/torch_backend.py (the process group `TorchConfig` sets up, without torch in Ray Train's controller)."""
+    trainers/backend_configs.py (the process group `TorchConfig` sets up, without torch in Ray Train's controller)."""
     from ray.train.torch import TorchTrainer
 
     from trainers.shard_data import shard_config
-    from trainers.torch_backend import TorchGroupConfig
+    from trainers.backend_configs import TorchGroupConfig
 
     return TorchTrainer(
         loop,

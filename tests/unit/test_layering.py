@@ -70,18 +70,20 @@ def test_tensorflow_workers_import_no_torch():
     assert {"trainers.loop", "trainers.tf_common", "contract.metrics"} <= seen  # the walk reached them
 
 
-def test_ray_trains_controller_unpickles_the_torch_backend_config_without_torch():
-    """The controller unpickles the trainer's backend config (trainers/torch_backend.py); Ray's own `TorchConfig`
-    would import torch there. Checked in a fresh interpreter, as the controller's process is."""
+def test_ray_trains_controller_unpickles_the_backend_configs_without_a_framework():
+    """The controller unpickles the trainer's backend config (trainers/backend_configs.py); Ray's own `TorchConfig`
+    and `TensorflowConfig` would import torch and TensorFlow there. Checked in a fresh interpreter, as the
+    controller's process is."""
     import pickle
     import subprocess
     import sys
 
-    from trainers.torch_backend import TorchGroupConfig
+    from trainers.backend_configs import MirroredConfig, TorchGroupConfig
 
-    config = pickle.dumps(TorchGroupConfig(backend="gloo"))
-    probe = ("import pickle, sys; config = pickle.loads(sys.stdin.buffer.read()); "
-             "assert config.backend == 'gloo' and config.backend_cls.__name__ == 'TorchGroupBackend'; "
-             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
-    seen = subprocess.run([sys.executable, "-c", probe], input=config, capture_output=True, cwd=ROOT, check=True)
+    configs = pickle.dumps([TorchGroupConfig(backend="gloo"), MirroredConfig()])
+    probe = ("import pickle, sys; torch, mirrored = pickle.loads(sys.stdin.buffer.read()); "
+             "assert torch.backend == 'gloo' and torch.backend_cls.__name__ == 'TorchGroupBackend'; "
+             "assert mirrored.backend_cls.__name__ == 'MirroredBackend'; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'tensorflow', 'keras', 'tf_keras')))")
+    seen = subprocess.run([sys.executable, "-c", probe], input=configs, capture_output=True, cwd=ROOT, check=True)
     assert seen.stdout.decode().strip() == "[]"

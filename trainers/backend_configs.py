@@ -1,0 +1,127 @@
+"""Ray Train backend configs for PyTorch and TensorFlow whose module imports neither framework. Ray Train's
+controller unpickles the trainer's backend config as it starts, before its worker group, in a process that never
+runs either framework; Ray's own configs live in packages that import theirs at the top:
+- `ray.train.torch.TorchConfig`: `ray.train.torch.config` imports torch, 1.0-1.2 CPU-s;
+- `ray.train.tensorflow.TensorflowConfig`: the package `ray.train.tensorflow` imports TensorFlow, 2.3-2.4 CPU-s
+(each timed in an interpreter with Ray Train imported; the controllers of a submitted MNIST run: benchmarks/README.md,
+startup). The configs here set up the same thing, each step one of Ray's own functions, imported and run on the
+workers (`on_worker`); the controller only orders them."""
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray._common.network_utils import build_address
+from ray._private.ray_constants import env_integer
+from ray.train._internal.utils import get_address_and_port
+from ray.train.backend import Backend, BackendConfig
+from ray.train.constants import DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
+from ray.train.v2._internal.util import TrainingFramework
+
+logger = logging.getLogger(__name__)
+
+
+def on_worker(module: str, name: str, **kwargs: Any) -> Any:
+    """Runs on a worker: `<module>.<name>(**kwargs)`, importing the module (and its framework) there."""
+    return getattr(importlib.import_module(module), name)(**kwargs)
+
+
+TORCH = "ray.train.torch.config"
+TENSORFLOW = "ray.train.tensorflow.config"
+
+
+def set_rendezvous(addr: str, port: int) -> None:
+    """Runs on a worker: where `env://` finds rank 0."""
+    import os
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+
+
+class CudaDeviceContext:
+    """The train function's context, as `TorchConfig`'s: a GPU worker's CUDA device made the current one."""
+
+    def __enter__(self) -> None:
+        from ray.train.torch.config import TorchConfigContextManager
+
+        TorchConfigContextManager().__enter__()
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        return False
+
+
+@dataclass
+class TorchGroupConfig(BackendConfig):
+    """What `TorchConfig` sets up: a torch process group (gloo on CPU, NCCL on GPU, `env://` rendezvous at rank
+    0). `backend`: "gloo" or "nccl"; `timeout_s`: the process group's collective timeout."""
+
+    backend: str = "gloo"
+    timeout_s: int = 1800
+
+    @property
+    def backend_cls(self) -> type:
+        return TorchGroupBackend
+
+    @property
+    def train_func_context(self) -> type:
+        return CudaDeviceContext
+
+    @property
+    def framework(self) -> TrainingFramework:
+        return TrainingFramework.TORCH
+
+
+class TorchGroupBackend(Backend):
+    """`ray.train.torch.config._TorchBackend`'s steps for a CPU or GPU worker group (no TPU slices)."""
+
+    share_cuda_visible_devices = True
+
+    def on_start(self, worker_group: Any, backend_config: TorchGroupConfig) -> None:
+        addr, port = worker_group.execute_single(0, get_address_and_port)
+        worker_group.execute(set_rendezvous, addr=addr, port=port)
+        worker_group.execute(on_worker, TORCH, "_set_torch_distributed_env_vars")  # RANK, LOCAL_RANK, ... as torchrun's
+        size = len(worker_group)
+        ray.get([worker_group.execute_single_async(rank, on_worker, TORCH, "_setup_torch_process_group",
+                                                   backend=backend_config.backend, world_rank=rank, world_size=size,
+                                                   init_method="env://", timeout_s=backend_config.timeout_s)
+                 for rank in range(size)])
+
+    def on_shutdown(self, worker_group: Any, backend_config: TorchGroupConfig) -> None:
+        futures = worker_group.execute_async(on_worker, TORCH, "_shutdown_torch",
+                                             destroy_process_group=len(worker_group) > 1)
+        timeout_s = env_integer(TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S)
+        try:
+            ray.get(futures, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            logger.warning("torch process group shutdown timed out after %d s", timeout_s)
+
+
+@dataclass
+class MirroredConfig(BackendConfig):
+    """What `TensorflowConfig` sets up for `MultiWorkerMirroredStrategy`: each worker's TF_CONFIG naming every
+    worker's address (and tf-keras as `tf.keras`, as Ray sets it)."""
+
+    @property
+    def backend_cls(self) -> type:
+        return MirroredBackend
+
+    @property
+    def framework(self) -> TrainingFramework:
+        return TrainingFramework.TENSORFLOW
+
+
+def worker_url() -> str:
+    """Runs on a worker: `ip:port` of a port free on its node, for its TensorFlow server."""
+    return build_address(*get_address_and_port())
+
+
+class MirroredBackend(Backend):
+    """`ray.train.tensorflow.config._TensorflowBackend`'s steps."""
+
+    def on_start(self, worker_group: Any, backend_config: MirroredConfig) -> None:
+        urls = worker_group.execute(worker_url)
+        ray.get([worker_group.execute_single_async(index, on_worker, TENSORFLOW, "_setup_tensorflow_environment",
+                                                   worker_addresses=urls, index=index)
+                 for index in range(len(worker_group))])
