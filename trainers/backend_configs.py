@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray._common.network_utils import build_address
 from ray._private.ray_constants import env_integer
 from ray.train._internal.utils import get_address_and_port
 from ray.train.backend import Backend, BackendConfig
 from ray.train.constants import DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
 from ray.train.v2._internal.util import TrainingFramework
+
+from trainers.worker import free_addresses, set_env
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +32,6 @@ def on_worker(module: str, name: str, **kwargs: Any) -> Any:
 
 TORCH = "ray.train.torch.config"
 TENSORFLOW = "ray.train.tensorflow.config"
-
-
-def set_rendezvous(addr: str, port: int) -> None:
-    """Runs on a worker: where `env://` finds rank 0."""
-    import os
-
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
 
 
 class CudaDeviceContext:
@@ -80,7 +74,7 @@ class TorchGroupBackend(Backend):
 
     def on_start(self, worker_group: Any, backend_config: TorchGroupConfig) -> None:
         addr, port = worker_group.execute_single(0, get_address_and_port)
-        worker_group.execute(set_rendezvous, addr=addr, port=port)
+        worker_group.execute(set_env, {"MASTER_ADDR": addr, "MASTER_PORT": str(port)})  # where `env://` finds rank 0
         worker_group.execute(on_worker, TORCH, "_set_torch_distributed_env_vars")  # RANK, LOCAL_RANK, ... as torchrun's
         size = len(worker_group)
         ray.get([worker_group.execute_single_async(rank, on_worker, TORCH, "_setup_torch_process_group",
@@ -112,16 +106,13 @@ class MirroredConfig(BackendConfig):
         return TrainingFramework.TENSORFLOW
 
 
-def worker_url() -> str:
-    """Runs on a worker: `ip:port` of a port free on its node, for its TensorFlow server."""
-    return build_address(*get_address_and_port())
-
-
 class MirroredBackend(Backend):
-    """`ray.train.tensorflow.config._TensorflowBackend`'s steps."""
+    """`ray.train.tensorflow.config._TensorflowBackend`'s steps, the workers' ports drawn as our other TensorFlow
+    backends draw theirs (`trainers.worker.free_addresses`: distinct, above the kernel's range for outgoing
+    connections)."""
 
     def on_start(self, worker_group: Any, backend_config: MirroredConfig) -> None:
-        urls = worker_group.execute(worker_url)
+        urls = free_addresses(worker_group)  # each worker's TensorFlow server, as tf_ps' and DTensor's
         ray.get([worker_group.execute_single_async(index, on_worker, TENSORFLOW, "_setup_tensorflow_environment",
                                                    worker_addresses=urls, index=index)
                  for index in range(len(worker_group))])
