@@ -4,8 +4,8 @@ runs either framework; Ray's own configs live in packages that import theirs at 
 - `ray.train.torch.TorchConfig`: `ray.train.torch.config` imports torch, 1.0-1.2 CPU-s;
 - `ray.train.tensorflow.TensorflowConfig`: the package `ray.train.tensorflow` imports TensorFlow, 2.3-2.4 CPU-s
 (each timed in an interpreter with Ray Train imported; the controllers of a submitted MNIST run: benchmarks/README.md,
-startup). The configs here set up the same thing, each step one of Ray's own functions, imported and run on the
-workers (`on_worker`); the controller only orders them."""
+startup). The configs here set up the same thing, each framework step one of Ray's own functions, imported and run
+on the workers (`on_worker`); the controller only orders them."""
 from __future__ import annotations
 
 import importlib
