@@ -91,6 +91,29 @@ def test_fp16_with_loss_scaling_and_bf16_track_fp32_on_the_gpu(nccl, tmp_path):
     assert state["scaler"]["scale"] > 0  # the loss scale, restored with the schedule
 
 
+def test_fused_optimizers_on_the_gpu_train_the_dense_cpu_model(nccl, tmp_path):
+    """On CUDA parameters the update runs fused (one kernel per parameter group: `torch_recipe.update_kernels`).
+    DDP over NCCL with fused AdamW (decayed matrices, plain biases) and fused SGD with momentum, both with warmup,
+    a cosine schedule and clipping, trains the dense CPU model's step losses (foreach kernels) within float
+    tolerance."""
+    from trainers.models import build_model
+    from trainers.torch_recipe import make_optimizer
+
+    data = batches(mnist_columns(320), mnist_columns(64, seed=1), "mnist", 16)
+    keys = ["trainer.use_gpu=true", "trainer.num_workers=1", "trainer.batch_size=16", "model.hidden=[32]",
+            "model.dropout=0", "trainer.epochs=2", "trainer.lr_schedule=cosine", "trainer.warmup_steps=3",
+            "trainer.grad_clip=1.0"]
+    recipes = {"adamw": ["trainer.optimizer=adamw", "trainer.lr=0.003", "trainer.weight_decay=0.01"],
+               "sgd": ["trainer.optimizer=sgd", "trainer.lr=0.01"]}
+    for name, recipe in recipes.items():
+        cfg = config(tmp_path / name, [*keys, *recipe])
+        assert make_optimizer(build_model(cfg.model, {}).to(CUDA), cfg.trainer).defaults["fused"], name
+        curve = run_attempt(ddp_run(cfg), 0, 1, 2, tmp_path / name / "run").recorder.curve()
+        dense, _ = dense_training(cfg, {}, [data(cfg.run.seed)[0]])
+        np.testing.assert_allclose(curve, dense, rtol=1e-4, atol=1e-5, err_msg=name)
+        assert curve[-5:].mean() < curve[:5].mean(), name
+
+
 def test_fsdp_over_nccl_on_the_gpu_trains_the_dense_model(nccl, tmp_path):
     """FSDP2 (`fully_shard` on a one-rank CUDA mesh, NCCL) trains the dense model (float32 on the CPU: the same
     step losses within float tolerance, other kernels); with bf16 mixed precision its step losses differ, follow

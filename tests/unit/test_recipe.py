@@ -37,7 +37,8 @@ def test_monitor_picks_the_later_epoch_on_ties_and_runs_out_of_patience():
 
 
 def test_torch_schedule_and_weight_decay_groups(tmp_path):
-    """LambdaLR applies lr * lr_factor(k) at update k; matrices decay, biases do not."""
+    """LambdaLR applies lr * lr_factor(k) at update k; matrices decay, biases do not; on CPU parameters the
+    update runs as multi-tensor (foreach) kernels."""
     from trainers.models import build_model
     from trainers.torch_recipe import build_recipe
 
@@ -46,6 +47,7 @@ def test_torch_schedule_and_weight_decay_groups(tmp_path):
     model = build_model(cfg.model, {})
     recipe = build_recipe(model, cfg.trainer, steps_per_epoch=9, device=torch.device("cpu"))  # 5 updates
     assert isinstance(recipe.optimizer, torch.optim.AdamW)
+    assert recipe.optimizer.defaults["foreach"] and not recipe.optimizer.defaults["fused"]  # CPU: multi-tensor
     decayed, plain = recipe.optimizer.param_groups
     assert decayed["weight_decay"] == 0.1 and all(p.dim() == 2 for p in decayed["params"])
     assert plain["weight_decay"] == 0.0 and all(p.dim() == 1 for p in plain["params"])
