@@ -58,7 +58,7 @@ def image_batch(columns: dict[str, torch.Tensor]) -> Batch:
 
 def text_batch(columns: dict[str, torch.Tensor]) -> Batch:
     ids, lengths = columns["input_ids"].long(), columns["length"]
-    mask = torch.arange(ids.shape[1]) < lengths[:, None]  # (B, T), True = real token
+    mask = torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]  # (B, T), True = real token
     return (ids, mask), columns["label"].long(), int(lengths.sum())
 
 
@@ -128,7 +128,8 @@ class ShardBatches:
         if shuffle:
             order = shuffled_order(rows, self.seed + epoch)  # as the TF backends shuffle
             if self.bucket_by_length:
-                order = bucketed_order(order, self.cached["length"].numpy(), self.batch_size, self.seed + epoch)
+                lengths = self.cached["length"].cpu().numpy()  # the cache is on the GPU in a GPU worker
+                order = bucketed_order(order, lengths, self.batch_size, self.seed + epoch)
             order = torch.from_numpy(order)
         else:
             order = torch.arange(rows)
@@ -148,7 +149,7 @@ class ShardBatches:
         """Sorted keys of the cached text rows (id * 2 + label, unique per review): which rows a rank holds."""
         if self.cached is None or "id" not in self.cached:
             return None
-        return (self.cached["id"].long() * 2 + self.cached["label"].long()).sort().values
+        return (self.cached["id"].long() * 2 + self.cached["label"].long()).sort().values.cpu()
 
 
 # shuffle seed -> this rank's (train, evaluation) batches: Ray Data shards in a run, generated data in tests

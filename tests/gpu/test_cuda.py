@@ -42,12 +42,18 @@ def nccl(tmp_path):
     dist.destroy_process_group()
 
 
-def batches(train: dict[str, np.ndarray], evaluation: dict[str, np.ndarray], dataset: str, size: int) -> Callable:
+def batches(train: dict[str, np.ndarray], evaluation: dict[str, np.ndarray], dataset: str, size: int,
+            device: torch.device = CUDA) -> Callable:
+    """A rank's cached shards as a GPU worker holds them: on the GPU (Ray Data's `iter_torch_batches` hands a GPU
+    worker its batches there), text batched by length and trimmed as `torch_common.worker_data` does. A dense
+    reference on the CPU takes the same batches with `device` the CPU."""
     from trainers import torch_common as tc
 
-    as_torch = lambda columns: {k: torch.from_numpy(v) for k, v in columns.items()}  # noqa: E731
-    return lambda seed: (tc.ShardBatches.from_columns(as_torch(train), dataset, size, seed),
-                         tc.ShardBatches.from_columns(as_torch(evaluation), dataset, 64, seed))
+    as_torch = lambda columns: {k: torch.from_numpy(v).to(device) for k, v in columns.items()}  # noqa: E731
+    text = dataset == "imdb"
+    return lambda seed: (tc.ShardBatches.from_columns(as_torch(train), dataset, size, seed, bucket_by_length=text,
+                                                      trim=text),
+                         tc.ShardBatches.from_columns(as_torch(evaluation), dataset, 64, seed, trim=text))
 
 
 def ddp_run(cfg) -> Callable:
@@ -99,7 +105,7 @@ def test_fused_optimizers_on_the_gpu_train_the_dense_cpu_model(nccl, tmp_path):
     from trainers.models import build_model
     from trainers.torch_recipe import make_optimizer
 
-    data = batches(mnist_columns(320), mnist_columns(64, seed=1), "mnist", 16)
+    cpu_data = batches(mnist_columns(320), mnist_columns(64, seed=1), "mnist", 16, torch.device("cpu"))
     keys = ["trainer.use_gpu=true", "trainer.num_workers=1", "trainer.batch_size=16", "model.hidden=[32]",
             "model.dropout=0", "trainer.epochs=2", "trainer.lr_schedule=cosine", "trainer.warmup_steps=3",
             "trainer.grad_clip=1.0"]
@@ -109,7 +115,7 @@ def test_fused_optimizers_on_the_gpu_train_the_dense_cpu_model(nccl, tmp_path):
         cfg = config(tmp_path / name, [*keys, *recipe])
         assert make_optimizer(build_model(cfg.model, {}).to(CUDA), cfg.trainer).defaults["fused"], name
         curve = run_attempt(ddp_run(cfg), 0, 1, 2, tmp_path / name / "run").recorder.curve()
-        dense, _ = dense_training(cfg, {}, [data(cfg.run.seed)[0]])
+        dense, _ = dense_training(cfg, {}, [cpu_data(cfg.run.seed)[0]])
         np.testing.assert_allclose(curve, dense, rtol=1e-4, atol=1e-5, err_msg=name)
         assert curve[-5:].mean() < curve[:5].mean(), name
 
@@ -118,12 +124,15 @@ def test_fsdp_over_nccl_on_the_gpu_trains_the_dense_model(nccl, tmp_path):
     """FSDP2 (`fully_shard` on a one-rank CUDA mesh, NCCL) trains the dense model (float32 on the CPU: the same
     step losses within float tolerance, other kernels); with bf16 mixed precision its step losses differ, follow
     float32's within 0.01 for 15 steps (later ones drift further as training amplifies the rounding: 0.08 apart at
-    step 20 on an H200) and fall; the sharded checkpoint exports dense float32 weights."""
+    step 20 on an H200) and fall; the sharded checkpoint exports dense float32 weights. The text shard is cached on
+    the GPU and batched by length, as a GPU worker's Ray Data shard is (a `use_gpu` IMDb run failed there once: its
+    attention mask and length buckets were built on the CPU)."""
     from trainers.torch_ddp import run_worker
     from trainers.torch_fsdp import build_adapter, dense_model_state
 
     model_inputs = {"vocab_size": 64, "max_len": 16}
-    data = batches(imdb_columns(320, 64, 16), imdb_columns(64, 64, 16, seed=1), "imdb", 16)
+    data, cpu_data = (batches(imdb_columns(320, 64, 16), imdb_columns(64, 64, 16, seed=1), "imdb", 16, device)
+                      for device in (CUDA, torch.device("cpu")))
     keys = ["trainer=fsdp", "data=imdb", "model=bert_tiny", "model.hidden=32", "model.heads=2", "model.dropout=0",
             "trainer.batch_size=16", "trainer.lr=0.002", "trainer.epochs=1", "trainer.num_workers=1",
             "trainer.optimizer=adamw", "trainer.weight_decay=0.01", "trainer.grad_clip=0.5", "trainer.use_gpu=true"]
@@ -134,7 +143,7 @@ def test_fsdp_over_nccl_on_the_gpu_trains_the_dense_model(nccl, tmp_path):
         attempt = run_attempt(run, 0, 1, 1, tmp_path / precision / "run")
         curves[precision] = attempt.recorder.curve()
         assert {v.dtype for v in dense_model_state(str(attempt.checkpoint)).values()} == {torch.float32}
-    dense, _ = dense_training(config(tmp_path / "dense", keys), model_inputs, [data(cfg.run.seed)[0]])
+    dense, _ = dense_training(config(tmp_path / "dense", keys), model_inputs, [cpu_data(cfg.run.seed)[0]])
     np.testing.assert_allclose(curves["fp32"], dense, rtol=1e-4, atol=1e-4)
     assert not np.array_equal(curves["bf16"], curves["fp32"])
     np.testing.assert_allclose(curves["bf16"][:15], curves["fp32"][:15], rtol=0, atol=0.01)
