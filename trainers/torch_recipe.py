@@ -101,10 +101,8 @@ def build_recipe(model: nn.Module, trainer: Any, steps_per_epoch: int, device: t
 
 
 def configured_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """Each param group's hyperparameters as the config set them (before any checkpoint is loaded), and the update
-    kernels chosen for this run's parameters (`update_kernels`): a checkpoint's groups carry the flags of the device
-    it was trained on, and a CPU run's checkpoint resumed on a GPU should run fused."""
-    keys = ("lr", "weight_decay", "momentum", "foreach", "fused")
+    """Each param group's hyperparameters as the config set them (before any checkpoint is loaded)."""
+    keys = ("lr", "weight_decay", "momentum")
     return [{key: group[key] for key in keys if key in group} for group in optimizer.param_groups]
 
 

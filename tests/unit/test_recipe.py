@@ -69,8 +69,7 @@ def test_torch_schedule_and_weight_decay_groups(tmp_path):
 def test_restored_checkpoint_keeps_its_schedule_position_but_takes_the_configs_hyperparameters(tmp_path):
     """A checkpoint trained at lr 0.01, weight decay 0.1 loaded by a recipe configured with lr 0.002, weight decay
     0.3 (a PBT trial exploiting another's checkpoint with mutated values): the schedule continues at the saved
-    update, the Adam moments are the saved ones, the learning rate and decay are the config's, and the update
-    kernels this run's device's (the checkpoint's groups say fused, as a GPU run's do)."""
+    update, the Adam moments are the saved ones, the learning rate and decay are the config's."""
     from trainers.models import build_model
     from trainers.torch_recipe import build_recipe
 
@@ -83,8 +82,6 @@ def test_restored_checkpoint_keeps_its_schedule_position_but_takes_the_configs_h
         recipe.optimizer.step()
         recipe.scheduler.step()
     state = {"optimizer": recipe.optimizer.state_dict(), **recipe.state_dict()}
-    for group in state["optimizer"]["param_groups"]:  # as a GPU run's checkpoint holds them
-        group.update(foreach=None, fused=True)
 
     changed = config(tmp_path / "b", [*SMALL, *recipe_keys, "trainer.lr=0.002", "trainer.weight_decay=0.3"])
     restored = build_recipe(model, changed.trainer, steps_per_epoch=8, device=torch.device("cpu"))
@@ -93,7 +90,6 @@ def test_restored_checkpoint_keeps_its_schedule_position_but_takes_the_configs_h
     assert restored.scheduler.last_epoch == 3
     decayed, plain = restored.optimizer.param_groups
     assert (decayed["weight_decay"], plain["weight_decay"]) == (0.3, 0.0)
-    assert all(g["foreach"] and not g["fused"] for g in (decayed, plain))  # this run's CPU kernels, not the GPU's
     assert [g["lr"] for g in (decayed, plain)] == [pytest.approx(0.002 * lr_factor(3, "cosine", 2, 8))] * 2
     moments = restored.optimizer.state_dict()["state"][0]["exp_avg"]
     torch.testing.assert_close(moments, state["optimizer"]["state"][0]["exp_avg"])
