@@ -19,7 +19,7 @@ from contract.metrics import Reducer, peak_rss_bytes
 from trainers.parallel.comm import collective_device
 from trainers.parallel.data_parallel import average_gradients
 from trainers.parallel.memory import rank_memory
-from trainers.torch_recipe import TorchRecipe, clip_dense_grad_norm
+from trainers.torch_recipe import TorchRecipe, clip_dense_grad_norm, with_kernels_of
 from trainers.worker import dataset_shards, loop_config, run_config, scaling_config
 
 LOAD_BATCH = 8192  # rows per Ray Data batch when pulling a shard into memory
@@ -357,7 +357,7 @@ class TorchAdapter:
 
     def load(self, directory: str) -> None:
         state = load_state_file(directory)
-        self.load_dense_state(state["model"], state["optimizer"])
+        self.load_dense_state(state["model"], with_kernels_of(self.optimizer, state["optimizer"]))
         self.recipe.load_state_dict(state)
 
     def dump(self, directory: str | None) -> None:
@@ -374,7 +374,9 @@ class TorchAdapter:
 
 
 def load_state_file(directory: str) -> dict[str, Any]:
-    return torch.load(os.path.join(directory, STATE_FILE), weights_only=False)
+    """A checkpoint's state, its tensors on the CPU whatever device saved them: a GPU run's checkpoint loads on a
+    driver or a resumed worker without one (`load_state_dict` moves each tensor to its parameter's device)."""
+    return torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=False)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -87,7 +87,8 @@ class FSDPAdapter(tc.TorchAdapter):
                        model_state_dict={key: state["model"][_dense_key(key, 0)] for key in model_state},
                        optim_state_dict={key: state["optimizer"][_dense_key(key, 1)] for key in optimizer_state},
                        options=StateDictOptions(**STATE_OPTIONS_FLAT))
-        self.recipe.load_state_dict(torch.load(os.path.join(directory, RECIPE_FILE), weights_only=False))
+        self.recipe.load_state_dict(torch.load(os.path.join(directory, RECIPE_FILE), map_location="cpu",
+                                               weights_only=False))
 
     def dense_model_state(self) -> dict[str, torch.Tensor]:
         """This rank's parts, unsharded (collective: all-gathers the shards): the full model without pipeline
@@ -231,7 +232,7 @@ def dense_model_state(directory: str) -> dict[str, torch.Tensor]:
     with tempfile.TemporaryDirectory() as scratch:
         path = os.path.join(scratch, "dense.pt")
         dcp_to_torch_save(directory, path)
-        return torch.load(path, weights_only=False)["model"]
+        return torch.load(path, map_location="cpu", weights_only=False)["model"]
 
 
 def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, model_inputs: dict) -> None:

@@ -36,12 +36,26 @@ def update_kernels(params: list[torch.Tensor]) -> dict[str, bool]:
     """How the optimizer runs its update: on CPUs one multi-tensor (foreach) kernel per update op instead of torch's
     default loop over the parameters (6% off the MNIST CNN's CPU step, the same numbers bit for bit); on a GPU one
     fused kernel per parameter group, where the host-bound CNN step pays 20-30 us for each op it dispatches
-    (benchmarks/README.md, gpu_loop.py). Sharded (DTensor) parameters keep torch's default."""
-    if any(isinstance(param, DTensor) for param in params):
+    (benchmarks/README.md, gpu_loop.py). Sharded (DTensor) parameters keep torch's default, except beside plain
+    ones (a tensor-parallel plan leaves embeddings and norms whole): torch's default on CUDA, one foreach kernel
+    over a group's tensors, refuses that mix, so those update one tensor at a time."""
+    sharded = [isinstance(param, DTensor) for param in params]
+    if all(sharded) and params:
         return {}
+    if any(sharded):
+        return {"foreach": False}
     if params and all(param.is_cuda for param in params):
         return {"fused": True}
     return {"foreach": True}
+
+
+def with_kernels_of(optimizer: torch.optim.Optimizer, saved: dict) -> dict:
+    """`saved` (an optimizer state dict) with `optimizer`'s update kernels in its groups. torch's `load_state_dict`
+    keeps the saved groups' flags and places the saved step counters by them: a CPU run's checkpoint resumed on a
+    GPU would update with CPU-style kernels and CPU counters, where a fresh GPU run's are fused, with counters on the
+    GPU (and a GPU run's checkpoint would resume fused on the CPU). This run's flags make it resume as it starts."""
+    own = [{key: group[key] for key in ("foreach", "fused") if key in group} for group in optimizer.param_groups]
+    return {**saved, "param_groups": [{**group, **flags} for group, flags in zip(saved["param_groups"], own)]}
 
 
 @dataclass

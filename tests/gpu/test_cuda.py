@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.loop_harness import check_stop_resume_parity, config, imdb_columns, mnist_columns, run_attempt
+from tests.loop_harness import check_parity, check_stop_resume_parity, config, imdb_columns, mnist_columns, run_attempt
 from tests.parallel.checks import dense_training
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -120,6 +120,42 @@ def test_fused_optimizers_on_the_gpu_train_the_dense_cpu_model(nccl, tmp_path):
         assert curve[-5:].mean() < curve[:5].mean(), name
 
 
+def test_checkpoints_move_between_cpu_and_gpu_runs_with_each_devices_kernels(nccl, tmp_path):
+    """A CPU run's checkpoint (foreach AdamW, its step counters on the CPU) resumed by a GPU worker updates fused,
+    as a fresh GPU run does, its counters on the GPU; a GPU run's checkpoint loads with its tensors on the CPU and
+    resumes on the CPU with foreach. Both stopped-then-resumed step-loss curves are the uninterrupted CPU run's."""
+    from trainers import torch_common as tc
+    from trainers.torch_ddp import build_adapter, run_worker
+
+    keys = ["trainer.num_workers=1", "trainer.batch_size=16", "model.hidden=[32]", "model.dropout=0",
+            "trainer.epochs=2", "trainer.optimizer=adamw", "trainer.lr=0.003", "trainer.weight_decay=0.01",
+            "trainer.lr_schedule=cosine", "trainer.warmup_steps=3"]
+    cpu = torch.device("cpu")
+    adapters = []
+
+    def run_on(device: torch.device) -> Callable:
+        cfg = config(tmp_path / device.type, [*keys, f"trainer.use_gpu={device.type == 'cuda'}"])
+        data = batches(mnist_columns(320), mnist_columns(64, seed=1), "mnist", 16, device)
+
+        def run(ctx):
+            adapters.append(build_adapter(cfg, {}, ctx.rank, data, device))
+            return run_worker(cfg, ctx, adapters[-1])
+        return run
+
+    straight = run_attempt(run_on(cpu), 0, 1, 2, tmp_path / "straight")
+    for saver, resumer in ((cpu, CUDA), (CUDA, cpu)):
+        folder = tmp_path / f"{saver.type}-to-{resumer.type}"
+        stopped = run_attempt(run_on(saver), 0, 1, 2, folder / "stopped", stop=True)
+        state = tc.load_state_file(stopped.checkpoint)
+        assert not any(value.is_cuda for entry in state["optimizer"]["state"].values() for value in entry.values()
+                       if torch.is_tensor(value))
+        resumed = run_attempt(run_on(resumer), 0, 1, 2, folder / "resumed", restored=stopped.checkpoint)
+        check_parity({"straight": straight, "stopped": stopped, "resumed": resumed}, 2, False, rtol=1e-4, atol=1e-5)
+        optimizer = adapters[-1].optimizer
+        assert all(bool(group["fused"]) == (resumer.type == "cuda") for group in optimizer.param_groups)
+        assert all(entry["step"].device.type == resumer.type for entry in optimizer.state.values())
+
+
 def test_fsdp_over_nccl_on_the_gpu_trains_the_dense_model(nccl, tmp_path):
     """FSDP2 (`fully_shard` on a one-rank CUDA mesh, NCCL) trains the dense model (float32 on the CPU: the same
     step losses within float tolerance, other kernels); with bf16 mixed precision its step losses differ, follow
@@ -148,6 +184,29 @@ def test_fsdp_over_nccl_on_the_gpu_trains_the_dense_model(nccl, tmp_path):
     assert not np.array_equal(curves["bf16"], curves["fp32"])
     np.testing.assert_allclose(curves["bf16"][:15], curves["fp32"][:15], rtol=0, atol=0.01)
     assert curves["bf16"][-5:].mean() < curves["bf16"][:5].mean()
+
+
+@pytest.mark.parametrize("impl", ["megatron", "dtensor"])
+def test_tp_over_nccl_on_the_gpu_trains_the_dense_model(nccl, tmp_path, impl):
+    """Tensor parallelism of either impl on a one-rank CUDA mesh (NCCL), AdamW with clipping, trains the dense CPU
+    model: the same step losses within float tolerance. The DTensor plan leaves embeddings and norms plain, a mix
+    that CUDA's default foreach update refuses (a `use_gpu` tp run failed at its first step)."""
+    from trainers.torch_ddp import run_worker
+    from trainers.torch_tp import build_adapter
+
+    model_inputs = {"vocab_size": 64, "max_len": 16}
+    data, cpu_data = (batches(imdb_columns(320, 64, 16), imdb_columns(64, 64, 16, seed=1), "imdb", 16, device)
+                      for device in (CUDA, torch.device("cpu")))
+    keys = ["trainer=tp", "trainer.tp=1", f"trainer.tp_impl={impl}", "data=imdb", "model=bert_tiny",
+            "model.hidden=32", "model.heads=2", "model.dropout=0", "trainer.batch_size=16", "trainer.lr=0.002",
+            "trainer.epochs=1", "trainer.num_workers=1", "trainer.optimizer=adamw", "trainer.weight_decay=0.01",
+            "trainer.grad_clip=0.5", "trainer.use_gpu=true"]
+    cfg = config(tmp_path, keys)
+    run = lambda ctx: run_worker(cfg, ctx, build_adapter(cfg, model_inputs, 0, 1, data, CUDA))  # noqa: E731
+    curve = run_attempt(run, 0, 1, 1, tmp_path / "run").recorder.curve()
+    dense, _ = dense_training(config(tmp_path / "dense", keys), model_inputs, [cpu_data(cfg.run.seed)[0]])
+    np.testing.assert_allclose(curve, dense, rtol=1e-4, atol=1e-4)
+    assert curve[-5:].mean() < curve[:5].mean()
 
 
 def test_compiled_cnn_on_the_gpu_trains_the_eager_step_losses(nccl, tmp_path):

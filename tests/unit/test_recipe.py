@@ -69,9 +69,10 @@ def test_torch_schedule_and_weight_decay_groups(tmp_path):
 def test_restored_checkpoint_keeps_its_schedule_position_but_takes_the_configs_hyperparameters(tmp_path):
     """A checkpoint trained at lr 0.01, weight decay 0.1 loaded by a recipe configured with lr 0.002, weight decay
     0.3 (a PBT trial exploiting another's checkpoint with mutated values): the schedule continues at the saved
-    update, the Adam moments are the saved ones, the learning rate and decay are the config's."""
+    update, the Adam moments are the saved ones, the learning rate and decay are the config's. The checkpoint's
+    groups say fused, as a GPU run's do: the restored optimizer updates with this run's CPU kernels."""
     from trainers.models import build_model
-    from trainers.torch_recipe import build_recipe
+    from trainers.torch_recipe import build_recipe, with_kernels_of
 
     recipe_keys = ["trainer.optimizer=adamw", "trainer.lr_schedule=cosine", "trainer.warmup_steps=2"]
     saved = config(tmp_path / "a", [*SMALL, *recipe_keys, "trainer.lr=0.01", "trainer.weight_decay=0.1"])
@@ -82,14 +83,17 @@ def test_restored_checkpoint_keeps_its_schedule_position_but_takes_the_configs_h
         recipe.optimizer.step()
         recipe.scheduler.step()
     state = {"optimizer": recipe.optimizer.state_dict(), **recipe.state_dict()}
+    for group in state["optimizer"]["param_groups"]:
+        group.update(foreach=None, fused=True)
 
     changed = config(tmp_path / "b", [*SMALL, *recipe_keys, "trainer.lr=0.002", "trainer.weight_decay=0.3"])
     restored = build_recipe(model, changed.trainer, steps_per_epoch=8, device=torch.device("cpu"))
-    restored.optimizer.load_state_dict(state["optimizer"])
+    restored.optimizer.load_state_dict(with_kernels_of(restored.optimizer, state["optimizer"]))
     restored.load_state_dict(state)
     assert restored.scheduler.last_epoch == 3
     decayed, plain = restored.optimizer.param_groups
     assert (decayed["weight_decay"], plain["weight_decay"]) == (0.3, 0.0)
+    assert all(group["foreach"] and not group["fused"] for group in (decayed, plain))
     assert [g["lr"] for g in (decayed, plain)] == [pytest.approx(0.002 * lr_factor(3, "cosine", 2, 8))] * 2
     moments = restored.optimizer.state_dict()["state"][0]["exp_avg"]
     torch.testing.assert_close(moments, state["optimizer"]["state"][0]["exp_avg"])
