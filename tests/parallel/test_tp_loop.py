@@ -95,3 +95,32 @@ def _dense_curve_with_dropout(rank: int, world_size: int, impl: str, tmp: str) -
 @pytest.mark.parametrize("impl", ["megatron", "dtensor"])
 def test_tp_with_dropout_follows_the_dense_model(run_ranks: RankPools, impl, tmp_path):
     run_ranks(_dense_curve_with_dropout, 2, impl, str(tmp_path))
+
+
+def _recipe_updates_a_mixed_model(rank: int, world_size: int, tmp: str) -> None:
+    from trainers.models import build_model
+    from trainers.parallel.mesh import ParallelDims, build_mesh
+    from trainers.parallel.plans import parallelize_bert
+    from trainers.torch_recipe import make_optimizer
+
+    cfg = config(Path(tmp) / f"cfg{rank}", [*OVERRIDES, "trainer.tp_impl=dtensor"])
+    mesh = build_mesh(ParallelDims(dp=1, tp=2), "cpu")
+    torch.manual_seed(cfg.run.seed)
+    model = parallelize_bert(build_model(cfg.model, MODEL_INPUTS), mesh, impl="dtensor")
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        torch.optim.AdamW(model.parameters(), foreach=True).step()
+    optimizer = make_optimizer(model, cfg.trainer)
+    assert optimizer.defaults["foreach"] is False  # not torch's default, which is foreach on CUDA
+    before = [param.detach().clone() for param in model.parameters()]
+    optimizer.step()
+    assert all(not torch.equal(old, new) for old, new in zip(before, model.parameters()))
+
+
+def test_the_recipes_optimizer_updates_the_dtensor_plans_mix_of_dtensors_and_tensors(run_ranks: RankPools,
+                                                                                     tmp_path):
+    """The DTensor plan shards the blocks' linears and leaves embeddings and norms plain tensors. One foreach
+    kernel over such a mix fails, and torch's default on CUDA is foreach (a `use_gpu` dtensor tp run failed at its
+    first step): the recipe's optimizer updates tensor by tensor, every parameter moved."""
+    run_ranks(_recipe_updates_a_mixed_model, 2, str(tmp_path))
