@@ -1,0 +1,123 @@
+"""One GPU rank's training step through each PyTorch layout: ddp, fsdp (fp32, bf16, bf16 without resharding after
+forward), tp of both impls at tp=1. In-process on a one-rank NCCL group (as Ray Train makes for one GPU worker),
+without Ray, on synthetic token batches of IMDb's shape (vocabulary 8,000, 128 tokens, batch 128), BERT tiny
+and a larger BERT (8 layers, hidden 512, 8 heads). With one rank nothing is shared, so each layout's time over
+ddp's is what its machinery costs the host and the GPU.
+
+    python -m benchmarks.gpu_layouts [--steps 30] [--device cuda|cpu]
+
+Prints the milliseconds per step (wall, after 5 warm-up steps; each step reads its loss back, as the loop does)
+and the process's CPU milliseconds per step. `--device cpu` (gloo) checks the script where no GPU is.
+Last line: `max_ratio=<slowest layout's step over ddp's, larger model>`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from pipelines.config import load_config
+
+MODEL_INPUTS = {"vocab_size": 8000, "max_len": 128}
+BATCH, WARMUP = 128, 5
+MODELS = {"bert tiny": [], "bert 8x512": ["model.hidden=512", "model.layers=8", "model.heads=8"]}
+LAYOUTS = {"ddp": ["trainer=ddp"], "ddp bf16": ["trainer=ddp", "trainer.precision=bf16"],
+           "fsdp": ["trainer=fsdp"], "fsdp bf16": ["trainer=fsdp", "trainer.precision=bf16"],
+           "fsdp bf16, no reshard": ["trainer=fsdp", "trainer.precision=bf16", "trainer.reshard_after_forward=false"],
+           "tp megatron": ["trainer=tp", "trainer.tp=1", "trainer.tp_impl=megatron"],
+           "tp dtensor": ["trainer=tp", "trainer.tp=1", "trainer.tp_impl=dtensor"]}
+
+
+def token_columns(rows: int, seed: int) -> dict[str, np.ndarray]:
+    """IMDb-shaped rows: token ids padded with 0 after each row's length, a label, an id."""
+    rng = np.random.default_rng(seed)
+    max_len = MODEL_INPUTS["max_len"]
+    lengths = rng.integers(max_len // 4, max_len + 1, size=rows)
+    ids = rng.integers(5, MODEL_INPUTS["vocab_size"], size=(rows, max_len))
+    ids[np.arange(max_len)[None, :] >= lengths[:, None]] = 0
+    return {"input_ids": ids.astype(np.int32), "length": lengths.astype(np.int32),
+            "label": rng.integers(0, 2, size=rows).astype(np.int64), "id": np.arange(rows, dtype=np.int64)}
+
+
+def layout_config(folder: Path, overrides: list[str], device: torch.device) -> DictConfig:
+    """The validated pipeline config (its data folder holds only the manifest the validation looks for)."""
+    data = folder / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "manifest.json").write_text(json.dumps({}))
+    return load_config(["data=imdb", "model=bert_tiny", "trainer.num_workers=1", f"trainer.batch_size={BATCH}",
+                        "trainer.optimizer=adamw", f"trainer.use_gpu={device.type == 'cuda'}", *overrides,
+                        f"data.path={data}", f"run.storage_path={folder / 'ray'}"])
+
+
+def build(cfg: DictConfig, data: Callable, device: torch.device) -> Any:
+    """The backend's adapter on this one rank, as its worker builds it."""
+    from trainers import torch_ddp, torch_fsdp, torch_tp
+
+    if cfg.trainer.backend == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        return torch_ddp.build_adapter(cfg, MODEL_INPUTS, 0, data, device,
+                                       wrap=lambda model: DistributedDataParallel(model, device_ids=ids))
+    backend = torch_fsdp if cfg.trainer.backend == "fsdp" else torch_tp
+    return backend.build_adapter(cfg, MODEL_INPUTS, 0, 1, data, device)
+
+
+def step_times(cfg: DictConfig, steps: int, device: torch.device) -> tuple[float, float]:
+    """(wall ms, CPU ms) per training step after the warm-up, batches cached on the device as a worker's are."""
+    from trainers import torch_common as tc
+
+    columns = {k: torch.from_numpy(v).to(device) for k, v in token_columns(BATCH * (steps + WARMUP), 0).items()}
+    evaluation = {k: torch.from_numpy(v).to(device) for k, v in token_columns(BATCH, 1).items()}
+    data = lambda seed: (tc.ShardBatches.from_columns(columns, "imdb", BATCH, seed,  # noqa: E731
+                                                      bucket_by_length=True, trim=True),
+                         tc.ShardBatches.from_columns(evaluation, "imdb", BATCH, seed, trim=True))
+    adapter = build(cfg, data, device)
+    batches = list(adapter.batches(0, 0))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for batch in batches[:WARMUP]:
+        adapter.train_step(batch)
+    sync()
+    wall, cpu = time.perf_counter(), time.process_time()
+    for batch in batches[WARMUP:WARMUP + steps]:
+        adapter.train_step(batch)
+    sync()
+    return (time.perf_counter() - wall) * 1e3 / steps, (time.process_time() - cpu) * 1e3 / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    args = parser.parse_args()
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1,
+                                    device_id=device)
+        else:
+            dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
+        ratios = {}
+        for model, model_keys in MODELS.items():
+            for i, (layout, keys) in enumerate(LAYOUTS.items()):
+                cfg = layout_config(Path(tmp) / f"{len(ratios)}-{i}", [*keys, *model_keys], device)
+                wall, cpu = step_times(cfg, args.steps, device)
+                ratios[model, layout] = wall
+                print(f"{model:11s} {layout:22s} {wall:8.2f} ms/step  {cpu:8.2f} CPU ms/step  "
+                      f"{wall / ratios[model, 'ddp']:6.2f}x ddp", flush=True)
+        dist.destroy_process_group()
+    larger = list(MODELS)[-1]
+    print(f"max_ratio={max(ratios[larger, layout] / ratios[larger, 'ddp'] for layout in LAYOUTS):.2f}")
+
+
+if __name__ == "__main__":
+    main()
