@@ -1,6 +1,6 @@
 """One GPU rank's training step through each PyTorch layout: ddp, fsdp (fp32, bf16, bf16 without resharding after
 forward), tp of both impls at tp=1. In-process on a one-rank NCCL group (as Ray Train makes for one GPU worker),
-without Ray, on synthetic token batches of IMDb's shape (vocabulary 8,000, 128 tokens, batch 128), BERT tiny
+without Ray, on the test harness's token batches in IMDb's shape (vocabulary 8,000, 128 tokens, batch 128), BERT tiny
 and a larger BERT (8 layers, hidden 512, 8 heads). With one rank nothing is shared, so each layout's time over
 ddp's is what its machinery costs the host and the GPU.
 
@@ -13,18 +13,16 @@ Last line: `max_ratio=<slowest layout's step over ddp's, larger model>`.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from pipelines.config import load_config
+from tests.loop_harness import config, imdb_columns
 
 MODEL_INPUTS = {"vocab_size": 8000, "max_len": 128}
 BATCH, WARMUP = 128, 5
@@ -36,25 +34,10 @@ LAYOUTS = {"ddp": ["trainer=ddp"], "ddp bf16": ["trainer=ddp", "trainer.precisio
            "tp dtensor": ["trainer=tp", "trainer.tp=1", "trainer.tp_impl=dtensor"]}
 
 
-def token_columns(rows: int, seed: int) -> dict[str, np.ndarray]:
-    """IMDb-shaped rows: token ids padded with 0 after each row's length, a label, an id."""
-    rng = np.random.default_rng(seed)
-    max_len = MODEL_INPUTS["max_len"]
-    lengths = rng.integers(max_len // 4, max_len + 1, size=rows)
-    ids = rng.integers(5, MODEL_INPUTS["vocab_size"], size=(rows, max_len))
-    ids[np.arange(max_len)[None, :] >= lengths[:, None]] = 0
-    return {"input_ids": ids.astype(np.int32), "length": lengths.astype(np.int32),
-            "label": rng.integers(0, 2, size=rows).astype(np.int64), "id": np.arange(rows, dtype=np.int64)}
-
-
 def layout_config(folder: Path, overrides: list[str], device: torch.device) -> DictConfig:
-    """The validated pipeline config (its data folder holds only the manifest the validation looks for)."""
-    data = folder / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    (data / "manifest.json").write_text(json.dumps({}))
-    return load_config(["data=imdb", "model=bert_tiny", "trainer.num_workers=1", f"trainer.batch_size={BATCH}",
-                        "trainer.optimizer=adamw", f"trainer.use_gpu={device.type == 'cuda'}", *overrides,
-                        f"data.path={data}", f"run.storage_path={folder / 'ray'}"])
+    """The validated pipeline config of one layout (the test harness's: data comes from the caller)."""
+    return config(folder, ["data=imdb", "model=bert_tiny", "trainer.num_workers=1", f"trainer.batch_size={BATCH}",
+                           "trainer.optimizer=adamw", f"trainer.use_gpu={device.type == 'cuda'}", *overrides])
 
 
 def build(cfg: DictConfig, data: Callable, device: torch.device) -> Any:
@@ -75,8 +58,10 @@ def step_times(cfg: DictConfig, steps: int, device: torch.device) -> tuple[float
     """(wall ms, CPU ms) per training step after the warm-up, batches cached on the device as a worker's are."""
     from trainers import torch_common as tc
 
-    columns = {k: torch.from_numpy(v).to(device) for k, v in token_columns(BATCH * (steps + WARMUP), 0).items()}
-    evaluation = {k: torch.from_numpy(v).to(device) for k, v in token_columns(BATCH, 1).items()}
+    vocab, length = MODEL_INPUTS["vocab_size"], MODEL_INPUTS["max_len"]
+    columns = {k: torch.from_numpy(v).to(device)
+               for k, v in imdb_columns(BATCH * (steps + WARMUP), vocab, length).items()}
+    evaluation = {k: torch.from_numpy(v).to(device) for k, v in imdb_columns(BATCH, vocab, length, seed=1).items()}
     data = lambda seed: (tc.ShardBatches.from_columns(columns, "imdb", BATCH, seed,  # noqa: E731
                                                       bucket_by_length=True, trim=True),
                          tc.ShardBatches.from_columns(evaluation, "imdb", BATCH, seed, trim=True))
@@ -106,17 +91,17 @@ def main() -> None:
                                     device_id=device)
         else:
             dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
-        ratios = {}
+        walls = {}
         for model, model_keys in MODELS.items():
-            for i, (layout, keys) in enumerate(LAYOUTS.items()):
-                cfg = layout_config(Path(tmp) / f"{len(ratios)}-{i}", [*keys, *model_keys], device)
+            for layout, keys in LAYOUTS.items():
+                cfg = layout_config(Path(tmp) / str(len(walls)), [*keys, *model_keys], device)
                 wall, cpu = step_times(cfg, args.steps, device)
-                ratios[model, layout] = wall
+                walls[model, layout] = wall
                 print(f"{model:11s} {layout:22s} {wall:8.2f} ms/step  {cpu:8.2f} CPU ms/step  "
-                      f"{wall / ratios[model, 'ddp']:6.2f}x ddp", flush=True)
+                      f"{wall / walls[model, 'ddp']:6.2f}x ddp", flush=True)
         dist.destroy_process_group()
     larger = list(MODELS)[-1]
-    print(f"max_ratio={max(ratios[larger, layout] / ratios[larger, 'ddp'] for layout in LAYOUTS):.2f}")
+    print(f"max_ratio={max(walls[larger, layout] / walls[larger, 'ddp'] for layout in LAYOUTS):.2f}")
 
 
 if __name__ == "__main__":
