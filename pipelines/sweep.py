@@ -150,6 +150,7 @@ class Outcome:
     message: str | None = None
     early_stop: int | None = None  # the epoch whose report made the scheduler, `sweep.stop` or the budget end it
     out_of_time: bool = False      # cut short by `sweep.time_budget_s`: not a failure
+    stopped_at: str | None = None  # "epoch E step S" of a STOP request, recorded as a single run records it
 
     @property
     def failed(self) -> bool:
@@ -222,7 +223,7 @@ def outcome_of(result: Any, epochs: int, out_of_time: bool) -> Outcome:
         return Outcome("FAILED", f"{type(result.error).__name__}: {result.error}")
     metrics = result.metrics if result is not None else None
     if (stopped := stopped_at(metrics)) is not None:
-        return Outcome("KILLED", f"stopped on request at {stopped}")
+        return Outcome("KILLED", f"stopped on request at {stopped}", stopped_at=stopped)
     if not metrics or "train_loss" not in metrics:
         if out_of_time:
             return Outcome("KILLED", "the sweep's time budget ran out before its first epoch ended", out_of_time=True)
@@ -237,7 +238,10 @@ def close_children(uri: str, children: dict[int, str], outcomes: dict[int, Outco
         outcome = outcomes.get(index, Outcome("KILLED", "the sweep stopped before this trial ended"))
         if outcome.status == "KILLED":
             _client(uri).set_tag(run_id, "sweep.not_finished", outcome.message)
-            _client(uri).set_terminated(run_id, status="KILLED")
+            if outcome.stopped_at is not None:  # KILLED with tag `preempted_at`, kept when the rerun continues it
+                tracking.mark_preempted(uri, run_id, outcome.stopped_at)
+            else:
+                _client(uri).set_terminated(run_id, status="KILLED")
         else:
             if outcome.early_stop is not None:  # why it has fewer epochs and, usually, no final model
                 _client(uri).set_tag(run_id, "sweep.stopped_early_after_epoch", str(outcome.early_stop))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,7 +20,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import make_mnist_like, wait_until
 from tests.integration.horovod_checks import BATCHES_PER_EPOCH, check_replicas_identical, init_log, optimizer_steps
 from tests.slurm.conftest import (REPO, elapsed_s, job_info, job_output, ray_leftovers, sbatch, skip_requeue_delay,
                                  wait_gone, wait_job)
@@ -56,19 +57,29 @@ def assert_spread_run(client: mlflow.MlflowClient, run_id: str, epochs: int) -> 
     assert_each_epoch_once(client, run_id, epochs)
 
 
-def test_preempted_sweep_requeues_and_continues_into_the_same_runs(slurm, tiny_mnist, tmp_path, monkeypatch):
-    """A sweep (DDP on 2 workers spread over the nodes, and on 1) preempted after its first epoch: the Slurm
-    script asks it to stop, it checkpoints its running trial and exits 3, the job requeues itself, and the requeued
-    sweep continues the same MLflow parent and child runs, re-running only the unfinished trials. The job's own
-    MLflow server refuses requests without the job's credential."""
-    out = tmp_path / "slurm"
-    # Two trials, one at a time: the second is still to run when TERM comes. With one trial alone, tiny data let it
-    # finish its last epoch before the stop took effect: the job completed, never requeued (seen in CI).
-    grid = "sweep.grid=[{trainer:[ddp],trainer.num_workers:[2,1]}]"
-    # 1024 rows / 2 workers / 16 per batch = 32 steps per epoch: the stop check (every 10 steps) lands mid-epoch.
+def mnist_parquet(folder: Path, n_train: int) -> Path:
+    """Prepared Parquet shards (2 per split) of `n_train` train / 256 test generated images."""
+    from pipelines.prepare import main as prepare_main
+
+    raw = make_mnist_like(folder / "raw", n_train, 256)
+    assert prepare_main(["mnist", "--source", str(raw), "--out", str(folder / "parquet"), "--shards", "2"]) == 0
+    return folder / "parquet"
+
+
+def test_preempted_sweep_requeues_and_continues_into_the_same_runs(slurm, tmp_path, monkeypatch):
+    """A sweep (a DDP trial on 2 workers spread over the nodes) preempted after its trial's first epoch: the Slurm
+    script asks it to stop, the trial checkpoints mid-run and the sweep exits 3, the job requeues itself, and the
+    requeued sweep continues the same MLflow parent and child run from that checkpoint, each epoch logged once. The
+    job's own MLflow server refuses requests without the job's credential."""
+    out, data = tmp_path / "slurm", mnist_parquet(tmp_path / "mnist", 8192)
+    # 8192 rows / 2 workers / 8 per batch = 512 steps an epoch (about 2.5 s here), 4 epochs: the stop, asked once
+    # the first epoch is in MLflow, lands seconds before the trial could end (the workers check for it every 10
+    # steps). A trial that ends first leaves the sweep nothing to continue: it completes and is never requeued
+    # (seen in CI with 32 steps an epoch).
+    grid = "sweep.grid=[{trainer:[ddp],trainer.num_workers:[2]}]"
     command = ["python", "-m", "pipelines.sweep", "sweep=mnist_backends", grid, "sweep.scheduler=grid",
-               "sweep.max_concurrent_trials=1", f"data.path={tiny_mnist}", "trainer.epochs=2",
-               "trainer.batch_size=16", "trainer.placement_strategy=STRICT_SPREAD", "model.hidden=[32]"]
+               f"data.path={data}", "trainer.epochs=4", "trainer.batch_size=8",
+               "trainer.placement_strategy=STRICT_SPREAD", "model.hidden=[32]"]
     job = sbatch(slurm, out, command)
     sweep_file = out / f"job-{job}" / "resume" / "mlflow_sweep.json"
     wait_until(sweep_file.exists, 600, "the sweep to open its MLflow runs")
@@ -80,7 +91,7 @@ def test_preempted_sweep_requeues_and_continues_into_the_same_runs(slurm, tiny_m
     with pytest.raises(urllib.error.HTTPError) as refused:  # the job's MLflow server wants the job's credential
         urllib.request.urlopen(f"{uri}/api/2.0/mlflow/experiments/search?max_results=1", timeout=10)
     assert refused.value.code == 401
-    wrong = subprocess.run([sys.executable, "-m", "pipelines.train", f"data.path={tiny_mnist}"], cwd=REPO, text=True,
+    wrong = subprocess.run([sys.executable, "-m", "pipelines.train", f"data.path={data}"], cwd=REPO, text=True,
                            capture_output=True, env={**slurm, "MLFLOW_TRACKING_URI": uri, "MLFLOW_TRACKING_USERNAME":
                                                      "intruder", "MLFLOW_TRACKING_PASSWORD": "guess"})
     assert wrong.returncode == 2 and wrong.stderr.strip().startswith(
@@ -107,13 +118,12 @@ def test_preempted_sweep_requeues_and_continues_into_the_same_runs(slurm, tiny_m
     assert parent.info.status == "FINISHED" and parent.data.tags["attempts"] == "2"
     assert parent.data.tags["preempted_at"].endswith("trials unfinished")
     assert parent.data.params["cluster.nodes"] == "2" and parent.data.metrics["trials_failed"] == 0
-    children = {int(i): client.get_run(run_id) for i, run_id in recorded["children"].items()}
-    for child in children.values():
-        assert child.info.status == "FINISHED"
-        assert_each_epoch_once(client, child.info.run_id, 2)
-    assert any(c.data.tags.get("attempts") == "2" for c in children.values())  # continued, not restarted
-    two_workers = next(c for c in children.values() if c.data.params["world_size"] == "2")
-    assert_spread_run(client, two_workers.info.run_id, 2)
+    [child] = [client.get_run(run_id) for run_id in recorded["children"].values()]
+    assert_spread_run(client, child.info.run_id, 4)
+    assert child.data.tags["attempts"] == "2"  # continued, not restarted
+    stop = re.fullmatch(r"epoch ([234]) step (\d+)", child.data.tags["preempted_at"])  # mid-trial, as recorded
+    assert stop, child.data.tags["preempted_at"]
+    assert child.data.tags["resumed_from_epoch"] == str(int(stop[1]) - 1)  # from the checkpoint of the stop
     wait_gone(job)
 
 

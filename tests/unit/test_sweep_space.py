@@ -208,6 +208,7 @@ def test_trial_outcomes_from_tune_results():
     assert (broken.status, broken.message, broken.failed) == ("FAILED", "RuntimeError: boom", True)
     stopped = outcome_of(result({"stopped_at_epoch": 1.0, "stopped_at_step": 5.0}), 3, False)
     assert (stopped.status, stopped.message, stopped.failed) == ("KILLED", "stopped on request at epoch 1 step 5", True)
+    assert stopped.stopped_at == "epoch 1 step 5"  # the child run's `preempted_at`, as a single run's
     not_run = outcome_of(None, 3, False)
     assert not_run.message == "not run: the sweep stopped first" and not_run.failed
     for cut in (outcome_of(None, 3, True), outcome_of(result({}), 3, True)):
