@@ -87,15 +87,19 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:
     raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+def prepared_mnist(base: Path, n_train: int, n_test: int = 256) -> Path:
+    """Prepared Parquet shards (2 per split) of `n_train` train / `n_test` test generated images."""
+    from pipelines.prepare import main as prepare_main
+
+    raw = make_mnist_like(base / "raw", n_train, n_test)
+    assert prepare_main(["mnist", "--source", str(raw), "--out", str(base / "parquet"), "--shards", "2"]) == 0
+    return base / "parquet"
+
+
 @pytest.fixture(scope="session")
 def tiny_mnist(tmp_path_factory) -> Path:
     """Prepared Parquet shards (2 per split) of 1024 train / 256 test generated images."""
-    base = tmp_path_factory.mktemp("tiny_mnist")
-    raw = make_mnist_like(base / "raw", 1024, 256)
-    from pipelines.prepare import main as prepare_main
-
-    assert prepare_main(["mnist", "--source", str(raw), "--out", str(base / "parquet"), "--shards", "2"]) == 0
-    return base / "parquet"
+    return prepared_mnist(tmp_path_factory.mktemp("tiny_mnist"), 1024)
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from tests.conftest import make_mnist_like, wait_until
+from tests.conftest import prepared_mnist, wait_until
 from tests.integration.horovod_checks import BATCHES_PER_EPOCH, check_replicas_identical, init_log, optimizer_steps
 from tests.slurm.conftest import (REPO, elapsed_s, job_info, job_output, ray_leftovers, sbatch, skip_requeue_delay,
                                  wait_gone, wait_job)
@@ -57,21 +57,12 @@ def assert_spread_run(client: mlflow.MlflowClient, run_id: str, epochs: int) -> 
     assert_each_epoch_once(client, run_id, epochs)
 
 
-def mnist_parquet(folder: Path, n_train: int) -> Path:
-    """Prepared Parquet shards (2 per split) of `n_train` train / 256 test generated images."""
-    from pipelines.prepare import main as prepare_main
-
-    raw = make_mnist_like(folder / "raw", n_train, 256)
-    assert prepare_main(["mnist", "--source", str(raw), "--out", str(folder / "parquet"), "--shards", "2"]) == 0
-    return folder / "parquet"
-
-
 def test_preempted_sweep_requeues_and_continues_into_the_same_runs(slurm, tmp_path, monkeypatch):
     """A sweep (a DDP trial on 2 workers spread over the nodes) preempted after its trial's first epoch: the Slurm
     script asks it to stop, the trial checkpoints mid-run and the sweep exits 3, the job requeues itself, and the
     requeued sweep continues the same MLflow parent and child run from that checkpoint, each epoch logged once. The
     job's own MLflow server refuses requests without the job's credential."""
-    out, data = tmp_path / "slurm", mnist_parquet(tmp_path / "mnist", 8192)
+    out, data = tmp_path / "slurm", prepared_mnist(tmp_path / "mnist", 8192)
     # 8192 rows / 2 workers / 8 per batch = 512 steps an epoch (about 2.5 s here), 4 epochs: the stop, asked once
     # the first epoch is in MLflow, lands seconds before the trial could end (the workers check for it every 10
     # steps). A trial that ends first leaves the sweep nothing to continue: it completes and is never requeued
