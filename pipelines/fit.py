@@ -65,10 +65,11 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
     # (cloud autoscalers) and tells `ray.train.get_preemption_info`, which nothing here reads: a Slurm preemption
     # stops a run through its STOP file (contract/resume.py). Off unless the user turns it on.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-    # Ray Train's controller sees a run's end (and a worker's failure) only when it next polls its workers, every
-    # 2 s by default: a tiny run took 4-5 s from its last report to `fit()` returning. Every 0.5 s it ends 2.7 s
-    # sooner (benchmarks/README.md "run end"). A poll is a small actor call; a slow answer is no failure (Ray
-    # Train gives a worker 10 min). Ray Train hands the variable on to its controller.
+    # Ray Train's controller takes a worker's report, and sees a run's end or a worker's failure, only when it next
+    # polls the workers: every 2 s by default. A worker's report queue holds one report, so one that reports again
+    # before that poll waits for it: epochs shorter than 2 s waited up to 2 s each, and a run's end took 4-5 s.
+    # Every 0.5 s, for 0.01 of a core more in the controller (benchmarks/README.md "Run end"). A slow answer is no
+    # failure (Ray Train gives a worker 10 min). Ray Train hands the variable on to its controller.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     trainer = backend.build_trainer(cfg, datasets, run_id, uri, inputs, callbacks=callbacks)
     system = tracking.SystemMetrics(uri, run_id, "driver", cfg.run.system_metrics_interval_s) \
