@@ -8,8 +8,10 @@ Both pipelines use Adam at 1e-3 and `--batch` rows per worker step. MWMS takes o
 (the gradients all-reduced); PS takes asynchronous steps of `batch` rows, each worker applying its own gradient on
 the parameter server, so an epoch has twice as many (smaller) updates. The bare loop is what a TensorFlow user would
 write without Ray: servers in child processes (trainers/tf_ps_server.py), a `ClusterCoordinator` scheduling each
-epoch's steps in functions of 8 (tf_ps' default), each worker's dataset its half of the arrays. Throughput is the
-mean of epochs 2..N (global samples/s). Last line: `ratio=<tf_ps / tf_mwms samples/s>`.
+epoch's steps in functions of 8 (tf_ps' default), each worker's dataset its half of the arrays. It runs twice: with
+each worker's own dropout masks (tf_ps' recipe) and with tf-keras' default dropout (every worker the same masks:
+cheaper, and another model). Throughput is the mean of epochs 2..N (global samples/s). Last line:
+`ratio=<tf_ps / tf_mwms samples/s>`.
 """
 from __future__ import annotations
 
@@ -28,8 +30,11 @@ WORKERS = 2
 STEPS_PER_FUNCTION = 8  # tf_ps' default trainer.tf_steps_per_execution
 
 
-def bare_ps(model: str, batch: int, epochs: int) -> list[float]:
-    """Samples/s of each epoch of a plain ClusterCoordinator loop (this process is the chief)."""
+def bare_ps(model: str, batch: int, epochs: int, own_masks: bool) -> list[float]:
+    """Samples/s of each epoch of a plain ClusterCoordinator loop (this process is the chief). `own_masks`: each
+    worker draws its own dropout masks, as tf_ps' do (a `tf.random.Generator` per dropout layer, its state on the
+    parameter server); without it tf-keras' default dropout gives every worker the same masks (the seeds are fixed
+    when the chief traces the step), which costs less and trains a different model."""
     import tensorflow as tf
     import tf_keras as keras
 
@@ -51,6 +56,8 @@ def bare_ps(model: str, batch: int, epochs: int) -> list[float]:
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         images, labels = mnist_arrays("train")
         cfg = load_config([f"data.path={MNIST}", f"model={model}"])
+        if own_masks:
+            keras.backend.experimental.enable_tf_random_generator()
         with strategy.scope():
             net = build_keras_model(cfg.model, keras, seed=0)
             optimizer = keras.optimizers.Adam(1e-3)
@@ -88,6 +95,15 @@ def bare_ps(model: str, batch: int, epochs: int) -> list[float]:
             server.kill()
 
 
+def bare_in_child(args, own_masks: bool) -> list[float]:
+    """`bare_ps` in a child process (`--bare own|shared`): its last stdout line is `rates=<json list>`."""
+    command = [sys.executable, "-m", "benchmarks.ps_vs_mwms", "--bare", "own" if own_masks else "shared",
+               "--model", args.model, "--batch", str(args.batch), "--epochs", str(args.epochs)]
+    out = subprocess.run(command, cwd=ROOT, env={**os.environ, **QUIET_ENV}, check=True, capture_output=True,
+                         text=True).stdout
+    return json.loads(out.strip().splitlines()[-1].split("=", 1)[1])
+
+
 def pipeline(backend: str, args, extra: list[str]) -> tuple[dict[str, list[float]], float]:
     """(MLflow histories, wall seconds) of a 2-worker run of `backend`."""
     start = time.perf_counter()
@@ -101,16 +117,22 @@ def pipeline(backend: str, args, extra: list[str]) -> tuple[dict[str, list[float
 def main() -> int:
     parser = mnist_parser(__doc__)
     parser.set_defaults(epochs=5)
+    parser.add_argument("--bare", choices=("own", "shared"), help="only the bare loop, with each worker's own "
+                        "dropout masks or tf-keras' shared ones; prints rates=<samples/s of each epoch>")
     args = parser.parse_args()
     if os.environ.get("TF_USE_LEGACY_KERAS") != "1":  # tf-keras must own tf.keras from the first TF import
         os.execve(sys.executable, [sys.executable, "-m", "benchmarks.ps_vs_mwms", *sys.argv[1:]],
                   {**os.environ, "TF_USE_LEGACY_KERAS": "1", **QUIET_ENV})
     ensure_mnist()
+    if args.bare:
+        print(f"rates={json.dumps(bare_ps(args.model, args.batch, args.epochs, args.bare == 'own'))}")
+        return 0
     load = os.getloadavg()[0]
     runs = {"tf_mwms (fit)": pipeline("tf_mwms", args, ["trainer.tf_loop=fit"]),
             "tf_mwms (custom)": pipeline("tf_mwms", args, ["trainer.tf_loop=custom"]),
             "tf_ps (custom)": pipeline("tf_ps", args, ["trainer.num_ps=1"])}
-    bare = steady_rate(bare_ps(args.model, args.batch, args.epochs))
+    # Each bare loop in a process of its own: tf-keras' random-generator switch is process-wide.
+    bare = {own: steady_rate(bare_in_child(args, own)) for own in (True, False)}
     print(f"model={args.model} batch={args.batch} per worker step, {WORKERS} workers, epochs={args.epochs} "
           f"(samples/s: mean of epochs 2..{args.epochs}); load average before: {load:.1f}")
     print("| run | samples/s (global) | test accuracy, last epoch | best epoch's | wall time (s) |")
@@ -120,8 +142,10 @@ def main() -> int:
         print(f"| {name} | {steady_rate(history['samples_per_s']):,.0f} | {100 * accuracy[-1]:.2f}% | "
               f"{100 * max(accuracy):.2f}% (epoch {int(np.argmax(accuracy)) + 1}) | {wall:.0f} |")
     ps = steady_rate(runs["tf_ps (custom)"][0]["samples_per_s"])
-    print(f"| bare ParameterServerStrategy (no Ray) | {bare:,.0f} | | | |")
-    print(f"tf_ps / bare PS: {ps / bare:.3f}")
+    print(f"| bare ParameterServerStrategy (no Ray), each worker its own dropout masks | {bare[True]:,.0f} | | | |")
+    print(f"| bare ParameterServerStrategy (no Ray), tf-keras' default dropout: the same masks on every worker | "
+          f"{bare[False]:,.0f} | | | |")
+    print(f"tf_ps / bare PS: {ps / bare[True]:.3f} (the same recipe); {ps / bare[False]:.3f} (default dropout)")
     print(f"ratio={ps / steady_rate(runs['tf_mwms (fit)'][0]['samples_per_s']):.3f}")
     return 0
 
