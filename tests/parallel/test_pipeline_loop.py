@@ -106,8 +106,10 @@ def test_pipeline_schedules_train_the_dense_model(run_ranks: RankPools, tmp_path
 def _bf16(rank: int, world_size: int, tmp: str) -> None:
     """precision=bf16 is FSDP's mixed-precision policy (bf16 parameters in compute, float32 gradient reduction and
     master weights), for FSDP alone and for pipeline stages (float32 activations between them): the step losses
-    differ from float32's (bf16 keeps 8 bits of mantissa) but stay within 0.05 of them, a loss that moves by ~0.1
-    over the epoch here; the checkpoint's weights are float32."""
+    differ from float32's (bf16 keeps 8 bits of mantissa) and the difference compounds step by step, so the first
+    steps stay within 0.01 of float32's, the epoch's mean loss too, and every step within 0.1 (the loss moves by
+    ~0.45 over the epoch here; 0.054 apart at step 13 on an AMD EPYC without AVX-512, within 0.05 on the machines
+    before it); the checkpoint's weights are float32."""
     from trainers.torch_fsdp import dense_model_state
 
     tmp_path = Path(tmp)
@@ -124,7 +126,10 @@ def _bf16(rank: int, world_size: int, tmp: str) -> None:
     if rank == 0:
         for name in ("fsdp", "pp"):
             assert not np.array_equal(curves[name, "bf16"], curves[name, "fp32"])  # bf16 really ran
-            np.testing.assert_allclose(curves[name, "bf16"], curves[name, "fp32"], rtol=0, atol=0.05)
+            bf16, fp32 = np.asarray(curves[name, "bf16"]), np.asarray(curves[name, "fp32"])
+            np.testing.assert_allclose(bf16[:8], fp32[:8], rtol=0, atol=0.01)
+            assert abs(bf16.mean() - fp32.mean()) < 0.01, (name, bf16.mean(), fp32.mean())
+            np.testing.assert_allclose(bf16, fp32, rtol=0, atol=0.1)
 
 
 def test_bf16_is_fsdp_mixed_precision_with_and_without_a_pipeline(run_ranks: RankPools, tmp_path):
