@@ -2,10 +2,10 @@
 parameter server, 2 workers) whose TensorFlow servers are real processes, and two failures halfway through an
 epoch: a worker's server dies (the coordinator gives its steps to the other worker, the run goes on), then the
 parameter server's (Ray Train restarts the run from its checkpoint). A failing chief (`fault.kill_servers=
-[chief:0@<epoch>]`) raises in the training loop and takes the same restart as any backend's failure
-(`fault.inject_at_epoch`, tested end to end for ddp, horovod and tf_mwms). Stop/resume parity and the DDP
-loss-parity gate (one worker, weights split over 2 parameter servers) are checked in-process
-(tests/unit/test_loop_backends.py)."""
+[chief:0@<epoch>]`, its hook tested in tests/unit/test_tf_config.py) raises in the training loop and takes the
+same restart as any backend's failure (`fault.inject_at_epoch`, end to end for ddp, horovod and tf_mwms).
+Stop/resume parity and the DDP loss-parity gate (one worker, weights split over 2 parameter servers) are checked
+in-process (tests/unit/test_loop_backends.py)."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,9 +1,12 @@
-"""Config validation of the TensorFlow backend: bad values fail before launch, naming the key."""
+"""Config validation of the TensorFlow backend: bad values fail before launch, naming the key. And tf_ps's
+`fault.kill_servers` hook for the chief (its server kills run end to end in tests/integration/test_tf_ps.py)."""
 from __future__ import annotations
 
 import pytest
+from omegaconf import OmegaConf
 
 from pipelines.config import ConfigError, load_config
+from trainers.tf_ps_backend import Chief
 
 
 @pytest.fixture()
@@ -117,3 +120,18 @@ def test_kill_servers_is_tf_ps_only(data_override):
     cfg = load_config([data_override, "trainer=tf_ps", "fault.kill_servers=[worker:1@2,ps:0@3,chief:0@4]",
                        "fault.inject_marker=/tmp/m"])
     assert list(cfg.fault.kill_servers) == ["worker:1@2", "ps:0@3", "chief:0@4"]
+
+
+def test_a_killed_chief_fails_its_epoch_once(tmp_path):
+    """`chief:0@2`: halfway through epoch 2 the chief's loop raises (Ray Train then restarts the run, as after any
+    failure) and the marker records it, so the restarted attempt trains epoch 2 through."""
+    marker = tmp_path / "killed"
+    halfway = Chief(messages=None).halfway(OmegaConf.create({"kill_servers": ["chief:0@2"],
+                                                             "inject_marker": str(marker)}))
+    halfway(1)
+    assert not marker.exists()
+    with pytest.raises(RuntimeError, match=r"^tf_ps: the chief fails halfway through epoch 2 \(fault.kill_servers\)$"):
+        halfway(2)
+    assert marker.read_text().split() == ["chief:0@2"]
+    halfway(2)  # the restarted attempt: fired already
+    assert marker.read_text().split() == ["chief:0@2"]
