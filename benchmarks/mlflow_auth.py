@@ -1,0 +1,95 @@
+"""What MLflow's basic-auth app costs a request, with and without its credential cache: the Slurm job's own MLflow
+server (cluster/slurm/ray-cluster.sbatch) runs behind basic auth, and every request of a run (metrics, tags, the
+final model's artifacts) carries the job's credential. Two real `mlflow server --app-name basic-auth`, one with
+`auth_cache_ttl_seconds` (as the sbatch script sets it) and one without (MLflow's default), each sent the same
+requests through MlflowClient, alternating, in one run.
+
+    python -m benchmarks.mlflow_auth [--requests 50] [--repeats 5]
+
+Last line: `ratio=<median seconds per request without the cache / with it>`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from benchmarks.common import answers, free_ports
+
+USER = "bench"
+
+
+@contextmanager
+def auth_server(folder: Path, password: str, cache_s: int) -> Iterator[str]:
+    """A basic-auth MLflow server whose admin is USER/`password`; `cache_s` 0: no credential cache."""
+    ini = folder / "auth.ini"
+    ini.write_text(f"[mlflow]\ndefault_permission = NO_PERMISSIONS\ndatabase_uri = sqlite:///{folder}/auth.db\n"
+                   f"admin_username = {USER}\nadmin_password = {password}\n"
+                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+                   f"auth_cache_ttl_seconds = {cache_s}\n")
+    [port] = free_ports(1)
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_AUTH_CONFIG_PATH": str(ini),
+           "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16)}
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--app-name", "basic-auth",
+                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1", "--backend-store-uri",
+                             f"sqlite:///{folder}/mlflow.db", "--artifacts-destination", f"{folder}/artifacts"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not answers(f"{url}/health"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"mlflow server on port {port} did not start")
+            time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def seconds_per_request(url: str, requests: int) -> float:
+    """`requests` calls of a run's kind (log a metric, read the run back), timed."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(url)
+    run_id = client.create_run(client.create_experiment(f"auth-{time.time_ns()}")).info.run_id
+    start = time.perf_counter()
+    for step in range(requests // 2):
+        client.log_metric(run_id, "loss", 1.0 / (step + 1), step=step)
+        client.get_run(run_id)
+    return (time.perf_counter() - start) / (2 * (requests // 2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    password = secrets.token_urlsafe(24)
+    os.environ.update(MLFLOW_TRACKING_USERNAME=USER, MLFLOW_TRACKING_PASSWORD=password)
+    times: dict[int, list[float]] = {3600: [], 0: []}
+    with tempfile.TemporaryDirectory() as cached, tempfile.TemporaryDirectory() as plain, \
+            auth_server(Path(cached), password, 3600) as with_cache, auth_server(Path(plain), password, 0) as without:
+        for _ in range(args.repeats):  # alternating: drifting load hits both
+            times[3600].append(seconds_per_request(with_cache, args.requests))
+            times[0].append(seconds_per_request(without, args.requests))
+    on, off = float(np.median(times[3600])), float(np.median(times[0]))
+    print(f"ms per request, median of {args.repeats} x {args.requests}: cache {on * 1e3:.1f} "
+          f"({min(times[3600]) * 1e3:.1f}-{max(times[3600]) * 1e3:.1f}), no cache {off * 1e3:.1f} "
+          f"({min(times[0]) * 1e3:.1f}-{max(times[0]) * 1e3:.1f})")
+    print(f"ratio={off / on:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
