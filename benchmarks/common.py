@@ -102,15 +102,17 @@ def answers(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def mlflow_server() -> Iterator[str]:
-    """A real `mlflow server` on loopback for the duration (sqlite backend, proxied artifacts); yields its URL."""
+def mlflow_server(extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Iterator[str]:
+    """A real `mlflow server` on loopback for the duration (sqlite backend, proxied artifacts); yields its URL.
+    `extra_args` go on its command line (e.g. `--app-name basic-auth`), `env` into its environment."""
     with tempfile.TemporaryDirectory() as tmp:
         [port] = free_ports(1)
         proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
                                  "--port", str(port), "--workers", "1", "--backend-store-uri",
-                                 f"sqlite:///{tmp}/mlflow.db", "--artifacts-destination", f"{tmp}/artifacts"],
+                                 f"sqlite:///{tmp}/mlflow.db", "--artifacts-destination", f"{tmp}/artifacts",
+                                 *extra_args],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+                                env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **(env or {})})
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 120

@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,7 +22,7 @@ from typing import Iterator
 
 import numpy as np
 
-from benchmarks.common import answers, free_ports
+from benchmarks.common import mlflow_server
 
 USER = "bench"
 
@@ -37,24 +35,9 @@ def auth_server(folder: Path, password: str, cache_s: int) -> Iterator[str]:
                    f"admin_username = {USER}\nadmin_password = {password}\n"
                    "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
                    f"auth_cache_ttl_seconds = {cache_s}\n")
-    [port] = free_ports(1)
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_AUTH_CONFIG_PATH": str(ini),
-           "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16)}
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--app-name", "basic-auth",
-                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1", "--backend-store-uri",
-                             f"sqlite:///{folder}/mlflow.db", "--artifacts-destination", f"{folder}/artifacts"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while not answers(f"{url}/health"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"mlflow server on port {port} did not start")
-            time.sleep(0.5)
+    with mlflow_server(("--app-name", "basic-auth"), {"MLFLOW_AUTH_CONFIG_PATH": str(ini),
+                                                      "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16)}) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
 
 
 def seconds_per_request(url: str, requests: int) -> float:
