@@ -25,19 +25,22 @@ import numpy as np
 from benchmarks.common import mlflow_server
 
 USER = "bench"
+CACHE_S = 3600  # as cluster/slurm/ray-cluster.sbatch sets it
 
 
 @contextmanager
-def auth_server(folder: Path, password: str, cache_s: int) -> Iterator[str]:
+def auth_server(password: str, cache_s: int) -> Iterator[str]:
     """A basic-auth MLflow server whose admin is USER/`password`; `cache_s` 0: no credential cache."""
-    ini = folder / "auth.ini"
-    ini.write_text(f"[mlflow]\ndefault_permission = NO_PERMISSIONS\ndatabase_uri = sqlite:///{folder}/auth.db\n"
-                   f"admin_username = {USER}\nadmin_password = {password}\n"
-                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
-                   f"auth_cache_ttl_seconds = {cache_s}\n")
-    with mlflow_server(("--app-name", "basic-auth"), {"MLFLOW_AUTH_CONFIG_PATH": str(ini),
-                                                      "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16)}) as url:
-        yield url
+    with tempfile.TemporaryDirectory() as folder:
+        ini = Path(folder) / "auth.ini"
+        ini.write_text(f"[mlflow]\ndefault_permission = NO_PERMISSIONS\ndatabase_uri = sqlite:///{folder}/auth.db\n"
+                       f"admin_username = {USER}\nadmin_password = {password}\n"
+                       "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+                       f"auth_cache_ttl_seconds = {cache_s}\n")
+        with mlflow_server(("--app-name", "basic-auth"), {"MLFLOW_AUTH_CONFIG_PATH": str(ini),
+                                                          "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16)}) \
+                as url:
+            yield url
 
 
 def seconds_per_request(url: str, requests: int) -> float:
@@ -60,16 +63,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     password = secrets.token_urlsafe(24)
     os.environ.update(MLFLOW_TRACKING_USERNAME=USER, MLFLOW_TRACKING_PASSWORD=password)
-    times: dict[int, list[float]] = {3600: [], 0: []}
-    with tempfile.TemporaryDirectory() as cached, tempfile.TemporaryDirectory() as plain, \
-            auth_server(Path(cached), password, 3600) as with_cache, auth_server(Path(plain), password, 0) as without:
+    cached, plain = [], []
+    with auth_server(password, CACHE_S) as with_cache, auth_server(password, 0) as without:
         for _ in range(args.repeats):  # alternating: drifting load hits both
-            times[3600].append(seconds_per_request(with_cache, args.requests))
-            times[0].append(seconds_per_request(without, args.requests))
-    on, off = float(np.median(times[3600])), float(np.median(times[0]))
+            cached.append(seconds_per_request(with_cache, args.requests))
+            plain.append(seconds_per_request(without, args.requests))
+    on, off = float(np.median(cached)), float(np.median(plain))
     print(f"ms per request, median of {args.repeats} x {args.requests}: cache {on * 1e3:.1f} "
-          f"({min(times[3600]) * 1e3:.1f}-{max(times[3600]) * 1e3:.1f}), no cache {off * 1e3:.1f} "
-          f"({min(times[0]) * 1e3:.1f}-{max(times[0]) * 1e3:.1f})")
+          f"({min(cached) * 1e3:.1f}-{max(cached) * 1e3:.1f}), no cache {off * 1e3:.1f} "
+          f"({min(plain) * 1e3:.1f}-{max(plain) * 1e3:.1f})")
     print(f"ratio={off / on:.2f}")
     return 0
 
