@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -32,24 +33,42 @@ def final_weights(folder, backend: str) -> np.ndarray:
         return np.concatenate([dump[f"arr_{i}"].ravel() for i in range(len(dump.files))])
 
 
+def straight_runs_wanted(request) -> list[str]:
+    """The uninterrupted runs the selected tests of this module compare (their `straight` marks), in test order."""
+    wanted = []
+    for item in request.session.items:
+        mark = item.get_closest_marker("straight") if item.module is request.module else None
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        for run in mark.args if mark else ():
+            if run.format(**params) not in wanted:
+                wanted.append(run.format(**params))
+    return wanted
+
+
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
+def straight(request, tmp_path_factory):
     """`straight(backend)`: that backend's uninterrupted run, run once for every test of this module that
-    compares runs; `straight.folder` holds them."""
-    folder, runs = tmp_path_factory.mktemp("straight"), {}
+    compares runs; `straight.folder` holds them. They run one after another in a thread of their own, from the
+    module's start, in the order the tests want them: each attempt is one thread (TensorFlow's intra- and inter-op
+    pools are set to 1), so they take the second core while the tests run their other attempts."""
+    folder = tmp_path_factory.mktemp("straight")
+    lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="straight")
+    runs = {backend: lane.submit(attempt, backend, folder, "straight") for backend in straight_runs_wanted(request)}
 
     def run(backend: str):
-        if backend not in runs:
-            runs[backend] = attempt(backend, folder, "straight")
-        return runs[backend]
+        if backend not in runs:  # a test without its mark: run it now, after the others
+            runs[backend] = lane.submit(attempt, backend, folder, "straight")
+        return runs[backend].result()
     run.folder = folder
-    return run
+    yield run
+    lane.shutdown(cancel_futures=True)
 
 
 # 2 batches per optimizer step everywhere: the stop at step 10 lands on an update boundary (mid-epoch for Horovod,
 # 20 steps per epoch). The TF runs also schedule the LR and clip (horovod_tf: AdamW with decay; see
 # tests/loop_backends.py): the restored optimizer's update count must continue the schedule. The straight run of
 # tf_mwms_custom is also one of the runs compared below.
+@pytest.mark.straight("{backend}")
 @pytest.mark.parametrize("backend", ["horovod_torch", "horovod_tf", "tf_mwms_custom", "tf_dtensor", "tf_ps"])
 def test_stop_resume_parity(tmp_path, straight, backend):
     runs = {"straight": straight(backend), "stopped": attempt(backend, tmp_path, "stopped")}
@@ -85,6 +104,7 @@ def test_tf_ps_keras_fit_keeps_the_contract_and_its_checkpoint_resumes_in_the_cu
     assert resumed.recorder.epochs[2]["train_loss"] < fit.recorder.epochs[1]["train_loss"]
 
 
+@pytest.mark.straight("tf_one_device", "tf_mwms_custom", "tf_two_devices_fit")
 def test_two_devices_take_the_steps_of_one_device_with_the_double_batch(straight):
     """`trainer.tf_devices=2` (MirroredStrategy over two logical CPU devices) with 16 rows per replica takes the
     same steps as one device with 32 rows: same rows per step, gradients averaged over the global batch, then
@@ -101,6 +121,7 @@ def test_two_devices_take_the_steps_of_one_device_with_the_double_batch(straight
     np.testing.assert_allclose([fit.step_losses[s] for s in logged], windows, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.straight("{variant}", "{reference}")
 @pytest.mark.parametrize("variant, reference, steps", [("tf_reduce_to_one", "tf_one_device", 20),
                                                       ("tf_hierarchical_copy", "tf_one_device", 20),
                                                       ("tf_central_storage", "tf_big_batch_constant_lr", 10)])
@@ -115,6 +136,7 @@ def test_every_way_of_summing_over_devices_takes_the_same_steps(straight, varian
     np.testing.assert_allclose(curve, straight(reference).recorder.curve(), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.straight("tf_big_batch", "tf_one_device", "tf_mwms_custom", "tf_two_devices_fit")
 def test_accumulation_takes_the_steps_of_the_whole_batch(straight):
     """grad_accum=2 over batches of 32 rows (one device, two devices, Keras `fit`) ends on the weights of one
     step per batch of 64 rows: each update applies the mean gradient of the same 64 rows, clipped alike, and the
@@ -129,6 +151,7 @@ def test_accumulation_takes_the_steps_of_the_whole_batch(straight):
                                    err_msg=backend)
 
 
+@pytest.mark.straight("tf_one_device", "tf_bf16")
 def test_bf16_loss_curve_stays_close_to_fp32(straight):
     """precision=bf16 (Keras mixed_bfloat16: bf16 matmuls, float32 weights, logits and loss) on the fp32 run's
     batches: its step losses differ (bf16 keeps 8 bits of mantissa) but stay within 0.1 of fp32's, a loss that
@@ -139,6 +162,7 @@ def test_bf16_loss_curve_stays_close_to_fp32(straight):
     np.testing.assert_allclose(bf16, fp32, rtol=0, atol=0.1)
 
 
+@pytest.mark.straight("parity_ddp", "parity_{backend}")
 @pytest.mark.parametrize("backend", ["horovod_torch", "horovod_tf", "tf_mwms_custom", "tf_mwms_fit", "tf_dtensor",
                                      "tf_ps"])
 def test_loss_parity_with_the_ddp_reference(straight, backend):
