@@ -18,13 +18,17 @@ from tests.conftest import ROOT
 from tests.loop_harness import attempt_from_json, check_metric_set, check_parity, last_checkpoint
 
 
-def attempt(backend: str, folder, name: str, restore=None):
+def loop_backends(*args: str):
+    """What `python -m tests.loop_backends ARGS` prints on its last line (JSON), run in a fresh process."""
     env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "tests.loop_backends", backend, str(folder / backend), name,
-           *([str(restore)] if restore else [])]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "tests.loop_backends", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return attempt_from_json(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def attempt(backend: str, folder, name: str, restore=None):
+    return attempt_from_json(loop_backends(backend, str(folder / backend), name, *([str(restore)] if restore else [])))
 
 
 def final_weights(folder, backend: str) -> np.ndarray:
@@ -39,9 +43,10 @@ def straight_runs_wanted(request) -> list[str]:
     for item in request.session.items:
         mark = item.get_closest_marker("straight") if item.module is request.module else None
         params = item.callspec.params if hasattr(item, "callspec") else {}
-        for run in mark.args if mark else ():
-            if run.format(**params) not in wanted:
-                wanted.append(run.format(**params))
+        for template in mark.args if mark else ():
+            run = template.format(**params)
+            if run not in wanted:
+                wanted.append(run)
     return wanted
 
 
@@ -56,7 +61,7 @@ def straight(request, tmp_path_factory):
     runs = {backend: lane.submit(attempt, backend, folder, "straight") for backend in straight_runs_wanted(request)}
 
     def run(backend: str):
-        if backend not in runs:  # a test without its mark: run it now, after the others
+        if backend not in runs:  # a test without its mark: queued behind every run already asked for
             runs[backend] = lane.submit(attempt, backend, folder, "straight")
         return runs[backend].result()
     run.folder = folder
@@ -184,12 +189,8 @@ def test_loss_parity_with_the_ddp_reference(straight, backend):
 
 
 def dropout_draws(kind: str, folder):
-    """What `python -m tests.loop_backends <kind>_dropout` returns (JSON)."""
-    env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tests.loop_backends", f"{kind}_dropout", str(folder)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """What `python -m tests.loop_backends <kind>_dropout` returns."""
+    return loop_backends(f"{kind}_dropout", str(folder))
 
 
 def test_tf_ps_workers_draw_their_own_dropout_masks(tmp_path):
