@@ -24,6 +24,16 @@ REPORTED_EPOCH = "epoch"  # beside an epoch's metrics in its report to Ray Train
 # (values, "sum" | "max") -> each value reduced over all ranks. Every backend supplies one over its own
 # collectives (torch.distributed, Horovod, a TF strategy); the loop uses it for metrics and the stop agreement.
 Reducer = Callable[[list[float], str], list[float]]
+# A reduction started earlier (`Adapter.reduce_later`): calling it waits for the result (collective until then).
+PendingReduce = Callable[[], list[float]]
+# (values, op) -> that reduction, started now: asynchronous where the backend's collectives can be.
+AsyncReducer = Callable[[list[float], str], PendingReduce]
+
+
+def reduce_at_once(reduce: Reducer, values: list[float], op: str) -> PendingReduce:
+    """`reduce_later` of a backend without asynchronous collectives: reduces now, hands the result over later."""
+    result = reduce(values, op)
+    return lambda: result
 
 
 def metric_names(text: bool) -> tuple[str, ...]:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from contract.metrics import Reducer
+from contract.metrics import AsyncReducer, PendingReduce
 from trainers import torch_common as tc
 from trainers.horovod import import_horovod, init_horovod, record_init
 from trainers.loop import WorkerContext
@@ -17,16 +17,18 @@ from trainers.torch_ddp import run_worker as run_loop
 from trainers.torch_recipe import build_recipe
 
 
-def hvd_reducer(hvd: Any) -> Reducer:
-    """`Reducer` over Horovod's allreduce (for the shared epoch metrics and the stop agreement)."""
+def hvd_reduce_later(hvd: Any) -> AsyncReducer:
+    """`AsyncReducer` over Horovod's allreduce, run by Horovod's background thread until the result is asked for
+    (the shared epoch metrics, the stop agreement, step losses)."""
     ops = {"sum": hvd.Sum, "max": hvd.Max}
     calls = itertools.count()
 
-    def reduce(values: list[float], op: str) -> list[float]:
+    def reduce_later(values: list[float], op: str) -> PendingReduce:
         # Named ops: every rank issues them in the same order, so the same counter value names the same op.
-        reduced = hvd.allreduce(torch.tensor(values, dtype=torch.float64), op=ops[op], name=f"metrics.{next(calls)}")
-        return reduced.tolist()
-    return reduce
+        handle = hvd.allreduce_async(torch.tensor(values, dtype=torch.float64), op=ops[op],
+                                     name=f"metrics.{next(calls)}")
+        return lambda: hvd.synchronize(handle).tolist()
+    return reduce_later
 
 
 class ContiguousCompression:
@@ -98,8 +100,8 @@ def build_adapter(hvd: Any, cfg: DictConfig, model_inputs: dict, rank: int,
             compression=ContiguousCompression(compression))
     recipe = build_recipe(model, cfg.trainer, train.steps(), device, wrap_optimizer=distributed)
     tc.seed_dropout(cfg.run.seed, rank)  # as trainer=ddp: the same seed trains the same model
-    return HorovodTorchAdapter(hvd, model, recipe, train, evaluation, device, rank, reduce=hvd_reducer(hvd),
-                               sync_gradients=recipe.optimizer.synchronize)
+    return HorovodTorchAdapter(hvd, model, recipe, train, evaluation, device, rank,
+                               reduce_later=hvd_reduce_later(hvd), sync_gradients=recipe.optimizer.synchronize)
 
 
 def run_worker(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict,

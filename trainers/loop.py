@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
 from contract.checkpoint import EpochTotals, TrainState, partial_over_ranks
-from contract.metrics import REPORTED_EPOCH, Reducer, epoch_line, epoch_metrics, stop_metrics
+from contract.metrics import REPORTED_EPOCH, PendingReduce, Reducer, epoch_line, epoch_metrics, stop_metrics
 from contract.progress import NoBar, StepBar
 from contract.recipe import Monitor
 from contract.resume import STOP_CHECK_EVERY
@@ -54,6 +54,9 @@ class Adapter(Protocol):
         """(correct, total) on this worker's evaluation shard."""
     def reduce(self, values: list[float], op: str) -> list[float]:
         """`contract.metrics.Reducer` over the backend's collectives."""
+    def reduce_later(self, values: list[float], op: str) -> PendingReduce:
+        """`reduce` started now, its result asked for later (collective from the start until then): asynchronous
+        where the backend's collectives can be, else `contract.metrics.reduce_at_once`."""
     def peak_memory_bytes(self) -> float: ...
     def epoch_extras(self) -> dict[str, float]:
         """Diagnostics rank 0 logs beside the epoch metrics (collective; {} for none)."""
@@ -123,6 +126,7 @@ class TrainLoop:
         self.first_epoch = self.state.epoch + 1  # of this attempt
         self.profiler: StepProfiler | None = None
         self.profiled = False  # this attempt has profiled its steps
+        self.step_losses: list[tuple[int, PendingReduce]] = []  # logged steps whose all-reduce is in flight
 
     def _restore(self) -> TrainState:
         if self.ctx.restored is None:
@@ -184,6 +188,7 @@ class TrainLoop:
             if adapter.at_update_boundary() and self.should_stop(totals.steps):
                 stopped = True
                 break
+        self.settle_step_losses()
         if not stopped:
             adapter.finish_epoch()
         totals.train_s += time.perf_counter() - start
@@ -228,9 +233,10 @@ class TrainLoop:
     def log_step_loss(self, epoch: int, step_in_epoch: int, loss: float, since_step: int | None = None,
                       global_mean: bool = False) -> None:
         """`step_loss` when the global step crosses a multiple of `log_every_n_steps`: the mean loss of the global
-        batch, whatever the backend. `loss` is this rank's batch loss, averaged here over the ranks (collective on
-        those steps: every rank calls); `global_mean`: it already is that mean (Keras `fit`'s synchronized loss
-        metric, which rank 0 alone hands over, covering the steps since `since_step`)."""
+        batch, whatever the backend. `loss` is this rank's batch loss, averaged over the ranks by an all-reduce
+        started on those steps (every rank calls) and settled at the next one or at the epoch's end; `global_mean`:
+        it already is that mean (Keras `fit`'s synchronized loss metric, which rank 0 alone hands over, covering
+        the steps since `since_step`)."""
         every = self.ctx.log_every_n_steps
         if every <= 0:
             return
@@ -238,12 +244,24 @@ class TrainLoop:
         previous = step_in_epoch - 1 if since_step is None else since_step
         if (offset + step_in_epoch) // every <= (offset + previous) // every:
             return
-        if not global_mean:
-            # Ranks of one model replica (TP, PP) hold the same loss: the mean over all ranks is that of the replicas.
-            (total,) = self.adapter.reduce([loss], "sum")
-            loss = total / self.ctx.world_size
-        if self.ctx.logger is not None:
-            self.ctx.logger.log_step_loss(offset + step_in_epoch, loss)
+        step = offset + step_in_epoch
+        if global_mean:
+            if self.ctx.logger is not None:
+                self.ctx.logger.log_step_loss(step, loss)
+            return
+        # The all-reduce runs while the next steps train: blocking, it took 1.4-1.9% of the MNIST MLP's training
+        # time on 2 cores (benchmarks/README.md, tracking_overhead). By the next logged step it has long ended.
+        self.settle_step_losses()
+        self.step_losses.append((step, self.adapter.reduce_later([loss], "sum")))
+
+    def settle_step_losses(self) -> None:
+        """Wait for the step losses' all-reduces in flight; rank 0 logs each step's mean over the ranks (every rank
+        calls). Ranks of one model replica (TP, PP) hold the same loss: the mean over all ranks is the replicas'."""
+        for step, pending in self.step_losses:
+            (total,) = pending()
+            if self.ctx.logger is not None:
+                self.ctx.logger.log_step_loss(step, total / self.ctx.world_size)
+        self.step_losses = []
 
     def end_epoch(self, epoch: int, totals: EpochTotals) -> bool:
         """Evaluate, reduce the metrics over the ranks, checkpoint, report, and log (rank 0). Collective. True when

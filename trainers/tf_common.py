@@ -21,7 +21,7 @@ import numpy as np
 
 from contract.checkpoint import TrainState
 from contract.data import MNIST_MEAN, MNIST_STD, bucketed_order, shuffled_order
-from contract.metrics import peak_rss_bytes
+from contract.metrics import PendingReduce, peak_rss_bytes, reduce_at_once
 from trainers.worker import dataset_shards
 
 LEGACY_KERAS_ENV = {"TF_USE_LEGACY_KERAS": "1"}
@@ -335,6 +335,9 @@ class KerasAdapter:
             logits = self.model(features, training=False)  # local replica's (synchronised) weights
             correct += int(np.sum(np.argmax(logits.numpy(), axis=1) == labels.numpy()))
         return correct, len(self.evaluation.labels)
+
+    def reduce_later(self, values: list[float], op: str) -> PendingReduce:
+        return reduce_at_once(self.reduce, values, op)  # TF's collectives are called synchronously here
 
     def peak_memory_bytes(self) -> float:
         return peak_rss_bytes()

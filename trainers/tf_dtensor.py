@@ -23,7 +23,7 @@ import numpy as np
 from omegaconf import DictConfig
 
 from contract.data import model_input
-from contract.metrics import peak_rss_bytes
+from contract.metrics import PendingReduce, peak_rss_bytes, reduce_at_once
 from contract.recipe import lr_factor, schedule_steps
 from trainers import tf_common as tfc
 from trainers.loop import TrainLoop, WorkerContext
@@ -125,6 +125,9 @@ class DTensorAdapter:
 
     def reduce(self, values: list[float], op: str) -> list[float]:
         return self.mesh.over_clients(values, op)
+
+    def reduce_later(self, values: list[float], op: str) -> PendingReduce:
+        return reduce_at_once(self.reduce, values, op)
 
     def peak_memory_bytes(self) -> float:
         return peak_rss_bytes()

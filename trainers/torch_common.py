@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from contract.data import MNIST_MEAN, MNIST_STD, bucketed_order, shuffled_order
-from contract.metrics import Reducer, peak_rss_bytes
+from contract.metrics import AsyncReducer, PendingReduce, peak_rss_bytes
 from trainers.parallel.comm import collective_device
 from trainers.parallel.data_parallel import average_gradients
 from trainers.parallel.memory import rank_memory
@@ -170,14 +170,19 @@ def worker_data(cfg: Any, seed: int) -> tuple[ShardBatches, ShardBatches]:
     return train, evaluation
 
 
-def dist_reduce(values: list[float], op: str) -> list[float]:
-    """`Reducer` over torch.distributed (identity when it is not initialised). The values travel on the group's
-    device: NCCL (`trainer.use_gpu`) reduces CUDA tensors only."""
+def dist_reduce_later(values: list[float], op: str) -> PendingReduce:
+    """`AsyncReducer` over torch.distributed (identity when it is not initialised): the all-reduce runs on the
+    process group's own threads (NCCL: its stream) until the result is asked for. The values travel on the
+    group's device: NCCL (`trainer.use_gpu`) reduces CUDA tensors only."""
     if not (dist.is_available() and dist.is_initialized()):
-        return values
+        return lambda: list(values)
     tensor = torch.tensor(values, dtype=torch.float64, device=collective_device())
-    dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
-    return tensor.tolist()
+    work = dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op], async_op=True)
+
+    def result() -> list[float]:
+        work.wait()
+        return tensor.tolist()
+    return result
 
 
 class TorchProfiler:
@@ -223,11 +228,12 @@ class TorchAdapter:
     sharded_checkpoint = False  # rank 0 writes the dense state (`save`)
 
     def __init__(self, model: nn.Module, recipe: TorchRecipe, train: ShardBatches, evaluation: ShardBatches,
-                 device: torch.device, rank: int, reduce: Reducer = dist_reduce,
+                 device: torch.device, rank: int, reduce_later: AsyncReducer = dist_reduce_later,
                  sync_gradients: Callable[[], None] | None = None, replicas: int = 1,
                  clip: Callable[[float], Any] | None = None):
         self.model, self.recipe, self.optimizer = model, recipe, recipe.optimizer
-        self.train, self.evaluation, self.device, self.rank, self._reduce = train, evaluation, device, rank, reduce
+        self.train, self.evaluation, self.device, self.rank = train, evaluation, device, rank
+        self._reduce_later = reduce_later
         self.passes, self.sync_gradients, self.replicas = recipe.passes, sync_gradients, replicas
         self.clip = clip or (lambda max_norm: clip_dense_grad_norm(self.model, max_norm))
         self.load_s = train.load_s + evaluation.load_s
@@ -313,7 +319,10 @@ class TorchAdapter:
         return correct, total
 
     def reduce(self, values: list[float], op: str) -> list[float]:
-        return self._reduce(values, op)
+        return self._reduce_later(values, op)()
+
+    def reduce_later(self, values: list[float], op: str) -> PendingReduce:
+        return self._reduce_later(values, op)
 
     def peak_memory_bytes(self) -> float:
         """CUDA allocations on GPU, else the process's peak RSS."""

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from contract.checkpoint import STATE_FILE, EpochTotals, TrainState
+from contract.metrics import PendingReduce, reduce_at_once
 from tests.loop_harness import (STOP_AT, Recorder, check_metric_set, check_stop_resume_parity, config,
                                 make_context, mnist_columns, run_attempt)
 from contract.recipe import Monitor
@@ -60,6 +61,9 @@ class LineAdapter:
 
     def reduce(self, values: list[float], op: str) -> list[float]:
         return values
+
+    def reduce_later(self, values: list[float], op: str) -> PendingReduce:
+        return reduce_at_once(self.reduce, values, op)
 
     def peak_memory_bytes(self) -> float:
         return 1.0
@@ -217,6 +221,35 @@ def test_stop_agreement_is_collective_and_periodic(tmp_path):
     assert [agree(step) for step in range(1, 11)] == [False] * 4 + [True] + [False] * 4 + [True]
     assert calls == [([0.0], "max")] * 2
     assert not StopAgreement(None, reduce, every=1)(5)
+
+
+def test_step_loss_all_reduce_runs_while_the_next_steps_train(tmp_path):
+    """A logged step's all-reduce starts at that step and is waited for only at the next logged step, or at the
+    epoch's end: the steps between train while it is in flight. Each step loss is still logged once, in order,
+    at its value (the mean over one rank here)."""
+    events, losses = [], {}
+
+    class Recording(LineAdapter):
+        def train_step(self, batch):
+            loss, samples, tokens = super().train_step(batch)
+            losses[len(losses) + 1] = loss
+            events.append(f"step {len(losses)}")
+            return loss, samples, tokens
+
+        def reduce_later(self, values, op):
+            step = len(losses)
+            events.append(f"start {step}")
+            return lambda: events.append(f"wait {step}") or values
+
+    recorder = Recorder()
+    ctx = make_context(0, 1, 2, tmp_path, recorder, [], log_every_n_steps=4)
+    assert TrainLoop(Recording(steps=10), ctx).run()
+    reductions = [event for event in events if not event.startswith("step")]
+    assert reductions == ["start 4", "wait 4", "start 8", "wait 8",  # epoch 1 (steps 1-10) ends with 8's wait
+                          "start 12", "wait 12", "start 16", "wait 16", "start 20", "wait 20"]
+    for step in (4, 8, 12, 16):  # waited for at the next logged step, or (8) after the epoch's last step
+        assert events.index(f"wait {step}") > events.index(f"step {step + (2 if step == 8 else 4)}")
+    assert recorder.step_losses == {step: losses[step] for step in (4, 8, 12, 16, 20)}
 
 
 def test_ddp_adapter_stop_resume_parity(tmp_path):
