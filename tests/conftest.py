@@ -1,6 +1,7 @@
 """Shared fixtures: small generated MNIST-format data, a real MLflow server, a real Ray head."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -209,6 +210,17 @@ def pipeline_env(tracking_uri: str, ray_env: dict[str, str] | None = None) -> di
     if ray_env:
         env.update(ray_env)
     return env
+
+
+def fresh_tf_process(module: str, *args: str) -> Any:
+    """What `python -m <module> ARGS` prints on its last line (JSON), run in a fresh process of one thread with
+    tf-keras: TensorFlow fixes its threads and logical devices at its first op, and tf-keras needs
+    TF_USE_LEGACY_KERAS=1 before TensorFlow is imported."""
+    env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def run_pipeline(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:

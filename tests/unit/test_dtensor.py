@@ -4,15 +4,10 @@ mesh arithmetic of trainers/parallel/dtensor_layout.py. Loss parity with DDP and
 tests/unit/test_loop_backends.py; a 2-worker Ray run: tests/integration/test_tf_dtensor.py."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import fresh_tf_process
 from trainers.parallel.dtensor_layout import COLUMN, REPLICATED, ROW, MeshDims, dense_plan, sharded_widths
 
 # Which of each model's weights (tests/dtensor_checks.py, `Classifier.weights` order) the model dimension shards:
@@ -23,11 +18,7 @@ SHARDED = {"mlp": [True, True, True, False, False, False], "tfidf": [True] * 7 +
 
 @pytest.fixture(scope="module")
 def checks():
-    env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tests.dtensor_checks"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return fresh_tf_process("tests.dtensor_checks")
 
 
 @pytest.mark.parametrize("mesh", ["4x1", "1x4", "2x2"])

@@ -5,30 +5,18 @@ Stop/resume of DDP and TP: tests/unit/test_loop.py and tests/parallel/test_tp_lo
 process: the 2-rank paths are in tests/integration."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import fresh_tf_process
 from tests.loop_harness import attempt_from_json, check_metric_set, check_parity, last_checkpoint
 
 
-def loop_backends(*args: str):
-    """What `python -m tests.loop_backends ARGS` prints on its last line (JSON), run in a fresh process."""
-    env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tests.loop_backends", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def attempt(backend: str, folder, name: str, restore=None):
-    return attempt_from_json(loop_backends(backend, str(folder / backend), name, *([str(restore)] if restore else [])))
+    restored = [str(restore)] if restore else []
+    return attempt_from_json(fresh_tf_process("tests.loop_backends", backend, str(folder / backend), name, *restored))
 
 
 def final_weights(folder, backend: str) -> np.ndarray:
@@ -190,7 +178,7 @@ def test_loss_parity_with_the_ddp_reference(straight, backend):
 
 def dropout_draws(kind: str, folder):
     """What `python -m tests.loop_backends <kind>_dropout` returns."""
-    return loop_backends(f"{kind}_dropout", str(folder))
+    return fresh_tf_process("tests.loop_backends", f"{kind}_dropout", str(folder))
 
 
 def test_tf_ps_workers_draw_their_own_dropout_masks(tmp_path):

@@ -3,16 +3,11 @@ process (tests/tf_recipe_checks.py: MirroredStrategy over two logical CPU device
 (stop/resume, accumulation against the larger batch, bf16): tests/unit/test_loop_backends.py."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 from contract.recipe import lr_factor
-from tests.conftest import ROOT
+from tests.conftest import fresh_tf_process
 from tests.tf_recipe_checks import SCHEDULES
 
 # Weights of |w| < 0.5 (these) are float32 to within 3e-8: a few roundings apart at most.
@@ -21,11 +16,7 @@ DELTA_ATOL = 1e-7
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict:
-    env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "tests.tf_recipe_checks", str(tmp_path_factory.mktemp("tf_recipe"))]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return fresh_tf_process("tests.tf_recipe_checks", str(tmp_path_factory.mktemp("tf_recipe")))
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
