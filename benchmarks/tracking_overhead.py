@@ -2,7 +2,7 @@
 against a real `mlflow server` over HTTP, in one run. Epoch metrics are logged either way (between epochs,
 outside the timed steps).
 
-    python -m benchmarks.tracking_overhead [--model mlp] [--epochs 3] [--repeats 7] [--every 10]
+    python -m benchmarks.tracking_overhead [--model mlp] [--epochs 3] [--repeats 7] [--every 10] [--set ...]
 
 Pairs alternate (on, off, on, off, ...) so drifting machine load hits both; each run's figure is its steady step
 time (mean of epochs 2..N). The overhead is the median over the pairs of on/off - 1, printed with a
@@ -10,7 +10,7 @@ distribution-free confidence interval for that median (order statistics of the p
 loaded 2-core machine single pairs move by +-10%, so the interval says what the run can and cannot tell.
 Last line: `overhead=<median over pairs of on/off - 1>`.
 
-    python -m benchmarks.tracking_overhead --account [--epochs 12] [--window 20]
+    python -m benchmarks.tracking_overhead --account [--epochs 12] [--window 20] [--set trainer=tf_mwms ...]
 
 With `--account`: what tracking takes, counted rather than compared (an on/off comparison of step times cannot
 resolve 2% on this machine). Two runs, tracking on then off, each sampled for `--window` seconds from its first
@@ -47,7 +47,7 @@ from benchmarks.common import MNIST, ensure_mnist, mlflow_server, pipeline_run, 
 def step_time_ms(uri: str, args: argparse.Namespace, tracking: bool) -> float:
     history, _ = pipeline_run([f"model={args.model}", f"data.path={MNIST}", f"trainer.epochs={args.epochs}",
                                "trainer.num_workers=2", f"trainer.log_every_n_steps={args.every if tracking else 0}",
-                               f"run.system_metrics={str(tracking).lower()}"], tracking_uri=uri)
+                               f"run.system_metrics={str(tracking).lower()}", *args.set], tracking_uri=uri)
     return steady_rate(history["step_time_ms"])
 
 
@@ -172,7 +172,8 @@ def sampled_run(uri: str, args: argparse.Namespace, tracking: bool) -> Sampled:
 def account(args: argparse.Namespace) -> int:
     with mlflow_server() as uri:
         on, off = sampled_run(uri, args, True), sampled_run(uri, args, False)
-    print(f"model={args.model}, 2 workers, a {args.window} s window from epoch 2 of {args.epochs}; tracking on "
+    print(f"model={args.model} {' '.join(args.set)}, 2 workers, a {args.window} s window from epoch 2 of "
+          f"{args.epochs}; tracking on "
           f"(load {on.load:.1f}), then off (load {off.load:.1f})")
     for label, run in (("on", on), ("off", off)):
         for worker, shares in sorted(run.shares.items()):
@@ -195,6 +196,7 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, help="3; with --account 12")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--every", type=int, default=10, help="trainer.log_every_n_steps when tracking is on")
+    parser.add_argument("--set", nargs="*", default=[], help="more pipelines.train overrides (trainer=tf_mwms ...)")
     parser.add_argument("--account", action="store_true", help="one run, tracking's share counted (above)")
     parser.add_argument("--window", type=int, default=20, help="--account: seconds sampled, from epoch 2")
     args = parser.parse_args()

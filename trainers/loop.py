@@ -38,6 +38,7 @@ class Adapter(Protocol):
     """What a backend provides to the loop. Methods marked collective are called by every rank in step."""
 
     replicas: int   # ranks that process each sample (the TP degree; 1 for data parallelism)
+    loss_is_global: bool  # `train_step`'s loss is already the global batch's mean (its step reduced it)
     load_s: float   # seconds this worker took to pull its data shards
     sharded_checkpoint: bool  # every rank's checkpoint folder holds a part (Ray Train merges them); else rank 0's
 
@@ -181,7 +182,7 @@ class TrainLoop:
             totals.samples += samples
             totals.steps += 1
             totals.tokens += tokens
-            self.log_step_loss(epoch, totals.steps, loss)
+            self.log_step_loss(epoch, totals.steps, loss, global_mean=adapter.loss_is_global)
             self.log_startup(epoch)
             bar.update(1)
             self.profile_step()
@@ -234,9 +235,9 @@ class TrainLoop:
                       global_mean: bool = False) -> None:
         """`step_loss` when the global step crosses a multiple of `log_every_n_steps`: the mean loss of the global
         batch, whatever the backend. `loss` is this rank's batch loss, averaged over the ranks by an all-reduce
-        started on those steps (every rank calls) and settled at the next one or at the epoch's end; `global_mean`:
-        it already is that mean (Keras `fit`'s synchronized loss metric, which rank 0 alone hands over, covering
-        the steps since `since_step`)."""
+        started on those steps (every rank calls) and settled at the next one or at the epoch's end. `global_mean`:
+        it already is that mean (`Adapter.loss_is_global`; Keras `fit`'s synchronized loss metric, which rank 0
+        alone hands over, covering the steps since `since_step`)."""
         every = self.ctx.log_every_n_steps
         if every <= 0:
             return

@@ -281,6 +281,7 @@ class KerasAdapter:
 
     replicas = 1
     sharded_checkpoint = False  # rank 0's folder holds the whole state
+    loss_is_global = False  # each worker's own batch loss, unless a subclass's step reduces it
     batch_hooks = True  # Keras fit may call batch-level callbacks (trainers/keras_fit.py)
 
     def __init__(self, tf: Any, strategy: Any, model: Any, train: ShardArrays, evaluation: ShardArrays,

@@ -42,6 +42,9 @@ class DTensorAdapter:
     batch_size x mesh.batch rows, of which this worker packs the rows of its own coordinates."""
 
     sharded_checkpoint = False  # rank 0 writes the gathered state
+    # The step's loss is a mean over the global batch sharded on the mesh, replicated on every device of every
+    # client: the loop logs it as it is (an all-reduce per logged step took 2.9-3.4% of the MLP's training time).
+    loss_is_global = True
 
     def __init__(self, cfg: DictConfig, mesh: Any, model: Any, train: tfc.ShardArrays, evaluation: tfc.ShardArrays,
                  idf: np.ndarray | None):

@@ -63,6 +63,10 @@ class MirroredAdapter(tfc.KerasAdapter):
     optimizer all-reduces the sums, clips and steps. Python picks which of two compiled steps runs: a `tf.cond`
     around `apply_gradients` fails under MirroredStrategy (a RuntimeError from its merge_call in the branch)."""
 
+    # The step returns the sum over replicas of their losses over the global batch: the loop logs it as it is (an
+    # eager all-gather per logged step took 19-20% of the MLP's training time: benchmarks/README.md, tracking).
+    loss_is_global = True
+
     def __init__(self, keras: Any, world_size: int, last_epoch: int, *args: Any, **kwargs: Any):
         super().__init__(*args, save_on_every_rank=True, **kwargs)
         self.world_size = world_size

@@ -226,6 +226,7 @@ class TorchAdapter:
     (`no_sync`) on all but the last batch of a step."""
 
     sharded_checkpoint = False  # rank 0 writes the dense state (`save`)
+    loss_is_global = False  # each rank's own batch loss
 
     def __init__(self, model: nn.Module, recipe: TorchRecipe, train: ShardBatches, evaluation: ShardBatches,
                  device: torch.device, rank: int, reduce_later: AsyncReducer = dist_reduce_later,

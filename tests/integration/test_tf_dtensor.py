@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
+from contract.tracking import epoch_values
 from tests.conftest import check_finished_run, pipeline_env, train_ok
 from tests.integration.test_tf_mwms import check_evaluation
 
@@ -17,12 +18,15 @@ pytestmark = pytest.mark.slow
 def test_two_clients_train_a_2x2_mesh_and_log_a_model_that_loads_without_it(tmp_path, tiny_mnist, mlflow_server,
                                                                             ray_head):
     """The run contract, both clients' gathered weights identical, one device holding half of the sharded weights,
-    and the logged Keras twin scoring as the trained weights do."""
+    the logged Keras twin scoring as the trained weights do, and each step's loss the global batch's (the loop
+    logs the step's own loss, a mean over the batch sharded across both clients): their mean over an epoch is
+    the epoch's train_loss, which sums every client's losses."""
     env = pipeline_env(mlflow_server, ray_head)
     _, run_id = train_ok(["trainer=tf_dtensor", "trainer.devices_per_worker=2", "trainer.mesh.batch=2",
                           "trainer.mesh.model=2", "trainer.batch_size=16", "model.hidden=[32]", "model.dropout=0",
                           "trainer.epochs=2", f"data.path={tiny_mnist}", f"run.storage_path={tmp_path / 'ray'}",
-                          f"run.dump_params_dir={tmp_path / 'params'}", "run.system_metrics=false"], env)
+                          f"run.dump_params_dir={tmp_path / 'params'}", "run.system_metrics=false",
+                          "trainer.log_every_n_steps=1"], env)
     client = MlflowClient(mlflow_server)
     check_finished_run(client, run_id, "tf_dtensor", epochs=2)
     run = client.get_run(run_id)
@@ -34,3 +38,10 @@ def test_two_clients_train_a_2x2_mesh_and_log_a_model_that_loads_without_it(tmp_
     sharded, replicated = (784 * 32 + 32 + 32 * 10) * 4, 10 * 4
     assert run.data.metrics["device_weight_bytes"] == sharded / 2 + replicated
     check_evaluation(client, run_id, weights, tiny_mnist, env)
+    steps = sorted(client.get_metric_history(run_id, "step_loss"), key=lambda m: m.step)
+    per_epoch = len(steps) // 2
+    assert [m.step for m in steps] == list(range(1, 2 * per_epoch + 1))
+    train_loss = epoch_values(client.get_metric_history(run_id, "train_loss"))
+    for epoch in (1, 2):
+        losses = [m.value for m in steps[(epoch - 1) * per_epoch:epoch * per_epoch]]
+        assert np.mean(losses) == pytest.approx(train_loss[epoch - 1], rel=1e-5)

@@ -25,7 +25,7 @@ class LineAdapter:
     """Fits y = w x by SGD on a fixed data stream; the state is w (and the step count), in a JSON file.
     `passes` > 1 accumulates gradients like Horovod's backward_passes_per_step."""
 
-    replicas, load_s, sharded_checkpoint = 1, 0.25, False
+    replicas, load_s, sharded_checkpoint, loss_is_global = 1, 0.25, False, False
 
     def __init__(self, steps: int = 25, passes: int = 1, text: bool = False):
         self.w, self.grad, self.pending, self.updates = 0.0, 0.0, 0, 0
