@@ -172,9 +172,8 @@ def sampled_run(uri: str, args: argparse.Namespace, tracking: bool) -> Sampled:
 def account(args: argparse.Namespace) -> int:
     with mlflow_server() as uri:
         on, off = sampled_run(uri, args, True), sampled_run(uri, args, False)
-    print(f"model={args.model} {' '.join(args.set)}, 2 workers, a {args.window} s window from epoch 2 of "
-          f"{args.epochs}; tracking on "
-          f"(load {on.load:.1f}), then off (load {off.load:.1f})")
+    print(f"{' '.join([f'model={args.model}', *args.set])}, 2 workers, a {args.window} s window from epoch 2 of "
+          f"{args.epochs}; tracking on (load {on.load:.1f}), then off (load {off.load:.1f})")
     for label, run in (("on", on), ("off", off)):
         for worker, shares in sorted(run.shares.items()):
             print(f"{label}, {worker}: {shares['hook']:.2%} of the training passes' wall time in the step-loss hook "
