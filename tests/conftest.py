@@ -310,3 +310,18 @@ def check_finished_run(client: Any, run_id: str, backend: str, epochs: int) -> s
 def metric_steps(client: Any, run_id: str, name: str) -> list[int]:
     """The steps (epochs) at which a metric was logged, sorted."""
     return sorted(m.step for m in client.get_metric_history(run_id, name))
+
+
+def check_step_losses_are_global(client: Any, run_id: str, epochs: int) -> None:
+    """A run logged with `trainer.log_every_n_steps=1` on workers that read different rows, epochs of equal batches:
+    each step's loss is the global batch's mean, so an epoch's step losses average to its train_loss (the loss
+    summed over every worker). A worker's own loss logged instead would not."""
+    from contract.tracking import epoch_values
+
+    steps = sorted(client.get_metric_history(run_id, "step_loss"), key=lambda m: m.step)
+    per_epoch = len(steps) // epochs
+    assert [m.step for m in steps] == list(range(1, epochs * per_epoch + 1))
+    train_loss = epoch_values(client.get_metric_history(run_id, "train_loss"))
+    for epoch in range(epochs):
+        losses = [m.value for m in steps[epoch * per_epoch:(epoch + 1) * per_epoch]]
+        assert np.mean(losses) == pytest.approx(train_loss[epoch], rel=1e-5), epoch + 1

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from contract.tracking import epoch_values
-from tests.conftest import check_finished_run, pipeline_env, train_ok
+from tests.conftest import check_finished_run, check_step_losses_are_global, pipeline_env, train_ok
 from tests.integration.test_tf_mwms import check_evaluation
 
 pytestmark = pytest.mark.slow
@@ -38,10 +37,4 @@ def test_two_clients_train_a_2x2_mesh_and_log_a_model_that_loads_without_it(tmp_
     sharded, replicated = (784 * 32 + 32 + 32 * 10) * 4, 10 * 4
     assert run.data.metrics["device_weight_bytes"] == sharded / 2 + replicated
     check_evaluation(client, run_id, weights, tiny_mnist, env)
-    steps = sorted(client.get_metric_history(run_id, "step_loss"), key=lambda m: m.step)
-    per_epoch = len(steps) // 2
-    assert [m.step for m in steps] == list(range(1, 2 * per_epoch + 1))
-    train_loss = epoch_values(client.get_metric_history(run_id, "train_loss"))
-    for epoch in (1, 2):
-        losses = [m.value for m in steps[(epoch - 1) * per_epoch:epoch * per_epoch]]
-        assert np.mean(losses) == pytest.approx(train_loss[epoch - 1], rel=1e-5)
+    check_step_losses_are_global(client, run_id, epochs=2)

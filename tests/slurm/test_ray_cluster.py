@@ -20,7 +20,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from tests.conftest import prepared_mnist, wait_until
+from tests.conftest import check_step_losses_are_global, prepared_mnist, wait_until
 from tests.integration.horovod_checks import BATCHES_PER_EPOCH, check_replicas_identical, init_log, optimizer_steps
 from tests.slurm.conftest import (REPO, elapsed_s, job_info, job_output, ray_leftovers, sbatch, skip_requeue_delay,
                                  wait_gone, wait_job)
@@ -148,7 +148,8 @@ def test_two_concurrent_jobs_do_not_interfere(slurm, tiny_mnist, tmp_path, mlflo
     tf_mwms (custom loop, RING) and horovod torch. The first job finds a port of its preferred block held (a
     listener the test holds) and moves on, typically to the second job's preferred block, which both jobs then
     find free at once: the host's port lock must give it to one of them only. The site's MLflow server
-    (MLFLOW_TRACKING_URI) this time; each job brings its own Ray cluster.
+    (MLFLOW_TRACKING_URI) this time; each job brings its own Ray cluster. The tf_mwms job logs every step's loss,
+    the global batch's mean across the nodes.
 
     The horovod job uses fp16 compression and 2 backward passes per step, and its rank 1 fails at epoch 2: Ray
     Train restarts the worker group from epoch 1's checkpoint, and the new processes do a new Gloo rendezvous
@@ -159,7 +160,7 @@ def test_two_concurrent_jobs_do_not_interfere(slurm, tiny_mnist, tmp_path, mlflo
     experiment = f"concurrent-{tmp_path.name}"
     named = (f"run.experiment={experiment}", "model.hidden=[32]")
     commands = [ddp_command(tiny_mnist, *named, "trainer.epochs=1", "run.name=job0", "trainer.tf_loop=custom",
-                            "trainer.tf_communication=ring", backend="tf_mwms"),
+                            "trainer.tf_communication=ring", "trainer.log_every_n_steps=1", backend="tf_mwms"),
                 ddp_command(tiny_mnist, *named, "trainer.epochs=2", "run.name=job1", "trainer.compression=fp16",
                             "trainer.grad_accum=2", "fault.max_failures=1", "fault.inject_at_epoch=2",
                             f"fault.inject_marker={marker}", f"run.dump_params_dir={params}", backend="horovod")]
@@ -187,6 +188,7 @@ def test_two_concurrent_jobs_do_not_interfere(slurm, tiny_mnist, tmp_path, mlflo
     runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name(experiment).experiment_id])}
     assert sorted(runs) == ["job0", "job1"]
     assert_spread_run(client, runs["job0"].info.run_id, 1)
+    check_step_losses_are_global(client, runs["job0"].info.run_id, epochs=1)  # logged as the step returns it
     horovod = runs["job1"]
     assert_spread_run(client, horovod.info.run_id, 2)
     assert marker.read_text().startswith("failed at epoch 2 in rank 1")
