@@ -17,8 +17,9 @@ resolve 2% on this machine). Two runs, tracking on then off, each sampled for `-
 logged epoch: py-spy samples the driver and both workers (every thread, idle ones included), and /proc counts
 each thread's CPU time and the MLflow server's. Printed per worker: the share of its training passes' wall time
 spent in the step-loss hook (`TrainLoop.log_step_loss`: the loss's all-reduce, and rank 0's logger); then the CPU
-of the tracking threads (MLflow's system metrics monitors) and what the server took more than with tracking off,
-as a share of the cores. Last line: `overhead_accounted=<the larger hook share + that CPU share>`.
+of the tracking threads (MLflow's system metrics monitors), and what the server and Horovod TF's reducer thread
+took more than with tracking off, as a share of the cores. Last line: `overhead_accounted=<the larger hook share
++ that CPU share>`.
 """
 from __future__ import annotations
 
@@ -66,9 +67,14 @@ def median_interval(values: list[float], coverage: float = 0.9) -> tuple[float, 
     return ordered[k - 1], ordered[n - k], confidence(k)
 
 
-TRAINING = "train_epoch (trainers/loop.py"
+# Training passes: the shared loop's, or Keras `fit`'s (trainers/keras_fit.py) less its epoch-end callback.
+TRAINING = ("train_epoch (trainers/loop.py", "fit_epochs (trainers/keras_fit.py")
+EPOCH_END = "end_epoch (trainers/loop.py"
 HOOK = "log_step_loss (trainers/loop.py"
 LOGGER = "log_step_loss (contract/tracking.py"
+# The thread that issues Horovod TF's all-reduces off the training thread (trainers/horovod_tf.tf_reduce_later):
+# step losses when tracking is on, the stop agreement and epoch metrics either way.
+REDUCER_THREAD = "hvd-metrics"
 
 
 def processes(match: Callable[[list[str]], bool]) -> list[psutil.Process]:
@@ -98,7 +104,9 @@ def read_samples(path: Path) -> tuple[dict[int, str], Counter]:
         stack, count = line.rsplit(" ", 1)
         head = re.match(r"thread \((\d+)\)(?:: ([^;]*))?", stack)  # a thread with no Python frames: no name
         names[int(head[1])] = head[2] or "(no Python frames)"
-        for frame in (TRAINING, HOOK, LOGGER):
+        if any(frame in stack for frame in TRAINING) and EPOCH_END not in stack:
+            counts["training"] += int(count)
+        for frame in (HOOK, LOGGER):
             counts[frame] += int(count) if frame in stack else 0
     return names, counts
 
@@ -129,6 +137,9 @@ class Sampled:
 
     def tracking_cpu_s(self) -> float:
         return sum(cpu for _, _, cpu, tracking in self.threads if tracking)
+
+    def reducer_cpu_s(self) -> float:
+        return sum(cpu for _, name, cpu, _ in self.threads if name.startswith(REDUCER_THREAD))
 
 
 def sampled_run(uri: str, args: argparse.Namespace, tracking: bool) -> Sampled:
@@ -162,7 +173,7 @@ def sampled_run(uri: str, args: argparse.Namespace, tracking: bool) -> Sampled:
         if role != "driver":
             rank0 = "SystemMetricsMonitor" in names.values()  # rank 0 watches its node when tracking is on
             result.shares[f"rank 0 ({pid})" if rank0 else role] = {
-                name: counts[frame] / counts[TRAINING] for name, frame in (("logger", LOGGER), ("hook", HOOK))}
+                name: counts[frame] / counts["training"] for name, frame in (("logger", LOGGER), ("hook", HOOK))}
         for tid, name in sorted(names.items()):
             cpu = after[pid].get(tid, 0.0) - before[pid].get(tid, 0.0)
             result.threads.append((role, name, cpu, "SystemMetrics" in name or "mlflow" in name.lower()))
@@ -181,8 +192,10 @@ def account(args: argparse.Namespace) -> int:
     for role, name, cpu, tracking in on.threads:
         if cpu >= 0.01:
             print(f"  on: {role} thread {name}: {cpu:.2f} CPU-s{' (tracking)' if tracking else ''}")
-    cpu_share = (on.tracking_cpu_s() + on.server_cpu_s - off.server_cpu_s) / (args.window * os.cpu_count())
-    print(f"mlflow server {on.server_cpu_s:.2f} CPU-s on, {off.server_cpu_s:.2f} off; tracking threads "
+    extra_cpu_s = on.server_cpu_s - off.server_cpu_s + on.reducer_cpu_s() - off.reducer_cpu_s()
+    cpu_share = (on.tracking_cpu_s() + extra_cpu_s) / (args.window * os.cpu_count())
+    print(f"mlflow server {on.server_cpu_s:.2f} CPU-s on, {off.server_cpu_s:.2f} off; reducer threads "
+          f"{on.reducer_cpu_s():.2f} on, {off.reducer_cpu_s():.2f} off; tracking threads "
           f"{on.tracking_cpu_s():.2f} CPU-s: {cpu_share:.2%} of {os.cpu_count()} cores")
     hook = max(shares["hook"] for shares in on.shares.values())
     print(f"overhead_accounted={hook + cpu_share:.4f}")

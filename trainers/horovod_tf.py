@@ -9,26 +9,34 @@ worker is a plain single-device TF process and Horovod does the all-reduce, so r
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 from omegaconf import DictConfig
 
-from contract.metrics import Reducer
+from contract.metrics import AsyncReducer, PendingReduce
 from trainers import tf_common as tfc
 from trainers import tf_recipe as tfr
 from trainers.horovod import import_horovod, init_horovod, record_init
 from trainers.loop import TrainLoop, WorkerContext
 
 
-def tf_reducer(hvd: Any, tf: Any) -> Reducer:
-    """`Reducer` over Horovod's TF allreduce (epoch metrics and the stop agreement)."""
+def tf_reduce_later(hvd: Any, tf: Any) -> AsyncReducer:
+    """`AsyncReducer` over Horovod's TF allreduce (step losses, epoch metrics, the stop agreement). In eager TF
+    `hvd.allreduce` blocks its caller until every rank has joined (there is no handle, unlike `allreduce_async` on
+    the PyTorch side), so one thread of the adapter's own issues them, in the order they were asked for, while
+    the training thread goes on; TF releases the GIL while the op waits."""
     ops = {"sum": hvd.Sum, "max": hvd.Max}
     calls = itertools.count()
+    issuer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hvd-metrics")
 
-    def reduce(values: list[float], op: str) -> list[float]:
-        reduced = hvd.allreduce(tf.constant(values, dtype=tf.float64), op=ops[op], name=f"metrics.{next(calls)}")
-        return reduced.numpy().tolist()
-    return reduce
+    def allreduce(values: list[float], op: str, name: str) -> list[float]:
+        return hvd.allreduce(tf.constant(values, dtype=tf.float64), op=ops[op], name=name).numpy().tolist()
+
+    def reduce_later(values: list[float], op: str) -> PendingReduce:
+        # Named ops: every rank asks in the same order, so the same counter value names the same op.
+        return issuer.submit(allreduce, list(values), op, f"metrics.{next(calls)}").result
+    return reduce_later
 
 
 def make_train_step(hvd: Any, tf: Any, keras: Any, model: Any, cfg: DictConfig) -> tuple[Any, Any]:
@@ -94,7 +102,7 @@ class HorovodTFAdapter(tfc.KerasAdapter):
         self.hvd = hvd
         self.stream = tfc.EpochStream(self.epoch_dataset, cfg.trainer.epochs, lambda make: iter(make()))
         self.step_fn, self.finish = make_train_step(hvd, self.tf, keras, self.model, cfg)
-        self._reduce = tf_reducer(hvd, self.tf)
+        self._reduce_later = tf_reduce_later(hvd, self.tf)
         self.calls = 0  # steps since the epoch's (re)start: a stop lands on a multiple of `passes`
         self.model.optimizer.build(self.model.trainable_variables)
         self._broadcast()
@@ -124,7 +132,10 @@ class HorovodTFAdapter(tfc.KerasAdapter):
         self.finish()
 
     def reduce(self, values: list[float], op: str) -> list[float]:
-        return self._reduce(values, op)
+        return self._reduce_later(values, op)()
+
+    def reduce_later(self, values: list[float], op: str) -> PendingReduce:
+        return self._reduce_later(values, op)
 
 
 def run_worker(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict,

@@ -10,7 +10,7 @@ import sys
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import ROOT, check_finished_run, pipeline_env, train_ok
+from tests.conftest import ROOT, check_finished_run, check_step_losses_are_global, pipeline_env, train_ok
 from tests.integration.horovod_checks import BATCHES_PER_EPOCH, check_replicas_identical, init_log, optimizer_steps
 
 pytestmark = pytest.mark.slow
@@ -66,13 +66,15 @@ def test_tf_trains_with_fp16_and_accumulation_and_resumes_after_failure(tmp_path
     framework = "tf"
     marker, params = tmp_path / "failed-once", tmp_path / "params"
     run_id = train([f"trainer.framework={framework}", f"data.path={tiny_mnist}", "trainer.compression=fp16",
-                    "trainer.grad_accum=2", "fault.max_failures=1", "fault.inject_at_epoch=2",
+                    "trainer.grad_accum=2", "trainer.log_every_n_steps=1", "fault.max_failures=1",
+                    "fault.inject_at_epoch=2",
                     f"fault.inject_marker={marker}", f"run.storage_path={tmp_path / 'ray'}",
                     f"run.dump_params_dir={params}"], pipeline_env(mlflow_server, ray_head))
     assert marker.read_text().startswith("failed at epoch 2 in rank 1")
     client = MlflowClient(mlflow_server)
     check_run(client, run_id)
     assert client.get_run(run_id).data.tags["resumed_from_epoch"] == "1"
+    check_step_losses_are_global(client, run_id, epochs=2)  # each all-reduced on a thread of its own
     check_replicas_identical(params, framework)
     assert optimizer_steps(tmp_path / "ray", framework) == 2 * BATCHES_PER_EPOCH // 2  # 2 epochs, grad_accum=2
     first, second = init_log(params)[:2], init_log(params)[2:]
