@@ -23,6 +23,7 @@ import traceback
 import urllib.error
 import urllib.request
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -440,6 +441,8 @@ class EpochLogger:
         self._events: Any = None
         self._step_losses: list[list] = []  # [name, value, timestamp ms, step], not sent yet
         self._oldest_step_loss = 0.0        # time.monotonic() of the first of them
+        self._sender: ThreadPoolExecutor | None = None  # sends kept step losses off the training thread
+        self._sending: Future | None = None  # that send, until it is known to be done
 
     def _to_tensorboard(self, step: int, metrics: Mapping[str, float]) -> None:
         """Written at once: tensorboardX's EventsWriter (its SummaryWriter queues events for a thread, so a flush
@@ -458,22 +461,36 @@ class EpochLogger:
         self._events.flush()
 
     def log_step_loss(self, step: int, loss: float) -> None:
-        """Kept and sent together, every STEP_LOSS_SEND_S and before anything else is logged (the epoch's end):
-        a request per logged step makes every few steps wait for the tracking server's round trip (small on one
-        machine, benchmarks/tracking_overhead.py; tens of ms to a server on another node). A worker that dies
-        loses its last few seconds of step losses; the restarted run trains those steps again."""
+        """Kept and sent together, every STEP_LOSS_SEND_S by a thread of the logger's own while training goes on,
+        and before anything else is logged (the epoch's end): a request per logged step makes every few steps wait
+        for the tracking server's round trip (tens of ms to a server on another node), and even one every 5 s took
+        up to 1% of the MNIST MLP's training time on one machine (benchmarks/tracking_overhead.py). A worker that
+        dies loses its last few seconds of step losses; the restarted run trains those steps again."""
         if not self._step_losses:
             self._oldest_step_loss = time.monotonic()
         self._step_losses.append(["step_loss", float(loss), now_ms(), step])
         self._to_tensorboard(step, {"step_loss": loss})
         if time.monotonic() - self._oldest_step_loss >= STEP_LOSS_SEND_S:
-            self.flush()
+            self._send_step_losses(wait=False)
 
     def flush(self) -> None:
-        """Send the step losses kept so far."""
-        if self._step_losses:
-            self.spool.write({"op": "metrics", "metrics": self._step_losses})
-            self._step_losses = []
+        """Send the step losses kept so far, and wait until every one is sent (or spooled)."""
+        self._send_step_losses(wait=True)
+
+    def _send_step_losses(self, wait: bool) -> None:
+        # One send at a time and every other write after it: the spool is never used by two threads at once.
+        if self._sending is not None:
+            self._sending.result()
+            self._sending = None
+        if not self._step_losses:
+            return
+        record, self._step_losses = {"op": "metrics", "metrics": self._step_losses}, []
+        if wait:
+            self.spool.write(record)
+            return
+        if self._sender is None:
+            self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-step-losses")
+        self._sending = self._sender.submit(self.spool.write, record)
 
     def resumed_from(self, epoch: int) -> None:
         """Record a restart from the checkpoint of `epoch` (tag `resumed_from_epoch`, comma-separated)."""

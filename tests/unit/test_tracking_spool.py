@@ -2,6 +2,7 @@
 never raised, and sent later exactly once, against a real MLflow store."""
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import mlflow
@@ -42,7 +43,8 @@ def test_records_wait_in_the_spool_and_go_out_once(tmp_path, monkeypatch):
 
 
 def test_step_losses_go_out_together_not_one_request_each(tmp_path, monkeypatch):
-    """Kept until the epoch's end (or STEP_LOSS_SEND_S after the oldest), then sent in order in one record."""
+    """Kept until the epoch's end (or STEP_LOSS_SEND_S after the oldest, then by the logger's own thread), then
+    sent in order in one record."""
     from contract import tracking
 
     monkeypatch.chdir(tmp_path)
@@ -57,8 +59,13 @@ def test_step_losses_go_out_together_not_one_request_each(tmp_path, monkeypatch)
     logger.log(1, {"train_loss": 0.75, "test_accuracy": 0.5})
     assert sorted(history()) == [(10, 10 / 64), (20, 20 / 64), (30, 30 / 64)]
     monkeypatch.setattr(tracking, "STEP_LOSS_SEND_S", 0.0)
-    logger.log_step_loss(40, 0.5)
-    assert sorted(history())[-1] == (40, 0.5)  # the oldest kept loss is STEP_LOSS_SEND_S old: sent at once
+    senders, write = [], logger.spool.write
+    monkeypatch.setattr(logger.spool, "write", lambda record: (senders.append(threading.current_thread()),
+                                                               write(record)))
+    logger.log_step_loss(40, 0.5)  # the oldest kept loss is STEP_LOSS_SEND_S old: its send starts at once...
+    logger.flush()  # (waits for it)
+    assert sorted(history())[-1] == (40, 0.5)
+    assert len(senders) == 1 and senders[0] is not threading.current_thread()  # ...off the training thread
 
 
 def read_scalars(folder) -> dict[str, dict[int, float]]:
