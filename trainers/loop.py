@@ -127,7 +127,7 @@ class TrainLoop:
         self.first_epoch = self.state.epoch + 1  # of this attempt
         self.profiler: StepProfiler | None = None
         self.profiled = False  # this attempt has profiled its steps
-        self.step_losses: list[tuple[int, PendingReduce]] = []  # logged steps whose all-reduce is in flight
+        self.step_loss_in_flight: tuple[int, PendingReduce] | None = None  # a logged step and its all-reduce
 
     def _restore(self) -> TrainState:
         if self.ctx.restored is None:
@@ -253,16 +253,18 @@ class TrainLoop:
         # The all-reduce runs while the next steps train: blocking, it took 1.4-1.9% of the MNIST MLP's training
         # time on 2 cores (benchmarks/README.md, tracking_overhead). By the next logged step it has long ended.
         self.settle_step_losses()
-        self.step_losses.append((step, self.adapter.reduce_later([loss], "sum")))
+        self.step_loss_in_flight = (step, self.adapter.reduce_later([loss], "sum"))
 
     def settle_step_losses(self) -> None:
-        """Wait for the step losses' all-reduces in flight; rank 0 logs each step's mean over the ranks (every rank
-        calls). Ranks of one model replica (TP, PP) hold the same loss: the mean over all ranks is the replicas'."""
-        for step, pending in self.step_losses:
-            (total,) = pending()
-            if self.ctx.logger is not None:
-                self.ctx.logger.log_step_loss(step, total / self.ctx.world_size)
-        self.step_losses = []
+        """Wait for the step loss's all-reduce in flight, if any; rank 0 logs that step's mean over the ranks (every
+        rank calls). Ranks of one model replica (TP, PP) hold the same loss: the mean over all ranks is the
+        replicas'."""
+        if self.step_loss_in_flight is None:
+            return
+        (step, pending), self.step_loss_in_flight = self.step_loss_in_flight, None
+        (total,) = pending()
+        if self.ctx.logger is not None:
+            self.ctx.logger.log_step_loss(step, total / self.ctx.world_size)
 
     def end_epoch(self, epoch: int, totals: EpochTotals) -> bool:
         """Evaluate, reduce the metrics over the ranks, checkpoint, report, and log (rank 0). Collective. True when
