@@ -43,6 +43,9 @@ import psutil
 from mlflow.tracking import MlflowClient
 
 from benchmarks.common import MNIST, ensure_mnist, mlflow_server, pipeline_run, steady_rate
+# The thread that issues Horovod TF's all-reduces off the training thread (`tf_reduce_later`): step losses when
+# tracking is on, the stop agreement and epoch metrics either way.
+from trainers.horovod_tf import METRICS_THREAD as REDUCER_THREAD
 
 
 def step_time_ms(uri: str, args: argparse.Namespace, tracking: bool) -> float:
@@ -72,9 +75,6 @@ TRAINING = ("train_epoch (trainers/loop.py", "fit_epochs (trainers/keras_fit.py"
 EPOCH_END = "end_epoch (trainers/loop.py"
 HOOK = "log_step_loss (trainers/loop.py"
 LOGGER = "log_step_loss (contract/tracking.py"
-# The thread that issues Horovod TF's all-reduces off the training thread (trainers/horovod_tf.tf_reduce_later):
-# step losses when tracking is on, the stop agreement and epoch metrics either way.
-REDUCER_THREAD = "hvd-metrics"
 
 
 def processes(match: Callable[[list[str]], bool]) -> list[psutil.Process]:

@@ -20,6 +20,8 @@ from trainers import tf_recipe as tfr
 from trainers.horovod import import_horovod, init_horovod, record_init
 from trainers.loop import TrainLoop, WorkerContext
 
+METRICS_THREAD = "hvd-metrics"  # the thread that issues the metrics' all-reduces (benchmarks/tracking_overhead.py)
+
 
 def tf_reduce_later(hvd: Any, tf: Any) -> AsyncReducer:
     """`AsyncReducer` over Horovod's TF allreduce (step losses, epoch metrics, the stop agreement). In eager TF
@@ -28,7 +30,7 @@ def tf_reduce_later(hvd: Any, tf: Any) -> AsyncReducer:
     the training thread goes on; TF releases the GIL while the op waits."""
     ops = {"sum": hvd.Sum, "max": hvd.Max}
     calls = itertools.count()
-    issuer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hvd-metrics")
+    issuer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=METRICS_THREAD)
 
     def allreduce(values: list[float], op: str, name: str) -> list[float]:
         return hvd.allreduce(tf.constant(values, dtype=tf.float64), op=ops[op], name=name).numpy().tolist()
