@@ -67,8 +67,7 @@ def test_tf_trains_with_fp16_and_accumulation_and_resumes_after_failure(tmp_path
     marker, params = tmp_path / "failed-once", tmp_path / "params"
     run_id = train([f"trainer.framework={framework}", f"data.path={tiny_mnist}", "trainer.compression=fp16",
                     "trainer.grad_accum=2", "trainer.log_every_n_steps=1", "fault.max_failures=1",
-                    "fault.inject_at_epoch=2",
-                    f"fault.inject_marker={marker}", f"run.storage_path={tmp_path / 'ray'}",
+                    "fault.inject_at_epoch=2", f"fault.inject_marker={marker}", f"run.storage_path={tmp_path / 'ray'}",
                     f"run.dump_params_dir={params}"], pipeline_env(mlflow_server, ray_head))
     assert marker.read_text().startswith("failed at epoch 2 in rank 1")
     client = MlflowClient(mlflow_server)
