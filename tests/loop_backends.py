@@ -136,25 +136,31 @@ def ps_runner(cfg, train, evaluation):
 
 
 def ps_cluster(cfg, train):
-    """Real TensorFlow servers (trainers/tf_ps_server.py, as the Ray workers run them) for the parameter servers and
-    workers of `cfg`'s tf_ps cluster on this machine, each worker's shard written as a Ray worker writes it, and
-    TF_CONFIG naming this process its chief; returns the workers' shards. The servers end with this process."""
+    """Real TensorFlow servers (trainers/tf_ps_server.py's, in child processes of tests/tf_ps_servers.py) for the
+    parameter servers and workers of `cfg`'s tf_ps cluster on this machine, each worker's shard written as a
+    Ray worker writes it, and TF_CONFIG naming this process its chief; returns the workers' shards. The servers end
+    with this process."""
+    import subprocess
     import tempfile
 
     from tests.conftest import free_ports
     from trainers.tf_common import ShardArrays
-    from trainers.tf_ps_backend import ServerProcess, WorkerShards, roles, tf_config, write_shard
+    from trainers.tf_ps_backend import WorkerShards, roles, tf_config, write_shard
 
     trainer = cfg.trainer
     world = 1 + trainer.num_ps + trainer.num_workers
     addresses = [f"127.0.0.1:{port}" for port in free_ports(world)]
     published = []
+    groups: list[list[str]] = [[] for _ in range(trainer.num_workers)]  # a process per worker, the PS in the first
     for rank, (kind, index) in enumerate(roles(world, trainer.num_ps)):
         if kind == "worker":
             rows = shard(train, index, trainer.num_workers)
             published.append(write_shard(ShardArrays.from_columns(rows, cfg.data.name), tempfile.mkdtemp()))
         if kind != "chief":
-            ServerProcess(kind, index, trainer.threads_per_worker, tf_config(addresses, trainer.num_ps, rank))
+            groups[index if kind == "worker" else 0].append(tf_config(addresses, trainer.num_ps, rank))
+    for group in groups:
+        subprocess.Popen([sys.executable, "-m", "tests.tf_ps_servers", str(trainer.threads_per_worker), *group],
+                         env={**os.environ, "TF_PS_PARENT": str(os.getpid()), "TF_CPP_MIN_LOG_LEVEL": "2"})
     os.environ["TF_CONFIG"] = tf_config(addresses, trainer.num_ps, 0)
     return WorkerShards(published)
 

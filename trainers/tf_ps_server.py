@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+from typing import Any
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -27,22 +28,30 @@ def die_with_parent(parent: int | None) -> None:
         sys.exit(f"tf_ps server: its parent {parent} has gone")
 
 
-def serve(threads: int) -> None:
-    """Serve this task of TF_CONFIG's cluster until killed."""
+def set_threads(intra_op: int, inter_op: int) -> None:
+    """This process's TensorFlow thread pools, before its first server starts."""
     import tensorflow as tf
 
-    # Workers run the steps (intra-op threads: `trainer.threads_per_worker`); inter-op threads leave room for the
-    # coordinator's concurrent calls (measured here: an inter-op pool of 1 hung the coordinator).
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(threads + 3)
-    task = json.loads(os.environ["TF_CONFIG"])["task"]
-    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    server = tf.distribute.Server(resolver.cluster_spec(), job_name=task["type"], task_index=task["index"],
-                                  protocol="grpc", start=True)
+    tf.config.threading.set_intra_op_parallelism_threads(intra_op)
+    tf.config.threading.set_inter_op_parallelism_threads(inter_op)
+
+
+def start_server(tf_config: str) -> Any:
+    """Start the TensorFlow server of the task that `tf_config` (a TF_CONFIG) names, in this process; returns it."""
+    import tensorflow as tf
+
+    spec = json.loads(tf_config)
+    task = spec["task"]
+    server = tf.distribute.Server(tf.train.ClusterSpec(spec["cluster"]), job_name=task["type"],
+                                  task_index=task["index"], protocol="grpc", start=True)
     print(f"tf_ps server {task['type']}:{task['index']} serving at {server.target}", flush=True)
-    server.join()
+    return server
 
 
 if __name__ == "__main__":
     die_with_parent(int(os.environ["TF_PS_PARENT"]) if "TF_PS_PARENT" in os.environ else None)
-    serve(int(os.environ.get("TF_PS_THREADS", "1")))
+    threads = int(os.environ.get("TF_PS_THREADS", "1"))
+    # Workers run the steps (intra-op threads: `trainer.threads_per_worker`); inter-op threads leave room for the
+    # coordinator's concurrent calls (measured here: an inter-op pool of 1 hung the coordinator).
+    set_threads(threads, threads + 3)
+    start_server(os.environ["TF_CONFIG"]).join()  # until killed
