@@ -15,7 +15,7 @@ from pathlib import Path
 from pipelines.data import mnist
 from pipelines.data.idx import DataError
 from pipelines.data.shards import check_out_dir
-from pipelines.ray_session import shutdown_ray
+from pipelines.ray_session import connect_or_start_ray, shutdown_ray
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -48,10 +48,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def prepare_imdb(args: argparse.Namespace) -> dict:
-    import os
-
-    import ray
-
     from pipelines.data import imdb
 
     source = args.source
@@ -65,7 +61,7 @@ def prepare_imdb(args: argparse.Namespace) -> dict:
         raise DataError("--val-fraction must be in (0, 1), --vocab-size >= 16, --max-len >= 4, --head-tokens >= 0")
     # Bad input is reported before Ray starts (Ray only tokenises).
     splits = imdb.plan_splits(*imdb.read_source(source), source, args.val_fraction, args.seed)
-    ray.init(address=os.environ.get("RAY_ADDRESS", "local"), include_dashboard=False, log_to_driver=False)
+    connect_or_start_ray({"include_dashboard": False, "log_to_driver": False}, log_to_driver=False)
     try:
         return imdb.prepare(splits, source, args.out.resolve(), args.shards, args.vocab_size, args.max_len,
                             min(args.head_tokens, args.max_len - 2), args.val_fraction, args.seed, args.tokenizer)

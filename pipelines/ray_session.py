@@ -1,7 +1,54 @@
-"""Ending a driver's Ray session without ending the driver."""
+"""A driver's Ray session: connecting to the cluster at RAY_ADDRESS, or starting a local Ray of its own that only
+this user can use, and ending the session without ending the driver."""
 from __future__ import annotations
 
 import gc
+import os
+import secrets
+import sys
+from typing import Any, Mapping
+
+# Ray takes a node for a one-machine cluster, with node IP 127.0.0.1 and every port (GCS, raylet, object manager,
+# agents, workers, metrics) bound to 127.0.0.1, when this is 0, as it does by default on macOS and Windows.
+LOOPBACK_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def connect_or_start_ray(start_kwargs: dict[str, Any], **connect_kwargs: Any) -> None:
+    """`ray.init` on the cluster at RAY_ADDRESS (with `connect_kwargs`), else a local Ray of this driver's own
+    (`start_local_ray(**start_kwargs)`): never another cluster on this machine found by accident."""
+    if address := os.environ.get("RAY_ADDRESS"):
+        import ray
+
+        ray.init(address=address, **connect_kwargs)
+    else:
+        start_local_ray(**start_kwargs)
+
+
+def start_local_ray(**init_kwargs: Any) -> None:
+    """Start a local Ray (`ray.init(address="local", **init_kwargs)`) that other machines cannot reach and other
+    users of this one cannot use: every port on loopback only, and token authentication with a new random token
+    that lives only in the environment of this driver and of the Ray processes it starts (readable by this user
+    alone, as /proc/<pid>/environ is). A login node is shared; a Ray without a token runs anyone's code as ours."""
+    use_ray_settings({LOOPBACK_VAR: "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)})
+    import ray
+
+    ray.init(address="local", **init_kwargs)
+
+
+def use_ray_settings(settings: Mapping[str, str]) -> None:
+    """Put Ray's settings (RAY_* variables: loopback, auth mode, token) into this process's environment, where the
+    Ray processes it starts inherit them. Ray reads them once, when imported; a `ray` imported earlier (in a test, a
+    notebook) is told again, as Ray's own token set-up does."""
+    os.environ.update(settings)
+    if "ray" not in sys.modules:
+        return
+    from ray._common.utils import env_bool
+    from ray._private import ray_constants
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    ray_constants.ENABLE_RAY_CLUSTER = env_bool(LOOPBACK_VAR, True)
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def shutdown_ray() -> None:

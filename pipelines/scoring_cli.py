@@ -13,6 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 from contract import tracking
 from pipelines.config import ConfigError
 from pipelines.data.idx import DataError
+from pipelines.ray_session import connect_or_start_ray
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 # What main() reports in one line with exit code 2: nothing was started.
@@ -93,9 +94,6 @@ def plan_before_start(argv: list[str], parse: Callable[[list[str]], Any],
 
 
 def init_ray(actors: int) -> None:
-    import ray
-
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
-    else:  # our own Ray (never another one on this machine); +1 CPU for the reads beside the actors
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, actors + 1), include_dashboard=False)
+    """The cluster at RAY_ADDRESS, or a local Ray of our own with a CPU for the reads beside the actors."""
+    connect_or_start_ray({"num_cpus": max(os.cpu_count() or 1, actors + 1), "include_dashboard": False},
+                         log_to_driver=True)

@@ -195,11 +195,27 @@ def ray_head(tmp_path_factory) -> dict[str, str]:
     try:
         values = {}
         for line in (state / "ray.env").read_text().splitlines():
-            key, value = line.removeprefix("export ").split("=", 1)
-            values[key] = value
+            if line.startswith("export "):
+                key, value = line.removeprefix("export ").split("=", 1)
+                values[key] = value
         yield values
     finally:
         subprocess.run(["bash", str(script), "stop", str(state)], env=env, timeout=120)
+
+
+CLIENT_SETTINGS = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")  # ray.env's
+
+
+def ray_init_on(ray_env: dict[str, str], **init_kwargs: Any) -> None:
+    """`ray.init` in this (pytest's) process on a head of cluster/local/ray-local.sh, with the client settings its
+    ray.env gives a shell (loopback, the head's token); they stay in this process's environment."""
+    from pipelines.ray_session import use_ray_settings
+
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    use_ray_settings({key: ray_env[key] for key in CLIENT_SETTINGS})
+    import ray
+
+    ray.init(address=ray_env["RAY_ADDRESS"], **init_kwargs)
 
 
 def pipeline_env(tracking_uri: str, ray_env: dict[str, str] | None = None) -> dict[str, str]:

@@ -7,7 +7,7 @@ bash cluster/local/setup-env.sh
 bash cluster/local/build-horovod.sh
 # The MLflow UI test drives Debian's chromium (installed once, as root).
 bash cluster/local/install-browser.sh
-export PATH="$PWD/.venv/bin:$PATH" OMP_NUM_THREADS=1 RAY_AUTH_MODE=disabled
+export PATH="$PWD/.venv/bin:$PATH" OMP_NUM_THREADS=1
 export RAY_DATA_DISABLE_PROGRESS_BARS=1 TF_CPP_MIN_LOG_LEVEL=2
 unset RAY_ADDRESS MLFLOW_TRACKING_URI
 # Compile the repository's modules once (0.4 s): every process of the suite (pytest, the pipelines' drivers, Ray

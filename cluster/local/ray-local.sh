@@ -5,13 +5,14 @@
 #   ray-local.sh start STATE_DIR [NUM_CPUS]   writes STATE_DIR/ray.env (RAY_ADDRESS, RAY_DASHBOARD_ADDRESS, ...)
 #   ray-local.sh stop STATE_DIR               stops exactly the processes of that head, removes its temp dir
 #
+# Only this user can use the head: every port listens on 127.0.0.1 alone, and every request must carry the head's
+# token (STATE_DIR/ray_auth_token, readable by this user only), since a laptop's or login node's loopback is
+# shared by all of its users. Clients get both settings by sourcing STATE_DIR/ray.env.
 # Ports: the block of 400 from RAY_BASE_PORT (default 26000), laid out in cluster/lib/ray-ports.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source cluster/lib/ray-ports.sh
 export PATH="$PWD/.venv/bin:$PATH"
-# Ray 2.60 turns on token auth when ~/.ray/auth_token exists; a loopback-only dev head does without.
-export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 
 action=${1:?usage: ray-local.sh start|stop STATE_DIR [NUM_CPUS]}
 state_dir=${2:?usage: ray-local.sh start|stop STATE_DIR [NUM_CPUS]}
@@ -24,6 +25,13 @@ start() {
   local temp_dir
   temp_dir=$(mktemp -d /tmp/ray-XXXXXX)
   echo "$temp_dir" > "$state_dir/temp_dir"
+  # Ray binds a node's ports to loopback only when it takes the node for a one-machine cluster, as on macOS: this
+  # variable, read by every Ray process and client. The token: a new one per head (RAY_AUTH_TOKEN would win).
+  local token="$state_dir/ray_auth_token"
+  rm -f "$token"
+  (umask 077; python -c 'import secrets; print(secrets.token_hex(32))' > "$token")
+  unset RAY_AUTH_TOKEN
+  export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$token
   # setsid: the head and every process it spawns share one new session, which `stop` ends.
   OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} setsid bash -c 'echo $$ > "$0"; exec "$@"' "$state_dir/sid" \
     ray start --head --disable-usage-stats \
@@ -34,7 +42,10 @@ start() {
 export RAY_ADDRESS=127.0.0.1:$base
 export RAY_DASHBOARD_ADDRESS=http://127.0.0.1:$((base + 1))
 export RAY_TEMP_DIR=$temp_dir
-export RAY_AUTH_MODE=$RAY_AUTH_MODE
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+export RAY_AUTH_MODE=token
+export RAY_AUTH_TOKEN_PATH=$token
+unset RAY_AUTH_TOKEN
 ENV
   echo "ray head up: RAY_ADDRESS=127.0.0.1:$base dashboard http://127.0.0.1:$((base + 1)) (state: $state_dir)"
 }
@@ -55,7 +66,7 @@ stop() {
   done
   pkill -KILL -s "$sid" 2>/dev/null || true
   [ -n "$temp_dir" ] && rm -rf "$temp_dir"
-  rm -f "$state_dir/sid" "$state_dir/temp_dir" "$state_dir/ray.env"
+  rm -f "$state_dir/sid" "$state_dir/temp_dir" "$state_dir/ray.env" "$state_dir/ray_auth_token"
   echo "ray head stopped ($temp_dir)"
 }
 

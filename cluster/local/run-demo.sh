@@ -7,7 +7,7 @@ cd "$(dirname "$0")/../.."
 root=$PWD
 
 bash cluster/local/setup-env.sh
-export PATH="$root/.venv/bin:$PATH" OMP_NUM_THREADS=1 RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+export PATH="$root/.venv/bin:$PATH" OMP_NUM_THREADS=1
 export MLFLOW_TRACKING_URI=${MLFLOW_TRACKING_URI:-sqlite:///$root/mlflow.db}
 export PIPELINE_GIT_COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 

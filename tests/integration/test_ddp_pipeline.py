@@ -19,8 +19,8 @@ from mlflow.tracking import MlflowClient
 from contract.metrics import EPOCH_METRICS
 from contract.tracking import FINAL_FILE, spooled
 from tests.conftest import (ROOT, check_finished_run, evaluate_ok, free_port, metric_steps, pipeline_env,
-                            read_split, run_id_from, run_pipeline, start_mlflow_server, stop_mlflow_server,
-                            wait_until)
+                            ray_init_on, read_split, run_id_from, run_pipeline, start_mlflow_server,
+                            stop_mlflow_server, wait_until)
 
 pytestmark = pytest.mark.slow
 TINY = ["trainer.batch_size=32", "model.hidden=[64]", "trainer.threads_per_worker=1"]
@@ -231,7 +231,7 @@ def test_a_run_waiting_for_a_busy_cluster_ctrl_c_kills_it_and_the_timeout_fails_
 
     env, client = pipeline_env(mlflow_server, ray_head), MlflowClient(mlflow_server)
     args = [f"data.path={tiny_mnist}", "trainer.epochs=1", f"run.storage_path={tmp_path / 'ray'}", *TINY]
-    ray.init(address=ray_head["RAY_ADDRESS"], log_to_driver=False)
+    ray_init_on(ray_head, log_to_driver=False)
     try:
         other_job = placement_group([{"CPU": 5}])
         ray.get(other_job.ready(), timeout=120)

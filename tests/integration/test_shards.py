@@ -5,6 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.conftest import ray_init_on
 from trainers.shard_data import OrderedShards, shard_config
 
 FILES, ROWS_PER_FILE = 8, 64
@@ -14,7 +15,7 @@ FILES, ROWS_PER_FILE = 8, 64
 def ray_driver(ray_head):
     import ray
 
-    ray.init(address=ray_head["RAY_ADDRESS"], log_to_driver=False)
+    ray_init_on(ray_head, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -1,6 +1,7 @@
 """cluster/slurm/ray-cluster.sbatch on a real 2-node Slurm (cluster/dev/slurm-local.sh): the data-parallel backends
 with one worker on each node (ddp in a preempted sweep requeued and continued; tf_mwms and horovod, restarting after
-a failure, in two concurrent jobs, one of them finding its port block taken), and a node that never joins. (A
+a failure, in two concurrent jobs, one of them finding its port block taken), a node that never joins, and a
+port lock held by another process or owned by another user. (A
 training run's stop and resume, exit code 3, is the same protocol: tests/integration/test_stop_resume.py runs it
 through the driver. TP's collectives run over the same Gloo process groups as DDP's: tests/integration and
 tests/parallel cover it.)"""
@@ -228,3 +229,39 @@ def test_node_that_never_joins_fails_fast_and_releases_the_allocation(slurm, tin
     assert squeue.strip() == ""
     wait_gone(job)
     assert not ray_leftovers(job)
+
+
+# Holds an exclusive flock on the file argv[1] until stdin closes.
+HOLD_LOCK = "import fcntl, sys; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); " \
+            "sys.stdin.read()"
+
+
+def test_a_port_lock_that_is_held_or_not_ours_fails_the_start_with_one_line(slurm, tiny_mnist, tmp_path):
+    """The host's port lock (cluster/slurm/ray-cluster.sbatch) is the user's own file, waited for at most
+    RAY_SLURM_PORT_LOCK_TIMEOUT: held by another process all that time, the job fails with one line naming that
+    process; a lock file of another user is refused, not waited for."""
+    out, held, foreign = tmp_path / "slurm", tmp_path / "held.lock", tmp_path / "foreign.lock"
+    foreign.touch()
+    os.chown(foreign, 65534, 65534)  # nobody's
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(held)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        jobs = [sbatch(slurm, out, ddp_command(tiny_mnist), extra_env={"RAY_SLURM_PORT_LOCK": str(lock),
+                                                                       "RAY_SLURM_PORT_LOCK_TIMEOUT": "2"})
+                for lock in (held, foreign)]
+        infos = [wait_job(slurm, job, 300) for job in jobs]  # ends while the lock is still held: the wait is bounded
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    errors = []
+    for job, info in zip(jobs, infos):
+        log = job_output(out, job)
+        assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", log
+        errors.append([line for line in log.splitlines() if "error" in line.lower()])
+    assert len(errors[0]) == 1 and re.fullmatch(
+        rf"ray-cluster: error: the port lock {held} was held for over 2 s by pid {holder.pid} \(root: \S*python\S* -c "
+        r"import fcntl.*\); end it, or raise RAY_SLURM_PORT_LOCK_TIMEOUT", errors[0][0]), errors[0]
+    assert errors[1] == [f"ray-cluster: error: the port lock {foreign} is not a file of yours (owner: nobody): remove "
+                         "it, or set RAY_SLURM_PORT_LOCK to a path of yours"]
+    assert foreign.stat().st_uid == 65534  # left as it was
