@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from tests.loop_harness import config, imdb_columns
+from tests.support.loop_harness import config, imdb_columns
 
 MODEL_INPUTS = {"vocab_size": 8000, "max_len": 128}
 BATCH, WARMUP = 128, 5
@@ -41,30 +41,36 @@ def layout_config(folder: Path, overrides: list[str], device: torch.device) -> D
 
 
 def build(cfg: DictConfig, data: Callable, device: torch.device) -> Any:
-    """The backend's adapter on this one rank, as its worker builds it."""
-    from trainers import torch_ddp, torch_fsdp, torch_tp
+    """The backend's adapter on this one rank, as its worker builds it (ddp's model in DDP, as on a worker of
+    several)."""
+    from trainers.adapter import WorkerData
+    from trainers.loop import WorkerContext
+    from trainers.torch import ddp as torch_ddp
+    from trainers.torch import fsdp as torch_fsdp
+    from trainers.torch import tp as torch_tp
 
+    ctx = WorkerContext(rank=0, world_size=1, report=lambda metrics, folder: None, epochs=1, device=device)
+    backend = {"ddp": torch_ddp, "fsdp": torch_fsdp, "tp": torch_tp}[cfg.trainer.backend]
+    adapter = backend.build_adapter(cfg, ctx, WorkerData(MODEL_INPUTS, data))
     if cfg.trainer.backend == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [device.index] if device.type == "cuda" else None
-        return torch_ddp.build_adapter(cfg, MODEL_INPUTS, 0, data, device,
-                                       wrap=lambda model: DistributedDataParallel(model, device_ids=ids))
-    backend = torch_fsdp if cfg.trainer.backend == "fsdp" else torch_tp
-    return backend.build_adapter(cfg, MODEL_INPUTS, 0, 1, data, device)
+        adapter.model = adapter.forward = DistributedDataParallel(adapter.model, device_ids=ids)
+    return adapter
 
 
 def step_times(cfg: DictConfig, steps: int, device: torch.device) -> tuple[float, float]:
     """(wall ms, CPU ms) per training step after the warm-up, batches cached on the device as a worker's are."""
-    from trainers import torch_common as tc
+    from trainers.torch.data import ShardBatches
 
     vocab, length = MODEL_INPUTS["vocab_size"], MODEL_INPUTS["max_len"]
     columns = {k: torch.from_numpy(v).to(device)
                for k, v in imdb_columns(BATCH * (steps + WARMUP), vocab, length).items()}
     evaluation = {k: torch.from_numpy(v).to(device) for k, v in imdb_columns(BATCH, vocab, length, seed=1).items()}
-    data = lambda seed: (tc.ShardBatches.from_columns(columns, "imdb", BATCH, seed,  # noqa: E731
-                                                      bucket_by_length=True, trim=True),
-                         tc.ShardBatches.from_columns(evaluation, "imdb", BATCH, seed, trim=True))
+    data = lambda seed: (ShardBatches.from_columns(columns, "imdb", BATCH, seed,  # noqa: E731
+                                                   bucket_by_length=True, trim=True),
+                         ShardBatches.from_columns(evaluation, "imdb", BATCH, seed, trim=True))
     adapter = build(cfg, data, device)
     batches = list(adapter.batches(0, 0))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

@@ -28,10 +28,11 @@ from torch import nn
 
 from benchmarks.common import MNIST, ensure_mnist, mnist_arrays, steady_rate
 from pipelines.config import load_config
-from trainers import torch_common as tc
+from trainers.adapter import WorkerData
 from trainers.loop import WorkerContext
 from trainers.models import build_model
-from trainers.torch_ddp import build_adapter, run_worker
+from trainers.torch.data import ShardBatches, normalise
+from trainers.torch.ddp import run_worker
 
 CUDA = torch.device("cuda", 0)
 
@@ -56,7 +57,7 @@ def bare_rates(cfg: DictConfig, images: torch.Tensor, labels: torch.Tensor) -> l
         start = time.perf_counter()
         for i in range(0, len(labels), batch):
             idx = order[i:i + batch]
-            x = tc.normalise(images[idx]).reshape(-1, 1, 28, 28)
+            x = normalise(images[idx]).reshape(-1, 1, 28, 28)
             x, y = x.pin_memory().to(CUDA, non_blocking=True), labels[idx].pin_memory().to(CUDA, non_blocking=True)
             optimizer.zero_grad()
             loss_fn(forward(x), y).backward()
@@ -70,13 +71,13 @@ def loop_rates(cfg: DictConfig, images: torch.Tensor, labels: torch.Tensor,
                test: dict[str, torch.Tensor]) -> list[float]:
     """The shared loop with the DDP adapter on GPU 0 (one worker: no DDP wrapper, as Ray's `prepare_model`
     leaves it); its `samples_per_s` per epoch. Evaluation and checkpoints run as in a pipeline, outside that."""
-    data = lambda seed: (tc.ShardBatches.from_columns({"image": images, "label": labels}, "mnist",  # noqa: E731
-                                                      cfg.trainer.batch_size, seed),
-                         tc.ShardBatches.from_columns(test, "mnist", 1024, seed))
+    data = lambda seed: (ShardBatches.from_columns({"image": images, "label": labels}, "mnist",  # noqa: E731
+                                                   cfg.trainer.batch_size, seed),
+                         ShardBatches.from_columns(test, "mnist", 1024, seed))
     reports: list[dict[str, float]] = []
     ctx = WorkerContext(rank=0, world_size=1, report=lambda metrics, _folder: reports.append(metrics),
-                        epochs=cfg.trainer.epochs)
-    run_worker(cfg, ctx, build_adapter(cfg, {}, 0, data, CUDA))
+                        epochs=cfg.trainer.epochs, device=CUDA)
+    run_worker(cfg, ctx, WorkerData({}, data))
     return [r["samples_per_s"] for r in reports]
 
 

@@ -1,6 +1,6 @@
 """What `data.bucket_by_length` saves: BERT tiny training steps (AdamW) on prepared IMDb rows, batched as a
 shuffled epoch (every batch padded to the stored width) and as `bucketed_order` batches cut to their longest row,
-both through `trainers.torch_common.ShardBatches`, one thread as a Ray worker runs.
+both through `trainers.torch.data.ShardBatches`, one thread as a Ray worker runs.
 
     .venv/bin/python -m benchmarks.length_buckets --data data/imdb-ht512/parquet [--rows 3200] [--steps 40]
 
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from pipelines.data.shards import read_manifest, shard_paths
 from trainers.models.bert import BertClassifier, bert_config
-from trainers.torch_common import ShardBatches
+from trainers.torch.data import ShardBatches
 
 
 def load_rows(folder: Path, rows: int) -> dict[str, torch.Tensor]:

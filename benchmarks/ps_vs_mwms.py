@@ -7,7 +7,7 @@ one run.
 Both pipelines use Adam at 1e-3 and `--batch` rows per worker step. MWMS takes one synchronous step of 2 x batch rows
 (the gradients all-reduced); PS takes asynchronous steps of `batch` rows, each worker applying its own gradient on
 the parameter server, so an epoch has twice as many (smaller) updates. The bare loop is what a TensorFlow user would
-write without Ray: servers in child processes (trainers/tf_ps_server.py), a `ClusterCoordinator` scheduling each
+write without Ray: servers in child processes (trainers/tf/ps/server.py), a `ClusterCoordinator` scheduling each
 epoch's steps in functions of 8 (tf_ps' default), each worker's dataset its half of the arrays. It runs twice: with
 each worker's own dropout masks (tf_ps' recipe) and with tf-keras' default dropout (every worker the same masks:
 cheaper, and another model). Throughput is the mean of epochs 2..N (global samples/s). Last line:

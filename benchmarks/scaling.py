@@ -101,7 +101,7 @@ def bare_horovod_torch_worker(args: argparse.Namespace) -> list[float]:
     import horovod.torch as hvd
     import torch
 
-    from trainers.horovod_torch import ContiguousCompression, broadcast_from_rank0
+    from trainers.horovod.torch import ContiguousCompression, broadcast_from_rank0
 
     hvd.init()
     model, lr = channels_last_model(args.model)

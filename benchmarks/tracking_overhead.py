@@ -45,7 +45,7 @@ from mlflow.tracking import MlflowClient
 from benchmarks.common import MNIST, ensure_mnist, mlflow_server, pipeline_run, steady_rate
 # The thread that issues Horovod TF's all-reduces off the training thread (`tf_reduce_later`): step losses when
 # tracking is on, the stop agreement and epoch metrics either way.
-from trainers.horovod_tf import METRICS_THREAD as REDUCER_THREAD
+from trainers.horovod.tf import METRICS_THREAD as REDUCER_THREAD
 
 
 def step_time_ms(uri: str, args: argparse.Namespace, tracking: bool) -> float:
@@ -70,11 +70,11 @@ def median_interval(values: list[float], coverage: float = 0.9) -> tuple[float, 
     return ordered[k - 1], ordered[n - k], confidence(k)
 
 
-# Training passes: the shared loop's, or Keras `fit`'s (trainers/keras_fit.py) less its epoch-end callback.
-TRAINING = ("train_epoch (trainers/loop.py", "fit_epochs (trainers/keras_fit.py")
+# Training passes: the shared loop's, or Keras `fit`'s (trainers/tf/keras_fit.py) less its epoch-end callback.
+TRAINING = ("train_epoch (trainers/loop.py", "fit_epochs (trainers/tf/keras_fit.py")
 EPOCH_END = "end_epoch (trainers/loop.py"
 HOOK = "log_step_loss (trainers/loop.py"
-LOGGER = "log_step_loss (contract/tracking.py"
+LOGGER = "log_step_loss (contract/tracking/logger.py"
 
 
 def processes(match: Callable[[list[str]], bool]) -> list[psutil.Process]:

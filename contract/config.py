@@ -17,11 +17,11 @@ from contract.recipe import Monitor, default_mode
 @dataclass
 class TrainerConfig:
     """Keys every backend has: the training contract's recipe and resources."""
-    backend: str = "ddp"
-    num_workers: int = 2
-    threads_per_worker: int = 1
-    use_gpu: bool = False
-    batch_size: int = 128
+    backend: str = "ddp"                # the backend (`trainer=<name>` picks it with its keys)
+    num_workers: int = 2                # Ray Train workers (the world size)
+    threads_per_worker: int = 1         # CPU threads (and Ray CPUs) each worker takes
+    use_gpu: bool = False               # a GPU per worker (NCCL for the PyTorch backends)
+    batch_size: int = 128               # rows per batch on each data-parallel rank
     lr: float = 1e-3                    # peak learning rate (after warmup)
     optimizer: str = "adam"             # adam | adamw | sgd (contract/recipe.py)
     weight_decay: float = 0.0           # adamw only (decoupled); never on biases and norms
@@ -33,7 +33,7 @@ class TrainerConfig:
     grad_accum: int = 1                 # batches per optimizer step (gradients averaged over them)
     precision: str = "fp32"             # fp32 | bf16 | fp16 (fp16: GPUs only)
     compile: bool = False               # PyTorch backends: train through torch.compile (not pipelines, not TF)
-    epochs: int = 5
+    epochs: int = 5                     # passes over the training split
     log_every_n_steps: int = 0          # rank 0 logs `step_loss` every n steps (0: off)
     profile_steps: int = 0              # rank 0 profiles n steps after a warmup step: artifact profile/
     max_steps_per_epoch: Optional[int] = None  # cut epochs short (benchmarks, smoke runs)
@@ -42,12 +42,12 @@ class TrainerConfig:
 
 @dataclass
 class DDPConfig(TrainerConfig):
-    backend: str = "ddp"
+    backend: str = "ddp"                # PyTorch DistributedDataParallel
 
 
 @dataclass
 class TPConfig(TrainerConfig):
-    backend: str = "tp"
+    backend: str = "tp"                 # tensor parallelism x data parallelism (PyTorch)
     tp: int = 2                         # tensor-parallel degree
     dp: Optional[int] = None            # data-parallel degree; default num_workers // tp
     tp_impl: str = "megatron"           # megatron | dtensor
@@ -55,7 +55,7 @@ class TPConfig(TrainerConfig):
 
 @dataclass
 class FSDPConfig(TrainerConfig):
-    backend: str = "fsdp"
+    backend: str = "fsdp"               # PyTorch FSDP2 sharded data parallelism (with TP and PP)
     dp_replicate: int = 1               # HSDP: replicas of the sharded model
     dp_shard: Optional[int] = None      # ranks each replica is sharded over; null: what the other degrees leave
     tp: int = 1                         # FSDP x TP: tensor parallelism (DTensor plans) inside, FSDP over the rest
@@ -68,18 +68,18 @@ class FSDPConfig(TrainerConfig):
 
 @dataclass
 class TFMWMSConfig(TrainerConfig):
-    backend: str = "tf_mwms"
+    backend: str = "tf_mwms"            # TensorFlow MultiWorkerMirroredStrategy
     tf_loop: str = "fit"                # fit (tf-keras model.fit) | custom (strategy.run loop)
     tf_communication: str = "auto"      # collectives: auto | ring | nccl (nccl needs use_gpu)
     tf_steps_per_execution: int = 8     # fit: training steps per compiled call
-    tf_devices: int = 1                 # replicas per worker (GPUs, or logical CPU devices without)
+    devices_per_worker: int = 1         # replicas per worker: its GPUs, or logical CPU devices (one worker only)
     tf_strategy: str = "mirrored"       # one worker, several devices: mirrored | central_storage (variables on the CPU)
     tf_cross_device_ops: str = "auto"   # mirrored, one worker: auto | nccl | hierarchical_copy | reduce_to_one
 
 
 @dataclass
 class HorovodConfig(TrainerConfig):
-    backend: str = "horovod"
+    backend: str = "horovod"            # Horovod over Gloo
     framework: str = "torch"            # torch (hvd.DistributedOptimizer) | tf (DistributedGradientTape)
     compression: str = "none"           # gradient compression on the wire: none | fp16
 
@@ -92,14 +92,14 @@ class DTensorMeshConfig:
 
 @dataclass
 class TFDTensorConfig(TrainerConfig):
-    backend: str = "tf_dtensor"
+    backend: str = "tf_dtensor"         # TensorFlow DTensor on a batch x model mesh
     mesh: DTensorMeshConfig = field(default_factory=DTensorMeshConfig)  # batch x model = all workers' devices
     devices_per_worker: int = 1         # DTensor devices per worker: GPUs, or logical CPU devices without
 
 
 @dataclass
 class TFPSConfig(TrainerConfig):
-    backend: str = "tf_ps"
+    backend: str = "tf_ps"              # TensorFlow ParameterServerStrategy (asynchronous)
     num_ps: int = 1                     # parameter servers (Ray workers beside the chief and the num_workers workers)
     ps_min_shard_bytes: int = 262144    # variables split over the servers in shards of at least this many bytes
     tf_loop: str = "custom"             # custom (ClusterCoordinator.schedule) | fit (tf-keras model.fit)
@@ -113,52 +113,52 @@ TRAINER_SCHEMAS: dict[str, type[TrainerConfig]] = {"ddp": DDPConfig, "tp": TPCon
 
 @dataclass
 class DataConfig:
-    name: str = "mnist"
-    path: str = "data/mnist/parquet"
-    eval_split: str = "test"
-    cache_in_worker: bool = True
+    name: str = "mnist"             # the dataset (`data=<name>` picks it)
+    path: str = "data/mnist/parquet"  # its prepared folder (manifest.json and Parquet shards): `rtp prepare`
+    eval_split: str = "test"        # the split each epoch's test_accuracy is measured on
+    cache_in_worker: bool = True    # each worker pulls its shard into memory once (else streams every epoch)
     bucket_by_length: bool = False  # text: batches of similar length, cut to their longest row (contract/data.py)
 
 
 @dataclass
 class MLPConfig:
-    name: str = "mlp"
-    hidden: list[int] = field(default_factory=lambda: [512, 256])
-    dropout: float = 0.1
+    name: str = "mlp"               # multi-layer perceptron on the 784 pixels
+    hidden: list[int] = field(default_factory=lambda: [512, 256])  # hidden layer widths
+    dropout: float = 0.1            # after each hidden layer
 
 
 @dataclass
 class CNNConfig:
-    name: str = "cnn"
-    channels: list[int] = field(default_factory=lambda: [32, 64])
-    hidden: int = 128
-    dropout: float = 0.25
+    name: str = "cnn"               # two conv blocks and a dense layer, on 28x28 images
+    channels: list[int] = field(default_factory=lambda: [32, 64])  # output channels of the two conv blocks
+    hidden: int = 128               # width of the dense layer
+    dropout: float = 0.25           # before the classifier
 
 
 @dataclass
 class BertModelConfig:
-    name: str = "bert"
+    name: str = "bert"              # BERT-style encoder classifier (`model=bert_tiny`, `model=bert_small`)
     flavour: str = "tiny"           # tiny | small | base | large (trainers/models/bert.py)
     dropout: float = 0.1            # embedding, residual and MLP dropout
-    attention_dropout: float = 0.0  # on the attention probabilities: > 0 makes attention 3x slower on CPU
-    hidden: Optional[int] = None    # optional overrides of the flavour
-    layers: Optional[int] = None
-    heads: Optional[int] = None
+    attention_dropout: float = 0.0  # on the attention probabilities: > 0 leaves torch's fused CPU attention (slower)
+    hidden: Optional[int] = None    # hidden width, overriding the flavour's
+    layers: Optional[int] = None    # encoder blocks, overriding the flavour's
+    heads: Optional[int] = None     # attention heads, overriding the flavour's
 
 
 @dataclass
 class EmbedPoolConfig:
-    name: str = "embed_pool"
-    embed_dim: int = 64
-    hidden: int = 64
-    dropout: float = 0.1
+    name: str = "embed_pool"        # mean of the token embeddings (padding excluded) -> MLP
+    embed_dim: int = 64             # token embedding width
+    hidden: int = 64                # width of the hidden layer
+    dropout: float = 0.1            # before the classifier
 
 
 @dataclass
 class TfIdfConfig:
-    name: str = "tfidf"
-    hidden: int = 128
-    dropout: float = 0.5
+    name: str = "tfidf"             # TF-IDF features -> Dense -> BatchNorm -> Dense (trainer=tf_dtensor)
+    hidden: int = 128               # width of the hidden layer
+    dropout: float = 0.5            # before the classifier
     bigram_buckets: int = 0         # token pairs hashed into this many extra features (0: single tokens only)
 
 
@@ -168,11 +168,11 @@ MODEL_SCHEMAS: dict[str, type] = {"mlp": MLPConfig, "cnn": CNNConfig, "bert": Be
 
 @dataclass
 class RunSection:
-    experiment: str = "ray-train-pipelines"
-    name: Optional[str] = None
-    seed: int = 0
-    storage_path: str = "outputs/ray"
-    dump_params_dir: Optional[str] = None
+    experiment: str = "ray-train-pipelines"  # MLflow experiment
+    name: Optional[str] = None        # MLflow run name; default <backend>-<data>-<model>
+    seed: int = 0                     # initial weights, shuffles and dropout masks
+    storage_path: str = "outputs/ray"  # Ray Train checkpoints and the MLflow spool: shared storage on a cluster
+    dump_params_dir: Optional[str] = None  # every rank saves its final parameters here (for checks)
     resume_dir: Optional[str] = None  # stop-and-resume folder (preemption); see contract/resume.py
     resume_from: Optional[str] = None  # a checkpoint folder this run starts from: its weights, optimizer state,
                                        # schedule position and epoch; hyperparameters are this config's (PBT)
@@ -181,18 +181,18 @@ class RunSection:
     final_model: str = "best"         # the logged MLflow model: the best epoch's, or the last epoch's
     patience: Optional[int] = None    # stop after this many epochs without a better `monitor` (None: never)
     register_model: Optional[str] = None  # register the logged model as a new version of this registered model
-    system_metrics: bool = True       # MLflow system metrics of the driver and rank 0 (contract/tracking.py)
+    system_metrics: bool = True       # MLflow system metrics of the driver and rank 0 (contract/tracking/system.py)
     tensorboard: bool = False         # rank 0 also writes TensorBoard event files: the run's tensorboard/ artifacts
-    system_metrics_interval_s: float = 10.0
+    system_metrics_interval_s: float = 10.0  # how often the system metrics are sampled
     progress: str = "auto"            # auto | on | off: Ray Data's bars and each epoch's step bar (auto: in a terminal)
 
 
 @dataclass
 class FaultConfig:
-    max_failures: int = 1
+    max_failures: int = 1             # Ray Train restarts the workers from the last checkpoint this often
     resource_timeout_s: float = 600.0  # fail a run whose workers wait longer for the cluster's CPUs/GPUs; 0: wait
-    inject_at_epoch: Optional[int] = None
-    inject_marker: Optional[str] = None
+    inject_at_epoch: Optional[int] = None  # testing: the last rank raises once at this epoch ...
+    inject_marker: Optional[str] = None    # ... unless this file exists (created when the failure fires)
     kill_servers: list[str] = field(default_factory=list)  # tf_ps: "<worker|ps|chief>:<i>@<epoch>": kill that
                                             # server (fail the chief) halfway through that epoch, once (inject_marker)
 
@@ -222,7 +222,7 @@ def monitor_of(run: DictConfig) -> Monitor:
 
 def worker_resources(trainer: DictConfig) -> tuple[int, int]:
     """(CPUs, GPUs) a run's workers take together: a CPU per thread, a GPU per worker (tf_dtensor: per device) when
-    `use_gpu`. tf_ps' chief and parameter servers share its workers' CPUs (trainers/tf_ps.py: build_trainer)."""
+    `use_gpu`. tf_ps' chief and parameter servers share its workers' CPUs (trainers/tf/ps/trainer.py: build_trainer)."""
     gpus = trainer.num_workers * trainer.get("devices_per_worker", 1) if trainer.use_gpu else 0
     return trainer.num_workers * trainer.threads_per_worker, gpus
 

@@ -4,7 +4,7 @@ Rank 0 logs, per epoch (MLflow step = epoch): EPOCH_METRICS always, TEXT_METRICS
 FIRST_EPOCH_METRICS at the first epoch of every attempt (a resumed run logs them again). `step_loss` every
 `trainer.log_every_n_steps` global steps: the mean loss of that step's global batch (over every data-parallel
 rank; Keras `fit`: of the steps since the last one logged). Tags: `rank<r>.node` per worker, `resumed_from_epoch`,
-and on a stop `preempted_at` (contract/tracking.py).
+and on a stop `preempted_at` (contract/tracking/runs.py).
 """
 from __future__ import annotations
 
@@ -42,10 +42,10 @@ def metric_names(text: bool) -> tuple[str, ...]:
 
 
 def epoch_metrics(totals: EpochTotals, correct: int, total: int, reduce: Reducer, peak_bytes: float,
-                  replicas: int = 1) -> dict[str, float]:
+                  ranks_per_sample: int = 1) -> dict[str, float]:
     """The metrics of one epoch over all ranks (sums, and the slowest rank's time). `test_accuracy` is measured on
-    the dataset's evaluation split. `replicas`: ranks that process each sample (the TP degree), so throughput
-    counts every sample once. A collective: every rank calls it."""
+    the dataset's evaluation split. `ranks_per_sample`: ranks that process each sample (a tensor- or
+    pipeline-parallel group), so throughput counts every sample once. A collective: every rank calls it."""
     loss_sum, samples, steps, wait_s, train_s, tokens, correct_all, total_all = reduce(
         [totals.loss_sum, totals.samples, totals.steps, totals.data_wait_s, totals.train_s, totals.tokens,
          correct, total], "sum")
@@ -53,14 +53,14 @@ def epoch_metrics(totals: EpochTotals, correct: int, total: int, reduce: Reducer
     metrics = {
         "train_loss": loss_sum / max(samples, 1),
         "test_accuracy": correct_all / max(total_all, 1),
-        "samples_per_s": samples / replicas / max(slowest_s, 1e-9),
+        "samples_per_s": samples / ranks_per_sample / max(slowest_s, 1e-9),
         "step_time_ms": 1000.0 * train_s / max(steps, 1),
         "data_wait_fraction": wait_s / max(train_s, 1e-9),
         "epoch_time_s": slowest_s,
         "peak_memory_bytes": peak,  # the largest rank's peak so far (sweep scaling reports)
     }
     if tokens:
-        metrics["tokens_per_s"] = tokens / replicas / max(slowest_s, 1e-9)
+        metrics["tokens_per_s"] = tokens / ranks_per_sample / max(slowest_s, 1e-9)
     return {name: float(value) for name, value in metrics.items()}
 
 

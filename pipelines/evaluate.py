@@ -11,8 +11,7 @@ to the logged model), for two classes `<split>_roc_auc` and `<split>_average_pre
 (PNG and CSV) and, for two classes, the ROC and precision-recall curves; tag and param `training_run_id` link it
 to the run that trained the model. Uses the cluster at RAY_ADDRESS when set, else starts a local Ray.
 
-Last stdout line: `mlflow_run_id=<id>` (the evaluation run). Exit codes: 0 done, 1 scoring failed (the run is
-FAILED, or KILLED when interrupted), 2 bad arguments, model, data or tracking server (nothing was started).
+Last stdout line: `mlflow_run_id=<id>` (the evaluation run).
 """
 from __future__ import annotations
 
@@ -27,11 +26,14 @@ from omegaconf import OmegaConf
 
 from contract import tracking
 from pipelines.config import ConfigError
+from pipelines.help import dataclass_help, wants_help
 from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
 from pipelines.ray_session import shutdown_ray
 from pipelines.scoring_cli import USAGE_ERRORS, ScoringConfig, find_model, init_ray, parse_args, plan_before_start
 from pipelines.train import close_failed_run
 
+EXIT_CODES = ("0 done; 1 scoring failed (the run is FAILED, or KILLED when interrupted); 2 bad arguments, model, "
+              "data or tracking server (nothing was started)")
 FEATURE_WIDTH = {"mnist": lambda inputs: 784, "imdb": lambda inputs: inputs["max_len"]}
 
 
@@ -43,8 +45,8 @@ class EvalData:
 
 @dataclass
 class EvaluateConfig(ScoringConfig):
-    data: EvalData = field(default_factory=EvalData)
-    experiment: Optional[str] = None  # default: the training run's experiment
+    data: EvalData = field(default_factory=EvalData)  # the split scored
+    experiment: Optional[str] = None  # MLflow experiment of the evaluation run; default: the training run's
 
 
 @dataclass
@@ -130,6 +132,12 @@ def evaluate_into_run(plan: Plan, uri: str, run_id: str) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        print(dataclass_help("rtp evaluate model=<model> [KEY=VALUE ...]", __doc__.split("\n\n")[1].strip(),
+                             EvaluateConfig, EXIT_CODES,
+                             ["rtp evaluate model=<training run id>", "rtp evaluate model=models:/mnist-cnn@champion "
+                              "data.split=test concurrency=2"]))
+        return 0
     try:
         cfg, uri, plan = plan_before_start(argv, parse, resolve)
     except USAGE_ERRORS as err:

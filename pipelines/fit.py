@@ -20,13 +20,13 @@ from pipelines.ray_session import start_local_ray
 
 
 def init_ray(num_cpus: int) -> None:
-    """Connect to the cluster at RAY_ADDRESS, or start our own local Ray with `num_cpus` (never some other cluster
-    on this machine by accident; loopback only, with a token: `start_local_ray`), and tell the job's processes
-    which cluster is theirs. Ray Train's placement-group cleaner (a detached actor) asks Ray's State API whether the run's controller lives; without RAY_ADDRESS or
-    RAY_API_SERVER_ADDRESS it looks for "the" cluster in /tmp/ray/ray_current_cluster, which the last `ray start`
-    without `--temp-dir` on this machine wrote: a head long gone (the cleaner's thread then dies with a traceback,
-    and cleans nothing), or another live cluster, which does not know our controller, so the cleaner removes our
-    workers' placement group mid-run."""
+    """Connect to the cluster at RAY_ADDRESS, or start our own local Ray with `num_cpus` (never some other cluster on
+    this machine by accident; loopback only, with a token: `start_local_ray`), and tell the job's processes which
+    cluster is theirs. Ray Train's placement-group cleaner (a detached actor) asks Ray's State API whether the run's
+    controller lives; without RAY_ADDRESS or RAY_API_SERVER_ADDRESS it looks for "the" cluster in
+    /tmp/ray/ray_current_cluster, which the last `ray start` without `--temp-dir` on this machine wrote: a head long
+    gone (the cleaner's thread then dies with a traceback, and cleans nothing), or another live cluster, which does
+    not know our controller, so the cleaner removes our workers' placement group mid-run."""
     if address := os.environ.get("RAY_ADDRESS"):
         import ray
 
@@ -62,14 +62,14 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
         datasets = materialized.result()
     if cfg.fault.resource_timeout_s > 0:  # read by Ray Train's controller (trainers/worker.py: run_config)
         os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.fault.resource_timeout_s)
-    # Ray Train's preemption watcher (an actor per run, ~1 CPU-s to start) polls Ray for nodes being drained
+    # Ray Train's preemption watcher (an actor per run, a second of CPU to start) polls Ray for nodes being drained
     # (cloud autoscalers) and tells `ray.train.get_preemption_info`, which nothing here reads: a Slurm preemption
     # stops a run through its STOP file (contract/resume.py). Off unless the user turns it on.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     # Ray Train's controller takes a worker's report, and sees a run's end or a worker's failure, only when it next
     # polls the workers: every 2 s by default. A worker's report queue holds one report, so one that reports again
-    # before that poll waits for it: epochs shorter than 2 s waited up to 2 s each, and a run's end took 4-5 s.
-    # Every 0.5 s, for 0.01 of a core more in the controller (benchmarks/README.md "Run end"). A slow answer is no
+    # before that poll waits for it: short epochs waited for the poll, and so did a run's end. Every 0.5 s, for a
+    # little more of the controller's CPU (benchmarks/README.md "Run end"). A slow answer is no
     # failure (Ray Train gives a worker 10 min). Ray Train hands the variable on to its controller.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     trainer = backend.build_trainer(cfg, datasets, run_id, uri, inputs, callbacks=callbacks)
@@ -151,7 +151,7 @@ def log_final_model(backend: Any, cfg: DictConfig, run_id: str, uri: str, checkp
                     tags: dict[str, str]) -> None:
     """Send what the workers spooled while the tracking server was away, then the final model and its `tags`.
     With the server still away, keep all of it in the spool folder (final.json names the checkpoint) and raise
-    `TrackingDown`: `python -m pipelines.replay` finishes the run later."""
+    `TrackingDown`: `rtp replay` finishes the run later."""
     folder = tracking.spool_dir(cfg.run.storage_path, run_id)
     try:
         if not tracking.answers(uri):  # a quick check first: the client itself retries for minutes

@@ -10,8 +10,7 @@ training data's tokenizer (logged with the training run). Ray Data tokenises and
 input row in input order: `source` (file, line or index), `prediction` (class id; IMDb: 1 = positive) and
 `probabilities`. Uses the cluster at RAY_ADDRESS when set, else starts a local Ray.
 
-Last stdout line: `predictions=<output>`. Exit codes: 0 written, 1 scoring failed (nothing written), 2 bad
-arguments, model, input or tracking server (nothing was started).
+Last stdout line: `predictions=<output>`.
 """
 from __future__ import annotations
 
@@ -27,14 +26,19 @@ from omegaconf import MISSING
 
 from pipelines.config import ConfigError
 from pipelines.data.raw_inputs import read_images, read_texts
+from pipelines.help import dataclass_help, wants_help
 from pipelines.ray_session import shutdown_ray
 from pipelines.scoring_cli import USAGE_ERRORS, ScoringConfig, find_model, init_ray, parse_args, plan_before_start
 
 
+EXIT_CODES = ("0 written; 1 scoring failed (nothing written); 2 bad arguments, model, input or tracking server "
+              "(nothing was started)")
+
+
 @dataclass
 class PredictConfig(ScoringConfig):
-    input: str = MISSING
-    output: str = MISSING
+    input: str = MISSING  # MNIST models: an IDX images file or a folder of images; IMDb: .txt/.csv/.parquet or a folder
+    output: str = MISSING  # a .parquet file: one row per input row, in input order
 
 
 @dataclass
@@ -123,6 +127,13 @@ def write(table: pa.Table, output: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        print(dataclass_help("rtp predict model=<model> input=<path> output=<file.parquet> [KEY=VALUE ...]",
+                             __doc__.split("\n\n")[1].strip(), PredictConfig, EXIT_CODES,
+                             ["rtp predict model=<run id> input=data/mnist/raw/t10k-images-idx3-ubyte.gz "
+                              "output=predictions.parquet", "rtp predict model=models:/imdb@champion input=reviews.txt "
+                              "output=out.parquet concurrency=2"]))
+        return 0
     try:
         cfg, uri, work = plan_before_start(argv, parse, plan)
     except USAGE_ERRORS as err:

@@ -1,7 +1,8 @@
-"""Prepare a dataset as Parquet shards + manifest.
+"""Prepare a dataset as Parquet shards + manifest (`rtp prepare`, or `python -m pipelines.prepare`).
 
-    python -m pipelines.prepare mnist [--source DIR | --download] [--out DIR] [--shards N]
-    python -m pipelines.prepare imdb --source ARCHIVE|FOLDER|FILE [--download] [--out DIR] [--vocab-size V] ...
+    rtp prepare mnist [--source DIR | --download] [--out DIR] [--shards N]
+    rtp prepare imdb --source ARCHIVE|FOLDER|FILE [--download] [--out DIR] [--vocab-size V] ...
+    rtp prepare mnist --help      the options of one dataset
 
 
 Exit codes: 0 ok, 2 bad input (the message names the file).
@@ -19,7 +20,8 @@ from pipelines.ray_session import connect_or_start_ray, shutdown_ray
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pipelines.prepare", description=__doc__)
+    parser = argparse.ArgumentParser(prog="rtp prepare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="dataset", required=True)
     mn = sub.add_parser("mnist", help="canonical MNIST IDX files -> Parquet shards")
     mn.add_argument("--source", type=Path, default=mnist.EMBEDDED_RAW,

@@ -1,7 +1,8 @@
-"""Finish a run or a sweep whose tracking server was away: `python -m pipelines.replay <spool folder>`.
+"""Finish a run or a sweep whose tracking server was away: `rtp replay <spool folder>` (or `python -m
+pipelines.replay <spool folder>`).
 
 A training run keeps what MLflow did not receive in `<run.storage_path>/run-<run id>/mlflow_spool/`
-(contract/tracking.py): the workers' unsent metrics and tags, and, when the server was still away at the end,
+(contract/tracking/spool.py): the workers' unsent metrics and tags, and, when the server was still away at the end,
 `final.json` naming the final checkpoint. This sends the records (skipping any the server already has), logs the
 final model from the checkpoint and ends the run FINISHED. A sweep whose server was away when its trials ended
 keeps `sweep.json` (how each trial ended) in its parent run's spool folder: the replay finishes every trial's run
@@ -17,13 +18,17 @@ from pathlib import Path
 
 from contract import tracking
 from pipelines.fit import replay_run
-from pipelines.sweep import finish_recorded_sweep
+from pipelines.help import wants_help
+from pipelines.sweep.runs import finish_recorded_sweep
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        print(f"usage: rtp replay <spool folder>\n\n{__doc__.split(chr(10), 2)[2].strip()}")
+        return 0
     if len(argv) != 1 or not Path(argv[0]).is_dir():
-        print(f"error: usage: python -m pipelines.replay <spool folder> (got {' '.join(argv) or 'nothing'})",
+        print(f"error: usage: rtp replay <spool folder> (got {' '.join(argv) or 'nothing'})",
               file=sys.stderr)
         return 2
     folder, uri = Path(argv[0]), os.environ.get("MLFLOW_TRACKING_URI")

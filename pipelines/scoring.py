@@ -14,7 +14,7 @@ import numpy as np
 from contract.data import FEATURE_COLUMNS, model_input
 
 # A scoring actor's environment: tf-keras models load only with TF_USE_LEGACY_KERAS=1 from process start
-# (trainers/tf_common.py); harmless for PyTorch models.
+# (trainers/tf/common.py); harmless for PyTorch models.
 SCORER_ENV = {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 

@@ -23,9 +23,9 @@ USAGE_ERRORS = (ConfigError, DataError, tracking.TrackingUnavailable)
 @dataclass
 class ScoringConfig:
     model: str = MISSING  # a run id, runs:/<run id>/model, models:/<name>/<version>, models:/<name>@<alias>
-    batch_size: int = 256
+    batch_size: int = 256  # rows per batch a scoring actor takes
     concurrency: int = 1  # scoring actors, a CPU each (a GPU each with use_gpu)
-    use_gpu: bool = False
+    use_gpu: bool = False  # score on GPUs, one per actor
 
 
 def parse_args(schema: type, argv: list[str]) -> Any:

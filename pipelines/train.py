@@ -1,10 +1,8 @@
-"""Train one model: `python -m pipelines.train [trainer=ddp] [data=mnist] [model=mlp] [key=value ...]`.
+"""Train one model: `rtp train [trainer=ddp] [data=mnist] [model=mlp] [key=value ...]` (or `python -m
+pipelines.train ...`).
 
 What `ray job submit` runs. Uses the cluster at RAY_ADDRESS when set, else starts a local Ray.
-Last stdout line: `mlflow_run_id=<id>`. Exit codes: 0 finished, 1 training failed (the MLflow run is
-marked FAILED with the error) or was interrupted (Ctrl-C, SIGTERM: the run is KILLED, tag `interrupted`),
-2 bad config, data or tracking server (nothing was started), 3 stopped on request with a checkpoint
-(`run.resume_dir`, contract/resume.py; the run is KILLED until continued).
+Last stdout line: `mlflow_run_id=<id>`. Exit codes: see EXIT_CODES.
 """
 from __future__ import annotations
 
@@ -19,7 +17,17 @@ from pipelines.config import ConfigError, check_fits_this_machine, flatten, load
 from pipelines.data.idx import DataError
 from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
 from pipelines.fit import fit_backend, fit_still_running, init_ray
+from pipelines.help import training_help, wants_help
 from pipelines.ray_session import shutdown_ray
+
+SUMMARY = """Train one model with a backend (trainer=...) on a prepared dataset (data=..., data.path=...), on the Ray
+cluster at RAY_ADDRESS or a local Ray of its own, logged to MLflow (MLFLOW_TRACKING_URI, else the project's sqlite
+store). Last line: mlflow_run_id=<id>."""
+EXIT_CODES = ("0 finished; 1 training failed (the MLflow run is FAILED, with the error) or was interrupted (Ctrl-C, "
+              "SIGTERM: the run is KILLED, tag `interrupted`); 2 bad config, data or tracking server (nothing was "
+              "started); 3 stopped on request with a checkpoint (`run.resume_dir`; the run is KILLED until continued)")
+EXAMPLES = ["rtp train trainer=fsdp model=cnn trainer.epochs=3 data.path=data/mnist/parquet",
+            "ray job submit --working-dir . -- rtp train trainer.num_workers=4 data.path=/shared/mnist/parquet"]
 
 
 def validate(argv: list[str]) -> tuple[DictConfig, dict, str]:
@@ -109,6 +117,9 @@ def open_run(cfg: DictConfig, manifest: dict, uri: str) -> tuple[str, str | None
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        print(training_help("rtp train [GROUP=CHOICE ...] [KEY=VALUE ...]", SUMMARY, argv, EXIT_CODES, EXAMPLES))
+        return 0
     try:
         cfg, manifest, uri = validate(argv)
     except (ConfigError, DataError, tracking.TrackingUnavailable) as err:

@@ -128,7 +128,7 @@ def tiny_imdb(tmp_path_factory, ray_head) -> Path:
     """Prepared IMDb-format shards: 320 generated reviews -> 256 train / 64 validation, max_len 48 (tokenised on
     the session's Ray head rather than a Ray of its own), with a fixed whole-word tokenizer: the same data in every
     session (a trained one differs from run to run on this tiny text, and the tiny models learnt differently)."""
-    from tests.imdb_fixtures import fixed_tokenizer, make_aclimdb
+    from tests.support.imdb_fixtures import fixed_tokenizer, make_aclimdb
 
     base = tmp_path_factory.mktemp("tiny_imdb")
     root = make_aclimdb(base / "src", per_label=160, bad_files=False)

@@ -1,21 +1,20 @@
 """The one training loop every backend runs, framework-free (no torch, TensorFlow or Ray imported here).
 
-A backend supplies an `Adapter` (model, optimizer, data shard, one training step, evaluation, state files,
-an all-reduce) and a `WorkerContext` (rank, how to report, the checkpoint to resume from; trainers/worker.py
-builds it from Ray Train). The loop owns everything the contract promises: epochs and the resume point,
-skipping the steps a stopped epoch already trained on, the STOP agreement between ranks, `step_loss`, the
-epoch metrics (contract/metrics.py), the best epoch and early stopping (`run.monitor`, `run.patience`), the
-checkpoint schema (contract/checkpoint.py) and what rank 0 logs. The optimizer-step recipe (schedule, clipping,
-accumulation, precision) is the adapter's, from contract/recipe.py.
-Keras `fit` keeps its own loop and calls `end_epoch` from a callback (trainers/tf_mwms.py).
-"""
+A backend supplies an `Adapter` (trainers/adapter.py: model, optimizer, data shard, one training step, evaluation, state
+files, an all-reduce) and a `WorkerContext` (rank, how to report, the checkpoint to resume from; trainers/worker.py
+builds it from Ray Train). The loop owns everything the contract promises: epochs and the resume point, skipping the
+steps a stopped epoch already trained on, the STOP agreement between ranks, `step_loss`, the epoch metrics
+(contract/metrics.py), the best epoch and early stopping (`run.monitor`, `run.patience`), the checkpoint schema
+(contract/checkpoint.py) and what rank 0 logs. The optimizer-step recipe (schedule, clipping, accumulation, precision)
+is the adapter's, from contract/recipe.py. Keras `fit` keeps its own loop and calls `end_epoch` from a callback
+(trainers/tf/keras_fit.py)."""
 from __future__ import annotations
 
 import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Protocol
 
 from contract.checkpoint import EpochTotals, TrainState, partial_over_ranks
 from contract.metrics import REPORTED_EPOCH, PendingReduce, Reducer, epoch_line, epoch_metrics, stop_metrics
@@ -23,49 +22,8 @@ from contract.progress import NoBar, StepBar
 from contract.recipe import Monitor
 from contract.resume import STOP_CHECK_EVERY
 from contract.startup import StartupMarks
-from contract.tracking import say
-
-
-class StepProfiler(Protocol):
-    """A framework's profiler over some training steps (the adapter makes it; the loop drives it on rank 0)."""
-
-    def start(self) -> None: ...
-    def step(self) -> bool: ...   # one training step ended; True: the profile is complete
-    def stop(self) -> None: ...   # the trace is in the folder it was made for
-
-
-class Adapter(Protocol):
-    """What a backend provides to the loop. Methods marked collective are called by every rank in step."""
-
-    replicas: int   # ranks that process each sample (the TP degree; 1 for data parallelism)
-    loss_is_global: bool  # `train_step`'s loss is already the global batch's mean (its step reduced it)
-    load_s: float   # seconds this worker took to pull its data shards
-    sharded_checkpoint: bool  # every rank's checkpoint folder holds a part (Ray Train merges them); else rank 0's
-
-    def steps_per_epoch(self) -> int: ...
-    def batches(self, epoch: int, skip: int) -> Iterator[Any]:
-        """The epoch's batches in a fixed order per epoch, without the first `skip` (trained before a stop)."""
-    def train_step(self, batch: Any) -> tuple[float, int, int]:
-        """Forward, backward and (at an update boundary) the optimizer step; returns (loss, samples, tokens)."""
-    def at_update_boundary(self) -> bool:
-        """No accumulated gradients are pending: a stop here loses nothing."""
-    def finish_epoch(self) -> None:
-        """Apply gradients still accumulated at the end of an epoch (collective)."""
-    def evaluate(self, epoch: int) -> tuple[int, int]:
-        """(correct, total) on this worker's evaluation shard."""
-    def reduce(self, values: list[float], op: str) -> list[float]:
-        """`contract.metrics.Reducer` over the backend's collectives."""
-    def reduce_later(self, values: list[float], op: str) -> PendingReduce:
-        """`reduce` started now, its result asked for later (collective from the start until then): asynchronous
-        where the backend's collectives can be, else `contract.metrics.reduce_at_once`."""
-    def peak_memory_bytes(self) -> float: ...
-    def epoch_extras(self) -> dict[str, float]:
-        """Diagnostics rank 0 logs beside the epoch metrics (collective; {} for none)."""
-    def save(self, directory: str) -> None:
-        """Model and optimizer state into `directory` (collective; see contract/checkpoint.py)."""
-    def load(self, directory: str) -> None: ...
-    def profiler(self, folder: str, steps: int) -> StepProfiler:
-        """A profiler recording `steps` training steps into `folder` (`trainer.profile_steps`)."""
+from contract.console import say
+from trainers.adapter import Adapter, StepProfiler
 
 
 class MetricsSink(Protocol):
@@ -98,6 +56,18 @@ class WorkerContext:
     step_bar: Callable[[str, int, int], StepBar] | None = None  # rank 0 with progress wanted: (description, steps
                                                                  # in the epoch, steps done) -> the epoch's bar
     startup: StartupMarks | None = None   # rank 0, a run's first attempt: logs `startup.*` at its first step
+    device: Any = None                    # what the worker computes on (PyTorch: its torch.device; None: the CPU)
+    mid_epoch: Callable[[int], None] | None = None  # testing hook (fault injection), halfway through an epoch,
+                                                     # where a backend calls it (tf_ps)
+
+
+def train(adapter: Adapter, ctx: WorkerContext, dump_dir: str | None) -> bool:
+    """A worker's remaining epochs on the loop, then its final parameters into `dump_dir` (`run.dump_params_dir`,
+    if set). False: stopped on request, with a checkpoint."""
+    if not TrainLoop(adapter, ctx).run():
+        return False
+    adapter.dump(dump_dir)
+    return True
 
 
 class StopAgreement:
@@ -250,8 +220,8 @@ class TrainLoop:
             if self.ctx.logger is not None:
                 self.ctx.logger.log_step_loss(step, loss)
             return
-        # The all-reduce runs while the next steps train: blocking, it took 1.4-1.9% of the MNIST MLP's training
-        # time on 2 cores (benchmarks/README.md, tracking_overhead). By the next logged step it has long ended.
+        # The all-reduce runs while the next steps train: a blocking one holds up every logged step
+        # (benchmarks/README.md, tracking overhead). By the next logged step it has long ended.
         self.settle_step_losses()
         self.step_loss_in_flight = (step, self.adapter.reduce_later([loss], "sum"))
 
@@ -273,7 +243,7 @@ class TrainLoop:
         adapter = self.adapter
         correct, total = adapter.evaluate(epoch)
         metrics = epoch_metrics(totals, correct, total, adapter.reduce, adapter.peak_memory_bytes(),
-                                adapter.replicas)
+                                adapter.ranks_per_sample)
         if epoch == self.first_epoch:
             metrics["data_load_s"] = adapter.load_s
         extras = adapter.epoch_extras()

@@ -2,6 +2,7 @@
 and the Ray Train run and scaling settings every trainer is built with."""
 from __future__ import annotations
 
+import importlib
 import os
 import random
 import socket
@@ -33,10 +34,10 @@ def worker_config(config: dict[str, Any]) -> DictConfig:
     return typed_config(config["cfg"])
 
 
-def ray_context(config: dict[str, Any], cfg: DictConfig) -> WorkerContext:
+def ray_context(config: dict[str, Any], cfg: DictConfig, device: Any = None) -> WorkerContext:
     """This Ray Train worker's context: rank, report, checkpoint to restore, rank 0's MLflow logger, STOP file,
-    fault injection. Tags `rank<r>.node` with the IP of the Ray node the worker landed on; rank 0 starts its
-    system metrics."""
+    fault injection, the `device` it computes on. Tags `rank<r>.node` with the IP of the Ray node the worker landed
+    on; rank 0 starts its system metrics."""
     worker_began = time.time()
     import ray.train
     import ray.util
@@ -70,6 +71,7 @@ def ray_context(config: dict[str, Any], cfg: DictConfig) -> WorkerContext:
         monitor=monitor_of(cfg.run), profile_steps=cfg.trainer.profile_steps,
         profile_dir=run_folder / "profile" if rank == 0 else None,
         step_bar=ray_step_bar if rank == 0 and config.get("progress") else None,
+        device=device,
         before_epoch=lambda epoch: maybe_inject_failure(cfg.fault, epoch, rank, world_size))
 
 
@@ -200,3 +202,8 @@ def set_worker_envs(worker_group: Any, envs: list[dict[str, str]]) -> None:
 def set_env(env: dict[str, str]) -> None:
     """Runs on a worker: see `set_worker_envs`."""
     os.environ.update(env)
+
+
+def on_worker(module: str, name: str, **kwargs: Any) -> Any:
+    """Runs on a worker: `<module>.<name>(**kwargs)`, importing the module (and its framework) there."""
+    return getattr(importlib.import_module(module), name)(**kwargs)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Debian's chromium and chromium-driver, for pipelines/ui_screenshots.py (the MLflow UI in a real browser) and its
+# Debian's chromium and chromium-driver, for pipelines/sweep/screenshots.py (the MLflow UI in a real browser) and its
 # test. Selenium drives them; it downloads nothing. Returns at once when both are installed; needs root otherwise.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

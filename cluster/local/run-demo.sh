@@ -11,7 +11,7 @@ export PATH="$root/.venv/bin:$PATH" OMP_NUM_THREADS=1
 export MLFLOW_TRACKING_URI=${MLFLOW_TRACKING_URI:-sqlite:///$root/mlflow.db}
 export PIPELINE_GIT_COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 
-python -m pipelines.prepare mnist --out data/mnist/parquet
+rtp prepare mnist --out data/mnist/parquet
 
 state=outputs/local-cluster
 bash cluster/local/ray-local.sh start "$state"
@@ -27,7 +27,7 @@ JSON
 )
 status=0
 ray job submit --address "$RAY_DASHBOARD_ADDRESS" --working-dir . --runtime-env-json "$runtime_env" -- \
-  python -m pipelines.train data.path="$root/data/mnist/parquet" run.storage_path="$root/outputs/ray" "$@" \
+  rtp train data.path="$root/data/mnist/parquet" run.storage_path="$root/outputs/ray" "$@" \
   2>&1 | tee "$log" || status=$?
 
 run_id=$(grep -o 'mlflow_run_id=[0-9a-f]*' "$log" | tail -n 1 | cut -d= -f2)

@@ -16,9 +16,8 @@ if TYPE_CHECKING:
 def read_parquet(paths: list[str]) -> "ray.data.Dataset":
     """A lazy Ray Data dataset over Parquet files, read by Ray Data's first Parquet datasource
     (`use_datasource_v2=False`): Ray 2.60's default (V2) starts FooterReader actors at every execution, and every
-    training run executes both of its splits (the ordered split materialises them): measured on a warm local Ray,
-    5.3-9.0 s for MNIST's train and test splits against 0.8-1.6 s with the footers read in place (tiny MNIST:
-    6.2-7.2 s against 0.4-0.8 s)."""
+    training run executes both of its splits (the ordered split materialises them): seconds more per run than
+    with the footers read in place (benchmarks/README.md, startup)."""
     import ray.data
 
     ray.data.DataContext.get_current().use_datasource_v2 = False  # read_parquet picks the datasource from it
@@ -38,13 +37,12 @@ def parquet_datasets(data_dir: str | Path, splits: dict[str, str], progress: str
 
 
 class Materializing:
-    """`datasets` being read whole into Ray's object store, in file order, by helper threads of the driver (one
-    per dataset, so that their reads overlap too); `result()` waits and gives {name: `MaterializedDataset`}. The
-    ordered shard configs (trainers/shard_data.py) split materialised datasets without reading anything, so the
-    read overlaps what the driver does meanwhile (importing the backend, building its trainer) instead of
-    waiting for Ray Train's worker group, whose start used to come first (measured: 3.2 of a submitted MNIST
-    demo's 20.1 s to its first step, benchmarks/README.md). Ray Data runs the read tasks in Ray workers; the
-    threads only drive them. Daemons: an interrupted driver does not wait for them."""
+    """`datasets` being read whole into Ray's object store, in file order, by helper threads of the driver (one per
+    dataset, so that their reads overlap too); `result()` waits and gives {name: `MaterializedDataset`}. The ordered
+    shard configs (trainers/shard_data.py) split materialised datasets without reading anything, so the read overlaps
+    what the driver does meanwhile (importing the backend, building its trainer) instead of waiting for Ray Train's
+    worker group, whose start used to come first (benchmarks/README.md, startup). Ray Data runs the read tasks in Ray
+    workers; the threads only drive them. Daemons: an interrupted driver does not wait for them."""
 
     def __init__(self, datasets: dict):
         self.outcome: dict[str, Any] = {}

@@ -98,7 +98,7 @@ def _check_shape(manifest: Any, path: Path) -> None:
     splits = manifest.get("splits") if isinstance(manifest, dict) else None
     if not isinstance(splits, dict) or not splits:
         raise DataError(f"{path}: not a prepared-dataset manifest (no 'splits'); "
-                        f"run `python -m pipelines.prepare ...` to make one")
+                        f"run `rtp prepare ...` to make one")
     for split, info in splits.items():
         shards = info.get("shards") if isinstance(info, dict) else None
         if not (isinstance(shards, list) and isinstance(info.get("rows"), int)
@@ -120,7 +120,7 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
     data_dir = Path(data_dir)
     path = data_dir / MANIFEST
     if not path.is_file():
-        raise DataError(f"{path}: no manifest; run `python -m pipelines.prepare ...` first")
+        raise DataError(f"{path}: no manifest; run `rtp prepare ...` first")
     try:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as err:

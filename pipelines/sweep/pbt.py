@@ -5,7 +5,7 @@ takes a neighbouring value of its list, or its number times 0.8 or 1.2 (kept ins
 (Tune's resample probability, 0.25).
 
 Mutations are recipe keys only (MUTABLE): a checkpoint holds weights, optimizer moments and the schedule's
-position, and a trial that loads another's takes these keys from its own config (trainers/torch_recipe.py), so a
+position, and a trial that loads another's takes these keys from its own config (trainers/torch/recipe.py), so a
 mutation changes how training continues, never what a checkpoint means. Every trial's config is validated with
 each mutation at the ends of its range before launch, like a grid point.
 """
@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from contract.metrics import REPORTED_EPOCH
 from pipelines.config import ConfigError, load_config
-from pipelines.sweep_space import SIGNIFICANT_DIGITS, Trial, check_axis, format_override
+from pipelines.sweep.space import SIGNIFICANT_DIGITS, Trial, check_axis, format_override
 
 PBT_CHECKPOINTS_KEPT = 4  # per trial, by Tune: Tune warns that 2 or fewer can be deleted before a trial exploits one
 MUTABLE = ("trainer.lr", "trainer.weight_decay", "trainer.momentum", "trainer.grad_clip", "trainer.batch_size",
@@ -100,7 +100,7 @@ def make_pbt(spec: DictConfig, mutable: dict[str, Any]) -> Any:
 
     class OwnTrialIndex(PopulationBasedTraining):
         """PBT gives an exploiting trial the whole config of the trial it clones, mutated; the trial index must
-        stay the trial's own: it names the trial's MLflow child run and config (pipelines/sweep_trial.py)."""
+        stay the trial's own: it names the trial's MLflow child run and config (pipelines/sweep/trial.py)."""
 
         def _get_new_config(self, trial: Any, trial_to_clone: Any) -> tuple[dict, dict]:
             config, operations = super()._get_new_config(trial, trial_to_clone)

@@ -10,7 +10,7 @@ Definitions (also printed under the table):
   reaches the target;
 - peak memory per worker: the largest worker's peak (RSS on CPU, CUDA allocations on GPU) over the run.
 
-`python -m pipelines.scaling_report <parent_run_id> [--out DIR]` rebuilds it for any sweep.
+`python -m pipelines.sweep.report <parent_run_id> [--out DIR]` rebuilds it for any sweep.
 """
 from __future__ import annotations
 

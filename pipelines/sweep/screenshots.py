@@ -1,5 +1,5 @@
 """Screenshots of a sweep's run comparison in the MLflow UI, taken by a real browser:
-`python -m pipelines.ui_screenshots <parent run id> [--out DIR]`.
+`python -m pipelines.sweep.screenshots <parent run id> [--out DIR]`.
 
 Opens the MLflow UI of the tracking server (`MLFLOW_TRACKING_URI`, an http(s) server without a login) in
 headless Chromium (Debian's `chromium` and `chromium-driver`, driven by Selenium; nothing is downloaded) on the
@@ -177,7 +177,7 @@ def take_screenshots(uri: str, parent_id: str, out: Path) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipelines.ui_screenshots", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pipelines.sweep.screenshots", description=__doc__.split("\n")[0])
     parser.add_argument("parent_run_id")
     parser.add_argument("--out", type=Path, default=Path("outputs/mlflow-ui"))
     args = parser.parse_args(argv)

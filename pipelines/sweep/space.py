@@ -38,7 +38,7 @@ SIGNIFICANT_DIGITS = 4  # of a drawn float: what the trial runs with, its overri
 
 @dataclass
 class SweepConfig:
-    name: str = "parallelism"
+    name: str = "parallelism"           # the preset's name (conf/sweep/<name>.yaml)
     overrides: list[str] = field(default_factory=list)  # training overrides every trial starts from
     grid: Any = None                    # the search space: {override key: [values] | {distribution: args}} or a
                                         # list of such mappings (their union)
@@ -47,7 +47,7 @@ class SweepConfig:
     stop: Any = None                    # {epoch metric: value}: a trial stops once it reaches one (losses: <=)
     time_budget_s: Optional[float] = None  # the whole sweep: after this, Tune stops its trials and starts no more
     scheduler: str = "fifo"             # fifo: every trial runs to the end | asha: stop poor trials early |
-                                        # pbt: poor trials continue from good ones' checkpoints (pipelines/sweep_pbt.py)
+                                        # pbt: poor trials continue from good ones' checkpoints (pipelines/sweep/pbt.py)
     metric: str = "test_accuracy"       # best configuration (and ASHA) by this metric of the report
     mode: str = "max"                   # max | min
     target_accuracy: float = 0.8        # report: training time until test_accuracy first reaches this
@@ -84,7 +84,7 @@ def split_argv(argv: list[str]) -> tuple[str, list[str], list[str]]:
 
 def load_sweep(name: str, overrides: list[str]) -> DictConfig:
     """Compose `conf/sweep/<name>.yaml` (the config group `sweep`) with `sweep.*` overrides, and validate."""
-    from pipelines.config import _compose
+    from pipelines.config import compose
 
     keys = list(SweepConfig.__dataclass_fields__)
     for override in overrides:
@@ -95,7 +95,7 @@ def load_sweep(name: str, overrides: list[str]) -> DictConfig:
                               f" (keys: {', '.join(keys)})")
     # Every SweepConfig key can be set, including those a yaml file leaves at their default (`++`: add or set).
     overrides = [o if o.startswith("~") else f"++{o.lstrip('+')}" for o in overrides]
-    raw = _compose([f"+sweep={name}", *overrides]).sweep
+    raw = compose([f"+sweep={name}", *overrides]).sweep
     try:
         spec = OmegaConf.merge(OmegaConf.structured(SweepConfig), raw)
     except OmegaConfBaseException as err:
@@ -107,7 +107,7 @@ def load_sweep(name: str, overrides: list[str]) -> DictConfig:
 def _check_sweep(spec: DictConfig) -> None:
     if spec.scheduler not in SCHEDULERS:
         raise ConfigError(f"sweep.scheduler: unknown '{spec.scheduler}' (choices: {SCHEDULERS})")
-    from pipelines.scaling_report import NUMERIC
+    from pipelines.sweep.report import NUMERIC
     from contract.metrics import EPOCH_METRICS, TEXT_METRICS
 
     if spec.metric not in NUMERIC:

@@ -20,6 +20,7 @@ from ray.train import UserCallback
 
 from contract import resume, tracking
 from contract.checkpoint import TrainState
+from contract.console import say
 from contract.config import typed_config
 from pipelines.fit import fit_backend
 
@@ -76,7 +77,7 @@ def run_trial(config: dict[str, Any], specs: dict[int, dict[str, Any]]) -> None:
                     if path and spec["tune_checkpoints"] else None)
     thread.join()
     if isinstance(ended.get("error"), tracking.TrackingDown):  # trained: not a failure for Tune to retry
-        tracking.say(f"trial {index}: {ended['error']}")       # the driver finishes the run
+        say(f"trial {index}: {ended['error']}")       # the driver finishes the run
     elif "error" in ended:
         raise ended["error"]
 

@@ -9,6 +9,7 @@ collective still runs through NCCL, which takes CUDA tensors only, a path the CP
 Scoring on a GPU: tests/unit/test_evaluate.py. Results: README, "GPU runs"."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -16,8 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.loop_harness import check_parity, check_stop_resume_parity, config, imdb_columns, mnist_columns, run_attempt
-from tests.parallel.checks import dense_training
+from tests.support.loop_harness import (check_parity, check_stop_resume_parity, config, imdb_columns, mnist_columns,
+                                        run_attempt)
+from tests.support.parallel_checks import dense_training
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -45,26 +47,32 @@ def nccl(tmp_path):
 def batches(train: dict[str, np.ndarray], evaluation: dict[str, np.ndarray], dataset: str, size: int,
             device: torch.device = CUDA) -> Callable:
     """A rank's cached shards as a GPU worker holds them: on the GPU (Ray Data's `iter_torch_batches` hands a GPU
-    worker its batches there), text batched by length and trimmed as `torch_common.worker_data` does. A dense
-    reference on the CPU takes the same batches with `device` the CPU."""
-    from trainers import torch_common as tc
+    worker its batches there), text batched by length and trimmed as `trainers.torch.data.worker_shards` does. A
+    dense reference on the CPU takes the same batches with `device` the CPU."""
+    from trainers.torch.data import ShardBatches
 
     as_torch = lambda columns: {k: torch.from_numpy(v).to(device) for k, v in columns.items()}  # noqa: E731
     text = dataset == "imdb"
-    return lambda seed: (tc.ShardBatches.from_columns(as_torch(train), dataset, size, seed, bucket_by_length=text,
-                                                      trim=text),
-                         tc.ShardBatches.from_columns(as_torch(evaluation), dataset, 64, seed, trim=text))
+    return lambda seed: (ShardBatches.from_columns(as_torch(train), dataset, size, seed, bucket_by_length=text,
+                                                   trim=text),
+                         ShardBatches.from_columns(as_torch(evaluation), dataset, 64, seed, trim=text))
 
 
 def ddp_run(cfg) -> Callable:
-    """DDP's worker on GPU 0: the model wrapped as Ray's `prepare_model` wraps it on a GPU worker."""
+    """DDP's worker on GPU 0, its model in DDP as on a GPU worker of several (one rank here, over NCCL)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from trainers.torch_ddp import build_adapter, run_worker
+    from trainers.adapter import WorkerData
+    from trainers.torch.common import train_adapter
+    from trainers.torch.ddp import build_adapter
 
     data = batches(mnist_columns(320), mnist_columns(64, seed=1), "mnist", 16)
-    wrap = lambda model: DistributedDataParallel(model, device_ids=[CUDA.index])  # noqa: E731
-    return lambda ctx: run_worker(cfg, ctx, build_adapter(cfg, {}, ctx.rank, data, CUDA, wrap=wrap))
+
+    def run(ctx):
+        adapter = build_adapter(cfg, replace(ctx, device=CUDA), WorkerData({}, data))
+        adapter.model = adapter.forward = DistributedDataParallel(adapter.model, device_ids=[CUDA.index])
+        return train_adapter(cfg, ctx, adapter)
+    return run
 
 
 def test_ddp_over_nccl_stops_and_resumes_every_step_on_the_gpu(nccl, tmp_path):
@@ -81,7 +89,7 @@ def test_fp16_with_loss_scaling_and_bf16_track_fp32_on_the_gpu(nccl, tmp_path):
     and bf16 on the GPU: their step losses differ from float32's (half precision really ran) and stay within 0.05
     of them over 40 steps; both learn. fp16's stop/resume keeps the scaler's state: the resumed curve is the
     uninterrupted one."""
-    from trainers import torch_common as tc
+    from trainers.torch import common as tc
 
     curves = {}
     for precision in ("fp32", "bf16", "fp16"):
@@ -103,7 +111,7 @@ def test_fused_optimizers_on_the_gpu_train_the_dense_cpu_model(nccl, tmp_path):
     a cosine schedule and clipping, trains the dense CPU model's step losses (foreach kernels) within float
     tolerance."""
     from trainers.models import build_model
-    from trainers.torch_recipe import make_optimizer
+    from trainers.torch.recipe import make_optimizer
 
     cpu_data = batches(mnist_columns(320), mnist_columns(64, seed=1), "mnist", 16, torch.device("cpu"))
     keys = ["trainer.use_gpu=true", "trainer.num_workers=1", "trainer.batch_size=16", "model.hidden=[32]",
@@ -124,8 +132,9 @@ def test_checkpoints_move_between_cpu_and_gpu_runs_with_each_devices_kernels(ncc
     """A CPU run's checkpoint (foreach AdamW, its step counters on the CPU) resumed by a GPU worker updates fused,
     as a fresh GPU run does, its counters on the GPU; a GPU run's checkpoint loads with its tensors on the CPU and
     resumes on the CPU with foreach. Both stopped-then-resumed step-loss curves are the uninterrupted CPU run's."""
-    from trainers import torch_common as tc
-    from trainers.torch_ddp import build_adapter, run_worker
+    from trainers.adapter import WorkerData
+    from trainers.torch import common as tc
+    from trainers.torch.ddp import build_adapter
 
     keys = ["trainer.num_workers=1", "trainer.batch_size=16", "model.hidden=[32]", "model.dropout=0",
             "trainer.epochs=2", "trainer.optimizer=adamw", "trainer.lr=0.003", "trainer.weight_decay=0.01",
@@ -138,8 +147,8 @@ def test_checkpoints_move_between_cpu_and_gpu_runs_with_each_devices_kernels(ncc
         data = batches(mnist_columns(320), mnist_columns(64, seed=1), "mnist", 16, device)
 
         def run(ctx):
-            adapters.append(build_adapter(cfg, {}, ctx.rank, data, device))
-            return run_worker(cfg, ctx, adapters[-1])
+            adapters.append(build_adapter(cfg, replace(ctx, device=device), WorkerData({}, data)))
+            return tc.train_adapter(cfg, ctx, adapters[-1])
         return run
 
     straight = run_attempt(run_on(cpu), 0, 1, 2, tmp_path / "straight")
@@ -163,8 +172,8 @@ def test_fsdp_over_nccl_on_the_gpu_trains_the_dense_model(nccl, tmp_path):
     step 20 on an H200) and fall; the sharded checkpoint exports dense float32 weights. The text shard is cached on
     the GPU and batched by length, as a GPU worker's Ray Data shard is (a `use_gpu` IMDb run failed there once: its
     attention mask and length buckets were built on the CPU)."""
-    from trainers.torch_ddp import run_worker
-    from trainers.torch_fsdp import build_adapter, dense_model_state
+    from trainers.adapter import WorkerData
+    from trainers.torch.fsdp import dense_model_state, run_worker
 
     model_inputs = {"vocab_size": 64, "max_len": 16}
     data, cpu_data = (batches(imdb_columns(320, 64, 16), imdb_columns(64, 64, 16, seed=1), "imdb", 16, device)
@@ -175,7 +184,7 @@ def test_fsdp_over_nccl_on_the_gpu_trains_the_dense_model(nccl, tmp_path):
     curves = {}
     for precision in ("fp32", "bf16"):
         cfg = config(tmp_path / precision, [*keys, f"trainer.precision={precision}"])
-        run = lambda ctx: run_worker(cfg, ctx, build_adapter(cfg, model_inputs, 0, 1, data, CUDA))  # noqa: E731
+        run = lambda ctx: run_worker(cfg, replace(ctx, device=CUDA), WorkerData(model_inputs, data))  # noqa: E731
         attempt = run_attempt(run, 0, 1, 1, tmp_path / precision / "run")
         curves[precision] = attempt.recorder.curve()
         assert {v.dtype for v in dense_model_state(str(attempt.checkpoint)).values()} == {torch.float32}
@@ -191,8 +200,8 @@ def test_tp_over_nccl_on_the_gpu_trains_the_dense_model(nccl, tmp_path, impl):
     """Tensor parallelism of either impl on a one-rank CUDA mesh (NCCL), AdamW with clipping, trains the dense CPU
     model: the same step losses within float tolerance. The DTensor plan leaves embeddings and norms plain, a mix
     that CUDA's default foreach update refuses (a `use_gpu` tp run failed at its first step)."""
-    from trainers.torch_ddp import run_worker
-    from trainers.torch_tp import build_adapter
+    from trainers.adapter import WorkerData
+    from trainers.torch.tp import run_worker
 
     model_inputs = {"vocab_size": 64, "max_len": 16}
     data, cpu_data = (batches(imdb_columns(320, 64, 16), imdb_columns(64, 64, 16, seed=1), "imdb", 16, device)
@@ -202,7 +211,7 @@ def test_tp_over_nccl_on_the_gpu_trains_the_dense_model(nccl, tmp_path, impl):
             "trainer.epochs=1", "trainer.num_workers=1", "trainer.optimizer=adamw", "trainer.weight_decay=0.01",
             "trainer.grad_clip=0.5", "trainer.use_gpu=true"]
     cfg = config(tmp_path, keys)
-    run = lambda ctx: run_worker(cfg, ctx, build_adapter(cfg, model_inputs, 0, 1, data, CUDA))  # noqa: E731
+    run = lambda ctx: run_worker(cfg, replace(ctx, device=CUDA), WorkerData(model_inputs, data))  # noqa: E731
     curve = run_attempt(run, 0, 1, 1, tmp_path / "run").recorder.curve()
     dense, _ = dense_training(config(tmp_path / "dense", keys), model_inputs, [cpu_data(cfg.run.seed)[0]])
     np.testing.assert_allclose(curve, dense, rtol=1e-4, atol=1e-4)

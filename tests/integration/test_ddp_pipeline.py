@@ -27,7 +27,7 @@ TINY = ["trainer.batch_size=32", "model.hidden=[64]", "trainer.threads_per_worke
 
 
 def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny_mnist, mlflow_server, ray_head):
-    """`ray job submit --working-dir .` of the real pipeline against the test's own Ray head; rank 1 fails at
+    """`ray job submit --working-dir . -- rtp train ...` against the test's own Ray head; rank 1 fails at
     epoch 2 and Ray Train restarts the workers from epoch 1's checkpoint (not from scratch). Rank 0 profiles 2
     steps into the run's artifacts; the driver and rank 0 log system metrics; TensorBoard event files too. The
     final model is registered, and evaluated through the registry."""
@@ -38,7 +38,7 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
                                                     "RAY_DATA_DISABLE_PROGRESS_BARS")}}
     cmd = ["ray", "job", "submit", "--address", ray_head["RAY_DASHBOARD_ADDRESS"], "--working-dir", ".",
            "--runtime-env-json", json.dumps(runtime_env), "--",
-           "python", "-m", "pipelines.train", f"data.path={tiny_mnist}", "trainer.epochs=3",
+           "rtp", "train", f"data.path={tiny_mnist}", "trainer.epochs=3",
            f"run.storage_path={tmp_path / 'ray'}", f"run.dump_params_dir={tmp_path / 'params'}", *TINY,
            "fault.max_failures=1", "fault.inject_at_epoch=2", f"fault.inject_marker={marker}",
            f"run.register_model={registered}", "trainer.profile_steps=2", "run.system_metrics_interval_s=1",
@@ -56,8 +56,8 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
     assert "mlflow.source.git.commit" in run.data.tags
     # MLflow's own conventions, for its UI: the source, the command as the description, the data as inputs
     tags = run.data.tags
-    assert tags["mlflow.source.name"] == "pipelines.train" and tags["mlflow.source.type"] == "JOB"
-    assert "python -m pipelines.train data.path=" in tags["mlflow.note.content"]
+    assert tags["mlflow.source.name"] == "rtp train" and tags["mlflow.source.type"] == "JOB"
+    assert "rtp train data.path=" in tags["mlflow.note.content"]
     assert "trainer.profile_steps=2" in tags["mlflow.note.content"]
     datasets = inputs_by_context(run)
     assert {context: d.name for context, d in datasets.items()} == {"training": "mnist-train", "eval": "mnist-test"}
@@ -194,7 +194,7 @@ def test_a_tracking_server_away_at_the_end_loses_nothing_and_the_replay_finishes
     assert proc.returncode == 1, err[-3000:]
     assert (f"error: MLflow tracking server {uri} is unreachable; {spooled(folder)} unsent record(s) of run {run_id} "
             f"and its final model are kept in {folder}: once the server is back, replay them with "
-            f"`python -m pipelines.replay {folder}`") in err.splitlines()  # (Ray's worker logs may follow it)
+            f"`rtp replay {folder}`") in err.splitlines()  # (Ray's worker logs may follow it)
     assert spooled(folder) > 0 and (folder / FINAL_FILE).is_file()
 
     server = start_mlflow_server(base, port)  # back, on the same address and store

@@ -1,5 +1,5 @@
 """Horovod on Ray Train V2 end to end, for PyTorch and TensorFlow: a real Ray head, a real MLflow server, 2 CPU
-workers joined by Horovod's Gloo rendezvous (trainers/horovod_backend.py). Needs horovod built into the venv
+workers joined by Horovod's Gloo rendezvous (trainers/horovod/backend.py). Needs horovod built into the venv
 (tests/run.sh builds it); without it these fail at `import horovod`, they do not skip."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import ROOT, check_finished_run, check_step_losses_are_global, pipeline_env, train_ok
-from tests.integration.horovod_checks import BATCHES_PER_EPOCH, check_replicas_identical, init_log, optimizer_steps
+from tests.support.horovod_checks import BATCHES_PER_EPOCH, check_replicas_identical, init_log, optimizer_steps
 
 pytestmark = pytest.mark.slow
 FRAMEWORKS = ["torch", "tf"]
@@ -34,7 +34,7 @@ def test_allreduce_of_known_values(tmp_path, ray_head, framework):
     """The backend alone (no pipeline): Horovod sees 2 ranks in Ray's rank order, one node, and its collectives
     give the known answers."""
     env = pipeline_env("unused", ray_head)
-    proc = subprocess.run([sys.executable, "-m", "tests.integration.horovod_probe", framework,
+    proc = subprocess.run([sys.executable, "-m", "tests.support.horovod_probe", framework,
                            str(tmp_path / "out"), str(tmp_path / "ray")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -48,7 +48,7 @@ def test_allreduce_of_known_values(tmp_path, ray_head, framework):
         assert got["fp16_sum"] == [3.0, 30.0]  # exact in float16 too
         assert got["allgather"] == [[0.0, 0.0], [1.0, 1.0]]
         assert got["broadcast"] == [8.0]  # rank 1's 1 + 7
-        if framework == "torch":  # a channels-last model's tensors (trainers/horovod_torch.ContiguousCompression)
+        if framework == "torch":  # a channels-last model's tensors (trainers/horovod/torch.ContiguousCompression)
             assert got["channels_last"] == {"average": [1.5], "into_the_gradient": True, "broadcast": [5.0],
                                             "layouts_kept": True}
         env_vars = got["env"]

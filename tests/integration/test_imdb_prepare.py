@@ -11,7 +11,7 @@ import pytest
 
 from pipelines.data.shards import read_manifest, shard_paths
 from tests.conftest import ROOT, pipeline_env
-from tests.imdb_fixtures import make_aclimdb, tar_of
+from tests.support.imdb_fixtures import make_aclimdb, tar_of
 
 pytestmark = pytest.mark.slow
 MAX_LEN = 32
@@ -48,7 +48,7 @@ def test_shards_schema_counts_and_skips(prepared):
     _, out, _ = prepared
     manifest = read_manifest(out)
     rows = {s: i["rows"] for s, i in manifest["splits"].items()}
-    # Validation: whole movies (4 reviews each, tests/imdb_fixtures.py) until 20% of the 80 is reached.
+    # Validation: whole movies (4 reviews each, tests/support/imdb_fixtures.py) until 20% of the 80 is reached.
     assert rows == {"train": 64, "validation": 16, "test": 20}
     assert manifest["validation_grouped_by"] == "movie"
     assert all(len(i["shards"]) == 2 for i in manifest["splits"].values())

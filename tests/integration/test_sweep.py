@@ -172,10 +172,10 @@ def test_random_search_under_asha_stops_the_poor_trial_early(tmp_path, tiny_mnis
 
 
 def check_ui_screenshots(mlflow_server: str, parent_id: str, children: list, out: Path) -> None:
-    """`pipelines.ui_screenshots` opens the sweep in the MLflow UI in headless Chromium: the comparison page shows
+    """`pipelines.sweep.screenshots` opens the sweep in the MLflow UI in headless Chromium: the comparison page shows
     every trial and its layout params; the metric pages, every trial's train_loss and test_accuracy curves, then
     the curve of every metric of the contract (text runs) for every trial."""
-    proc = subprocess.run([sys.executable, "-m", "pipelines.ui_screenshots", parent_id, "--out", str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "pipelines.sweep.screenshots", parent_id, "--out", str(out)], cwd=ROOT,
                           env=pipeline_env(mlflow_server), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     compare, curves = (out / "compare_runs.txt").read_text(), (out / "metric_curves.txt").read_text()

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.parallel.dist_utils import RankPools
+from tests.support.dist_utils import RankPools
 
 
 @pytest.fixture(scope="package")  # ended after tests/parallel: 6 idle ranks took ~5 CPU-s a minute from later tests

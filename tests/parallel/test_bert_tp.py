@@ -1,6 +1,6 @@
 """The whole BERT classifier under tensor parallelism (both implementations), 2D dp x tp, and checkpoints.
 
-Tolerances: see tests/parallel/checks.py (float64, atol 1e-10 / rtol 1e-8). Checkpoint copies are exact.
+Tolerances: see tests/support/parallel_checks.py (float64, atol 1e-10 / rtol 1e-8). Checkpoint copies are exact.
 """
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from tests.parallel.checks import check_grads, close, local
-from tests.parallel.dist_utils import RankPools, seeded_float64
+from tests.support.parallel_checks import check_grads, close, local
+from tests.support.dist_utils import RankPools, seeded_float64
 from trainers.models.bert import BertClassifier, BertConfig
-from trainers.parallel.grad_norm import clip_grad_norm
-from trainers.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
-from trainers.parallel.mesh import ParallelDims, build_mesh, rank_coords
-from trainers.parallel.plans import parallelize_bert, shard_state_dict, unshard_state_dict
+from trainers.torch.parallel.grad_norm import clip_grad_norm
+from trainers.torch.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from trainers.torch.parallel.mesh import ParallelDims, build_mesh, rank_coords
+from trainers.torch.parallel.plans import parallelize_bert, shard_state_dict, unshard_state_dict
 
 
 def tiny_config(num_classes: int = 2) -> BertConfig:

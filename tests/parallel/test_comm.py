@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.parallel.dist_utils import RankFailure, RankPools, seeded_float64
-from trainers.parallel.comm import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
+from tests.support.dist_utils import RankFailure, RankPools, seeded_float64
+from trainers.torch.parallel.comm import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
 
 # Small integers in float64 are exact, so the checks are exact equality (no tolerance).
 

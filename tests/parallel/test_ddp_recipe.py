@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.loop_harness import config, mnist_columns, run_attempt, shard
-from tests.parallel.dist_utils import RankPools
+from tests.support.loop_harness import config, mnist_columns, run_attempt, shard
+from tests.support.dist_utils import RankPools
 
 ROWS, BATCH = 160, 16  # 80 rows per rank: 5 batches, accumulated 2 + 2 + 1
 OVERRIDES = ["trainer.batch_size=16", "trainer.optimizer=sgd", "trainer.lr=0.05", "model.dropout=0", "trainer.epochs=1",
@@ -20,14 +20,14 @@ OVERRIDES = ["trainer.batch_size=16", "trainer.optimizer=sgd", "trainer.lr=0.05"
 
 
 def _batches(rank: int):
-    from trainers import torch_common as tc
+    from trainers.torch.data import ShardBatches
 
     columns = {k: torch.from_numpy(v) for k, v in shard(mnist_columns(ROWS), rank, 2).items()}
     evaluation = {k: torch.from_numpy(v) for k, v in mnist_columns(32, seed=1).items()}
 
     def data(seed: int):
-        return (tc.ShardBatches.from_columns(columns, "mnist", BATCH, seed),
-                tc.ShardBatches.from_columns(evaluation, "mnist", 32, seed))
+        return (ShardBatches.from_columns(columns, "mnist", BATCH, seed),
+                ShardBatches.from_columns(evaluation, "mnist", 32, seed))
     return data
 
 
@@ -35,7 +35,7 @@ def _dense_reference(cfg, model: nn.Module) -> dict[str, torch.Tensor]:
     """One process: each optimizer step's gradient is the mean over both ranks' batches of the group (each batch's
     loss / grad_accum, averaged over the 2 ranks, as DDP does), clipped, then SGD with the linear schedule. Each
     rank's batches draw their dropout masks from that rank's own stream (seed + 1000 x rank)."""
-    from trainers.torch_recipe import build_recipe
+    from trainers.torch.recipe import build_recipe
 
     recipe = build_recipe(model, cfg.trainer, 5, torch.device("cpu"))
     epochs = [list(_batches(r)(cfg.run.seed + 1000 * r)[0].epoch(1)) for r in range(2)]
@@ -55,27 +55,34 @@ def _dense_reference(cfg, model: nn.Module) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-# the CNN trains in channels-last memory format (trainers/torch_common.place_model); its reference is plain NCHW.
+# the CNN trains in channels-last memory format (trainers/torch/common.place_model); its reference is plain NCHW.
 # `compiled`: the same MLP trained through torch.compile (DDP's graph split at its buckets).
 # `dropout`: the MLP with dropout on; the reference draws each rank's masks from its own stream
-# (trainers/torch_common.seed_dropout), so ranks sharing one stream would fail it.
+# (trainers/torch/common.seed_dropout), so ranks sharing one stream would fail it.
 MODELS = {"mlp": ["model.hidden=[32]"], "cnn": ["model=cnn", "model.channels=[4,8]", "model.hidden=16"],
           "compiled": ["model.hidden=[32]", "trainer.compile=true"],
           "dropout": ["model.hidden=[32]", "model.dropout=0.5"]}
 
 
 def _accumulate(rank: int, world_size: int, tmp: str, model: str) -> None:
+    from trainers.adapter import WorkerData
     from trainers.models import build_model
-    from trainers.torch_ddp import build_adapter, run_worker
+    from trainers.torch.common import train_adapter
+    from trainers.torch.ddp import build_adapter
 
     torch.set_default_dtype(torch.float32)  # the pool's ranks may have run a float64 test before
     cfg = config(Path(tmp) / f"cfg{rank}", [*OVERRIDES, *MODELS[model]])  # the model's keys last: they win
-    adapter = build_adapter(cfg, {}, rank, _batches(rank), torch.device("cpu"),
-                            wrap=lambda m: nn.parallel.DistributedDataParallel(m))
+    adapters = []
+
+    def run(ctx):
+        adapters.append(build_adapter(cfg, ctx, WorkerData({}, _batches(rank))))
+        return train_adapter(cfg, ctx, adapters[-1])
+    run_attempt(run, rank, world_size, 1, Path(tmp) / f"run{rank}")
+    [adapter] = adapters
+    assert isinstance(adapter.model, nn.parallel.DistributedDataParallel)  # 2 ranks: wrapped as Ray's prepare_model
     convs = [m for m in adapter.model.modules() if isinstance(m, nn.Conv2d)]
     assert len(convs) == (2 if model == "cnn" else 0)
     assert all(c.weight.is_contiguous(memory_format=torch.channels_last) for c in convs)
-    run_attempt(lambda ctx: run_worker(cfg, ctx, adapter), rank, world_size, 1, Path(tmp) / f"run{rank}")
     assert (adapter.forward is not adapter.model) == cfg.trainer.compile  # trained through torch.compile or not
     trained = adapter.dense_model_state()
     gathered: list = [None] * world_size

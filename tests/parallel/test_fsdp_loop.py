@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.loop_harness import (check_stop_resume_parity, config, imdb_columns, last_checkpoint, mnist_columns,
-                                run_attempt, shard)
-from tests.parallel.checks import dense_training
-from tests.parallel.dist_utils import RankPools
+from tests.support.loop_harness import (check_stop_resume_parity, config, imdb_columns, last_checkpoint, mnist_columns,
+                                plain_context, run_attempt, shard)
+from tests.support.parallel_checks import dense_training
+from tests.support.dist_utils import RankPools
 
 MODEL_INPUTS = {"vocab_size": 64, "max_len": 16}
 ROWS, BATCH = 640, 16  # 320 rows per rank: 20 steps per epoch, so the stop at step 10 is mid-epoch
@@ -30,23 +30,22 @@ OVERRIDES = ["trainer=fsdp", "data=imdb", "model=bert_tiny", "model.hidden=32", 
 
 
 def _data(rank: int, ranks: int):
-    from trainers import torch_common as tc
+    from trainers.torch.data import ShardBatches
 
     train = {k: torch.from_numpy(v) for k, v in shard(imdb_columns(ROWS, 64, 16), rank, ranks).items()}
     evaluation = {k: torch.from_numpy(v) for k, v in shard(imdb_columns(64, 64, 16, seed=1), rank, ranks).items()}
-    return lambda seed: (tc.ShardBatches.from_columns(train, "imdb", BATCH, seed),
-                         tc.ShardBatches.from_columns(evaluation, "imdb", 32, seed))
+    return lambda seed: (ShardBatches.from_columns(train, "imdb", BATCH, seed),
+                         ShardBatches.from_columns(evaluation, "imdb", 32, seed))
 
 
 def _fsdp_run(cfg, rank: int, world_size: int):
     """The worker of `rank`; with tp > 1 a TP group's ranks read the same data shard, as OrderedShards gives."""
-    from trainers.torch_ddp import run_worker
-    from trainers.torch_fsdp import build_adapter
+    from trainers.adapter import WorkerData
+    from trainers.torch.fsdp import run_worker
 
     tp = cfg.trainer.tp
     data = _data(rank // tp, world_size // tp)
-    return lambda ctx: run_worker(cfg, ctx, build_adapter(cfg, MODEL_INPUTS, rank, world_size, data,
-                                                          torch.device("cpu")))
+    return lambda ctx: run_worker(cfg, ctx, WorkerData(MODEL_INPUTS, data))
 
 
 def _dense_reference(cfg, ranks: int) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
@@ -57,7 +56,7 @@ def _dense_reference(cfg, ranks: int) -> tuple[np.ndarray, dict[str, torch.Tenso
 
 
 def _train_two_ranks(rank: int, world_size: int, tmp: str) -> None:
-    from trainers.torch_fsdp import dense_model_state
+    from trainers.torch.fsdp import dense_model_state
 
     torch.set_default_dtype(torch.float64)  # the reorderings of sharded sums vanish below float64's rounding
     tmp_path = Path(tmp)
@@ -96,12 +95,13 @@ def _load_at_one_rank(rank: int, world_size: int, tmp: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    from trainers.torch_fsdp import build_adapter
+    from trainers.adapter import WorkerData
+    from trainers.torch.fsdp import build_adapter
 
     torch.set_default_dtype(torch.float64)
     tmp_path = Path(tmp)
     cfg = config(tmp_path / "cfg-one", [*OVERRIDES, "trainer.num_workers=1"])
-    adapter = build_adapter(cfg, MODEL_INPUTS, 0, 1, _data(0, 1), torch.device("cpu"))
+    adapter = build_adapter(cfg, plain_context(), WorkerData(MODEL_INPUTS, _data(0, 1)))
     checkpoint = last_checkpoint(tmp_path / "fsdp" / "stopped")
     adapter.load(str(checkpoint))
     model_state, optimizer_state = get_state_dict(adapter.model, adapter.optimizer,
@@ -157,23 +157,22 @@ def _cnn_two_ranks(rank: int, world_size: int, tmp: str) -> None:
     """The MNIST CNN (no repeated blocks: one FSDP unit, the whole model) sharded over 2 ranks trains what the dense
     CNN trains on both ranks' batches. In float32 (the image batches are float32): 4 steps of sums reordered by
     the reduce-scatter stay within rtol 1e-4 (measured ~1e-6); unaveraged or missing gradients are off by >1e-2."""
-    from trainers import torch_common as tc
-    from trainers.torch_ddp import run_worker
-    from trainers.torch_fsdp import build_adapter
+    from trainers.adapter import WorkerData
+    from trainers.torch.data import ShardBatches
+    from trainers.torch.fsdp import run_worker
 
     columns = {r: {k: torch.from_numpy(v) for k, v in shard(mnist_columns(128), r, 2).items()} for r in range(2)}
     evaluation = {k: torch.from_numpy(v) for k, v in mnist_columns(32, seed=1).items()}
 
     def data(r: int):
-        return lambda seed: (tc.ShardBatches.from_columns(columns[r], "mnist", BATCH, seed),
-                             tc.ShardBatches.from_columns(evaluation, "mnist", 32, seed))
+        return lambda seed: (ShardBatches.from_columns(columns[r], "mnist", BATCH, seed),
+                             ShardBatches.from_columns(evaluation, "mnist", 32, seed))
 
     cfg = config(Path(tmp) / f"cfg{rank}", ["trainer=fsdp", "model=cnn", "model.channels=[4,8]", "model.hidden=16",
                                             "model.dropout=0", f"trainer.batch_size={BATCH}", "trainer.epochs=1",
                                             "trainer.num_workers=2", "trainer.grad_clip=0.5"])
-    attempt = run_attempt(lambda ctx: run_worker(cfg, ctx, build_adapter(cfg, {}, rank, world_size, data(rank),
-                                                                         torch.device("cpu"))),
-                          rank, world_size, 1, Path(tmp) / "cnn")
+    attempt = run_attempt(lambda ctx: run_worker(cfg, ctx, WorkerData({}, data(rank))), rank, world_size, 1,
+                          Path(tmp) / "cnn")
     if rank == 0:
         losses, _ = dense_training(cfg, {}, [data(r)(cfg.run.seed + 1000 * r)[0] for r in range(2)])
         np.testing.assert_allclose(attempt.recorder.curve(), losses, rtol=1e-4, atol=1e-6)

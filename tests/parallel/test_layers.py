@@ -1,6 +1,6 @@
 """Each Megatron layer against the dense module it was sharded from (float64, same seed and input on all ranks).
 
-Tolerances: see tests/parallel/checks.py.
+Tolerances: see tests/support/parallel_checks.py.
 """
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
 
-from tests.parallel.checks import check_grads, check_optimizer_steps, close, local
-from tests.parallel.dist_utils import RankPools, seeded_float64
+from tests.support.parallel_checks import check_grads, check_optimizer_steps, close, local
+from tests.support.dist_utils import RankPools, seeded_float64
 from trainers.models.bert import MLP, SelfAttention
-from trainers.parallel.layers import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, RowParallelLinear,
+from trainers.torch.parallel.layers import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, RowParallelLinear,
                                       TPLayer, VocabParallelEmbedding)
-from trainers.parallel.mesh import ParallelDims, build_mesh
-from trainers.parallel.plans import attention_plan
+from trainers.torch.parallel.mesh import ParallelDims, build_mesh
+from trainers.torch.parallel.plans import attention_plan
 
 
 def _column(rank: int, n: int) -> None:

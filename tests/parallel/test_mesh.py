@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainers.parallel.mesh import ParallelDims, rank_coords
+from trainers.torch.parallel.mesh import ParallelDims, rank_coords
 
 
 @pytest.mark.parametrize("dims,kwargs,message", [

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.loop_harness import check_stop_resume_parity, config, imdb_columns, run_attempt
-from tests.parallel.dist_utils import RankPools
+from tests.support.loop_harness import check_stop_resume_parity, config, imdb_columns, plain_context, run_attempt
+from tests.support.dist_utils import RankPools
 
 MODEL_INPUTS = {"vocab_size": 64, "max_len": 16}
 OVERRIDES = ["trainer=tp", "data=imdb", "model=bert_tiny", "model.hidden=32", "model.heads=2", "model.dropout=0",
@@ -22,26 +22,32 @@ OVERRIDES = ["trainer=tp", "data=imdb", "model=bert_tiny", "model.hidden=32", "m
 
 
 def _data(seed: int):
-    from trainers import torch_common as tc
+    from trainers.torch.data import ShardBatches
 
     train = {k: torch.from_numpy(v) for k, v in imdb_columns(320, 64, 16).items()}  # dp=1: the whole set
     evaluation = {k: torch.from_numpy(v) for k, v in imdb_columns(64, 64, 16, seed=1).items()}
     # as a run reads IMDb (data.bucket_by_length): batches of similar length, each cut to its longest row
-    return (tc.ShardBatches.from_columns(train, "imdb", 16, seed, bucket_by_length=True, trim=True),
-            tc.ShardBatches.from_columns(evaluation, "imdb", 64, seed, trim=True))
+    return (ShardBatches.from_columns(train, "imdb", 16, seed, bucket_by_length=True, trim=True),
+            ShardBatches.from_columns(evaluation, "imdb", 64, seed, trim=True))
 
 
 def _tp_run(cfg):
-    from trainers.torch_ddp import run_worker
-    from trainers.torch_tp import build_adapter
+    from trainers.adapter import WorkerData
+    from trainers.torch.tp import run_worker
 
-    return lambda ctx: run_worker(cfg, ctx, build_adapter(cfg, MODEL_INPUTS, ctx.rank, ctx.world_size, _data,
-                                                          torch.device("cpu")))
+    return lambda ctx: run_worker(cfg, ctx, WorkerData(MODEL_INPUTS, _data))
+
+
+def _dense_adapter(cfg):
+    """The dense model (ddp's adapter on one rank) on the batches every TP rank reads."""
+    from trainers.adapter import WorkerData
+    from trainers.torch.ddp import build_adapter
+
+    return build_adapter(cfg, plain_context(), WorkerData(MODEL_INPUTS, _data))
 
 
 def _parity_and_dense_curve(rank: int, world_size: int, impl: str, tmp: str) -> None:
     from trainers.loop import TrainLoop
-    from trainers.torch_ddp import build_adapter as dense_adapter
 
     tmp_path = Path(tmp)
     cfg = config(tmp_path / f"cfg{rank}", [*OVERRIDES, f"trainer.tp_impl={impl}"])
@@ -51,8 +57,8 @@ def _parity_and_dense_curve(rank: int, world_size: int, impl: str, tmp: str) -> 
                                     atol=1e-6, barrier=dist.barrier)
     dist.barrier()
     # The dense model (tp=1) on the same batches: every rank runs it (its metric reductions are collective).
-    dense = run_attempt(lambda ctx: TrainLoop(dense_adapter(cfg, MODEL_INPUTS, 0, _data, torch.device("cpu")),
-                                              ctx).run(), rank, world_size, 2, tmp_path / f"dense{rank}")
+    dense = run_attempt(lambda ctx: TrainLoop(_dense_adapter(cfg), ctx).run(), rank, world_size, 2,
+                        tmp_path / f"dense{rank}")
     if rank == 0:
         tp_curve, dense_curve = runs["straight"].recorder.curve(), dense.recorder.curve()
         assert len(tp_curve) == len(dense_curve) == 40
@@ -61,9 +67,7 @@ def _parity_and_dense_curve(rank: int, world_size: int, impl: str, tmp: str) -> 
         np.testing.assert_allclose(tp_curve[:20], dense_curve[:20], rtol=1e-3, atol=1e-4)
         assert tp_curve[-5:].mean() < tp_curve[:5].mean()  # and it is learning
         extras = runs["straight"].recorder.extras[1]
-        assert extras["rank0.param_count"] < sum(p.numel() for p in
-                                                  dense_adapter(cfg, MODEL_INPUTS, 0, _data,
-                                                                torch.device("cpu")).model.parameters())
+        assert extras["rank0.param_count"] < sum(p.numel() for p in _dense_adapter(cfg).model.parameters())
         if impl == "megatron":  # our explicit collectives are timed; DTensor's functional ones are not seen
             assert extras["rank1.collective_time_s"] > 0
 
@@ -74,18 +78,17 @@ def test_tp_stop_resume_parity_with_optimizer_state_and_dense_curve(run_ranks: R
 
 
 def _dense_curve_with_dropout(rank: int, world_size: int, impl: str, tmp: str) -> None:
-    """Dropout acts on replicated activations (embeddings, residual stream, MLP output): the TP ranks draw the
-    same masks as each other and as the dense model, from one stream per data rank (torch_common.seed_dropout)."""
+    """Dropout acts on replicated activations (embeddings, residual stream, MLP output): the TP ranks draw the same
+    masks as each other and as the dense model, from one stream per data rank (trainers.torch.common.seed_dropout)."""
     from trainers.loop import TrainLoop
-    from trainers.torch_ddp import build_adapter as dense_adapter
 
     tmp_path = Path(tmp)
     cfg = config(tmp_path / f"cfg{rank}", [*OVERRIDES, f"trainer.tp_impl={impl}", "model.dropout=0.3",
                                            "trainer.epochs=1"])
     tp = run_attempt(_tp_run(cfg), rank, world_size, 1, tmp_path / f"tp{rank}")
     dist.barrier()
-    dense = run_attempt(lambda ctx: TrainLoop(dense_adapter(cfg, MODEL_INPUTS, 0, _data, torch.device("cpu")),
-                                              ctx).run(), rank, world_size, 1, tmp_path / f"dense{rank}")
+    dense = run_attempt(lambda ctx: TrainLoop(_dense_adapter(cfg), ctx).run(), rank, world_size, 1,
+                        tmp_path / f"dense{rank}")
     if rank == 0:  # other masks would move the loss by 1e-2 or more; the reordered sums by ~1e-7
         tp_curve, dense_curve = tp.recorder.curve(), dense.recorder.curve()
         assert len(tp_curve) == 20
@@ -99,9 +102,9 @@ def test_tp_with_dropout_follows_the_dense_model(run_ranks: RankPools, impl, tmp
 
 def _recipe_updates_a_mixed_model(rank: int, world_size: int, tmp: str) -> None:
     from trainers.models import build_model
-    from trainers.parallel.mesh import ParallelDims, build_mesh
-    from trainers.parallel.plans import parallelize_bert
-    from trainers.torch_recipe import make_optimizer
+    from trainers.torch.parallel.mesh import ParallelDims, build_mesh
+    from trainers.torch.parallel.plans import parallelize_bert
+    from trainers.torch.recipe import make_optimizer
 
     cfg = config(Path(tmp) / f"cfg{rank}", [*OVERRIDES, "trainer.tp_impl=dtensor"])
     mesh = build_mesh(ParallelDims(dp=1, tp=2), "cpu")

@@ -22,7 +22,7 @@ import mlflow
 import pytest
 
 from tests.conftest import check_step_losses_are_global, prepared_mnist, wait_until
-from tests.integration.horovod_checks import BATCHES_PER_EPOCH, check_replicas_identical, init_log, optimizer_steps
+from tests.support.horovod_checks import BATCHES_PER_EPOCH, check_replicas_identical, init_log, optimizer_steps
 from tests.slurm.conftest import (REPO, elapsed_s, job_info, job_output, ray_leftovers, sbatch, skip_requeue_delay,
                                  wait_gone, wait_job)
 
@@ -232,8 +232,8 @@ def test_node_that_never_joins_fails_fast_and_releases_the_allocation(slurm, tin
 
 
 # Holds an exclusive flock on the file argv[1] until stdin closes.
-HOLD_LOCK = "import fcntl, sys; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); " \
-            "sys.stdin.read()"
+HOLD_LOCK = ("import fcntl, sys; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+             "print('held', flush=True); sys.stdin.read()")
 
 
 def test_a_port_lock_that_is_held_or_not_ours_fails_the_start_with_one_line(slurm, tiny_mnist, tmp_path):

@@ -1,6 +1,6 @@
 """DTensor against plain TensorFlow, in one fresh process with 4 logical CPU devices (one DTensor client):
 
-    python -m tests.dtensor_checks
+    python -m tests.support.dtensor_checks
 
 For each mesh (4x1 batch, 1x4 model, 2x2) and model (the MLP with a column, a row and a replicated layer; the
 TF-IDF model with its BatchNorm), 3 steps of our optimizer on the DTensor model against tf-keras' on the same model
@@ -24,9 +24,9 @@ from tensorflow.experimental import dtensor
 from trainers.models.keras_models import build_keras_model, custom_objects
 from trainers.models.tf_modules import BIGRAM_HASH, SPECIAL_TOKENS, build_module, document_frequencies, \
     inverse_document_frequency, keras_weights, tfidf_features
-from trainers.parallel.dtensor_layout import MeshDims
-from trainers.parallel.dtensor_mesh import DTensorMesh, device_bytes, parallelize_dtensor
-from trainers.tf_recipe import TORCH_ADAM_EPSILON, VariableOptimizer
+from trainers.tf.dtensor.layout import MeshDims
+from trainers.tf.dtensor.mesh import DTensorMesh, device_bytes, parallelize_dtensor
+from trainers.tf.recipe import TORCH_ADAM_EPSILON, VariableOptimizer
 
 MESHES = [(4, 1), (1, 4), (2, 2)]
 VOCAB, MAX_LEN, ROWS, STEPS, LR = 64, 12, 16, 3, 0.01

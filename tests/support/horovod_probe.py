@@ -1,6 +1,6 @@
 """Run by tests/integration/test_horovod.py as a script (so Ray ships `probe` by value to the workers):
 
-    python -m tests.integration.horovod_probe FRAMEWORK OUT_DIR STORAGE_DIR
+    python -m tests.support.horovod_probe FRAMEWORK OUT_DIR STORAGE_DIR
 
 Two workers on the cluster at RAY_ADDRESS, joined by `HorovodConfig` only; each runs known collectives with
 Horovod's `FRAMEWORK` binding (torch | tf) and writes what it got to OUT_DIR/rank<r>.json.
@@ -55,7 +55,7 @@ def channels_last_collectives(hvd, rank: int) -> dict:
     gradient tensor itself holds the result in its own layout."""
     import torch
 
-    from trainers.horovod_torch import ContiguousCompression, broadcast_from_rank0
+    from trainers.horovod.torch import ContiguousCompression, broadcast_from_rank0
 
     def block(value: float) -> torch.Tensor:
         return torch.full((2, 3, 2, 2), value).contiguous(memory_format=torch.channels_last)
@@ -75,7 +75,7 @@ def main(framework: str, out: str, storage: str) -> int:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-    from trainers.horovod_backend import HorovodConfig
+    from trainers.horovod.backend import HorovodConfig
 
     ray.init(address=os.environ["RAY_ADDRESS"])
     Path(out).mkdir(parents=True, exist_ok=True)

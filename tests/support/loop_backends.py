@@ -1,10 +1,10 @@
 """One attempt of a backend's worker in this (fresh) process, on the shared loop without Ray:
 
-    python -m tests.loop_backends BACKEND FOLDER ATTEMPT [RESTORE]
-    python -m tests.loop_backends ps_dropout|dtensor_dropout FOLDER
+    python -m tests.support.loop_backends BACKEND FOLDER ATTEMPT [RESTORE]
+    python -m tests.support.loop_backends ps_dropout|dtensor_dropout FOLDER
 
 BACKEND: a key of BACKENDS; ATTEMPT: straight | stopped | resumed.
-Prints the attempt as JSON (tests/loop_harness.py) on its last line; `ps_dropout`, `dtensor_dropout`: what
+Prints the attempt as JSON (tests/support/loop_harness.py) on its last line; `ps_dropout`, `dtensor_dropout`: what
 `ps_dropout_draws` and `dtensor_dropout_draws` return. A fresh process per attempt: TensorFlow fixes
 its threads and logical devices at its first op, and tf-keras needs TF_USE_LEGACY_KERAS=1 before TF is imported.
 Horovod runs as a lone process (size 1, no rendezvous). The TF backends also check they never import torch.
@@ -16,7 +16,8 @@ import os
 import sys
 from pathlib import Path
 
-from tests.loop_harness import attempt_to_json, config, imdb_columns, make_context, mnist_columns, run_attempt, shard
+from tests.support.loop_harness import (attempt_to_json, config, imdb_columns, make_context, mnist_columns,
+                                        run_attempt, shard)
 
 MODEL_INPUTS = {"vocab_size": 64, "max_len": 16}
 COMMON = ["trainer.epochs=2", "trainer.batch_size=16", "trainer.optimizer=sgd", "trainer.lr=0.01",
@@ -40,21 +41,22 @@ BACKENDS = {
                    "trainer.optimizer=adamw", "trainer.weight_decay=0.01", "trainer.lr_schedule=linear",
                    "trainer.warmup_steps=3", "trainer.grad_clip=1.0", "trainer.grad_accum=2"],
     # two logical CPU devices under MirroredStrategy: the strategy's gather and per-replica batches
-    "tf_mwms_custom": ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.tf_devices=2", "model.hidden=[32]",
+    "tf_mwms_custom": ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.devices_per_worker=2", "model.hidden=[32]",
                        *COMMON, *TF_RECIPE],
     # one device with 32 rows vs two with 16 each (and fit over the same two, and the other ways of summing over
     # them): the same steps
     "tf_one_device": [*ONE_DEVICE, "trainer.batch_size=32"],
-    "tf_two_devices_fit": ["trainer=tf_mwms", "trainer.tf_loop=fit", "trainer.tf_devices=2", "model.hidden=[32]",
-                           "trainer.tf_steps_per_execution=2", "trainer.log_every_n_steps=2", *COMMON, *TF_RECIPE],
-    **{f"tf_{ops}": ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.tf_devices=2", "model.hidden=[32]", *COMMON,
-                     *TF_RECIPE, f"trainer.tf_cross_device_ops={ops}"]
+    "tf_two_devices_fit": ["trainer=tf_mwms", "trainer.tf_loop=fit", "trainer.devices_per_worker=2",
+                           "model.hidden=[32]", "trainer.tf_steps_per_execution=2", "trainer.log_every_n_steps=2",
+                           *COMMON, *TF_RECIPE],
+    **{f"tf_{ops}": ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.devices_per_worker=2", "model.hidden=[32]",
+                     *COMMON, *TF_RECIPE, f"trainer.tf_cross_device_ops={ops}"]
        for ops in ("reduce_to_one", "hierarchical_copy")},
     # at a constant rate, without accumulation (config errors there), against one device with 64 rows
     "tf_big_batch_constant_lr": [*ONE_DEVICE, "trainer.batch_size=64", "trainer.grad_accum=1", *CONSTANT_LR],
-    "tf_central_storage": ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.tf_devices=2", "model.hidden=[32]",
-                           *COMMON, *TF_RECIPE, "trainer.batch_size=32", "trainer.grad_accum=1", *CONSTANT_LR,
-                           "trainer.tf_strategy=central_storage"],
+    "tf_central_storage": ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.devices_per_worker=2",
+                           "model.hidden=[32]", *COMMON, *TF_RECIPE, "trainer.batch_size=32", "trainer.grad_accum=1",
+                           *CONSTANT_LR, "trainer.tf_strategy=central_storage"],
     # the updates of all three: 64 rows each, in one batch
     "tf_big_batch": [*ONE_DEVICE, "trainer.batch_size=64", "trainer.grad_accum=1"],
     "tf_bf16": [*ONE_DEVICE, "trainer.batch_size=32", "trainer.precision=bf16"],
@@ -100,43 +102,48 @@ def data_for(cfg):
 
 def runner(cfg):
     """`run(ctx) -> finished` of the backend `cfg` names, on generated data."""
+    from trainers.adapter import WorkerData
+
     train, evaluation = data_for(cfg)
     trainer = cfg.trainer
     if trainer.backend == "ddp" or trainer.get("framework") == "torch":
         import torch
 
-        from trainers import horovod_torch, torch_ddp
-        from trainers import torch_common as tc
+        from trainers.horovod import torch as horovod_torch
+        from trainers.torch import ddp as torch_ddp
+        from trainers.torch.data import ShardBatches
 
         def batches(seed):
             as_torch = lambda cols: {k: torch.from_numpy(v) for k, v in cols.items()}  # noqa: E731
-            return (tc.ShardBatches.from_columns(as_torch(train), "mnist", trainer.batch_size, seed),
-                    tc.ShardBatches.from_columns(as_torch(evaluation), "mnist", 64, seed))
-        if trainer.backend == "ddp":  # one rank: the plain model (Ray's prepare_model wraps DDP from 2 ranks)
-            return lambda ctx: torch_ddp.run_worker(
-                cfg, ctx, torch_ddp.build_adapter(cfg, {}, ctx.rank, batches, torch.device("cpu")))
-        return lambda ctx: horovod_torch.run_worker(cfg, ctx, {}, train_data=batches)
-    from trainers.tf_common import ShardArrays
+            return (ShardBatches.from_columns(as_torch(train), "mnist", trainer.batch_size, seed),
+                    ShardBatches.from_columns(as_torch(evaluation), "mnist", 64, seed))
+        module = torch_ddp if trainer.backend == "ddp" else horovod_torch  # one rank: the plain model
+        return lambda ctx: module.run_worker(cfg, ctx, WorkerData({}, batches))
+    from trainers.tf.data import ShardArrays
 
     if trainer.backend == "tf_ps":
         return ps_runner(cfg, train, ShardArrays.from_columns(evaluation, cfg.data.name))
     arrays = (ShardArrays.from_columns(train, cfg.data.name), ShardArrays.from_columns(evaluation, cfg.data.name))
-    from trainers import horovod_tf, tf_dtensor, tf_mwms
+    from trainers.horovod import tf as horovod_tf
+    from trainers.tf import mwms as tf_mwms
+    from trainers.tf.dtensor import trainer as tf_dtensor
 
     module = {"horovod": horovod_tf, "tf_dtensor": tf_dtensor}.get(trainer.backend, tf_mwms)
-    return lambda ctx: module.run_worker(cfg, ctx, MODEL_INPUTS, data=arrays)
+    return lambda ctx: module.run_worker(cfg, ctx, WorkerData(MODEL_INPUTS, lambda seed: arrays))
 
 
 def ps_runner(cfg, train, evaluation):
     """tf_ps in this process as its chief (`ps_cluster`)."""
-    from trainers import tf_ps
+    from trainers.adapter import WorkerData
+    from trainers.tf.ps import trainer as tf_ps
 
     shards = ps_cluster(cfg, train)
-    return lambda ctx: tf_ps.run_chief(cfg, ctx, MODEL_INPUTS, shards, evaluation)
+    return lambda ctx: tf_ps.run_worker(cfg, ctx, WorkerData(MODEL_INPUTS, lambda seed: (shards, evaluation)))
 
 
 def ps_cluster(cfg, train):
-    """Real TensorFlow servers (trainers/tf_ps_server.py's, in child processes of tests/tf_ps_servers.py) for the
+    """Real TensorFlow servers (trainers/tf/ps/server.py's, in child processes of tests/support/tf_ps_servers.py) for
+    the
     parameter servers and workers of `cfg`'s tf_ps cluster on this machine, each worker's shard written as a
     Ray worker writes it, and TF_CONFIG naming this process its chief; returns the workers' shards. The servers end
     with this process."""
@@ -144,8 +151,8 @@ def ps_cluster(cfg, train):
     import tempfile
 
     from tests.conftest import free_ports
-    from trainers.tf_common import ShardArrays
-    from trainers.tf_ps_backend import WorkerShards, roles, tf_config, write_shard
+    from trainers.tf.data import ShardArrays
+    from trainers.tf.ps.backend import WorkerShards, roles, tf_config, write_shard
 
     trainer = cfg.trainer
     world = 1 + trainer.num_ps + trainer.num_workers
@@ -159,28 +166,29 @@ def ps_cluster(cfg, train):
         if kind != "chief":
             groups[index if kind == "worker" else 0].append(tf_config(addresses, trainer.num_ps, rank))
     for group in groups:
-        subprocess.Popen([sys.executable, "-m", "tests.tf_ps_servers", str(trainer.threads_per_worker), *group],
+        subprocess.Popen([sys.executable, "-m", "tests.support.tf_ps_servers", str(trainer.threads_per_worker), *group],
                          env={**os.environ, "TF_PS_PARENT": str(os.getpid()), "TF_CPP_MIN_LOG_LEVEL": "2"})
     os.environ["TF_CONFIG"] = tf_config(addresses, trainer.num_ps, 0)
     return WorkerShards(published)
 
 
 def ps_dropout_draws(folder: Path) -> dict[int, list[list[float]]]:
-    """The model tf_ps trains (trainers/tf_ps.build_adapter: MNIST MLP, dropout 0.5, 2 workers, 1 parameter server)
-    applied to one all-ones image in training mode by functions the coordinator schedules, until each worker has
+    """The model tf_ps trains (trainers/tf/ps/trainer.build_adapter: MNIST MLP, dropout 0.5, 2 workers, 1 parameter
+    server) applied to one all-ones image in training mode by functions the coordinator schedules, until each worker has
     run at least 4: {worker index: the logits of each of its functions, in the order they ran}. The weights do not
     change, so two draws differ only by their dropout masks."""
     import tensorflow as tf
 
-    from trainers import tf_ps
-    from trainers.tf_common import ShardArrays
+    from trainers.adapter import WorkerData
+    from trainers.tf.data import ShardArrays
+    from trainers.tf.ps import trainer as tf_ps
 
     cfg = config(folder / "cfg", ["trainer=tf_ps", "trainer.num_ps=1", "trainer.num_workers=2", "model.hidden=[32]",
                                   "model.dropout=0.5", "trainer.epochs=1", "trainer.batch_size=16"])
     train, evaluation = data_for(cfg)
     context = make_context(0, 1, 1, folder / "checkpoints", None, [])
-    _, adapter = tf_ps.build_adapter(cfg, context, MODEL_INPUTS, ps_cluster(cfg, train),
-                                     ShardArrays.from_columns(evaluation, "mnist"))
+    shards = ps_cluster(cfg, train), ShardArrays.from_columns(evaluation, "mnist")
+    adapter = tf_ps.build_adapter(cfg, context, WorkerData(MODEL_INPUTS, lambda seed: shards))
 
     @tf.function
     def draw():
@@ -208,10 +216,10 @@ def dtensor_dropout_draws(folder: Path) -> list[list[list[float]]]:
     import tensorflow as tf
     from tensorflow.experimental import dtensor
 
-    from trainers import tf_common as tfc
+    from trainers.tf import common as tfc
     from trainers.models.tf_modules import build_module
-    from trainers.parallel.dtensor_mesh import DTensorMesh, parallelize_dtensor
-    from trainers.tf_dtensor import mesh_dims
+    from trainers.tf.dtensor.mesh import DTensorMesh, parallelize_dtensor
+    from trainers.tf.dtensor.trainer import mesh_dims
 
     cfg = config(folder / "cfg", ["trainer=tf_dtensor", *DTENSOR_2X2, "model.hidden=[32]", "model.dropout=0.5",
                                   "trainer.batch_size=4", "trainer.num_workers=1"])

@@ -1,6 +1,6 @@
 """Run a backend's worker in-process on the shared loop (no Ray cluster, no MLflow server): a `WorkerContext`
 whose report keeps checkpoints in a folder and whose logger records what rank 0 would log. Used by the loop
-tests in this process, in gloo rank pools (tests/parallel/dist_utils.py) and in subprocesses (TensorFlow and
+tests in this process, in gloo rank pools (tests/support/dist_utils.py) and in subprocesses (TensorFlow and
 Horovod want a fresh process). Real checkpoints (`ray.train.Checkpoint` over a local folder), real state files.
 
 Parity (`check_stop_resume_parity`): one uninterrupted run; a run that finds STOP (stops at step 10 of epoch
@@ -96,6 +96,12 @@ def make_context(rank: int, world_size: int, epochs: int, folder: Path, recorder
                          restored=Checkpoint.from_directory(str(restored)) if restored else None,
                          logger=recorder if rank == 0 else None, stop_file=stop_file,
                          log_every_n_steps=log_every_n_steps)
+
+
+def plain_context(rank: int = 0, world_size: int = 1, device: Any = None) -> WorkerContext:
+    """A context for building an adapter outside a run (nothing is reported)."""
+    return WorkerContext(rank=rank, world_size=world_size, report=lambda metrics, directory: None, epochs=1,
+                         device=device)
 
 
 def _wait_for_every_rank() -> None:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainers.parallel.plans import shard_state_dict
+from trainers.torch.parallel.plans import shard_state_dict
 
 TOL = {"atol": 1e-10, "rtol": 1e-8}  # justified in the module docstring
 
@@ -55,7 +55,7 @@ def dense_training(cfg, model_inputs: dict, shards: list) -> tuple[list[float], 
     averaged gradients descend), clipped by the global norm. Returns (those mean losses: the loop's `step_loss`,
     the model)."""
     from trainers.models import build_model
-    from trainers.torch_recipe import build_recipe
+    from trainers.torch.recipe import build_recipe
 
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model, model_inputs, seed=cfg.run.seed)

@@ -1,7 +1,7 @@
-"""Several TensorFlow servers of a tf_ps cluster (trainers/tf_ps_server.py's) in this one process, for the loop
-tests without Ray (tests/loop_backends.ps_cluster: a worker with the parameter servers, or a worker alone):
+"""Several TensorFlow servers of a tf_ps cluster (trainers/tf/ps/server.py's) in this one process, for the loop
+tests without Ray (tests/support/loop_backends.ps_cluster: a worker with the parameter servers, or a worker alone):
 
-    python -m tests.tf_ps_servers THREADS TF_CONFIG [TF_CONFIG ...]
+    python -m tests.support.tf_ps_servers THREADS TF_CONFIG [TF_CONFIG ...]
 
 One TensorFlow import (4.6 CPU-s here) instead of one per server. (Two workers in one process hung here.) The Ray
 backend runs each server in a process of its own, where one can die alone: tests/integration/test_tf_ps.py runs
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from trainers.tf_ps_server import die_with_parent, set_threads, start_server
+from trainers.tf.ps.server import die_with_parent, set_threads, start_server
 
 if __name__ == "__main__":
     die_with_parent(int(os.environ["TF_PS_PARENT"]))

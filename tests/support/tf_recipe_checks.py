@@ -1,8 +1,8 @@
 """The TensorFlow recipe (and evaluation) measured in this (fresh) process, for tests/unit/test_tf_recipe.py to assert:
 
-    python -m tests.tf_recipe_checks FOLDER
+    python -m tests.support.tf_recipe_checks FOLDER
 
-Prints the measurements as JSON on its last line. The models are tf_mwms adapters (trainers/tf_mwms.py) on one
+Prints the measurements as JSON on its last line. The models are tf_mwms adapters (trainers/tf/mwms.py) on one
 MirroredStrategy over two logical CPU devices, so that gradients really are summed across replicas; several
 adapters share it (a process can split its CPU once). Needs TF_USE_LEGACY_KERAS=1 from process start.
 """
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.loop_backends import MODEL_INPUTS
-from tests.loop_harness import config, mnist_columns
+from tests.support.loop_backends import MODEL_INPUTS
+from tests.support.loop_harness import config, mnist_columns, plain_context
 
-BASE = ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.tf_devices=2", "trainer.num_workers=1",
+BASE = ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.devices_per_worker=2", "trainer.num_workers=1",
         "trainer.batch_size=16", "trainer.epochs=1", "model.hidden=[32]", "model.dropout=0"]
 SCHEDULES = {"cosine": 3, "linear": 2}  # schedule: warmup steps (2 epochs of 5 batches, 2 per update: 6 updates)
 
@@ -28,7 +28,7 @@ def flat(weights: list[np.ndarray]) -> np.ndarray:
 
 def learning_rates(folder: Path, keras, tf, schedule: str, warmup: int, updates: int) -> list[float]:
     """The LR the optimizer applies at each of `updates` updates (zero gradients: only the counter moves)."""
-    from trainers.tf_recipe import make_optimizer
+    from trainers.tf.recipe import make_optimizer
 
     cfg = config(folder / schedule, [*BASE, "trainer.optimizer=sgd", "trainer.lr=0.1", "trainer.epochs=2",
                                      "trainer.grad_accum=2", f"trainer.lr_schedule={schedule}",
@@ -48,9 +48,11 @@ def learning_rates(folder: Path, keras, tf, schedule: str, warmup: int, updates:
 
 
 def adapter(folder: Path, name: str, overrides: list[str], data, strategy=None):
-    from trainers.tf_mwms import build_adapter
+    from trainers.adapter import WorkerData
+    from trainers.tf.mwms import build_adapter
 
-    return build_adapter(config(folder / name, [*BASE, *overrides]), MODEL_INPUTS, 0, 1, data, strategy)[1]
+    return build_adapter(config(folder / name, [*BASE, *overrides]), plain_context(),
+                         WorkerData(MODEL_INPUTS, lambda seed: data), strategy)
 
 
 def decay_exclusion(tf, model) -> dict:
@@ -96,8 +98,8 @@ def profiles(folder: Path, keras, data, strategy) -> dict:
 
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-    from tests.loop_harness import Recorder, make_context
-    from trainers.keras_fit import fit_epochs
+    from tests.support.loop_harness import Recorder, make_context
+    from trainers.tf.keras_fit import fit_epochs
     from trainers.loop import TrainLoop
 
     found = {}
@@ -124,24 +126,25 @@ def profiles(folder: Path, keras, data, strategy) -> dict:
 
 def dropout_by_rank(folder: Path, data, strategy) -> list[float]:
     """The loss of one training step on the same batch and initial weights with dropout 0.5, for adapters built
-    as ranks 0, 1 and 0 again (trainers/tf_common.seed_dropout): the masks of each rank, and their repeat."""
-    from trainers.tf_mwms import build_adapter
+    as ranks 0, 1 and 0 again (trainers/tf/common.seed_dropout): the masks of each rank, and their repeat."""
+    from trainers.adapter import WorkerData
+    from trainers.tf.mwms import build_adapter
 
     losses = []
     for run, rank in enumerate((0, 1, 0)):
         cfg = config(folder / f"dropout-{run}", [*BASE, "model.dropout=0.5", "trainer.max_steps_per_epoch=1"])
-        model = build_adapter(cfg, MODEL_INPUTS, rank, 1, data, strategy)[1]
+        model = build_adapter(cfg, plain_context(rank), WorkerData(MODEL_INPUTS, lambda seed: data), strategy)
         model.seed = cfg.run.seed  # rank 0's shuffle: the same first batch for every rank
         losses.append(model.train_step(next(iter(model.batches(1, 0))))[0])
     return losses
 
 
 def evaluations(folder: Path, strategy) -> dict:
-    """Three evaluations of one adapter in a row (trainers/tf_common.KerasAdapter.evaluate: one pass each from an
+    """Three evaluations of one adapter in a row (trainers/tf/common.KerasAdapter.evaluate: one pass each from an
     iterator kept between them) on 300 rows (a full batch and a short one), and the count of right answers the
     model gives on all of them at once."""
     from contract.data import model_input
-    from trainers.tf_common import ShardArrays
+    from trainers.tf.data import ShardArrays
 
     columns = mnist_columns(300, seed=2)
     data = (ShardArrays.from_columns(mnist_columns(160, 0), "mnist"), ShardArrays.from_columns(columns, "mnist"))
@@ -156,7 +159,7 @@ def chained_epochs_memory() -> dict:
     process's resident memory, next to the shard's size."""
     import tensorflow as tf
 
-    from trainers.tf_common import ShardArrays, chained_epochs
+    from trainers.tf.data import ShardArrays, chained_epochs
 
     def resident_bytes() -> int:
         return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
@@ -171,8 +174,8 @@ def chained_epochs_memory() -> dict:
 def main(folder: str) -> None:
     import tensorflow as tf
 
-    from trainers.tf_common import ShardArrays
-    from trainers.tf_mwms import make_strategy
+    from trainers.tf.data import ShardArrays
+    from trainers.tf.mwms import make_strategy
 
     base = Path(folder)
     strategy = make_strategy(tf, config(base / "strategy", BASE).trainer)  # first: it splits the CPU

@@ -1,6 +1,6 @@
 """TensorFlow DTensor (`trainer=tf_dtensor`) against plain TensorFlow on 1-D batch, 1-D model and 2x2 meshes of
-logical CPU devices (tests/dtensor_checks.py, in a fresh process: TF fixes its devices at its first op), and the
-mesh arithmetic of trainers/parallel/dtensor_layout.py. Loss parity with DDP and stop/resume on the shared loop:
+logical CPU devices (tests/support/dtensor_checks.py, in a fresh process: TF fixes its devices at its first op), and the
+mesh arithmetic of trainers/tf/dtensor/layout.py. Loss parity with DDP and stop/resume on the shared loop:
 tests/unit/test_loop_backends.py; a 2-worker Ray run: tests/integration/test_tf_dtensor.py."""
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ import numpy as np
 import pytest
 
 from tests.conftest import fresh_tf_process
-from trainers.parallel.dtensor_layout import COLUMN, REPLICATED, ROW, MeshDims, dense_plan, sharded_widths
+from trainers.tf.dtensor.layout import COLUMN, REPLICATED, ROW, MeshDims, dense_plan, sharded_widths
 
-# Which of each model's weights (tests/dtensor_checks.py, `Classifier.weights` order) the model dimension shards:
-# the MLP's column-parallel first layer and row-parallel second kernel (its logits layer is replicated), the TF-IDF
-# model's column-parallel layer, the BatchNorm after it and the row-parallel logits kernel.
+# Which of each model's weights (tests/support/dtensor_checks.py, `Classifier.weights` order) the model dimension
+# shards: the MLP's column-parallel first layer and row-parallel second kernel (its logits layer is replicated), the
+# TF-IDF model's column-parallel layer, the BatchNorm after it and the row-parallel logits kernel.
 SHARDED = {"mlp": [True, True, True, False, False, False], "tfidf": [True] * 7 + [False]}
 
 
 @pytest.fixture(scope="module")
 def checks():
-    return fresh_tf_process("tests.dtensor_checks")
+    return fresh_tf_process("tests.support.dtensor_checks")
 
 
 @pytest.mark.parametrize("mesh", ["4x1", "1x4", "2x2"])

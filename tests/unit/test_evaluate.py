@@ -16,7 +16,7 @@ from pipelines import evaluate
 from pipelines.scoring import ModelScorer, save_plots, summarise
 from trainers.models.bert import BertClassifier, BertConfig
 from trainers.models.mnist import MLP
-from trainers.torch_common import normalise
+from trainers.torch.data import normalise
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -9,7 +9,7 @@ import pytest
 from pipelines.data.idx import DataError
 from pipelines.data.imdb import SplitReviews, clean_text, plan_splits, read_reviews, split_validation
 from tests.conftest import free_port
-from tests.imdb_fixtures import make_aclimdb, movie_of, tar_of
+from tests.support.imdb_fixtures import make_aclimdb, movie_of, tar_of
 
 
 def test_clean_text_removes_br_tags_and_extra_space():

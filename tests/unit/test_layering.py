@@ -1,7 +1,8 @@
 """The layering stated in contract/__init__.py, read from the source: entry points (`pipelines`) over backends
-(`trainers`) over contracts (`contract`); imports only go down, inside functions too. And the modules a
+(`trainers`) over contracts (`contract`); imports only go down, inside functions too, and never in a cycle. A
+backend imports no other backend (what they share lives in their framework's shared modules). And the modules a
 TensorFlow worker loads import no torch at module level (a run checks the same at runtime:
-tests/loop_backends.py)."""
+tests/support/loop_backends.py)."""
 from __future__ import annotations
 
 import ast
@@ -10,8 +11,13 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 LAYERS = {"contract": 0, "trainers": 1, "pipelines": 2}  # a package may import its own layer and those below
-TF_WORKER_MODULES = ["trainers.tf_mwms", "trainers.horovod_tf", "trainers.horovod", "trainers.tf_dtensor",
-                     "trainers.tf_ps", "trainers.tf_ps_server"]
+TF_WORKER_MODULES = ["trainers.tf.mwms", "trainers.horovod.tf", "trainers.horovod.trainer",
+                     "trainers.tf.dtensor.trainer", "trainers.tf.ps.trainer", "trainers.tf.ps.server"]
+# A backend's own modules: one per backend, Horovod's two bindings beside its trainer (which picks one of them).
+BACKEND_MODULES = {"trainers.torch.ddp", "trainers.torch.tp", "trainers.torch.fsdp", "trainers.tf.mwms",
+                   "trainers.tf.dtensor.trainer", "trainers.tf.ps.trainer", "trainers.horovod.trainer",
+                   "trainers.horovod.torch", "trainers.horovod.tf"}
+OWN = {"trainers.horovod.trainer": {"trainers.horovod.torch", "trainers.horovod.tf"}}
 
 
 def module_name(path: Path) -> str:
@@ -55,6 +61,39 @@ def test_imports_only_go_down_the_layers():
     assert backward == []
 
 
+def project_imports() -> dict[str, set[str]]:
+    """Each module of the layers and the modules of the layers it imports (inside functions too)."""
+    modules = sources()
+    return {name: {m for m in imports(path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def test_every_backend_is_registered_and_imports_no_other_backend():
+    from trainers import BACKENDS
+
+    assert {spec.module for spec in BACKENDS.values()} <= BACKEND_MODULES
+    graph = project_imports()
+    siblings = [f"{name} imports {other}" for name in BACKEND_MODULES for other in graph[name]
+                if other in BACKEND_MODULES - OWN.get(name, set())]
+    assert siblings == []
+
+
+def test_no_import_cycles():
+    graph, cycles = project_imports(), []
+
+    def visit(name: str, path: list[str]) -> None:
+        for other in sorted(graph[name]):
+            if other in path:
+                cycles.append(" -> ".join([*path[path.index(other):], other]))
+            elif other not in done:
+                visit(other, [*path, other])
+        done.add(name)
+    done: set[str] = set()
+    for name in sorted(graph):
+        if name not in done:
+            visit(name, [name])
+    assert cycles == []
+
+
 def test_tensorflow_workers_import_no_torch():
     modules = sources()
     seen, todo = set(), list(TF_WORKER_MODULES)
@@ -67,18 +106,19 @@ def test_tensorflow_workers_import_no_torch():
         assert not {m for m in found if m.split(".")[0] == "torch"}, f"{name} imports torch"
         parents = [".".join(m.split(".")[:i]) for m in found for i in range(1, m.count(".") + 2)]
         todo.extend(p for p in parents if p in modules)
-    assert {"trainers.loop", "trainers.tf_common", "contract.metrics"} <= seen  # the walk reached them
+    assert {"trainers.loop", "trainers.tf.common", "contract.metrics"} <= seen  # the walk reached them
 
 
 def test_ray_trains_controller_unpickles_the_backend_configs_without_a_framework():
-    """The controller unpickles the trainer's backend config (trainers/backend_configs.py); Ray's own `TorchConfig`
-    and `TensorflowConfig` would import torch and TensorFlow there. Checked in a fresh interpreter, as the
-    controller's process is."""
+    """The controller unpickles the trainer's backend config (trainers/torch/backend.py, trainers/tf/backend.py); Ray's
+    own `TorchConfig` and `TensorflowConfig` would import torch and TensorFlow there. Checked in a fresh interpreter, as
+    the controller's process is."""
     import pickle
     import subprocess
     import sys
 
-    from trainers.backend_configs import MirroredConfig, TorchGroupConfig
+    from trainers.tf.backend import MirroredConfig
+    from trainers.torch.backend import TorchGroupConfig
 
     configs = pickle.dumps([TorchGroupConfig(backend="gloo"), MirroredConfig()])
     probe = ("import pickle, sys; torch, mirrored = pickle.loads(sys.stdin.buffer.read()); "

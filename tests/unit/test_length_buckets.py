@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from contract.data import BUCKET_BATCHES, bucketed_order, shuffled_order
-from tests.loop_harness import imdb_columns
+from tests.support.loop_harness import imdb_columns
 
 BATCH = 8
 
@@ -43,8 +43,8 @@ def test_the_order_depends_on_the_seed_only():
 
 
 def test_pytorch_and_tensorflow_batch_the_same_rows():
-    from trainers.tf_common import ShardArrays
-    from trainers.torch_common import ShardBatches
+    from trainers.tf.data import ShardArrays
+    from trainers.torch.data import ShardBatches
 
     columns = imdb_columns(200, vocab=50, max_len=32)
     columns["input_ids"][:, 1] = 1000 + np.arange(200)  # each row names itself in its second token
@@ -60,7 +60,7 @@ def test_pytorch_and_tensorflow_batch_the_same_rows():
 
 def test_a_batch_cut_to_its_longest_row_gives_the_same_logits():
     from trainers.models.bert import BertClassifier, bert_config
-    from trainers.torch_common import ShardBatches
+    from trainers.torch.data import ShardBatches
 
     columns = {k: torch.from_numpy(v) for k, v in imdb_columns(6, vocab=50, max_len=32).items()}
     columns["length"][:] = torch.tensor([3, 7, 10, 5, 9, 4])

@@ -13,19 +13,21 @@ import pytest
 import torch
 
 from contract.checkpoint import STATE_FILE, EpochTotals, TrainState
-from contract.metrics import PendingReduce, reduce_at_once
-from tests.loop_harness import (STOP_AT, Recorder, check_metric_set, check_stop_resume_parity, config,
+from contract.metrics import PendingReduce
+from tests.support.loop_harness import (STOP_AT, Recorder, check_metric_set, check_stop_resume_parity, config,
                                 make_context, mnist_columns, run_attempt)
 from contract.recipe import Monitor
 from contract.startup import STARTUP_PARTS, STARTUP_TOTAL, StartupMarks
+from trainers.adapter import Adapter
 from trainers.loop import StopAgreement, TrainLoop
 
 
-class LineAdapter:
+class LineAdapter(Adapter):
     """Fits y = w x by SGD on a fixed data stream; the state is w (and the step count), in a JSON file.
-    `passes` > 1 accumulates gradients like Horovod's backward_passes_per_step."""
+    `passes` > 1 accumulates gradients like Horovod's backward_passes_per_step. One rank: reductions are the
+    identity."""
 
-    replicas, load_s, sharded_checkpoint, loss_is_global = 1, 0.25, False, False
+    load_s = 0.25
 
     def __init__(self, steps: int = 25, passes: int = 1, text: bool = False):
         self.w, self.grad, self.pending, self.updates = 0.0, 0.0, 0, 0
@@ -63,7 +65,7 @@ class LineAdapter:
         return values
 
     def reduce_later(self, values: list[float], op: str) -> PendingReduce:
-        return reduce_at_once(self.reduce, values, op)
+        return lambda: list(values)
 
     def peak_memory_bytes(self) -> float:
         return 1.0
@@ -256,8 +258,10 @@ def test_ddp_adapter_stop_resume_parity(tmp_path):
     """The PyTorch adapter (one rank; DDP's loop) with SGD momentum, a cosine schedule with warmup, clipping and
     2 batches per update: the resumed run restores weights, momentum buffers, the schedule's position and the
     epoch's totals, and its loss curve equals the uninterrupted one exactly."""
-    from trainers import torch_common as tc
-    from trainers.torch_ddp import build_adapter, run_worker
+    from trainers.adapter import WorkerData
+    from trainers.torch import common as tc
+    from trainers.torch.data import ShardBatches
+    from trainers.torch.ddp import run_worker
 
     cfg = config(tmp_path, ["trainer.batch_size=16", "trainer.optimizer=sgd", "trainer.lr=0.01", "model.hidden=[32]",
                             "model.dropout=0", "trainer.epochs=2", "trainer.num_workers=1",
@@ -268,11 +272,11 @@ def test_ddp_adapter_stop_resume_parity(tmp_path):
     evaluation = {k: torch.from_numpy(v) for k, v in mnist_columns(64, seed=1).items()}
 
     def data(seed):
-        return (tc.ShardBatches.from_columns(columns, "mnist", 16, seed),
-                tc.ShardBatches.from_columns(evaluation, "mnist", 64, seed))
+        return (ShardBatches.from_columns(columns, "mnist", 16, seed),
+                ShardBatches.from_columns(evaluation, "mnist", 64, seed))
 
     def run(ctx):
-        return run_worker(cfg, ctx, build_adapter(cfg, {}, ctx.rank, data, torch.device("cpu")))
+        return run_worker(cfg, ctx, WorkerData({}, data))
 
     runs = check_stop_resume_parity(run, tmp_path, rtol=0, atol=0)
     assert len(runs["straight"].recorder.step_losses) == 40  # 320 rows / 16 x 2 epochs
@@ -286,21 +290,22 @@ def test_rank0_profiles_its_first_steps_into_the_run(tmp_path):
     """`trainer.profile_steps=3` with the PyTorch adapter: rank 0 records 3 training steps (forward, backward,
     optimizer) after a warmup step with torch.profiler, writes a Chrome trace and hands the folder to its logger for the
     run's `profile/` artifacts; training goes on unprofiled."""
-    from trainers import torch_common as tc
-    from trainers.torch_ddp import build_adapter, run_worker
+    from trainers.adapter import WorkerData
+    from trainers.torch.data import ShardBatches
+    from trainers.torch.ddp import run_worker
 
     cfg = config(tmp_path, ["trainer.batch_size=16", "trainer.optimizer=sgd", "model.hidden=[16]",
                             "trainer.epochs=1", "trainer.num_workers=1", "trainer.profile_steps=3"])
     columns = {k: torch.from_numpy(v) for k, v in mnist_columns(128).items()}
 
     def data(seed):
-        return (tc.ShardBatches.from_columns(columns, "mnist", 16, seed),
-                tc.ShardBatches.from_columns(columns, "mnist", 64, seed))
+        return (ShardBatches.from_columns(columns, "mnist", 16, seed),
+                ShardBatches.from_columns(columns, "mnist", 64, seed))
 
     recorder, reports = Recorder(), []
     ctx = replace(make_context(0, 1, 1, tmp_path / "checkpoints", recorder, reports),
                   profile_steps=cfg.trainer.profile_steps, profile_dir=tmp_path / "profile")
-    assert run_worker(cfg, ctx, build_adapter(cfg, {}, 0, data, torch.device("cpu")))
+    assert run_worker(cfg, ctx, WorkerData({}, data))
     events = json.loads((tmp_path / "profile" / "trace_rank0.json").read_text())["traceEvents"]
     names = [event.get("name", "") for event in events]
     assert sorted({name for name in names if name.startswith("ProfilerStep#")}) == [

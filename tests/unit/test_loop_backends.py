@@ -1,7 +1,7 @@
 """Stop/resume parity and the metric set for the Horovod (torch, tf), tf_mwms, tf_dtensor and tf_ps adapters on the
-shared loop, each attempt in a fresh process (tests/loop_backends.py), no Ray cluster (tf_ps with real TensorFlow
-servers); and the loss-parity gate: every one of them trains DDP's loss curve from DDP's recipe, seed and data.
-Stop/resume of DDP and TP: tests/unit/test_loop.py and tests/parallel/test_tp_loop.py. Horovod runs as a lone
+shared loop, each attempt in a fresh process (tests/support/loop_backends.py), no Ray cluster (tf_ps with real
+TensorFlow servers); and the loss-parity gate: every one of them trains DDP's loss curve from DDP's recipe, seed and
+data. Stop/resume of DDP and TP: tests/unit/test_loop.py and tests/parallel/test_tp_loop.py. Horovod runs as a lone
 process: the 2-rank paths are in tests/integration."""
 from __future__ import annotations
 
@@ -11,16 +11,17 @@ import numpy as np
 import pytest
 
 from tests.conftest import fresh_tf_process
-from tests.loop_harness import attempt_from_json, check_metric_set, check_parity, last_checkpoint
+from tests.support.loop_harness import attempt_from_json, check_metric_set, check_parity, last_checkpoint
 
 
 def attempt(backend: str, folder, name: str, restore=None):
     restored = [str(restore)] if restore else []
-    return attempt_from_json(fresh_tf_process("tests.loop_backends", backend, str(folder / backend), name, *restored))
+    return attempt_from_json(fresh_tf_process("tests.support.loop_backends", backend, str(folder / backend), name,
+                                              *restored))
 
 
 def final_weights(folder, backend: str) -> np.ndarray:
-    """A TF run's final weights (run.dump_params_dir, tests/loop_backends.py), flattened."""
+    """A TF run's final weights (run.dump_params_dir, tests/support/loop_backends.py), flattened."""
     with np.load(folder / backend / "straight" / "params" / "rank0.npz") as dump:
         return np.concatenate([dump[f"arr_{i}"].ravel() for i in range(len(dump.files))])
 
@@ -59,8 +60,8 @@ def straight(request, tmp_path_factory):
 
 # 2 batches per optimizer step everywhere: the stop at step 10 lands on an update boundary (mid-epoch for Horovod,
 # 20 steps per epoch). The TF runs also schedule the LR and clip (horovod_tf: AdamW with decay; see
-# tests/loop_backends.py): the restored optimizer's update count must continue the schedule. The straight run of
-# tf_mwms_custom is also one of the runs compared below.
+# tests/support/loop_backends.py): the restored optimizer's update count must continue the schedule. The straight run
+# of tf_mwms_custom is also one of the runs compared below.
 @pytest.mark.straight("{backend}")
 @pytest.mark.parametrize("backend", ["horovod_torch", "horovod_tf", "tf_mwms_custom", "tf_dtensor", "tf_ps"])
 def test_stop_resume_parity(tmp_path, straight, backend):
@@ -68,7 +69,7 @@ def test_stop_resume_parity(tmp_path, straight, backend):
     runs["resumed"] = attempt(backend, tmp_path, "resumed", last_checkpoint(tmp_path / backend / "stopped"))
     # The same ops in the same order after a restore: float32 results agree to rounding.
     check_parity(runs, epochs=2, text=False, rtol=1e-5, atol=1e-6)
-    rows_per_step = 32 if backend == "tf_mwms_custom" else 16  # tf_devices=2: 2 replicas x 16; tf_dtensor: 2 x 8
+    rows_per_step = 32 if backend == "tf_mwms_custom" else 16  # 2 devices per worker: 2 x 16; tf_dtensor: 2 x 8
     assert len(runs["straight"].recorder.step_losses) == 320 // rows_per_step * 2
 
 
@@ -99,7 +100,7 @@ def test_tf_ps_keras_fit_keeps_the_contract_and_its_checkpoint_resumes_in_the_cu
 
 @pytest.mark.straight("tf_one_device", "tf_mwms_custom", "tf_two_devices_fit")
 def test_two_devices_take_the_steps_of_one_device_with_the_double_batch(straight):
-    """`trainer.tf_devices=2` (MirroredStrategy over two logical CPU devices) with 16 rows per replica takes the
+    """`trainer.devices_per_worker=2` (MirroredStrategy over two logical CPU devices) with 16 rows per replica takes the
     same steps as one device with 32 rows: same rows per step, gradients averaged over the global batch, then
     clipped (per-replica clipping would part the curves). Keras `fit` over the same two devices logs the mean
     loss of each window of that curve between its callbacks (every 2 fit steps of 2 batches, 5 per epoch)."""
@@ -159,7 +160,7 @@ def test_bf16_loss_curve_stays_close_to_fp32(straight):
 @pytest.mark.parametrize("backend", ["horovod_torch", "horovod_tf", "tf_mwms_custom", "tf_mwms_fit", "tf_dtensor",
                                      "tf_ps"])
 def test_loss_parity_with_the_ddp_reference(straight, backend):
-    """The loss-parity gate: one seed, data order and recipe (tests/loop_backends.py: PARITY, the MNIST MLP with
+    """The loss-parity gate: one seed, data order and recipe (tests/support/loop_backends.py: PARITY, the MNIST MLP with
     SGD and momentum, 40 steps) through each backend's worker give DDP's loss curve step for step: the same
     initial weights in both frameworks (trainers/models/portable_init.py), the same shuffle, the same update.
     Tolerance: PyTorch backends run the same kernels as DDP (measured: identical); TensorFlow's float32 kernels
@@ -177,8 +178,8 @@ def test_loss_parity_with_the_ddp_reference(straight, backend):
 
 
 def dropout_draws(kind: str, folder):
-    """What `python -m tests.loop_backends <kind>_dropout` returns."""
-    return fresh_tf_process("tests.loop_backends", f"{kind}_dropout", str(folder))
+    """What `python -m tests.support.loop_backends <kind>_dropout` returns."""
+    return fresh_tf_process("tests.support.loop_backends", f"{kind}_dropout", str(folder))
 
 
 def test_tf_ps_workers_draw_their_own_dropout_masks(tmp_path):

@@ -1,4 +1,4 @@
-"""The recipe (contract/recipe.py) and its PyTorch form (trainers/torch_recipe.py), in-process on one rank: the
+"""The recipe (contract/recipe.py) and its PyTorch form (trainers/torch/recipe.py), in-process on one rank: the
 schedule's curve, weight-decay groups, gradient accumulation as one larger batch, and bf16 autocast staying close
 to fp32. DDP's accumulation on 2 ranks and TP's clipping norm: tests/parallel."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from contract.recipe import Monitor, default_mode, lr_factor, schedule_steps, updates_per_epoch
 from pipelines.config import ConfigError
-from tests.loop_harness import config, mnist_columns, run_attempt
+from tests.support.loop_harness import config, mnist_columns, plain_context, run_attempt
 
 SMALL = ["trainer.batch_size=16", "model.hidden=[32]", "model.dropout=0", "trainer.epochs=1", "trainer.num_workers=1"]
 
@@ -40,7 +40,7 @@ def test_torch_schedule_and_weight_decay_groups(tmp_path):
     """LambdaLR applies lr * lr_factor(k) at update k; matrices decay, biases do not; on CPU parameters the
     update runs as multi-tensor (foreach) kernels."""
     from trainers.models import build_model
-    from trainers.torch_recipe import build_recipe
+    from trainers.torch.recipe import build_recipe
 
     cfg = config(tmp_path, [*SMALL, "trainer.optimizer=adamw", "trainer.weight_decay=0.1", "trainer.lr=0.01",
                             "trainer.lr_schedule=cosine", "trainer.warmup_steps=3", "trainer.grad_accum=2"])
@@ -72,7 +72,7 @@ def test_restored_checkpoint_keeps_its_schedule_position_but_takes_the_configs_h
     update, the Adam moments are the saved ones, the learning rate and decay are the config's. The checkpoint's
     groups say fused, as a GPU run's do: the restored optimizer updates with this run's CPU kernels."""
     from trainers.models import build_model
-    from trainers.torch_recipe import build_recipe, with_kernels_of
+    from trainers.torch.recipe import build_recipe, with_kernels_of
 
     recipe_keys = ["trainer.optimizer=adamw", "trainer.lr_schedule=cosine", "trainer.warmup_steps=2"]
     saved = config(tmp_path / "a", [*SMALL, *recipe_keys, "trainer.lr=0.01", "trainer.weight_decay=0.1"])
@@ -103,18 +103,20 @@ def test_restored_checkpoint_keeps_its_schedule_position_but_takes_the_configs_h
 
 def _train(tmp_path, overrides: list[str], batch: int):
     """One epoch of the DDP adapter (one rank, no DDP wrapper) on 320 rows; its final weights and step losses."""
-    from trainers import torch_common as tc
-    from trainers.torch_ddp import build_adapter, run_worker
+    from trainers.adapter import WorkerData
+    from trainers.torch.common import train_adapter
+    from trainers.torch.data import ShardBatches
+    from trainers.torch.ddp import build_adapter
 
     cfg = config(tmp_path, [*SMALL, f"trainer.batch_size={batch}", *overrides])
     columns = {k: torch.from_numpy(v) for k, v in mnist_columns(320).items()}
     evaluation = {k: torch.from_numpy(v) for k, v in mnist_columns(32, seed=1).items()}
 
     def data(seed):
-        return (tc.ShardBatches.from_columns(columns, "mnist", batch, seed),
-                tc.ShardBatches.from_columns(evaluation, "mnist", 32, seed))
-    adapter = build_adapter(cfg, {}, 0, data, torch.device("cpu"))
-    attempt = run_attempt(lambda ctx: run_worker(cfg, ctx, adapter), 0, 1, 1, tmp_path / "run")
+        return (ShardBatches.from_columns(columns, "mnist", batch, seed),
+                ShardBatches.from_columns(evaluation, "mnist", 32, seed))
+    adapter = build_adapter(cfg, plain_context(), WorkerData({}, data))
+    attempt = run_attempt(lambda ctx: train_adapter(cfg, ctx, adapter), 0, 1, 1, tmp_path / "run")
     return adapter.dense_model_state(), attempt.recorder.curve()
 
 

@@ -5,7 +5,7 @@ import csv
 
 import pytest
 
-from pipelines.scaling_report import (TrialRecord, add_scaling, best_row, build_report, steady, summarise,
+from pipelines.sweep.report import (TrialRecord, add_scaling, best_row, build_report, steady, summarise,
                                       time_to_target)
 
 

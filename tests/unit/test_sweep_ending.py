@@ -1,6 +1,6 @@
-"""The end of a sweep whose tracking server is away when its trials end (pipelines/sweep.py finish_sweep): nothing
-is marked, how each trial ended is kept beside the trials' spooled records, a continued sweep refuses to start
-before MLflow has heard it, and `pipelines.replay` of the parent's spool folder, with the server back, finishes
+"""The end of a sweep whose tracking server is away when its trials end (pipelines/sweep/runs.py finish_sweep):
+nothing is marked, how each trial ended is kept beside the trials' spooled records, a continued sweep refuses to
+start before MLflow has heard it, and `pipelines.replay` of the parent's spool folder, with the server back, finishes
 every run as the sweep would have. The sweep's runs are real ones in a real MLflow store; "away" is an address
 nothing listens on."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ from omegaconf import OmegaConf
 from contract import resume, tracking
 from pipelines.config import ConfigError
 from pipelines.replay import main as replay_main
-from pipelines.sweep import (Outcome, SweepEnding, SweepTrackingDown, finish_sweep, start_children, start_parent,
-                             validate)
-from pipelines.sweep_space import load_sweep, plan_trials
+from pipelines.sweep.run import validate
+from pipelines.sweep.runs import Outcome, SweepEnding, SweepTrackingDown, finish_sweep, start_children, start_parent
+from pipelines.sweep.space import load_sweep, plan_trials
 from tests.conftest import free_port
 
 GRID = "sweep.grid=[{trainer: [ddp], trainer.num_workers: [1, 2]}]"
@@ -48,10 +48,10 @@ def test_a_sweep_ending_while_the_server_is_away_is_kept_and_replayed(tmp_path, 
         finish_sweep(ending)
     folder = tracking.spool_dir(str(storage), parent_id)
     assert str(down.value).endswith(f"once the server is back, finish the sweep with "
-                                    f"`python -m pipelines.replay {folder}`")
+                                    f"`rtp replay {folder}`")
     client = mlflow.MlflowClient(store)
     assert {client.get_run(r).info.status for r in [parent_id, *children.values()]} == {"RUNNING"}
-    with pytest.raises(ConfigError, match="run `python -m pipelines.replay"):  # a rerun would lose the ending
+    with pytest.raises(ConfigError, match="run `rtp replay"):  # a rerun would lose the ending
         validate(["sweep=mnist_backends", GRID, *overrides])
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)  # back (here: the store the server serves)

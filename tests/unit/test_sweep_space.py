@@ -8,7 +8,7 @@ import pytest
 
 from contract.config import TRAINER_SCHEMAS, parallel_degrees
 from pipelines.config import ConfigError
-from pipelines.sweep_space import (expand_grid, load_sweep, max_concurrent, merge_overrides, plan_trials,
+from pipelines.sweep.space import (expand_grid, load_sweep, max_concurrent, merge_overrides, plan_trials,
                                    reject_unfit, split_argv, stop_thresholds)
 
 
@@ -64,7 +64,7 @@ def test_random_trials_are_validated_like_grid_points(fake_imdb):
 
 
 def test_stop_thresholds_are_reached_from_below_and_losses_from_above():
-    from pipelines.sweep import ReachedStop
+    from pipelines.sweep.run import ReachedStop
 
     spec = load_sweep("smoke", ["sweep.stop={test_accuracy: 0.9, train_loss: 0.2}"])
     stop = ReachedStop(stop_thresholds(spec))
@@ -159,12 +159,13 @@ def test_asha_needs_a_metric_every_epoch_reports():
 
 
 def test_unknown_sweep_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"^overrides: .*sweep.*nope"):
+    with pytest.raises(ConfigError, match=r"^sweep: unknown choice 'nope' \(choices: mnist_backends, parallelism, "
+                                          r"pbt_mnist, smoke\)$"):
         load_sweep("nope", [])
 
 
 def test_cli_with_no_valid_trial_exits_2_before_ray(fake_imdb, capsys):
-    from pipelines.sweep import main
+    from pipelines.sweep.run import main
 
     assert main(["sweep=smoke", fake_imdb, "sweep.overrides=['data=imdb','model=mlp']"]) == 2
     err = capsys.readouterr().err
@@ -182,7 +183,7 @@ def test_mnist_backends_sweep_has_every_backend_that_trains_the_mlp(tmp_path):
 
 
 def test_without_a_cluster_trials_with_more_worker_threads_than_cpus_are_rejected(fake_imdb, monkeypatch, capsys):
-    from pipelines.sweep import main
+    from pipelines.sweep.run import main
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     too_many = len(os.sched_getaffinity(0)) + 1
@@ -195,7 +196,7 @@ def test_trial_outcomes_from_tune_results():
     and trials the time budget cut short before their first epoch are KILLED without counting as failures."""
     from ray.tune import Result
 
-    from pipelines.sweep import outcome_of
+    from pipelines.sweep.run import outcome_of
 
     def result(metrics=None, error=None) -> Result:
         return Result(metrics=metrics, checkpoint=None, error=error, path="")
@@ -228,7 +229,7 @@ def test_trial_outcomes_from_tune_results():
     (["sweep.metric=efficiency"], r"^sweep\.metric: pbt needs a metric every epoch reports"),
 ])
 def test_bad_pbt_config_names_the_key(overrides, message):
-    from pipelines.sweep_pbt import mutations
+    from pipelines.sweep.pbt import mutations
 
     with pytest.raises(ConfigError, match=message):
         mutations(load_sweep("pbt_mnist", overrides))
@@ -237,7 +238,7 @@ def test_bad_pbt_config_names_the_key(overrides, message):
 def test_pbt_rejects_trials_a_mutation_would_make_invalid_and_keeps_perturbations_in_range(tmp_path):
     """Every trial is validated with each mutation's values (a range's ends) before launch; a trial that cannot
     reach a perturbation before its last epoch is rejected too; a perturbed number stays inside its range."""
-    from pipelines.sweep_pbt import InRange, check_mutated_trials, initial_values, mutations
+    from pipelines.sweep.pbt import InRange, check_mutated_trials, initial_values, mutations
 
     (tmp_path / "manifest.json").write_text("{}")
     spec = load_sweep("pbt_mnist", ["sweep.num_samples=1", "sweep.mutations={trainer.weight_decay: [0.0, 0.1]}",

@@ -6,7 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipelines.config import ConfigError, load_config
-from trainers.tf_ps_backend import Chief
+from trainers.tf.ps.backend import Chief
 
 
 @pytest.fixture()
@@ -28,8 +28,9 @@ def test_tf_mwms_defaults(data_override):
     (["trainer.tf_communication=nccl", "trainer.use_gpu=false"], r"^trainer\.tf_communication: nccl needs GPUs"),
     (["model=bert_tiny"], r"^model\.name: "),
     (["+trainer.bogus=1"], r"^trainer\.bogus: "),
-    (["trainer.tf_devices=0"], r"^trainer\.tf_devices: must be > 0"),
-    (["trainer.tf_devices=2", "trainer.num_workers=2"], r"^trainer\.tf_devices: several CPU replicas per worker"),
+    (["trainer.devices_per_worker=0"], r"^trainer\.devices_per_worker: must be > 0"),
+    (["trainer.devices_per_worker=2", "trainer.num_workers=2"],
+     r"^trainer\.devices_per_worker: several CPU replicas per worker"),
     (["trainer.tf_strategy=parameter_server"], r"^trainer\.tf_strategy: unknown 'parameter_server'"),
     (["trainer.tf_strategy=central_storage", "trainer.num_workers=2"], r"^trainer\.tf_strategy: central_storage "
                                                                         r"keeps the variables on one machine"),
@@ -41,9 +42,9 @@ def test_tf_mwms_defaults(data_override):
      r"^trainer\.lr_schedule: tf-keras 2\.21 fails"),
     (["trainer.tf_cross_device_ops=ring"], r"^trainer\.tf_cross_device_ops: unknown 'ring'"),
     (["trainer.tf_cross_device_ops=reduce_to_one"], r"^trainer\.tf_cross_device_ops: how MirroredStrategy sums"),
-    (["trainer.tf_cross_device_ops=reduce_to_one", "trainer.num_workers=1", "trainer.tf_devices=2",
+    (["trainer.tf_cross_device_ops=reduce_to_one", "trainer.num_workers=1", "trainer.devices_per_worker=2",
       "trainer.tf_strategy=central_storage"], r"^trainer\.tf_cross_device_ops: how MirroredStrategy sums"),
-    (["trainer.tf_cross_device_ops=nccl", "trainer.num_workers=1", "trainer.tf_devices=2"],
+    (["trainer.tf_cross_device_ops=nccl", "trainer.num_workers=1", "trainer.devices_per_worker=2"],
      r"^trainer\.tf_cross_device_ops: nccl needs GPUs"),
 ])
 def test_bad_tf_config_names_the_key(data_override, overrides, message):
@@ -55,15 +56,19 @@ def test_nccl_with_gpu_passes_validation(data_override):
     cfg = load_config([data_override, "trainer=tf_mwms", "trainer.tf_communication=nccl", "trainer.use_gpu=true"])
     assert cfg.trainer.tf_communication == "nccl"
     cfg = load_config([data_override, "trainer=tf_mwms", "trainer.tf_cross_device_ops=nccl", "trainer.use_gpu=true",
-                       "trainer.num_workers=1", "trainer.tf_devices=2"])
+                       "trainer.num_workers=1", "trainer.devices_per_worker=2"])
     assert (cfg.trainer.tf_cross_device_ops, cfg.trainer.tf_strategy) == ("nccl", "mirrored")
 
 
-def test_tf_devices_is_tf_only_and_fine_with_one_worker(data_override):
-    cfg = load_config([data_override, "trainer=tf_mwms", "trainer.tf_devices=2", "trainer.num_workers=1"])
-    assert cfg.trainer.tf_devices == 2
-    with pytest.raises(ConfigError, match=r"^trainer\.tf_devices: Key 'tf_devices' not in 'DDPConfig'"):
-        load_config([data_override, "trainer=ddp", "+trainer.tf_devices=2"])
+def test_devices_per_worker_is_tf_only_and_fine_with_one_worker(data_override):
+    cfg = load_config([data_override, "trainer=tf_mwms", "trainer.devices_per_worker=2", "trainer.num_workers=1"])
+    assert cfg.trainer.devices_per_worker == 2
+    with pytest.raises(ConfigError, match=r"^trainer\.devices_per_worker: Key 'devices_per_worker' not in "
+                                          r"'DDPConfig'"):
+        load_config([data_override, "trainer=ddp", "+trainer.devices_per_worker=2"])
+    for renamed in ("trainer.tf_devices=2", "+trainer.tf_devices=2"):  # its name before it was shared with tf_dtensor
+        with pytest.raises(ConfigError, match=r"^trainer\.tf_devices: renamed trainer\.devices_per_worker$"):
+            load_config([data_override, "trainer=tf_mwms", renamed])
 
 
 def test_tf_ps_defaults_and_resources(data_override):

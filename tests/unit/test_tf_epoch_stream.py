@@ -1,9 +1,9 @@
-"""`trainers.tf_common.EpochStream`: the custom TF loops (tf_mwms custom, horovod tf) read an attempt's epochs
+"""`trainers.tf.data.EpochStream`: the custom TF loops (tf_mwms custom, horovod tf) read an attempt's epochs
 through one iterator, each epoch in its own order. The TF datasets themselves: tests/unit/test_loop_backends.py
 (stop/resume and loss parity over two epochs)."""
 from __future__ import annotations
 
-from trainers.tf_common import EpochStream
+from trainers.tf.data import EpochStream
 
 STEPS = 4
 

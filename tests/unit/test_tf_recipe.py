@@ -1,5 +1,5 @@
-"""The training recipe on the TensorFlow side (trainers/tf_recipe.py, trainers/tf_mwms.py), measured in one fresh
-process (tests/tf_recipe_checks.py: MirroredStrategy over two logical CPU devices). The recipe inside whole runs
+"""The training recipe on the TensorFlow side (trainers/tf/recipe.py, trainers/tf/mwms.py), measured in one fresh
+process (tests/support/tf_recipe_checks.py: MirroredStrategy over two logical CPU devices). The recipe inside whole runs
 (stop/resume, accumulation against the larger batch, bf16): tests/unit/test_loop_backends.py."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from contract.recipe import lr_factor
 from tests.conftest import fresh_tf_process
-from tests.tf_recipe_checks import SCHEDULES
+from tests.support.tf_recipe_checks import SCHEDULES
 
 # Weights of |w| < 0.5 (these) are float32 to within 3e-8: a few roundings apart at most.
 DELTA_ATOL = 1e-7
@@ -16,7 +16,7 @@ DELTA_ATOL = 1e-7
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict:
-    return fresh_tf_process("tests.tf_recipe_checks", str(tmp_path_factory.mktemp("tf_recipe")))
+    return fresh_tf_process("tests.support.tf_recipe_checks", str(tmp_path_factory.mktemp("tf_recipe")))
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
@@ -73,7 +73,7 @@ def test_every_evaluation_reads_the_evaluation_set_once(measured):
 
 
 def test_chained_epochs_hold_one_copy_of_the_shard(measured):
-    """An attempt's epochs chained into one dataset (trainers/tf_common.chained_epochs) gather their batches from one
+    """An attempt's epochs chained into one dataset (trainers/tf/data.chained_epochs) gather their batches from one
     copy of the shard: 20 epochs add less than 4 shards' worth of memory (a copy per epoch added 43)."""
     memory = measured["chained_memory"]
     assert memory["added"] < 4 * memory["shard"], memory

@@ -1,5 +1,5 @@
-"""A worker's MLflow writes while the server is away (contract/tracking.py TrackingSpool): kept in the spool folder,
-never raised, and sent later exactly once, against a real MLflow store."""
+"""A worker's MLflow writes while the server is away (contract/tracking/spool.py TrackingSpool): kept in the spool
+folder, never raised, and sent later exactly once, against a real MLflow store."""
 from __future__ import annotations
 
 import threading
@@ -45,7 +45,7 @@ def test_records_wait_in_the_spool_and_go_out_once(tmp_path, monkeypatch):
 def test_step_losses_go_out_together_not_one_request_each(tmp_path, monkeypatch):
     """Kept until the epoch's end (or STEP_LOSS_SEND_S after the oldest, then by the logger's own thread), then
     sent in order in one record."""
-    from contract import tracking
+    from contract.tracking import logger as tracking_logger
 
     monkeypatch.chdir(tmp_path)
     store = f"sqlite:///{tmp_path}/mlflow.db"
@@ -58,7 +58,7 @@ def test_step_losses_go_out_together_not_one_request_each(tmp_path, monkeypatch)
     assert history() == []  # kept
     logger.log(1, {"train_loss": 0.75, "test_accuracy": 0.5})
     assert sorted(history()) == [(10, 10 / 64), (20, 20 / 64), (30, 30 / 64)]
-    monkeypatch.setattr(tracking, "STEP_LOSS_SEND_S", 0.0)
+    monkeypatch.setattr(tracking_logger, "STEP_LOSS_SEND_S", 0.0)
     senders, write = [], logger.spool.write
     monkeypatch.setattr(logger.spool, "write", lambda record: (senders.append(threading.current_thread()),
                                                                write(record)))

@@ -1,4 +1,4 @@
-"""pipelines.ui_screenshots refuses, in one line and before a browser starts, what cannot show a UI (the browser
+"""pipelines.sweep.screenshots refuses, in one line and before a browser starts, what cannot show a UI (the browser
 run itself: tests/integration/test_sweep.py)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from pipelines.ui_screenshots import main
+from pipelines.sweep.screenshots import main
 from tests.conftest import free_port
 
 

@@ -1,9 +1,9 @@
 """TensorFlow side of `trainer=horovod` (`trainer.framework=tf`): a custom step on `hvd.DistributedGradientTape`,
 as an adapter on the shared loop (trainers/loop.py).
 
-Keras: tf-keras, with the checkpoint format and logged-model flavour of tf_mwms (trainers/tf_common.py;
-`TF_USE_LEGACY_KERAS=1` is put in the workers' environment by `trainers.horovod.build_trainer`). Horovod's Keras
-wrapper (`horovod.tensorflow.keras`) is not used: a custom loop needs none. No `tf.distribute` strategy: every
+Keras: tf-keras, with the checkpoint format and logged-model flavour of tf_mwms (trainers/tf/common.py;
+`TF_USE_LEGACY_KERAS=1` is put in the workers' environment by `trainers.horovod.trainer.build_trainer`). Horovod's
+Keras wrapper (`horovod.tensorflow.keras`) is not used: a custom loop needs none. No `tf.distribute` strategy: every
 worker is a plain single-device TF process and Horovod does the all-reduce, so rank 0 alone writes checkpoints.
 """
 from __future__ import annotations
@@ -15,10 +15,12 @@ from typing import Any, Iterator
 from omegaconf import DictConfig
 
 from contract.metrics import AsyncReducer, PendingReduce
-from trainers import tf_common as tfc
-from trainers import tf_recipe as tfr
-from trainers.horovod import import_horovod, init_horovod, record_init
-from trainers.loop import TrainLoop, WorkerContext
+from trainers.adapter import WorkerData
+from trainers.horovod.common import import_horovod, init_horovod, record_init
+from trainers.loop import WorkerContext, train
+from trainers.tf import common as tfc
+from trainers.tf import recipe as tfr
+from trainers.tf.data import EpochStream
 
 METRICS_THREAD = "hvd-metrics"  # the thread that issues the metrics' all-reduces (benchmarks/tracking_overhead.py)
 
@@ -102,7 +104,7 @@ class HorovodTFAdapter(tfc.KerasAdapter):
     def __init__(self, hvd: Any, keras: Any, cfg: DictConfig, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.hvd = hvd
-        self.stream = tfc.EpochStream(self.epoch_dataset, cfg.trainer.epochs, lambda make: iter(make()))
+        self.stream = EpochStream(self.epoch_dataset, cfg.trainer.epochs, lambda make: iter(make()))
         self.step_fn, self.finish = make_train_step(hvd, self.tf, keras, self.model, cfg)
         self._reduce_later = tf_reduce_later(hvd, self.tf)
         self.calls = 0  # steps since the epoch's (re)start: a stop lands on a multiple of `passes`
@@ -133,16 +135,31 @@ class HorovodTFAdapter(tfc.KerasAdapter):
     def finish_epoch(self) -> None:
         self.finish()
 
-    def reduce(self, values: list[float], op: str) -> list[float]:
-        return self._reduce_later(values, op)()
-
     def reduce_later(self, values: list[float], op: str) -> PendingReduce:
         return self._reduce_later(values, op)
 
 
-def run_worker(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict,
-               data: tuple[tfc.ShardArrays, tfc.ShardArrays] | None = None) -> bool:
-    """Threads, `hvd.init()`, the model, the shared loop. `data`: Ray Data shards unless given (tests)."""
+def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> HorovodTFAdapter:
+    """The model (its initial weights differ per rank on purpose: the broadcast must align them) and this rank's
+    shard. TensorFlow's threads are set and Horovod is initialised (`run_worker`)."""
+    import tensorflow as tf
+    import tf_keras as keras
+
+    hvd = import_horovod("tf")
+    tfr.set_precision(keras, cfg.trainer.precision)
+    keras.utils.set_random_seed(cfg.run.seed + ctx.rank)
+    train, evaluation = data.shards(cfg.run.seed + 1000 * ctx.rank)
+    steps = train.steps(cfg.trainer.batch_size, cfg.trainer.max_steps_per_epoch)  # for the LR schedule
+    model = tfc.build_compiled_model(keras, cfg, data.model_inputs, steps_per_epoch=steps, seed=cfg.run.seed + ctx.rank)
+    tfc.seed_dropout(tf, cfg.run.seed, ctx.rank)
+    return HorovodTFAdapter(hvd, keras, cfg, tf, tf.distribute.get_strategy(), model, train, evaluation,
+                            cfg.trainer.batch_size, ctx.rank, cfg.run.seed + 1000 * ctx.rank,
+                            cfg.trainer.max_steps_per_epoch, grad_accum=cfg.trainer.grad_accum,
+                            bucket_by_length=cfg.data.bucket_by_length)
+
+
+def run_worker(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
+    """Threads, `hvd.init()`, then this worker's adapter on the shared loop. False: stopped on request."""
     tfc.require_legacy_keras()
     import tensorflow as tf
 
@@ -150,19 +167,8 @@ def run_worker(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict,
     hvd = import_horovod("tf")
     init_horovod(hvd, ctx.rank, ctx.world_size)
     record_init(cfg.run.dump_params_dir, ctx.rank)
-    import tf_keras as keras
+    return train(build_adapter(cfg, ctx, data), ctx, cfg.run.dump_params_dir)
 
-    tfr.set_precision(keras, cfg.trainer.precision)
-    keras.utils.set_random_seed(cfg.run.seed + ctx.rank)  # different on purpose: the broadcast must align them
-    train, evaluation = data or tfc.worker_arrays(cfg.data.name)
-    steps = train.steps(cfg.trainer.batch_size, cfg.trainer.max_steps_per_epoch)  # for the LR schedule
-    model = tfc.build_compiled_model(keras, cfg, model_inputs, steps_per_epoch=steps, seed=cfg.run.seed + ctx.rank)
-    tfc.seed_dropout(tf, cfg.run.seed, ctx.rank)
-    adapter = HorovodTFAdapter(hvd, keras, cfg, tf, tf.distribute.get_strategy(), model, train, evaluation,
-                               cfg.trainer.batch_size, ctx.rank, cfg.run.seed + 1000 * ctx.rank,
-                               cfg.trainer.max_steps_per_epoch, grad_accum=cfg.trainer.grad_accum,
-                               bucket_by_length=cfg.data.bucket_by_length)
-    if not TrainLoop(adapter, ctx).run():
-        return False
-    adapter.dump(cfg.run.dump_params_dir)
-    return True
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    tfc.run_on_ray(config, run_worker)

@@ -9,12 +9,12 @@ import torch
 from omegaconf import DictConfig
 
 from contract.metrics import AsyncReducer, PendingReduce
-from trainers import torch_common as tc
-from trainers.horovod import import_horovod, init_horovod, record_init
+from trainers.adapter import WorkerData
+from trainers.horovod.common import import_horovod, init_horovod, record_init
 from trainers.loop import WorkerContext
 from trainers.models import build_model
-from trainers.torch_ddp import run_worker as run_loop
-from trainers.torch_recipe import build_recipe
+from trainers.torch import common as tc
+from trainers.torch.recipe import build_recipe
 
 
 def hvd_reduce_later(hvd: Any) -> AsyncReducer:
@@ -33,8 +33,8 @@ def hvd_reduce_later(hvd: Any) -> AsyncReducer:
 
 class ContiguousCompression:
     """Horovod all-reduces and broadcasts only contiguous tensors, and a channels-last model's
-    (`torch_common.place_model`) convolution weights and gradients are not: each such gradient is all-reduced as a
-    contiguous copy (through `inner`, Horovod's compression) and the result copied back into it."""
+    (`trainers.torch.common.place_model`) convolution weights and gradients are not: each such gradient is
+    all-reduced as a contiguous copy (through `inner`, Horovod's compression) and the result copied back into it."""
 
     def __init__(self, inner: Any):
         self.inner = inner
@@ -84,13 +84,14 @@ class HorovodTorchAdapter(tc.TorchAdapter):
             self.hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
 
 
-def build_adapter(hvd: Any, cfg: DictConfig, model_inputs: dict, rank: int,
-                  train_data: tc.TrainData) -> HorovodTorchAdapter:
-    # Different initial weights per rank on purpose: the broadcast must align them.
+def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> HorovodTorchAdapter:
+    """The model (its initial weights differ per rank on purpose: the broadcast must align them), Horovod's
+    optimizer over the recipe's, this rank's shard. Horovod is initialised (`run_worker`)."""
+    hvd = import_horovod("torch")
+    rank, device = ctx.rank, torch.device("cpu")
     torch.manual_seed(cfg.run.seed + rank)
-    device = torch.device("cpu")
-    model = tc.place_model(build_model(cfg.model, model_inputs, seed=cfg.run.seed + rank), device)
-    train, evaluation = train_data(cfg.run.seed + 1000 * rank)
+    model = tc.place_model(build_model(cfg.model, data.model_inputs, seed=cfg.run.seed + rank), device)
+    train, evaluation = data.shards(cfg.run.seed + 1000 * rank)
     compression = hvd.Compression.fp16 if cfg.trainer.compression == "fp16" else hvd.Compression.none
 
     def distributed(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -104,12 +105,14 @@ def build_adapter(hvd: Any, cfg: DictConfig, model_inputs: dict, rank: int,
                                reduce_later=hvd_reduce_later(hvd), sync_gradients=recipe.optimizer.synchronize)
 
 
-def run_worker(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict,
-               train_data: tc.TrainData | None = None) -> bool:
-    """`hvd.init()`, then the shared loop. `train_data`: Ray Data shards unless given (tests)."""
+def run_worker(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
+    """`hvd.init()`, then this worker's adapter on the shared loop. False: stopped on request."""
     hvd = import_horovod("torch")
     torch.set_num_threads(cfg.trainer.threads_per_worker)
     init_horovod(hvd, ctx.rank, ctx.world_size)
     record_init(cfg.run.dump_params_dir, ctx.rank)
-    adapter = build_adapter(hvd, cfg, model_inputs, ctx.rank, train_data or (lambda seed: tc.worker_data(cfg, seed)))
-    return run_loop(cfg, ctx, adapter)
+    return tc.train_adapter(cfg, ctx, build_adapter(cfg, ctx, data))
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    tc.run_on_ray(config, run_worker)

@@ -1,8 +1,8 @@
-"""Horovod (Gloo, CPU) on Ray Train V2: `DataParallelTrainer` + `HorovodConfig` (trainers/horovod_backend.py).
+"""Horovod (Gloo, CPU) on Ray Train V2: `DataParallelTrainer` + `HorovodConfig` (trainers/horovod/backend.py).
 
 `trainer.framework` picks the binding: `torch` (`hvd.DistributedOptimizer`, any of our PyTorch models, MNIST or
-IMDb; trainers/horovod_torch.py) or `tf` (a custom loop on `hvd.DistributedGradientTape`, tf-keras models;
-trainers/horovod_tf.py). Both are adapters on the shared loop (trainers/loop.py): same data (Ray Data shards),
+IMDb; trainers/horovod/torch.py) or `tf` (a custom loop on `hvd.DistributedGradientTape`, tf-keras models;
+trainers/horovod/tf.py). Both are adapters on the shared loop (trainers/loop.py): same data (Ray Data shards),
 metric names, checkpoints and MLflow contract as the other backends. This module imports neither framework, so
 a TF worker never imports torch.
 
@@ -13,46 +13,13 @@ Horovod's `backward_passes_per_step`.
 from __future__ import annotations
 
 import importlib
-import os
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
-from trainers.horovod_backend import HorovodConfig
+from trainers.horovod.backend import HorovodConfig
 
-BUILD_HINT = "horovod is not installed in this environment; build it with `bash cluster/local/build-horovod.sh`"
-FRAMEWORK_MODULES = {"torch": "trainers.horovod_torch", "tf": "trainers.horovod_tf"}
-
-
-def import_horovod(framework: str) -> Any:
-    """`horovod.torch` or `horovod.tensorflow`, with the build hint instead of a bare ModuleNotFoundError."""
-    try:
-        return importlib.import_module({"torch": "horovod.torch", "tf": "horovod.tensorflow"}[framework])
-    except ModuleNotFoundError as err:
-        if err.name and err.name.startswith("horovod"):
-            raise ModuleNotFoundError(BUILD_HINT) from err
-        raise
-
-
-def init_horovod(hvd: Any, rank: int, size: int) -> None:
-    """`hvd.init()` (Gloo rendezvous with the server the backend started, or a lone process without one); checks
-    Horovod agrees with Ray on who is who, since checkpoints and MLflow logging are done by Ray's rank 0."""
-    hvd.init()
-    if (hvd.rank(), hvd.size()) != (rank, size):
-        raise RuntimeError(f"horovod rank/size {hvd.rank()}/{hvd.size()} != Ray Train's {rank}/{size}")
-
-
-def record_init(directory: str | None, rank: int) -> None:
-    """`run.dump_params_dir` debugging aid: one line per `hvd.init()` (rank, pid, rendezvous address), so a test
-    can see that a restarted worker group did its own rendezvous."""
-    if not directory:
-        return
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    line = (f"rank={rank} pid={os.getpid()} rendezvous={os.environ.get('HOROVOD_GLOO_RENDEZVOUS_ADDR')}:"
-            f"{os.environ.get('HOROVOD_GLOO_RENDEZVOUS_PORT')} iface={os.environ.get('HOROVOD_GLOO_IFACE')}\n")
-    with open(Path(directory) / "horovod_init.log", "a") as log:
-        log.write(line)
+FRAMEWORK_MODULES = {"torch": "trainers.horovod.torch", "tf": "trainers.horovod.tf"}
 
 
 def framework_module(cfg: DictConfig) -> Any:
@@ -60,10 +27,9 @@ def framework_module(cfg: DictConfig) -> Any:
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    from trainers.worker import ray_context, worker_config
+    from trainers.worker import worker_config
 
-    cfg = worker_config(config)
-    framework_module(cfg).run_worker(cfg, ray_context(config, cfg), config["model_inputs"])
+    framework_module(worker_config(config)).train_loop_per_worker(config)
 
 
 def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict,
@@ -76,9 +42,9 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
 
     env = {"TF_CPP_MIN_LOG_LEVEL": "2"}
     if cfg.trainer.framework == "tf":
-        from trainers.tf_common import LEGACY_KERAS_ENV
+        from trainers.tf.common import LEGACY_KERAS_ENV
 
-        env.update(LEGACY_KERAS_ENV)  # tf-keras must own tf.keras from process start (trainers/tf_common.py)
+        env.update(LEGACY_KERAS_ENV)  # tf-keras must own tf.keras from process start (trainers/tf/common.py)
     return DataParallelTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config(cfg, run_id, tracking_uri, model_inputs),
@@ -93,5 +59,5 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
 
 def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, model_inputs: dict) -> None:
     """The final checkpoint's model, in the flavour of its framework (same as ddp / tf_mwms log)."""
-    backend = "trainers.torch_ddp" if cfg.trainer.framework == "torch" else "trainers.tf_mwms"
-    importlib.import_module(backend).log_final_model(uri, run_id, cfg, checkpoint, model_inputs)
+    shared = "trainers.torch.common" if cfg.trainer.framework == "torch" else "trainers.tf.common"
+    importlib.import_module(shared).log_final_model(uri, run_id, cfg, checkpoint, model_inputs)

@@ -1,6 +1,6 @@
 """A plain BERT-style encoder classifier (pre-LN), with no parallelism inside.
 
-Tensor parallelism lives in `trainers.parallel`; it shards q/k/v output features by whole heads, and this model
+Tensor parallelism lives in `trainers.torch.parallel`; it shards q/k/v output features by whole heads, and this model
 still works because attention reads its local head count from tensor shapes instead of the config.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from contract.data import PAD_ID
+from trainers.models.flavours import BERT_FLAVOURS
 
 
 @dataclass
@@ -25,8 +26,8 @@ class BertConfig:
     mlp_ratio: int = 4  # MLP inner width = mlp_ratio * hidden
     dropout: float = 0.1  # embedding, residual and MLP dropout
     # On the attention probabilities. Off by default, as in nanoGPT and TorchTitan: with it, torch's CPU
-    # attention leaves its fused kernel (BERT tiny's training step 1.21x slower at 256 tokens, 1.60x at 512),
-    # and IMDb accuracy did not depend on it (benchmarks/README.md, attention_dropout.py).
+    # attention leaves its fused kernel, a much slower step, and IMDb accuracy did not depend on it
+    # (benchmarks/README.md, attention_dropout.py).
     attention_dropout: float = 0.0
     num_classes: int = 2  # classifier outputs
     pad_id: int = 0  # informational: the caller builds attention_mask from it (see `padding_mask`)
@@ -34,15 +35,6 @@ class BertConfig:
     def __post_init__(self) -> None:
         if self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden} is not a multiple of heads={self.heads}")
-
-
-# name -> (layers, hidden, heads)
-BERT_FLAVOURS: dict[str, tuple[int, int, int]] = {
-    "tiny": (2, 128, 2),
-    "small": (4, 256, 4),
-    "base": (12, 768, 12),
-    "large": (24, 1024, 16),
-}
 
 
 def bert_config(flavour: str, vocab_size: int, max_len: int, **overrides: Any) -> BertConfig:
@@ -149,7 +141,7 @@ class BertClassifier(nn.Module):
         """input_ids (B, T) long, attention_mask (B, T) with 1 = token, 0 = pad -> (B, C). Without a mask the
         [PAD] ids are the padding, as Keras' `mask_zero` reads them (what a logged model's caller passes).
 
-        A pipeline stage is this model with the parts other stages own removed (trainers/parallel/pipeline.py):
+        A pipeline stage is this model with the parts other stages own removed (trainers/torch/parallel/pipeline.py):
         without embeddings (`tok_emb` None) it takes the previous stage's hidden states (B, T, h) in place of
         input_ids, with the mask given; without a classifier it returns its hidden states (B, T, h)."""
         T = input_ids.shape[1]

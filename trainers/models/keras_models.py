@@ -1,6 +1,6 @@
 """Plain Keras models, from the same `cfg.model` fields as the PyTorch ones (`trainers/models/`).
 
-`keras` is passed in (the tf_mwms backend uses tf-keras, see `trainers/tf_mwms.py`); the code runs unchanged
+`keras` is passed in (the tf_mwms backend uses tf-keras, see `trainers/tf/mwms.py`); the code runs unchanged
 on Keras 3. MNIST: normalised float images [B, 784] -> logits [B, 10]. IMDb (`embed_pool`): token ids [B, T]
 with [PAD] = 0 -> logits [B, 2]; `mask_zero` keeps padding out of the mean, as `trainers/models/text.py` does.
 The logits layer is float32 under any mixed-precision policy (`trainer.precision`), so the softmax and the loss

@@ -41,7 +41,7 @@ class CNN(nn.Module):
 
     Pooling before the ReLU gives the same numbers as the usual conv-relu-pool (the max of a window commutes with
     a ReLU, and so do the gradients: bit for bit, tests/unit/test_models.py) with the ReLU on a quarter of the
-    values; on one CPU thread the whole training step is 1.58x faster (benchmarks/README.md, scaling section)."""
+    values, a faster training step on CPUs (benchmarks/README.md, scaling)."""
 
     def __init__(self, channels: list[int], hidden: int = 128, dropout: float = 0.25, classes: int = 10):
         super().__init__()

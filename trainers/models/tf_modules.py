@@ -1,4 +1,4 @@
-"""Plain `tf.Module` classifiers for `trainer=tf_dtensor`, no parallelism inside (trainers/parallel/dtensor_mesh.py
+"""Plain `tf.Module` classifiers for `trainer=tf_dtensor`, no parallelism inside (trainers/tf/dtensor/mesh.py
 turns their variables into DTensor variables with a layout each), written like the TensorFlow DTensor tutorial's:
 Dense layers with ReLU between them, and a BatchNorm after the first one for the TF-IDF model.
 

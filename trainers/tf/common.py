@@ -13,19 +13,20 @@ TensorFlow is imported inside functions for that reason, and nothing here import
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from contract.checkpoint import TrainState
-from contract.data import MNIST_MEAN, MNIST_STD, bucketed_order, shuffled_order
-from contract.metrics import PendingReduce, peak_rss_bytes, reduce_at_once
-from trainers.worker import dataset_shards
+from contract.metrics import PendingReduce, reduce_at_once
+from trainers.adapter import Adapter, WorkerData
+from trainers.loop import WorkerContext
+from trainers.tf.data import ShardArrays, worker_shards
+from trainers.tf.keras_fit import run_epochs
+from trainers.worker import ray_context, worker_config
 
 LEGACY_KERAS_ENV = {"TF_USE_LEGACY_KERAS": "1"}
-LOAD_BATCH = 8192
 EVAL_BATCH = 256
 WEIGHTS, OPTIMIZER = "model.weights.h5", "optimizer.npz"
 
@@ -43,7 +44,7 @@ def set_threads(tf: Any, threads: int) -> None:
 
 
 def seed_dropout(tf: Any, seed: int, stream: int) -> None:
-    """Seed TF's random ops of training (dropout), once the model is built, as trainers/torch_common.seed_dropout
+    """Seed TF's random ops of training (dropout), once the model is built, as trainers/torch/common.seed_dropout
     does for torch: each worker (`stream`: its rank) draws its own masks. Every worker sets the same global seed
     for the initial weights, and the ops of a function traced afterwards take their seeds from the global one."""
     tf.random.set_seed(seed + 1000 * stream)
@@ -54,104 +55,11 @@ def local_devices(tf: Any, count: int, use_gpu: bool) -> list[str]:
     if use_gpu:
         gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
         if len(gpus) < count:
-            raise RuntimeError(f"trainer.tf_devices={count} but this worker sees {len(gpus)} GPUs")
+            raise RuntimeError(f"trainer.devices_per_worker={count} but this worker sees {len(gpus)} GPUs")
         return gpus[:count]
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
     return [d.name for d in tf.config.list_logical_devices("CPU")][:count]
-
-
-class ShardArrays:
-    """This worker's Ray Data shard, pulled once into memory as numpy (same reason as
-    `torch_common.ShardBatches`: re-streaming Parquet every epoch is slower than the model trains).
-    Features: MNIST uint8 images [N, 784] (normalised per batch in `dataset`), IMDb int32 token ids [N, T]
-    with their `lengths` (real tokens per row). `shard`: anything with Ray's `iter_batches`."""
-
-    def __init__(self, shard: Any, dataset: str):
-        start = time.perf_counter()
-        self.column = "image" if dataset == "mnist" else "input_ids"
-        self._concat(shard.iter_batches(batch_size=LOAD_BATCH, batch_format="numpy"))
-        self.load_s = time.perf_counter() - start
-
-    @classmethod
-    def from_columns(cls, columns: dict[str, np.ndarray], dataset: str) -> "ShardArrays":
-        """A shard already in memory (in-process tests): what pulling a Ray Data shard gives."""
-        arrays = cls.__new__(cls)
-        arrays.column, arrays.load_s = "image" if dataset == "mnist" else "input_ids", 0.0
-        arrays._concat([columns])
-        return arrays
-
-    def _concat(self, batches: Any) -> None:
-        features, labels, lengths = [], [], []
-        for batch in batches:
-            column = batch[self.column]  # fixed-size lists: [B, D], or B arrays of D
-            features.append(np.stack(column) if column.dtype == object else column)
-            labels.append(np.asarray(batch["label"], dtype=np.int64))
-            lengths.append(np.asarray(batch["length"], dtype=np.int64) if "length" in batch
-                           else np.zeros(len(column), dtype=np.int64))
-        self.features, self.labels = np.concatenate(features), np.concatenate(labels)
-        self.lengths = np.concatenate(lengths)  # zeros for images: no tokens to count
-        # Rows per step when shuffled epochs are grouped by length (`data.bucket_by_length`, set by the adapter;
-        # the batches keep their stored width, so only the order changes: the same one as PyTorch's); 0: off.
-        self.bucket_rows = 0
-        self._tensors: tuple[Any, Any] | None = None  # features and labels in TensorFlow, once asked for
-
-    def steps(self, batch_size: int, max_steps: int | None) -> int:
-        # Every worker must run the same number of steps (each is a collective): Ray's DataConfig splits
-        # with equal=True (same rows per worker), and only full batches are used.
-        steps = len(self.labels) // batch_size
-        return min(steps, max_steps) if max_steps else steps
-
-    def order(self, seed: int | None) -> np.ndarray:
-        """Row order of an epoch: shuffled by `seed` (in `bucketed_order` when `bucket_rows` is set), or as stored
-        when None."""
-        rows = len(self.labels)
-        if seed is None:
-            return np.arange(rows)
-        order = shuffled_order(rows, seed)
-        return bucketed_order(order, self.lengths, self.bucket_rows, seed) if self.bucket_rows else order
-
-    def step_tokens(self, rows_per_step: int, seed: int, steps: int) -> np.ndarray:
-        """Real tokens in each of an epoch's `steps` steps of `rows_per_step` rows (in `order(seed)`)."""
-        return self.lengths[self.order(seed)][:steps * rows_per_step].reshape(steps, rows_per_step).sum(axis=1)
-
-    def tensors(self, tf: Any) -> tuple[Any, Any]:
-        """The shard's features and labels as TensorFlow tensors, made once: every epoch's dataset gathers its
-        batches from them, so an attempt's chained epochs (`chained_epochs`) hold one copy of the shard, not one
-        per epoch (20 chained epochs of a 30,000-image MNIST shard: 1.3 GB with a copy each, 45 MB now)."""
-        if self._tensors is None:
-            with tf.device("/CPU:0"):  # host memory, as tf.data's own copies were (not a GPU's, where one is seen)
-                self._tensors = (tf.constant(self.features), tf.constant(self.labels))
-        return self._tensors
-
-    def dataset(self, tf: Any, batch_size: int, seed: int | None = None, steps: int | None = None) -> Any:
-        """One epoch as a `tf.data.Dataset` of (features, labels [B]); shuffled with `seed` (per epoch) when
-        given. TF's auto-sharding is off: Ray already gave each worker its shard."""
-        ds = tf.data.Dataset.from_tensor_slices(self.order(seed))
-        ds = ds.batch(batch_size, drop_remainder=steps is not None)
-        if steps is not None:
-            ds = ds.take(steps)
-        features, labels = self.tensors(tf)
-        ds = ds.map(lambda rows: (tf.gather(features, rows), tf.gather(labels, rows)))
-        if self.column == "image":
-            ds = ds.map(lambda x, y: ((tf.cast(x, tf.float32) / 255.0 - MNIST_MEAN) / MNIST_STD, y))
-        else:
-            ds = ds.map(lambda x, y: (tf.cast(x, tf.int32), y))
-        options = tf.data.Options()
-        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-        # tf.data's default graph rewrites, made when an iterator opens, copy the shard into every epoch's part of
-        # a chained dataset (20 MNIST epochs: 0.5 GB); a pipeline this small gains nothing from them (measured:
-        # 3 chained epochs read in 0.15 s without, 0.35 s with).
-        options.experimental_optimization.apply_default_optimizations = False
-        return ds.with_options(options).prefetch(2)
-
-
-def worker_arrays(dataset: str) -> tuple[ShardArrays, ShardArrays]:
-    """This worker's train and eval arrays (Ray Train dataset shards "train" and "eval")."""
-    (train_shard, eval_shard), waited_s = dataset_shards("train", "eval")
-    train, evaluation = ShardArrays(train_shard, dataset), ShardArrays(eval_shard, dataset)
-    train.load_s += waited_s
-    return train, evaluation
 
 
 def input_example(dataset: str, model_inputs: dict) -> np.ndarray:
@@ -163,12 +71,12 @@ def input_example(dataset: str, model_inputs: dict) -> np.ndarray:
 
 def build_compiled_model(keras: Any, cfg: Any, model_inputs: dict, steps_per_execution: int = 1,
                          steps_per_epoch: int = 1, seed: int | None = None) -> Any:
-    """The Keras model of `cfg.model` compiled with the trainer's recipe optimizer (trainers/tf_recipe.py; its
+    """The Keras model of `cfg.model` compiled with the trainer's recipe optimizer (trainers/tf/recipe.py; its
     LR schedule spans `trainer.epochs` epochs of `steps_per_epoch` batches). `steps_per_execution` > 1 only
     matters to `fit` (tf_mwms' and tf_ps' `trainer.tf_steps_per_execution`). The dtype policy (`set_precision`) is
     the caller's: the logged model is built in float32."""
     from trainers.models.keras_models import build_keras_model
-    from trainers.tf_recipe import make_optimizer
+    from trainers.tf.recipe import make_optimizer
 
     model = build_keras_model(cfg.model, keras, model_inputs, seed)
     optimizer = make_optimizer(keras, cfg.trainer, model.trainable_variables, steps_per_epoch)
@@ -238,51 +146,12 @@ class TFProfiler:
             self.recording = False
 
 
-def chained_epochs(epoch_dataset: Callable[[int], Any], first: int, last: int) -> Any:
-    """`epoch_dataset(e)` for epochs `first`..`last` (`first` at least), each with its own shuffle, one after the
-    other: Keras `fit` and `EpochStream` read an attempt's epochs through one iterator."""
-    chained = epoch_dataset(first)
-    for epoch in range(first + 1, last + 1):
-        chained = chained.concatenate(epoch_dataset(epoch))
-    return chained
-
-
-class EpochStream:
-    """A custom loop's batches, an attempt's epochs read through one iterator, each epoch in its own order. An
-    iterator made and dropped every epoch cost 1.3-2.5 s at some epochs' ends with two workers, and the other
-    worker waited in the next collective: the iterator's destructor waited for tf.data's autotuning thread
-    (seen with gdb; benchmarks/README.md, scaling.py). `open_iterator(make)` opens an iterator over the dataset
-    `make()` builds (the strategy's distributed one, or a plain one)."""
-
-    def __init__(self, epoch_dataset: Callable[[int, int], Any], last_epoch: int,
-                 open_iterator: Callable[[Callable[[], Any]], Iterator[Any]]):
-        self.epoch_dataset, self.last_epoch, self.open_iterator = epoch_dataset, last_epoch, open_iterator
-        self.iterator: Iterator[Any] | None = None
-        self.next_epoch = 0  # the epoch the open iterator is at, once the previous one was read to its end
-
-    def batches(self, epoch: int, skip: int, count: int) -> Iterator[Any]:
-        """The epoch's `count` batches after its first `skip`: from the open iterator when it is at this epoch,
-        else (an attempt's first epoch, a resumed one, or one past `last_epoch`, which only a caller with its
-        own epoch count asks for) from a new one over epochs `epoch`..`last_epoch`."""
-        if skip or self.iterator is None or self.next_epoch != epoch or epoch > self.last_epoch:
-            def remaining(e: int) -> Any:  # the first without its `skip` done steps
-                return self.epoch_dataset(e, skip if e == epoch else 0)
-
-            self.iterator = self.open_iterator(lambda: chained_epochs(remaining, epoch, self.last_epoch))
-        for _ in range(count):
-            yield next(self.iterator)
-        self.next_epoch = epoch + 1
-
-
-class KerasAdapter:
+class KerasAdapter(Adapter):
     """What the TF adapters share: evaluation, state files, tokens per step, memory. Subclasses give
     `batches`, `train_step` and `reduce`, and with `grad_accum` > 1 the update boundaries (one optimizer step per
     `passes` batches, the rest of an epoch applied by `finish_epoch`)."""
 
-    replicas = 1
-    sharded_checkpoint = False  # rank 0's folder holds the whole state
-    loss_is_global = False  # each worker's own batch loss, unless a subclass's step reduces it
-    batch_hooks = True  # Keras fit may call batch-level callbacks (trainers/keras_fit.py)
+    batch_hooks = True  # Keras fit may call batch-level callbacks (trainers/tf/keras_fit.py)
 
     def __init__(self, tf: Any, strategy: Any, model: Any, train: ShardArrays, evaluation: ShardArrays,
                  batch_size: int, rank: int, seed: int, max_steps: int | None, local_replicas: int = 1,
@@ -318,12 +187,6 @@ class KerasAdapter:
         for batch, count in zip(self.stream.batches(epoch, skip, len(tokens)), tokens):
             yield batch, int(count)
 
-    def at_update_boundary(self) -> bool:
-        return True
-
-    def finish_epoch(self) -> None:
-        pass
-
     def evaluate(self, epoch: int) -> tuple[int, int]:
         """One pass over the evaluation set, from one iterator over it repeated, kept for the attempt: an iterator
         made and dropped at every evaluation cost each of 2 workers 0.5-0.6 s more at each epoch's end, its
@@ -340,14 +203,8 @@ class KerasAdapter:
     def reduce_later(self, values: list[float], op: str) -> PendingReduce:
         return reduce_at_once(self.reduce, values, op)  # TF's collectives are called synchronously here
 
-    def peak_memory_bytes(self) -> float:
-        return peak_rss_bytes()
-
     def profiler(self, folder: str, steps: int) -> TFProfiler:
         return TFProfiler(self.tf, folder, steps)
-
-    def epoch_extras(self) -> dict[str, float]:
-        return {}
 
     def save(self, directory: str) -> None:
         if self.rank == 0 or self.save_on_every_rank:
@@ -409,3 +266,23 @@ def log_final_model(uri: str, run_id: str, cfg: Any, checkpoint: Any, model_inpu
     task = ray.remote(num_cpus=1, runtime_env={"env_vars": {**LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}})(
         _log_model_task)
     ray.get(task.remote(uri, run_id, OmegaConf.to_container(cfg, resolve=True), checkpoint, model_inputs, model_from))
+
+
+RunWorker = Callable[[Any, WorkerContext, WorkerData], bool]  # a backend's `run_worker`
+
+
+def run_on_ray(config: dict[str, Any], run_worker: RunWorker) -> None:
+    """What a TensorFlow backend's Ray Train workers run: its `run_worker` on this worker's context and Ray Data
+    shards (pulled when the adapter asks, after the worker has set TensorFlow's threads)."""
+    cfg = worker_config(config)
+    run_worker(cfg, ray_context(config, cfg), WorkerData(config["model_inputs"],
+                                                         lambda seed: worker_shards(cfg.data.name)))
+
+
+def train_keras(cfg: Any, ctx: WorkerContext, keras: Any, adapter: KerasAdapter) -> bool:
+    """The remaining epochs through Keras `fit` or the shared loop (`trainer.tf_loop`), then
+    `run.dump_params_dir`. False: stopped on request."""
+    if not run_epochs(keras, adapter, ctx, cfg.trainer.tf_loop):
+        return False
+    adapter.dump(cfg.run.dump_params_dir)
+    return True

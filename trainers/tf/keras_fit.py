@@ -44,7 +44,8 @@ def fit_epochs(keras: Any, loop: TrainLoop, adapter: FitAdapter, epochs: int) ->
     callbacks = [report_each_epoch(keras, loop, adapter)]
     if loop.startup_due:
         callbacks.append(log_startup(keras, loop, adapter.batch_hooks))
-    if adapter.batch_hooks:  # else the config refuses step losses, a forced bar and profiling (pipelines/config.py)
+    # Without batch hooks the config refuses step losses, a forced bar and profiling (pipelines/backend_checks.py).
+    if adapter.batch_hooks:
         if ctx.logger is not None and ctx.log_every_n_steps > 0:
             callbacks.append(log_step_loss(keras, loop, adapter))
         if ctx.step_bar is not None:

@@ -3,9 +3,9 @@
 Two loops, one contract (`trainer.tf_loop`): the shared loop (trainers/loop.py) driving a custom step
 (`strategy.run` of a `tf.function` with `GradientTape`; stops mid-epoch on STOP), or tf-keras `model.fit` with a
 callback that hands each epoch to the same loop's `end_epoch` (metrics, checkpoint, report, MLflow).
-`trainer.tf_devices > 1` gives a worker several replicas: its GPUs, or logical CPU devices (one worker:
-`MirroredStrategy`, one machine). Keras: tf-keras, see trainers/tf_common.py. The training recipe (optimizer, LR
-schedule, clipping, precision): trainers/tf_recipe.py; gradient accumulation: `MirroredAdapter` (custom loop) and
+`trainer.devices_per_worker > 1` gives a worker several replicas: its GPUs, or logical CPU devices (one worker:
+`MirroredStrategy`, one machine). Keras: tf-keras, see trainers/tf/common.py. The training recipe (optimizer, LR
+schedule, clipping, precision): trainers/tf/recipe.py; gradient accumulation: `MirroredAdapter` (custom loop) and
 `accumulating_train_step` (fit), the same arithmetic.
 """
 from __future__ import annotations
@@ -16,9 +16,10 @@ import numpy as np
 from omegaconf import DictConfig
 
 from contract.recipe import updates_per_epoch
-from trainers import tf_common as tfc
-from trainers import tf_recipe as tfr
-from trainers.keras_fit import run_epochs
+from trainers.tf import common as tfc
+from trainers.tf.data import EpochStream, chained_epochs
+from trainers.tf import recipe as tfr
+from trainers.adapter import WorkerData
 from trainers.loop import WorkerContext
 
 log_final_model = tfc.log_final_model  # the backend's logged-model flavour (MLflow tensorflow)
@@ -30,13 +31,14 @@ def make_strategy(tf: Any, trainer: DictConfig) -> Any:
     tfc.set_threads(tf, trainer.threads_per_worker)
     if trainer.num_workers == 1:
         if trainer.tf_strategy == "central_storage":  # variables on one device (the CPU), computed on the others
-            devices = tfc.local_devices(tf, trainer.tf_devices, trainer.use_gpu)
+            devices = tfc.local_devices(tf, trainer.devices_per_worker, trainer.use_gpu)
             return tf.distribute.experimental.CentralStorageStrategy(compute_devices=devices)
-        if trainer.tf_devices > 1:
-            return tf.distribute.MirroredStrategy(devices=tfc.local_devices(tf, trainer.tf_devices, trainer.use_gpu),
+        if trainer.devices_per_worker > 1:
+            devices = tfc.local_devices(tf, trainer.devices_per_worker, trainer.use_gpu)
+            return tf.distribute.MirroredStrategy(devices=devices,
                                                   cross_device_ops=cross_device_ops(tf, trainer.tf_cross_device_ops))
         # One replica: nothing to mirror or all-reduce; TF's default strategy has the same API without the
-        # per-step collective machinery of MWMS (measured: benchmarks/README.md, tf_vs_bare).
+        # per-step collective machinery of MWMS (benchmarks/README.md, tf_vs_bare).
         return tf.distribute.get_strategy()
     impl = {"auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
             "ring": tf.distribute.experimental.CommunicationImplementation.RING,
@@ -64,14 +66,14 @@ class MirroredAdapter(tfc.KerasAdapter):
     around `apply_gradients` fails under MirroredStrategy (a RuntimeError from its merge_call in the branch)."""
 
     # The step returns the sum over replicas of their losses over the global batch: the loop logs it as it is (an
-    # eager all-gather per logged step took 19-20% of the MLP's training time: benchmarks/README.md, tracking).
+    # eager all-gather per logged step cost a fifth of a small model's training: benchmarks/README.md, tracking).
     loss_is_global = True
 
     def __init__(self, keras: Any, world_size: int, last_epoch: int, *args: Any, **kwargs: Any):
         super().__init__(*args, save_on_every_rank=True, **kwargs)
-        self.world_size = world_size
+        self.keras, self.world_size = keras, world_size
         # From a function: its batches are per replica (not re-batched by the strategy).
-        self.stream = tfc.EpochStream(self.epoch_dataset, last_epoch, lambda make: iter(
+        self.stream = EpochStream(self.epoch_dataset, last_epoch, lambda make: iter(
             self.strategy.distribute_datasets_from_function(lambda _: make())))
         self.pending = 0  # batches accumulated since the last optimizer step
         self.sums = self._accumulators()
@@ -168,7 +170,7 @@ class MirroredAdapter(tfc.KerasAdapter):
         self.model.distribute_reduction_method = "first"
 
         distributed = self.strategy.distribute_datasets_from_function(
-            lambda _: tfc.chained_epochs(self.fit_dataset, first_epoch, epochs))
+            lambda _: chained_epochs(self.fit_dataset, first_epoch, epochs))
         self.model.fit(distributed, epochs=epochs, initial_epoch=first_epoch - 1, steps_per_epoch=self.fit_steps(),
                        callbacks=callbacks, verbose=0)
 
@@ -211,10 +213,9 @@ def accumulating_train_step(tf: Any, model: Any, passes: int) -> Any:
     return train_step
 
 
-def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: int,
-                  data: tuple[tfc.ShardArrays, tfc.ShardArrays], strategy: Any = None) -> tuple[Any, MirroredAdapter]:
-    """(keras, adapter): the strategy first (before any other TF op; `strategy`: one made already, for a
-    second model in the same process), the precision policy, then the model inside the strategy."""
+def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData, strategy: Any = None) -> MirroredAdapter:
+    """The strategy first (before any other TF op; `strategy`: one made already, for a second model in the same
+    process), the precision policy, then the model inside the strategy."""
     import tensorflow as tf
 
     if strategy is None:
@@ -223,48 +224,39 @@ def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: in
 
     from trainers.models.keras_models import build_keras_model
 
-    trainer = cfg.trainer
+    trainer, rank, world_size = cfg.trainer, ctx.rank, ctx.world_size
     tfr.set_precision(keras, trainer.precision)
     # Same initial weights everywhere and for every device layout: they are drawn outside the strategy, whose
     # variable creation uses up random ops differently (default vs Mirrored strategy), then copied in.
     keras.utils.set_random_seed(cfg.run.seed)
-    initial = build_keras_model(cfg.model, keras, model_inputs, seed=cfg.run.seed).get_weights()
-    local_replicas = strategy.num_replicas_in_sync // world_size  # tf_devices under MirroredStrategy, else 1
-    train, evaluation = data
+    initial = build_keras_model(cfg.model, keras, data.model_inputs, seed=cfg.run.seed).get_weights()
+    local_replicas = strategy.num_replicas_in_sync // world_size  # devices_per_worker under MirroredStrategy, else 1
+    train, evaluation = data.shards(cfg.run.seed + 1000 * rank)
     steps = train.steps(trainer.batch_size * local_replicas, trainer.max_steps_per_epoch)  # for the LR schedule
     with strategy.scope():
-        model = tfc.build_compiled_model(keras, cfg, model_inputs, trainer.tf_steps_per_execution, steps)
+        model = tfc.build_compiled_model(keras, cfg, data.model_inputs, trainer.tf_steps_per_execution, steps)
         model.set_weights(initial)
     tfc.seed_dropout(tf, cfg.run.seed, rank)  # before the training step is traced
-    adapter = MirroredAdapter(keras, world_size, trainer.epochs, tf, strategy, model, train, evaluation,
-                              trainer.batch_size, rank, cfg.run.seed + 1000 * rank, trainer.max_steps_per_epoch,
-                              local_replicas, grad_accum=trainer.grad_accum, bucket_by_length=cfg.data.bucket_by_length)
-    return keras, adapter
+    return MirroredAdapter(keras, world_size, trainer.epochs, tf, strategy, model, train, evaluation,
+                           trainer.batch_size, rank, cfg.run.seed + 1000 * rank, trainer.max_steps_per_epoch,
+                           local_replicas, grad_accum=trainer.grad_accum, bucket_by_length=cfg.data.bucket_by_length)
 
 
-def run_worker(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict,
-               data: tuple[tfc.ShardArrays, tfc.ShardArrays] | None = None) -> bool:
-    """Either loop, then `run.dump_params_dir`. `data`: Ray Data shards unless given (tests). False: stopped."""
+def run_worker(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
+    """Either loop (`trainer.tf_loop`), then `run.dump_params_dir`. False: stopped on request."""
     tfc.require_legacy_keras()
-    keras, adapter = build_adapter(cfg, model_inputs, ctx.rank, ctx.world_size,
-                                   data or tfc.worker_arrays(cfg.data.name))
-    if not run_epochs(keras, adapter, ctx, cfg.trainer.tf_loop):
-        return False
-    adapter.dump(cfg.run.dump_params_dir)
-    return True
+    adapter = build_adapter(cfg, ctx, data)
+    return tfc.train_keras(cfg, ctx, adapter.keras, adapter)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    from trainers.worker import ray_context, worker_config
-
-    cfg = worker_config(config)
-    run_worker(cfg, ray_context(config, cfg), config["model_inputs"])
+    tfc.run_on_ray(config, run_worker)
 
 
 def worker_resources(trainer: DictConfig) -> dict[str, float]:
     resources = {"CPU": float(trainer.threads_per_worker)}
     if trainer.use_gpu:
-        resources["GPU"] = float(trainer.tf_devices)  # one GPU per replica
+        resources["GPU"] = float(trainer.devices_per_worker)  # one GPU per replica
     return resources
 
 
@@ -272,7 +264,7 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
                   callbacks: list | None = None):
     from ray.train.tensorflow import TensorflowTrainer
 
-    from trainers.backend_configs import MirroredConfig
+    from trainers.tf.backend import MirroredConfig
     from trainers.shard_data import OrderedShards
     from trainers.worker import loop_config, run_config, scaling_config
 
@@ -281,7 +273,7 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
         train_loop_config=loop_config(cfg, run_id, tracking_uri, model_inputs),
         tensorflow_config=MirroredConfig(),  # TensorflowConfig's TF_CONFIG, without TensorFlow in the controller
         scaling_config=scaling_config(cfg, resources=worker_resources(cfg.trainer)),
-        # tf-keras must own `tf.keras` from process start (trainers/tf_common.py); Ray starts the worker
+        # tf-keras must own `tf.keras` from process start (trainers/tf/common.py); Ray starts the worker
         # processes with these env vars (merged with the job's).
         run_config=run_config(cfg, run_id, callbacks, {**tfc.LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}),
         datasets=datasets,

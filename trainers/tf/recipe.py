@@ -7,7 +7,7 @@ first and clips after (`aggregate_gradients`, then `_clip_gradients`; measured w
 CPU devices: tests/unit/test_tf_recipe.py), and Horovod hands it gradients already averaged over ranks. So the
 clipped norm is that of the averaged gradient, as in PyTorch, in the custom loops and in Keras `fit` alike.
 
-TensorFlow and tf-keras are passed in by the callers, never imported here at module level (trainers/tf_common.py
+TensorFlow and tf-keras are passed in by the callers, never imported here at module level (trainers/tf/common.py
 says why).
 """
 from __future__ import annotations
@@ -109,7 +109,7 @@ class VariableOptimizer:
     `tf.Module`s with DTensor variables: tf-keras' own `mesh=` optimizers left the variables unchanged in a
     2-client run here, measured with TF 2.21). The arithmetic is tf-keras' (SGD with momentum, Adam, AdamW with
     decoupled decay and `no_weight_decay`, clipping by the global norm, epsilon 1e-8), so a Keras optimizer on
-    plain variables is its reference (tests/dtensor_checks.py). Under DTensor the global norm is the norm over
+    plain variables is its reference (tests/support/dtensor_checks.py). Under DTensor the global norm is the norm over
     every shard: each reduction of a sharded gradient is all-reduced by DTensor.
 
     `apply(grads, lr, step)` runs inside the caller's `tf.function`; `lr` is the step's learning rate (the

@@ -1,14 +1,11 @@
-"""Ray Train backend configs for PyTorch and TensorFlow whose module imports neither framework. Ray Train's
-controller unpickles the trainer's backend config as it starts, before its worker group, in a process that never
-runs either framework; Ray's own configs live in packages that import theirs at the top:
-- `ray.train.torch.TorchConfig`: `ray.train.torch.config` imports torch, 1.0-1.2 CPU-s;
-- `ray.train.tensorflow.TensorflowConfig`: the package `ray.train.tensorflow` imports TensorFlow, 2.3-2.4 CPU-s
-(each timed in an interpreter with Ray Train imported; the controllers of a submitted MNIST run: benchmarks/README.md,
-startup). The configs here set up the same thing, each framework step one of Ray's own functions, imported and run
-on the workers (`on_worker`); the controller only orders them."""
+"""The Ray Train backend of the PyTorch backends (a torch process group), in a module that imports no torch. Ray
+Train's controller unpickles the trainer's backend config as it starts, before its worker group, in a process that
+never runs torch; Ray's own `ray.train.torch.TorchConfig` lives in a module that imports torch at the top (a second
+of CPU in every controller: benchmarks/README.md, startup). This config sets up the same thing, each step one of
+Ray's own functions, imported and run on the workers (`trainers.worker.on_worker`); the controller only orders
+them."""
 from __future__ import annotations
 
-import importlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -20,18 +17,11 @@ from ray.train.backend import Backend, BackendConfig
 from ray.train.constants import DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
 from ray.train.v2._internal.util import TrainingFramework
 
-from trainers.worker import free_addresses, set_env
+from trainers.worker import on_worker, set_env
 
 logger = logging.getLogger(__name__)
 
-
-def on_worker(module: str, name: str, **kwargs: Any) -> Any:
-    """Runs on a worker: `<module>.<name>(**kwargs)`, importing the module (and its framework) there."""
-    return getattr(importlib.import_module(module), name)(**kwargs)
-
-
 TORCH = "ray.train.torch.config"
-TENSORFLOW = "ray.train.tensorflow.config"
 
 
 class CudaDeviceContext:
@@ -90,29 +80,3 @@ class TorchGroupBackend(Backend):
             ray.get(futures, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             logger.warning("torch process group shutdown timed out after %d s", timeout_s)
-
-
-@dataclass
-class MirroredConfig(BackendConfig):
-    """What `TensorflowConfig` sets up for `MultiWorkerMirroredStrategy`: each worker's TF_CONFIG naming every
-    worker's address (and tf-keras as `tf.keras`, as Ray sets it)."""
-
-    @property
-    def backend_cls(self) -> type:
-        return MirroredBackend
-
-    @property
-    def framework(self) -> TrainingFramework:
-        return TrainingFramework.TENSORFLOW
-
-
-class MirroredBackend(Backend):
-    """`ray.train.tensorflow.config._TensorflowBackend`'s steps, the workers' ports drawn as our other TensorFlow
-    backends draw theirs (`trainers.worker.free_addresses`: distinct, above the kernel's range for outgoing
-    connections)."""
-
-    def on_start(self, worker_group: Any, backend_config: MirroredConfig) -> None:
-        urls = free_addresses(worker_group)  # each worker's TensorFlow server, as tf_ps' and DTensor's
-        ray.get([worker_group.execute_single_async(index, on_worker, TENSORFLOW, "_setup_tensorflow_environment",
-                                                   worker_addresses=urls, index=index)
-                 for index in range(len(worker_group))])

@@ -1,39 +1,39 @@
-"""What every PyTorch backend shares: shard ingest, the `TorchAdapter` the loop drives (trainers/loop.py), its
-state files, and the `TorchTrainer` they run on. Backends (ddp, tp, horovod torch) differ only in how they
-wrap the model and optimizer, sync gradients, and turn state into the dense form a checkpoint holds."""
+"""What every PyTorch backend shares (ddp, tp, fsdp, horovod torch): the `TorchAdapter` the loop drives
+(trainers/loop.py), its state files, how a worker runs on Ray Train, the `TorchTrainer`, and the final model logged
+to MLflow. Backends differ only in how they wrap the model and optimizer, sync gradients, and turn state into the
+dense form a checkpoint holds."""
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
 from torch import nn
 
-from contract.data import MNIST_MEAN, MNIST_STD, bucketed_order, shuffled_order
+from contract.checkpoint import TrainState
 from contract.metrics import AsyncReducer, PendingReduce, peak_rss_bytes
-from trainers.parallel.comm import collective_device
-from trainers.parallel.data_parallel import average_gradients
-from trainers.parallel.memory import rank_memory
-from trainers.torch_recipe import TorchRecipe, clip_dense_grad_norm, with_kernels_of
-from trainers.worker import dataset_shards, loop_config, run_config, scaling_config
+from trainers.adapter import Adapter, WorkerData
+from trainers.loop import WorkerContext, train
+from trainers.models import build_model
+from trainers.torch.data import Batch, ShardBatches, worker_shards
+from trainers.torch.parallel.comm import collective_device
+from trainers.torch.parallel.data_parallel import average_gradients
+from trainers.torch.parallel.memory import rank_memory
+from trainers.torch.recipe import TorchRecipe, clip_dense_grad_norm, with_kernels_of
+from trainers.worker import loop_config, ray_context, run_config, scaling_config, worker_config
 
-LOAD_BATCH = 8192  # rows per Ray Data batch when pulling a shard into memory
-EVAL_BATCH = 256
 STATE_FILE = "state.pt"  # {"model": dense state dict, "optimizer": dense optimizer state, "scheduler": ...}
-
-
-Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor, int]  # (model inputs, labels, tokens in batch)
 
 
 def place_model(model: nn.Module, device: torch.device) -> nn.Module:
     """`model` on `device`; a convolutional one in channels-last memory format, which oneDNN (and cuDNN) run
-    faster: the MNIST CNN's training step is 1.9x faster on one CPU thread (NCHW max-pooling is a slow path;
-    benchmarks/README.md). Horovod takes them through contiguous copies (`horovod_torch.ContiguousCompression`)."""
+    faster (NCHW max-pooling is a slow path on CPUs: benchmarks/README.md). Horovod takes them through contiguous
+    copies (`trainers.horovod.torch.ContiguousCompression`)."""
     if any(isinstance(m, nn.Conv2d) for m in model.modules()):
         return model.to(device, memory_format=torch.channels_last)
     return model.to(device)
@@ -46,128 +46,6 @@ def seed_dropout(seed: int, stream: int) -> None:
     dropout on their replicated activations requires. Every torch backend seeds this way, so the same `run.seed`
     trains the same model through ddp, fsdp and horovod (benchmarks/loss_parity.py)."""
     torch.manual_seed(seed + 1000 * stream)  # the offset the shard shuffle uses too (another generator)
-
-
-def normalise(images: torch.Tensor) -> torch.Tensor:
-    return (images.float() / 255.0 - MNIST_MEAN) / MNIST_STD
-
-
-def image_batch(columns: dict[str, torch.Tensor]) -> Batch:
-    return (normalise(columns["image"]),), columns["label"].long(), 0
-
-
-def text_batch(columns: dict[str, torch.Tensor]) -> Batch:
-    ids, lengths = columns["input_ids"].long(), columns["length"]
-    mask = torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]  # (B, T), True = real token
-    return (ids, mask), columns["label"].long(), int(lengths.sum())
-
-
-# dataset name -> (columns a worker keeps, how a batch of them becomes model inputs)
-DATA_ADAPTERS = {"mnist": (("image", "label"), image_batch),
-                 "imdb": (("input_ids", "length", "label", "id"), text_batch)}
-
-
-class ShardBatches:
-    """Batches from this worker's Ray Data shard, as (model inputs, labels, tokens).
-
-    cache=True pulls the shard through Ray Data once and keeps it in memory in its stored dtypes
-    (MNIST's 60k rows are 47 MB as uint8, IMDb's 22.5k x 256 tokens 23 MB as int32): streaming
-    `read_parquet` gave only 2-9k rows/s per worker here, slower than a small MLP trains, so
-    re-streaming every epoch would make ingest the bottleneck. cache=False streams from Ray Data every
-    epoch (for data that does not fit in memory), in shard order. `shard`: anything with Ray's
-    `iter_torch_batches` (a Ray Data shard, or a Dataset in tests). In a GPU worker Ray Data hands the
-    batches over on the worker's GPU (`iter_torch_batches`' device "auto"), so the cache is in GPU memory
-    and each batch is indexed there.
-    """
-
-    def __init__(self, shard: Any, dataset: str, batch_size: int, cache: bool, seed: int,
-                 max_steps: int | None = None, drop_last: bool = False, bucket_by_length: bool = False,
-                 trim: bool = False):
-        self.columns, self.adapt = DATA_ADAPTERS[dataset]
-        self.shard, self.batch_size, self.seed, self.max_steps = shard, batch_size, seed, max_steps
-        self.drop_last = drop_last  # leave out an epoch's last batch if it is short (pipelines need fixed shapes)
-        self.bucket_by_length = bucket_by_length  # shuffled epochs in `bucketed_order` (cached text shards)
-        self.trim = trim  # cut each text batch to its longest row: the same outputs, less padding to compute
-        self.cached: dict[str, torch.Tensor] | None = None
-        self.load_s = 0.0
-        if cache:
-            start = time.perf_counter()
-            parts: dict[str, list[torch.Tensor]] = {c: [] for c in self.columns}
-            for batch in shard.iter_torch_batches(batch_size=LOAD_BATCH):
-                for column in self.columns:
-                    parts[column].append(batch[column])
-            self.cached = {c: torch.cat(p) for c, p in parts.items()}
-            self.load_s = time.perf_counter() - start
-
-    @classmethod
-    def from_columns(cls, columns: dict[str, torch.Tensor], dataset: str, batch_size: int, seed: int,
-                     max_steps: int | None = None, drop_last: bool = False, bucket_by_length: bool = False,
-                     trim: bool = False) -> "ShardBatches":
-        """A shard already in memory (in-process tests, benchmarks): what caching a Ray Data shard gives."""
-        batches = cls(None, dataset, batch_size, cache=False, seed=seed, max_steps=max_steps, drop_last=drop_last,
-                      bucket_by_length=bucket_by_length, trim=trim)
-        batches.cached = {c: columns[c] for c in batches.columns}
-        return batches
-
-    def steps(self) -> int:
-        """Batches per epoch (known once cached; 0 when streaming)."""
-        rows = 0 if self.cached is None else len(self.cached["label"])
-        steps = rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)  # floor or ceil
-        return min(steps, self.max_steps) if self.max_steps else steps
-
-    def epoch(self, epoch: int, shuffle: bool = True, skip: int = 0) -> Iterator[Batch]:
-        """The epoch's batches (a fixed order per epoch), without the first `skip` (already trained on)."""
-        return itertools.islice(self._epoch(epoch, shuffle), skip, self.max_steps)
-
-    def _epoch(self, epoch: int, shuffle: bool) -> Iterator[Batch]:
-        if self.cached is None:
-            for batch in self.shard.iter_torch_batches(batch_size=self.batch_size, drop_last=self.drop_last):
-                yield self.adapt(self._trimmed(batch))
-            return
-        rows = len(self.cached["label"])
-        if shuffle:
-            order = shuffled_order(rows, self.seed + epoch)  # as the TF backends shuffle
-            if self.bucket_by_length:
-                lengths = self.cached["length"].cpu().numpy()  # the cache is on the GPU in a GPU worker
-                order = bucketed_order(order, lengths, self.batch_size, self.seed + epoch)
-            order = torch.from_numpy(order)
-        else:
-            order = torch.arange(rows)
-        end = rows - rows % self.batch_size if self.drop_last else rows
-        for start in range(0, end, self.batch_size):
-            idx = order[start:start + self.batch_size]
-            yield self.adapt(self._trimmed({c: t[idx] for c, t in self.cached.items()}))
-
-    def _trimmed(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The batch with its token ids cut after its longest row's tokens, when `trim` is set. Padding is masked
-        out of attention and pooling, so the model's outputs do not change."""
-        if not self.trim or "length" not in batch:
-            return batch
-        return {**batch, "input_ids": batch["input_ids"][:, :max(int(batch["length"].max()), 1)]}
-
-    def row_keys(self) -> torch.Tensor | None:
-        """Sorted keys of the cached text rows (id * 2 + label, unique per review): which rows a rank holds."""
-        if self.cached is None or "id" not in self.cached:
-            return None
-        return (self.cached["id"].long() * 2 + self.cached["label"].long()).sort().values.cpu()
-
-
-# shuffle seed -> this rank's (train, evaluation) batches: Ray Data shards in a run, generated data in tests
-TrainData = Callable[[int], "tuple[ShardBatches, ShardBatches]"]
-
-
-def worker_data(cfg: Any, seed: int) -> tuple[ShardBatches, ShardBatches]:
-    """This worker's train and eval batches (Ray Train dataset shards "train" and "eval"). A pipeline
-    (`trainer.pp` > 1) has fixed shapes: training drops a short last batch, evaluation runs in training batches."""
-    pipeline = cfg.trainer.get("pp", 1) > 1
-    (train_shard, eval_shard), waited_s = dataset_shards("train", "eval")
-    train = ShardBatches(train_shard, cfg.data.name, cfg.trainer.batch_size, cfg.data.cache_in_worker, seed,
-                         cfg.trainer.max_steps_per_epoch, drop_last=pipeline,
-                         bucket_by_length=cfg.data.bucket_by_length, trim=not pipeline)
-    evaluation = ShardBatches(eval_shard, cfg.data.name, cfg.trainer.batch_size if pipeline else EVAL_BATCH,
-                              cfg.data.cache_in_worker, seed, trim=not pipeline)
-    train.load_s += waited_s
-    return train, evaluation
 
 
 def dist_reduce_later(values: list[float], op: str) -> PendingReduce:
@@ -215,8 +93,8 @@ class TorchProfiler:
         self.profile.stop()
 
 
-class TorchAdapter:
-    """The loop's `Adapter` for a PyTorch model, taking optimizer steps the recipe's way (trainers/torch_recipe.py).
+class TorchAdapter(Adapter):
+    """The loop's `Adapter` for a PyTorch model, taking optimizer steps the recipe's way (trainers/torch/recipe.py).
     Subclasses override the state hooks (`dense_model_state`, `dense_optimizer_state`, `load_dense_state`) and
     may pass `sync_gradients` (run between the last backward of a step and the optimizer step) and `clip` (the
     global-norm clipping for their layout; default: whole parameters on every rank).
@@ -225,17 +103,14 @@ class TorchAdapter:
     applies the mean gradient over those batches, as one larger batch would. A DDP model skips its all-reduce
     (`no_sync`) on all but the last batch of a step."""
 
-    sharded_checkpoint = False  # rank 0 writes the dense state (`save`)
-    loss_is_global = False  # each rank's own batch loss
-
     def __init__(self, model: nn.Module, recipe: TorchRecipe, train: ShardBatches, evaluation: ShardBatches,
                  device: torch.device, rank: int, reduce_later: AsyncReducer = dist_reduce_later,
-                 sync_gradients: Callable[[], None] | None = None, replicas: int = 1,
+                 sync_gradients: Callable[[], None] | None = None, ranks_per_sample: int = 1,
                  clip: Callable[[float], Any] | None = None):
         self.model, self.recipe, self.optimizer = model, recipe, recipe.optimizer
         self.train, self.evaluation, self.device, self.rank = train, evaluation, device, rank
         self._reduce_later = reduce_later
-        self.passes, self.sync_gradients, self.replicas = recipe.passes, sync_gradients, replicas
+        self.passes, self.sync_gradients, self.ranks_per_sample = recipe.passes, sync_gradients, ranks_per_sample
         self.clip = clip or (lambda max_norm: clip_dense_grad_norm(self.model, max_norm))
         self.load_s = train.load_s + evaluation.load_s
         self.loss_fn = nn.CrossEntropyLoss()
@@ -319,9 +194,6 @@ class TorchAdapter:
             total += len(labels)
         return correct, total
 
-    def reduce(self, values: list[float], op: str) -> list[float]:
-        return self._reduce_later(values, op)()
-
     def reduce_later(self, values: list[float], op: str) -> PendingReduce:
         return self._reduce_later(values, op)
 
@@ -396,11 +268,11 @@ def unwrap(model: nn.Module) -> nn.Module:
 def torch_trainer(loop: Callable[[dict], None], cfg: Any, datasets: dict, run_id: str, tracking_uri: str,
                   model_inputs: dict, dataset_config: Any = None, callbacks: list | None = None) -> Any:
     """The `TorchTrainer` every PyTorch backend but Horovod uses: gloo on CPU / NCCL on GPU, set up by
-    trainers/backend_configs.py (the process group `TorchConfig` sets up, without torch in Ray Train's controller)."""
+    trainers/torch/backend.py (the process group `TorchConfig` sets up, without torch in Ray Train's controller)."""
     from ray.train.torch import TorchTrainer
 
     from trainers.shard_data import shard_config
-    from trainers.backend_configs import TorchGroupConfig
+    from trainers.torch.backend import TorchGroupConfig
 
     return TorchTrainer(
         loop,
@@ -411,3 +283,49 @@ def torch_trainer(loop: Callable[[dict], None], cfg: Any, datasets: dict, run_id
         datasets=datasets,
         dataset_config=dataset_config or shard_config(cfg.trainer.num_workers, cfg.data.cache_in_worker),
     )
+
+
+RunWorker = Callable[[DictConfig, WorkerContext, WorkerData], bool]  # a backend's `run_worker`
+
+
+def run_on_ray(config: dict[str, Any], run_worker: RunWorker) -> None:
+    """What a PyTorch backend's Ray Train workers run: its `run_worker` on this worker's context (its device is
+    Ray Train's) and Ray Data shards."""
+    import ray.train.torch
+
+    cfg = worker_config(config)
+    torch.set_num_threads(cfg.trainer.threads_per_worker)
+    ctx = ray_context(config, cfg, device=ray.train.torch.get_device())
+    run_worker(cfg, ctx, WorkerData(config["model_inputs"], lambda seed: worker_shards(cfg, seed)))
+
+
+def train_adapter(cfg: DictConfig, ctx: WorkerContext, adapter: TorchAdapter) -> bool:
+    """The shared loop (through torch.compile if `trainer.compile`), then `run.dump_params_dir`. False: stopped
+    on request."""
+    if cfg.trainer.compile:
+        adapter.compile_forward()
+    return train(adapter, ctx, cfg.run.dump_params_dir)
+
+
+def worker_device(ctx: WorkerContext) -> torch.device:
+    return ctx.device if ctx.device is not None else torch.device("cpu")
+
+
+def example_input(dataset: str, model_inputs: dict) -> Any:
+    """An input the logged model takes (MLflow infers its signature from it)."""
+    if dataset == "imdb":
+        return np.ones((2, model_inputs["max_len"]), dtype=np.int64)  # token ids; [PAD] ids are the padding
+    return np.zeros((2, 784), dtype=np.float32)
+
+
+def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, model_inputs: dict,
+                    model_state: Callable[[str], dict[str, torch.Tensor]] | None = None) -> None:
+    """Log the trained (dense) model of the final checkpoint to the MLflow run (PyTorch flavour). `model_state`:
+    the dense state dict a checkpoint folder holds (default: `state.pt`'s)."""
+    from contract.tracking import log_torch_model
+
+    model = build_model(cfg.model, model_inputs)
+    with checkpoint.as_directory() as directory:
+        model.load_state_dict(model_state(directory) if model_state else load_state_file(directory)["model"])
+        epoch = TrainState.read(directory).epoch
+    log_torch_model(uri, run_id, model.eval(), example_input(cfg.data.name, model_inputs), epoch)

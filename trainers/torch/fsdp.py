@@ -1,12 +1,12 @@
 """FSDP2 sharded data parallelism on Ray Train (`TorchTrainer`; gloo on CPU, NCCL on GPU).
 
-Every worker builds the same dense model from the same seed and `parallelize_fsdp` shards it (trainers/parallel/
+Every worker builds the same dense model from the same seed and `parallelize_fsdp` shards it (trainers/torch/parallel/
 fsdp.py); each worker reads its own data shard, as under DDP, so the run trains what DDP with the same workers
 trains, holding ~1/N of the parameters, gradients and optimizer state per worker (logged each epoch as
 `rank<r>.param_bytes`, `grad_bytes`, `optimizer_state_bytes`). With `trainer.tp` > 1 (the BERT model) the model is
 first tensor-parallel with torch's DTensor plans inside groups of tp consecutive workers, which read the same
 batches, and FSDP shards over the rest (FSDP x TP). With `trainer.pp` > 1 (BERT) each worker holds its pipeline
-stages (trainers/parallel/pipeline.py), each tensor-parallel and sharded as above, and a training step is one pass
+stages (trainers/torch/parallel/pipeline.py), each tensor-parallel and sharded as above, and a training step is one pass
 of the pipeline schedule (`PipelineAdapter`): PP x TP x FSDP on one mesh.
 
 Checkpoints are sharded: `torch.distributed.checkpoint` (DCP) writes each rank's shards of the model and optimizer
@@ -27,15 +27,16 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from contract.checkpoint import TrainState
-from trainers import torch_common as tc
+from trainers.adapter import WorkerData
+from trainers.loop import WorkerContext
 from trainers.models import build_model
-from trainers.parallel.comm import collective_device
-from trainers.parallel.grad_norm import clip_dtensor_grad_norm
-from trainers.parallel.memory import rank_memory
-from trainers.parallel.mesh import ParallelDims, build_nd_mesh
-from trainers.torch_ddp import example_input, run_mesh_worker
-from trainers.torch_recipe import AUTOCAST_DTYPES, TorchRecipe, build_recipe
+from trainers.torch import common as tc
+from trainers.torch.parallel.comm import collective_device
+from trainers.torch.parallel.grad_norm import clip_dtensor_grad_norm
+from trainers.torch.parallel.memory import rank_memory
+from trainers.torch.parallel.mesh import ParallelDims, build_nd_mesh
+from trainers.torch.data import Batch, ShardBatches
+from trainers.torch.recipe import AUTOCAST_DTYPES, TorchRecipe, build_recipe
 
 RECIPE_FILE = "recipe.pt"  # the schedule's (and scaler's) state, from rank 0, beside DCP's files
 STATE_OPTIONS_FLAT = {"flatten_optimizer_state_dict": True}  # optimizer state keyed by parameter name
@@ -43,7 +44,7 @@ STATE_OPTIONS_FLAT = {"flatten_optimizer_state_dict": True}  # optimizer state k
 
 class FSDPAdapter(tc.TorchAdapter):
     """The loop's adapter for an FSDP2 model: sharded checkpoints. Gradient sync is FSDP's own reduce-scatter in
-    backward; clipping takes the global norm of the sharded gradients (trainers/parallel/grad_norm.py
+    backward; clipping takes the global norm of the sharded gradients (trainers/torch/parallel/grad_norm.py
     `clip_dtensor_grad_norm`); every rank's memory is in the epoch extras, as for every PyTorch backend.
 
     `parts`: the model, or under pipeline parallelism this rank's stages (each a copy of the model holding only
@@ -52,12 +53,12 @@ class FSDPAdapter(tc.TorchAdapter):
 
     sharded_checkpoint = True
 
-    def __init__(self, parts: list[nn.Module], recipe: TorchRecipe, train: tc.ShardBatches,
-                 evaluation: tc.ShardBatches, device: torch.device, rank: int, replicas: int,
+    def __init__(self, parts: list[nn.Module], recipe: TorchRecipe, train: ShardBatches,
+                 evaluation: ShardBatches, device: torch.device, rank: int, ranks_per_sample: int,
                  pp_group: ProcessGroup | None = None):
         self.parts = nn.ModuleList(parts)  # names "<part>.<dense name>": `_dense_key` drops the part
         model = parts[0] if len(parts) == 1 else self.parts
-        super().__init__(model, recipe, train, evaluation, device, rank, replicas=replicas,
+        super().__init__(model, recipe, train, evaluation, device, rank, ranks_per_sample=ranks_per_sample,
                          clip=lambda max_norm: clip_dtensor_grad_norm(self.parts, max_norm, pp_group))
 
     def _state(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -114,20 +115,20 @@ def _dense_key(key: str, at: int) -> str:
 
 class PipelineAdapter(FSDPAdapter):
     """FSDP (or FSDP x TP) on pipeline stages: a training step is one pass of the pipeline schedule over the batch
-    (trainers/parallel/pipeline.py). The last stage computes the loss and broadcasts it to its pipeline group, so
-    every rank reports the step's loss and samples (the loop counts each sample `replicas` = pp x tp times);
+    (trainers/torch/parallel/pipeline.py). The last stage computes the loss and broadcasts it to its pipeline group, so
+    every rank reports the step's loss and samples (the loop counts each sample `ranks_per_sample` = pp x tp times);
     evaluation runs the pipeline forward only and the last stage broadcasts the correct count."""
 
     def __init__(self, parts: list[nn.Module], schedule: Any, stages: list[int], n_stages: int,
-                 pp_group: ProcessGroup, recipe: TorchRecipe, train: tc.ShardBatches, evaluation: tc.ShardBatches,
-                 device: torch.device, rank: int, replicas: int, batch_size: int):
-        super().__init__(parts, recipe, train, evaluation, device, rank, replicas, pp_group)
+                 pp_group: ProcessGroup, recipe: TorchRecipe, train: ShardBatches, evaluation: ShardBatches,
+                 device: torch.device, rank: int, ranks_per_sample: int, batch_size: int):
+        super().__init__(parts, recipe, train, evaluation, device, rank, ranks_per_sample, pp_group)
         self.schedule, self.pp_group, self.batch_size = schedule, pp_group, batch_size
         self.first, self.last = 0 in stages, n_stages - 1 in stages
         self.last_rank = dist.get_global_rank(pp_group, dist.get_world_size(pp_group) - 1)  # holds the last stage
         self.trained_memory: dict[str, float] = {}
 
-    def train_step(self, batch: tc.Batch) -> tuple[float, int, int]:
+    def train_step(self, batch: Batch) -> tuple[float, int, int]:
         (ids, mask), labels = (x.to(self.device) for x in batch[0]), batch[1].to(self.device)
         self.optimizer.zero_grad()
         losses: list[torch.Tensor] = []
@@ -174,33 +175,32 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x[:1].expand(missing, *x.shape[1:])]) if missing > 0 else x
 
 
-def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: int, train_data: tc.TrainData,
-                  device: torch.device) -> FSDPAdapter:
-    """The dense model from the shared seed, parallelized on the N-D mesh (trainers/parallel/parallelize.py: this
+def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> FSDPAdapter:
+    """The dense model from the shared seed, parallelized on the N-D mesh (trainers/torch/parallel/parallelize.py: this
     rank's pipeline stages if pp > 1, each tensor-parallel if tp > 1, sharded over the data-parallel dimensions);
     this rank's data-parallel shard, shuffled by its seed (alike in the pp x tp ranks that read the same batches)."""
-    from trainers.parallel.parallelize import parallelize
-    from trainers.parallel.pipeline import build_schedule
+    from trainers.torch.parallel.parallelize import parallelize
+    from trainers.torch.parallel.pipeline import build_schedule
 
-    trainer = cfg.trainer
-    dims = parallel_dims(trainer, world_size)
-    dims.validate(world_size)
+    trainer, device, rank = cfg.trainer, tc.worker_device(ctx), ctx.rank
+    dims = parallel_dims(trainer, ctx.world_size)
+    dims.validate(ctx.world_size)
     mesh = build_nd_mesh(dims, device.type)
     torch.manual_seed(cfg.run.seed)  # the same dense weights on every rank before each keeps its part
-    model = build_model(cfg.model, model_inputs, seed=cfg.run.seed).to(device)
+    model = build_model(cfg.model, data.model_inputs, seed=cfg.run.seed).to(device)
     split = parallelize(model, dims, mesh, trainer.pp_schedule, trainer.activation_checkpointing,
                         trainer.reshard_after_forward, AUTOCAST_DTYPES[trainer.precision])
-    train, evaluation = train_data(cfg.run.seed + 1000 * dims.data_rank(rank))
+    train, evaluation = data.shards(cfg.run.seed + 1000 * dims.data_rank(rank))
     # The recipe over the sharded parameters, without autocast: bf16 is FSDP's mixed-precision policy.
     recipe = replace(build_recipe(nn.ModuleList(split.parts), trainer, train.steps(), device), autocast_dtype=None)
     tc.seed_dropout(cfg.run.seed, dims.dropout_stream(rank))  # the same masks in a TP group
     if dims.pp == 1:
-        return FSDPAdapter(split.parts, recipe, train, evaluation, device, rank, replicas=dims.batch_group)
+        return FSDPAdapter(split.parts, recipe, train, evaluation, device, rank, ranks_per_sample=dims.batch_group)
     pp_group = mesh.get_group("pp")
     schedule = build_schedule(split.parts, split.stages, split.n_stages, trainer.pp_schedule, trainer.microbatches,
                               nn.CrossEntropyLoss(), pp_group, device)
     return PipelineAdapter(split.parts, schedule, split.stages, split.n_stages, pp_group, recipe, train, evaluation,
-                           device, rank, replicas=dims.batch_group, batch_size=trainer.batch_size)
+                           device, rank, ranks_per_sample=dims.batch_group, batch_size=trainer.batch_size)
 
 
 def parallel_dims(trainer: DictConfig, world_size: int) -> ParallelDims:
@@ -209,8 +209,13 @@ def parallel_dims(trainer: DictConfig, world_size: int) -> ParallelDims:
                         dp_replicate=trainer.dp_replicate)
 
 
+def run_worker(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
+    """This worker's adapter on the shared loop. False: stopped on request."""
+    return tc.train_adapter(cfg, ctx, build_adapter(cfg, ctx, data))
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    run_mesh_worker(config, build_adapter)
+    tc.run_on_ray(config, run_worker)
 
 
 def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict,
@@ -237,10 +242,4 @@ def dense_model_state(directory: str) -> dict[str, torch.Tensor]:
 
 def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, model_inputs: dict) -> None:
     """Log the final checkpoint's model, exported dense, to the MLflow run (PyTorch flavour)."""
-    from contract.tracking import log_torch_model
-
-    model = build_model(cfg.model, model_inputs)
-    with checkpoint.as_directory() as directory:
-        model.load_state_dict(dense_model_state(directory))
-        epoch = TrainState.read(directory).epoch
-    log_torch_model(uri, run_id, model.eval(), example_input(cfg.data.name, model_inputs), epoch)
+    tc.log_final_model(uri, run_id, cfg, checkpoint, model_inputs, model_state=dense_model_state)

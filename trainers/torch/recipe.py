@@ -34,9 +34,9 @@ def make_optimizer(model: nn.Module, trainer: Any) -> torch.optim.Optimizer:
 
 def update_kernels(params: list[torch.Tensor]) -> dict[str, bool]:
     """How the optimizer runs its update: on CPUs one multi-tensor (foreach) kernel per update op instead of torch's
-    default loop over the parameters (6% off the MNIST CNN's CPU step, the same numbers bit for bit); on a GPU one
-    fused kernel per parameter group, where the host-bound CNN step pays 20-30 us for each op it dispatches
-    (benchmarks/README.md, gpu_loop.py). Sharded (DTensor) parameters keep torch's default, except beside plain
+    default loop over the parameters (a faster CPU step, the same numbers bit for bit); on a GPU one fused kernel
+    per parameter group, where a host-bound step pays for each op it dispatches (benchmarks/README.md,
+    gpu_loop.py). Sharded (DTensor) parameters keep torch's default, except beside plain
     ones (a tensor-parallel plan leaves embeddings and norms whole): torch's default on CUDA, one foreach kernel
     over a group's tensors, refuses that mix, so those update one tensor at a time."""
     sharded = [isinstance(param, DTensor) for param in params]

@@ -14,10 +14,14 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from trainers import torch_common as tc
+from trainers.adapter import WorkerData
+from trainers.loop import WorkerContext
 from trainers.models import build_model
-from trainers.torch_recipe import build_recipe
-from trainers.torch_ddp import log_final_model, run_mesh_worker  # noqa: F401  (checkpoints hold the dense model)
+from trainers.torch import common as tc
+from trainers.torch.data import Batch
+from trainers.torch.recipe import build_recipe
+
+log_final_model = tc.log_final_model  # checkpoints hold the dense model
 
 
 class CollectiveTimer:
@@ -68,22 +72,22 @@ class TPAdapter(tc.TorchAdapter):
         super().__init__(*args, **kwargs)
         self.timer = CollectiveTimer()
 
-    def train_step(self, batch: tc.Batch) -> tuple[float, int, int]:
+    def train_step(self, batch: Batch) -> tuple[float, int, int]:
         with self.timer.patch():  # training steps only, so collective time compares with train time
             return super().train_step(batch)
 
     def dense_model_state(self) -> dict[str, torch.Tensor]:
-        from trainers.parallel.plans import unshard_state_dict
+        from trainers.torch.parallel.plans import unshard_state_dict
 
         return unshard_state_dict(self.model)
 
     def dense_optimizer_state(self) -> dict:
-        from trainers.parallel.plans import dense_optimizer_state
+        from trainers.torch.parallel.plans import dense_optimizer_state
 
         return dense_optimizer_state(self.model, self.optimizer)
 
     def load_dense_state(self, model_state: dict[str, torch.Tensor], optimizer_state: dict | None) -> None:
-        from trainers.parallel.plans import load_dense_optimizer_state, load_dense_state_dict
+        from trainers.torch.parallel.plans import load_dense_optimizer_state, load_dense_state_dict
 
         load_dense_state_dict(self.model, model_state)
         if optimizer_state is not None:
@@ -94,32 +98,37 @@ class TPAdapter(tc.TorchAdapter):
         return {**super().own_stats(), **rank_stats(self.model, self.timer.seconds)}
 
 
-def build_adapter(cfg: DictConfig, model_inputs: dict, rank: int, world_size: int, train_data: tc.TrainData,
-                  device: torch.device) -> TPAdapter:
+def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> TPAdapter:
     """Mesh, the dense model from the shared seed, sharded by `parallelize_bert`; each TP group reads one DP
-    shard (`train_data(seed)` -> (train, evaluation) batches), shuffled alike on its ranks."""
-    from trainers.parallel.data_parallel import average_gradients
-    from trainers.parallel.grad_norm import clip_grad_norm
-    from trainers.parallel.mesh import ParallelDims, build_mesh, rank_coords
-    from trainers.parallel.plans import parallelize_bert
+    shard (`data.shards(seed)` -> (train, evaluation) batches), shuffled alike on its ranks."""
+    from trainers.torch.parallel.data_parallel import average_gradients
+    from trainers.torch.parallel.grad_norm import clip_grad_norm
+    from trainers.torch.parallel.mesh import ParallelDims, build_mesh, rank_coords
+    from trainers.torch.parallel.plans import parallelize_bert
 
+    device = tc.worker_device(ctx)
     dims = ParallelDims(dp=cfg.trainer.dp, tp=cfg.trainer.tp)
-    dims.validate(world_size)
-    dp_rank, _ = rank_coords(rank, dims.dp, dims.tp)
+    dims.validate(ctx.world_size)
+    dp_rank, _ = rank_coords(ctx.rank, dims.dp, dims.tp)
     mesh = build_mesh(dims, "cuda" if cfg.trainer.use_gpu else "cpu")
     torch.manual_seed(cfg.run.seed)  # same seed everywhere: identical dense weights before sharding
-    model = parallelize_bert(build_model(cfg.model, model_inputs).to(device), mesh, impl=cfg.trainer.tp_impl)
+    model = parallelize_bert(build_model(cfg.model, data.model_inputs).to(device), mesh, impl=cfg.trainer.tp_impl)
     dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
-    train, evaluation = train_data(cfg.run.seed + 1000 * dp_rank)  # same shuffle in a TP group
+    train, evaluation = data.shards(cfg.run.seed + 1000 * dp_rank)  # same shuffle in a TP group
     recipe = build_recipe(model, cfg.trainer, train.steps(), device)
-    tc.seed_dropout(cfg.run.seed, dims.dropout_stream(rank))  # identical dropout masks inside a TP group
-    return TPAdapter(model, recipe, train, evaluation, device, rank, replicas=dims.tp,
+    tc.seed_dropout(cfg.run.seed, dims.dropout_stream(ctx.rank))  # identical dropout masks inside a TP group
+    return TPAdapter(model, recipe, train, evaluation, device, ctx.rank, ranks_per_sample=dims.tp,
                      sync_gradients=lambda: average_gradients(model, dp_group),
                      clip=lambda max_norm: clip_grad_norm(model, max_norm, tp_group))
 
 
+def run_worker(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
+    """This worker's adapter on the shared loop. False: stopped on request."""
+    return tc.train_adapter(cfg, ctx, build_adapter(cfg, ctx, data))
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    run_mesh_worker(config, build_adapter)
+    tc.run_on_ray(config, run_worker)
 
 
 def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict,

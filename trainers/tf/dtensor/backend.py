@@ -1,5 +1,5 @@
 """Multi-client TensorFlow DTensor as a Ray Train V2 backend (`DTensorConfig`), for `DataParallelTrainer`: what
-`TensorflowTrainer` does for TF_CONFIG, done for DTensor's variables, the way trainers/horovod_backend.py does
+`TensorflowTrainer` does for TF_CONFIG, done for DTensor's variables, the way trainers/horovod/backend.py does
 Horovod's rendezvous.
 
 Before the training function starts, every worker reports its Ray node IP and a free port there; every worker then

@@ -1,10 +1,10 @@
 """TensorFlow DTensor for `trainer=tf_dtensor`: the mesh over every client's devices, the sharding plan applied to a
 plain `tf.Module` (`parallelize_dtensor`), batches packed onto the mesh, sums across the clients, and whole values
-of sharded variables (checkpoints). Which device holds what: trainers/parallel/dtensor_layout.py.
+of sharded variables (checkpoints). Which device holds what: trainers/tf/dtensor/layout.py.
 
 Multi-client DTensor: every Ray worker is one client holding `devices_per_worker` local devices (GPUs, or the CPU
 split into logical devices, as the DTensor tutorial does); `initialize_accelerator_system` reads the DTENSOR_*
-variables trainers/dtensor_backend.py sets and connects the clients, and each op on a DTensor then runs on every
+variables trainers/tf/dtensor/backend.py sets and connects the clients, and each op on a DTensor then runs on every
 client's devices in step (SPMD), DTensor inserting the collectives a layout needs.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from trainers.models.tf_modules import BatchNorm, Classifier, Dense
-from trainers.parallel.dtensor_layout import COLUMN, ROW, MeshDims, dense_plan
+from trainers.tf.dtensor.layout import COLUMN, ROW, MeshDims, dense_plan
 
 U = dtensor.UNSHARDED
 BATCH, MODEL, WORLD = "batch", "model", "world"

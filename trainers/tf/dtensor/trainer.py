@@ -1,13 +1,13 @@
 """TensorFlow DTensor (`trainer=tf_dtensor`) on Ray Train: data, model and 2D parallelism on a `batch x model`
-device mesh spanning the Ray workers, one DTensor client per worker (trainers/dtensor_backend.py connects them),
+device mesh spanning the Ray workers, one DTensor client per worker (trainers/tf/dtensor/backend.py connects them),
 each with `trainer.devices_per_worker` devices (GPUs, or logical CPU devices).
 
 An adapter on the shared loop (trainers/loop.py), so the metrics, checkpoints, stop/resume and MLflow logging are
 every backend's. The model is a plain `tf.Module` (trainers/models/tf_modules.py: the MNIST MLP, or the TF-IDF
-classifier for IMDb) whose variables `parallelize_dtensor` lays out on the mesh (trainers/parallel/): weights
+classifier for IMDb) whose variables `parallelize_dtensor` lays out on the mesh (trainers/tf/dtensor/): weights
 sharded on `model` (Megatron's column/row pairs), batches on `batch`. Each step packs this worker's rows of the
 batch onto its devices (`dtensor.pack`) and runs one `tf.function`; DTensor adds the collectives. The optimizer
-is the recipe's, over the DTensor variables (trainers/tf_recipe.py `VariableOptimizer`).
+is the recipe's, over the DTensor variables (trainers/tf/recipe.py `VariableOptimizer`).
 
 Checkpoints hold whole values (`dtensor_model.npz`, `dtensor_optimizer.npz`: every sharded variable gathered,
 rank 0 writes), so a run resumes on any mesh. The logged model is a Keras twin with these weights that loads
@@ -23,11 +23,13 @@ import numpy as np
 from omegaconf import DictConfig
 
 from contract.data import model_input
-from contract.metrics import PendingReduce, peak_rss_bytes, reduce_at_once
+from contract.metrics import PendingReduce, reduce_at_once
 from contract.recipe import lr_factor, schedule_steps
-from trainers import tf_common as tfc
-from trainers.loop import TrainLoop, WorkerContext
-from trainers.parallel.dtensor_layout import MeshDims
+from trainers.tf import common as tfc
+from trainers.tf.data import ShardArrays
+from trainers.adapter import Adapter, WorkerData
+from trainers.loop import WorkerContext, train
+from trainers.tf.dtensor.layout import MeshDims
 
 MODEL_FILE, OPTIMIZER_FILE = "dtensor_model.npz", "dtensor_optimizer.npz"
 EVAL_BATCH = 256  # rows per batch coordinate
@@ -37,25 +39,25 @@ def mesh_dims(trainer: DictConfig) -> MeshDims:
     return MeshDims(trainer.mesh.batch, trainer.mesh.model, trainer.num_workers, trainer.devices_per_worker)
 
 
-class DTensorAdapter:
+class DTensorAdapter(Adapter):
     """The loop's adapter on the mesh. `trainer.batch_size` rows per batch coordinate: a global batch of
     batch_size x mesh.batch rows, of which this worker packs the rows of its own coordinates."""
 
-    sharded_checkpoint = False  # rank 0 writes the gathered state
     # The step's loss is a mean over the global batch sharded on the mesh, replicated on every device of every
-    # client: the loop logs it as it is (an all-reduce per logged step took 2.9-3.4% of the MLP's training time).
+    # client: the loop logs it as it is (an all-reduce per logged step would cost: benchmarks/README.md, tracking).
     loss_is_global = True
 
-    def __init__(self, cfg: DictConfig, mesh: Any, model: Any, train: tfc.ShardArrays, evaluation: tfc.ShardArrays,
+    def __init__(self, cfg: DictConfig, mesh: Any, model: Any, train: ShardArrays, evaluation: ShardArrays,
                  idf: np.ndarray | None):
         import tensorflow as tf
 
-        from trainers.tf_recipe import VariableOptimizer
+        from trainers.tf.recipe import VariableOptimizer
 
         trainer, dims = cfg.trainer, mesh.dims
         self.tf, self.mesh, self.model, self.train, self.evaluation, self.idf = tf, mesh, model, train, evaluation, idf
         self.bigram_buckets = cfg.model.get("bigram_buckets", 0)
-        self.rank, self.replicas = mesh.client, dims.clients_per_group  # a model group's workers see the same rows
+        self.rank = mesh.client
+        self.ranks_per_sample = dims.clients_per_group  # a model group's workers see the same rows
         self.batch_size = trainer.batch_size
         self.rows_per_step = trainer.batch_size * dims.coords_per_client
         if cfg.data.bucket_by_length:
@@ -108,12 +110,6 @@ class DTensorAdapter:
         self.optimizer.updates += 1
         return float(dtensor.unpack(loss)[0].numpy()), self.rows_per_step, tokens
 
-    def at_update_boundary(self) -> bool:
-        return True
-
-    def finish_epoch(self) -> None:
-        pass
-
     def evaluate(self, epoch: int) -> tuple[int, int]:
         """Every worker runs the same number of full batches (the mesh needs them): the last one padded."""
         rows, features, labels = EVAL_BATCH * self.mesh.dims.coords_per_client, self.evaluation.features, \
@@ -132,12 +128,9 @@ class DTensorAdapter:
     def reduce_later(self, values: list[float], op: str) -> PendingReduce:
         return reduce_at_once(self.reduce, values, op)
 
-    def peak_memory_bytes(self) -> float:
-        return peak_rss_bytes()
-
     def epoch_extras(self) -> dict[str, float]:
         """The model sharding as it stands: bytes of weights on one device (1/model of the sharded ones)."""
-        from trainers.parallel.dtensor_mesh import device_bytes
+        from trainers.tf.dtensor.mesh import device_bytes
 
         return {"device_weight_bytes": float(device_bytes(self.model.weights()))}
 
@@ -173,7 +166,7 @@ class DTensorAdapter:
             np.savez(Path(directory) / f"rank{self.rank}.npz", *weights)
 
 
-def shared_idf(mesh: Any, train: tfc.ShardArrays, vocab_size: int, bigram_buckets: int, replicas: int) -> np.ndarray:
+def shared_idf(mesh: Any, train: ShardArrays, vocab_size: int, bigram_buckets: int, replicas: int) -> np.ndarray:
     """The IDF of the whole train split: document frequencies summed over the workers' shards (a model group's
     workers hold the same shard: counted once)."""
     from trainers.models.tf_modules import document_frequencies, inverse_document_frequency
@@ -183,33 +176,29 @@ def shared_idf(mesh: Any, train: tfc.ShardArrays, vocab_size: int, bigram_bucket
     return inverse_document_frequency(totals[:-1], totals[-1])
 
 
-def run_worker(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict,
-               data: tuple[tfc.ShardArrays, tfc.ShardArrays] | None = None) -> bool:
-    """The mesh, the data (Ray Data shards unless given: tests), the parallelized model, the loop, then
-    `run.dump_params_dir`. False: stopped."""
+def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> DTensorAdapter:
+    """The mesh, this worker's data, the model laid out on the mesh. TensorFlow's threads are set (`run_worker`)."""
+    from trainers.models.tf_modules import build_module
+    from trainers.tf.dtensor.mesh import DTensorMesh, parallelize_dtensor
+
+    mesh = DTensorMesh(mesh_dims(cfg.trainer), ctx.rank, "GPU" if cfg.trainer.use_gpu else "CPU")
+    train, evaluation = data.shards(cfg.run.seed)  # the adapter shuffles: one order per data shard
+    idf = shared_idf(mesh, train, data.model_inputs["vocab_size"], cfg.model.bigram_buckets,
+                     mesh.dims.clients_per_group) if cfg.model.name == "tfidf" else None
+    model = parallelize_dtensor(build_module(cfg.model, data.model_inputs, cfg.run.seed), mesh)
+    return DTensorAdapter(cfg, mesh, model, train, evaluation, idf)
+
+
+def run_worker(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
+    """Threads, then this worker's adapter on the shared loop. False: stopped on request."""
     import tensorflow as tf
 
-    from trainers.models.tf_modules import build_module
-    from trainers.parallel.dtensor_mesh import DTensorMesh, parallelize_dtensor
-
     tfc.set_threads(tf, cfg.trainer.threads_per_worker)  # before any other TF op
-    mesh = DTensorMesh(mesh_dims(cfg.trainer), ctx.rank, "GPU" if cfg.trainer.use_gpu else "CPU")
-    train, evaluation = data or tfc.worker_arrays(cfg.data.name)
-    idf = shared_idf(mesh, train, model_inputs["vocab_size"], cfg.model.bigram_buckets,
-                     mesh.dims.clients_per_group) if cfg.model.name == "tfidf" else None
-    model = parallelize_dtensor(build_module(cfg.model, model_inputs, cfg.run.seed), mesh)
-    adapter = DTensorAdapter(cfg, mesh, model, train, evaluation, idf)
-    if not TrainLoop(adapter, ctx).run():
-        return False
-    adapter.dump(cfg.run.dump_params_dir)
-    return True
+    return train(build_adapter(cfg, ctx, data), ctx, cfg.run.dump_params_dir)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    from trainers.worker import ray_context, worker_config
-
-    cfg = worker_config(config)
-    run_worker(cfg, ray_context(config, cfg), config["model_inputs"])
+    tfc.run_on_ray(config, run_worker)
 
 
 def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict,
@@ -218,7 +207,7 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
     reads one data shard (`OrderedShards`' tp)."""
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-    from trainers.dtensor_backend import DTensorConfig
+    from trainers.tf.dtensor.backend import DTensorConfig
     from trainers.shard_data import OrderedShards
     from trainers.worker import loop_config, run_config, scaling_config
 

@@ -1,4 +1,4 @@
-"""The cluster of `trainer=tf_ps` on Ray Train, around the chief's training (trainers/tf_ps.py).
+"""The cluster of `trainer=tf_ps` on Ray Train, around the chief's training (trainers/tf/ps/trainer.py).
 
 - A Ray Train V2 backend (`TFPSConfig`) for `DataParallelTrainer`: what `TensorflowTrainer` does for
   MultiWorkerMirroredStrategy, done for a chief, parameter servers and workers. Roles by Ray world rank: rank 0 is
@@ -10,7 +10,7 @@
   report (Ray Train wants one from every rank), fault injections and the end. An actor rather than Ray Train's
   collectives: the server roles wait for whole epochs, and Ray Train warns every minute about a rank waiting in one.
 - The servers: each parameter server's and worker's Ray worker runs its TensorFlow server in a child process
-  (trainers/tf_ps_server.py) and watches it (`ServerProcess`): Ray Train ends the whole run when one of its workers
+  (trainers/tf/ps/server.py) and watches it (`ServerProcess`): Ray Train ends the whole run when one of its workers
   dies, so a worker's server that dies is started again here while the coordinator gives its steps to the others.
 """
 from __future__ import annotations
@@ -33,13 +33,13 @@ import ray
 from omegaconf import DictConfig
 from ray.train.backend import Backend, BackendConfig
 
-from trainers import tf_common as tfc
+from trainers.tf.data import ShardArrays
 from trainers.loop import WorkerContext
 from trainers.worker import dataset_shards, free_addresses, maybe_inject_failure, set_worker_envs
 
 BOARD_NAMESPACE = "tf_ps"
 CHIEF, PS, WORKER = "chief", "ps", "worker"
-SERVER = Path(__file__).with_name("tf_ps_server.py")
+SERVER = Path(__file__).with_name("server.py")
 FEATURES, LABELS = "features", "labels"  # a worker's shard files (`write_shard`)
 
 
@@ -112,7 +112,7 @@ def task_of_this_worker() -> tuple[str, int]:
     return task["type"], int(task["index"])
 
 
-def write_shard(train: tfc.ShardArrays, folder: str) -> dict[str, Any]:
+def write_shard(train: ShardArrays, folder: str) -> dict[str, Any]:
     """This worker's train shard as raw arrays in `folder`, for the dataset function to read (no TensorFlow in
     this process: the server is the one that runs it)."""
     Path(folder, FEATURES).write_bytes(np.ascontiguousarray(train.features).tobytes())
@@ -170,7 +170,7 @@ def serve(cfg: DictConfig, ctx: WorkerContext, kind: str, index: int) -> None:
     if kind == WORKER:
         (shard,), _ = dataset_shards("train")
         folder = tempfile.mkdtemp(prefix="tf_ps-")
-        messages.put.remote(f"worker{index}", write_shard(tfc.ShardArrays(shard, cfg.data.name), folder))
+        messages.put.remote(f"worker{index}", write_shard(ShardArrays(shard, cfg.data.name), folder))
     server = ServerProcess(kind, index, cfg.trainer.threads_per_worker, os.environ["TF_CONFIG"])
     try:
         for number in count():
@@ -223,12 +223,12 @@ class Chief:
 
     def context(self, ctx: WorkerContext, fault: DictConfig) -> WorkerContext:
         """The loop's context on the chief: its only rank; each report goes to the server roles too (Ray Train
-        wants one from every rank); `fault.inject_at_epoch` fails the chief."""
+        wants one from every rank); `fault.inject_at_epoch` fails the chief, `fault.kill_servers` fire halfway."""
         def report(metrics: dict[str, float], directory: str | None) -> None:
             self.post("report", metrics=metrics)
             ctx.report(metrics, directory)
 
-        return replace(ctx, world_size=1, report=report,
+        return replace(ctx, world_size=1, report=report, mid_epoch=self.halfway(fault),
                        before_epoch=lambda epoch: maybe_inject_failure(fault, epoch, 0, 1))
 
     def halfway(self, fault: DictConfig) -> Callable[[int], None]:

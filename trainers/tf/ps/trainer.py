@@ -1,5 +1,5 @@
 """TensorFlow `ParameterServerStrategy` on Ray Train (`trainer=tf_ps`): asynchronous data parallelism. Every role
-is a Ray Train worker (trainers/tf_ps_backend.py: their TF_CONFIG, the board where the chief talks to the others,
+is a Ray Train worker (trainers/tf/ps/backend.py: their TF_CONFIG, the board where the chief talks to the others,
 the servers' processes): rank 0 the chief, then `trainer.num_ps`
 parameter servers, then `trainer.num_workers` workers. The variables live on the parameter servers (split into
 shards of at least `trainer.ps_min_shard_bytes`); each worker computes gradients on its own batches and applies
@@ -17,14 +17,14 @@ them there without waiting for the others.
   worker that took less than its share in an epoch goes on with its pass in the next, one that took more has
   begun its next pass. The step tells the chief which worker ran it, so a stopped epoch resumes every worker
   where it stopped.
-- Parameter servers and workers run their TensorFlow server in a child process (trainers/tf_ps_server.py) that
+- Parameter servers and workers run their TensorFlow server in a child process (trainers/tf/ps/server.py) that
   their Ray worker starts and watches: a worker server that dies is started again, and the coordinator gives its
   steps to the other workers meanwhile (the run goes on; back, the worker's dataset is rebuilt from its position
   at the attempt's start); a parameter server that dies, or the chief, ends the attempt and Ray
   Train restarts the run from its last checkpoint (`fault.max_failures`).
 - Each worker writes its shard to a local folder; the dataset function (traced by the chief, run on the workers)
   reads the folder of the worker it runs on.
-- Checkpoints are tf_mwms' (trainers/tf_common.py: `model.weights.h5`, `optimizer.npz`) with whole, unsharded
+- Checkpoints are tf_mwms' (trainers/tf/common.py: `model.weights.h5`, `optimizer.npz`) with whole, unsharded
   values (written through an unpartitioned twin of the model), plus each worker's position in a stopped epoch.
 """
 from __future__ import annotations
@@ -32,17 +32,18 @@ from __future__ import annotations
 import json
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 from omegaconf import DictConfig
 
 from contract.data import MNIST_MEAN, MNIST_STD, shuffled_order
-from contract.tracking import say
-from trainers import tf_common as tfc
-from trainers.keras_fit import run_epochs
+from contract.console import say
+from trainers.tf import common as tfc
+from trainers.tf.data import ShardArrays
+from trainers.adapter import WorkerData
 from trainers.loop import WorkerContext
-from trainers.tf_ps_backend import CHIEF, FEATURES, LABELS, Chief, TFPSConfig, WorkerShards, board, serve, \
+from trainers.tf.ps.backend import CHIEF, FEATURES, LABELS, Chief, TFPSConfig, WorkerShards, board, serve, \
     task_of_this_worker
 
 POSITIONS = "ps_positions.json"  # a stopped epoch: where each worker is (beside tf_mwms' state files)
@@ -73,8 +74,7 @@ class PSAdapter(tfc.KerasAdapter):
     batch_hooks = False  # tf-keras refuses batch-level callbacks under ParameterServerStrategy
 
     def __init__(self, keras: Any, cfg: DictConfig, strategy: Any, coordinator: Any, model: Any, twin: Any,
-                 shards: WorkerShards, evaluation: tfc.ShardArrays, model_inputs: dict, ctx: WorkerContext,
-                 halfway: Callable[[int], None] | None = None):
+                 shards: WorkerShards, evaluation: ShardArrays, model_inputs: dict, ctx: WorkerContext):
         import tensorflow as tf
 
         trainer = cfg.trainer
@@ -93,7 +93,7 @@ class PSAdapter(tfc.KerasAdapter):
         self.pending: deque = deque()  # (scheduled function, its steps): their results to come
         self.rows: deque = deque()  # fetched results of steps the loop has not taken yet
         self.fitting = False  # Keras fit runs the epochs (no positions kept)
-        self.halfway = halfway  # called with the epoch halfway through it (fault injection)
+        self.halfway = ctx.mid_epoch  # called with the epoch halfway through it (fault injection)
         self.steps_fn = tf.function(self._steps)
 
     def _steps(self, iterator: Any, count: Any) -> Any:
@@ -141,7 +141,7 @@ class PSAdapter(tfc.KerasAdapter):
         `cursors[i]` (rows since the start of pass 1) on; batches run across passes. One iterator for every epoch:
         dropping a tf.data iterator may wait seconds for tf.data's autotuning thread (measured here: `del` of the
         epoch's iterator took 0.9 s and 6.0 s at the ends of two of six epochs; tf_mwms had the same,
-        trainers/tf_common.EpochStream). A worker's server started again reads its stream from the attempt's start."""
+        trainers/tf/common.EpochStream). A worker's server started again reads its stream from the attempt's start."""
         tf, strategy = self.tf, self.strategy
         first = [cursor // rows + 1 for cursor, rows in zip(self.cursors, self.shards.rows)]
         passes = range(min(first), self.last_epoch + 2)  # a worker may run into the pass after the last epoch's
@@ -232,7 +232,7 @@ class PSAdapter(tfc.KerasAdapter):
         return {f"ps_worker{i}_steps": float(steps) for i, steps in enumerate(self.positions)}
 
     def epoch_tokens(self, epoch: int) -> np.ndarray:
-        return np.zeros(self.steps, dtype=np.int64)  # fit: MNIST only (pipelines/config.py), no tokens
+        return np.zeros(self.steps, dtype=np.int64)  # fit: MNIST only (pipelines/backend_checks.py), no tokens
 
     def fit(self, first_epoch: int, epochs: int, callbacks: list) -> None:
         """tf-keras `fit` with the coordinator, `steps` per epoch: each worker repeats its shard in one seeded order
@@ -304,17 +304,19 @@ def make_strategy(tf: Any, trainer: DictConfig) -> tuple[Any, Any]:
     return strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)
 
 
-def build_adapter(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict, shards: WorkerShards,
-                  evaluation: tfc.ShardArrays, halfway: Callable[[int], None] | None = None) -> tuple[Any, PSAdapter]:
-    """(keras, adapter): the strategy first (before any other TF op), then the model on the parameter servers with
-    the same initial weights as tf_mwms' (drawn outside any strategy), and its unpartitioned twin."""
+def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> PSAdapter:
+    """The chief's adapter: the shards the workers published and its evaluation shard (`data.shards`), the strategy
+    (before any other TF op), then the model on the parameter servers with the same initial weights as tf_mwms'
+    (drawn outside any strategy), and its unpartitioned twin."""
     import tensorflow as tf
 
+    shards, evaluation = data.shards(cfg.run.seed)  # the adapter shuffles each worker's pass itself
     strategy, coordinator = make_strategy(tf, cfg.trainer)
     import tf_keras as keras
 
     from trainers.models.keras_models import build_keras_model
 
+    model_inputs = data.model_inputs
     keras.utils.set_random_seed(cfg.run.seed)
     initial = build_keras_model(cfg.model, keras, model_inputs, seed=cfg.run.seed).get_weights()
     # Dropout: tf-keras' default ops take their seeds when the chief traces a step, and each worker's kernels start
@@ -327,25 +329,21 @@ def build_adapter(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict, shard
         model = tfc.build_compiled_model(keras, cfg, model_inputs, cfg.trainer.tf_steps_per_execution, steps)
         assign_whole(model.weights, initial)
     twin = tfc.build_compiled_model(keras, cfg, model_inputs, steps_per_epoch=steps)
-    adapter = PSAdapter(keras, cfg, strategy, coordinator, model, twin, shards, evaluation, model_inputs, ctx,
-                        halfway)
+    adapter = PSAdapter(keras, cfg, strategy, coordinator, model, twin, shards, evaluation, model_inputs, ctx)
     adapter.build_optimizer()
-    return keras, adapter
+    return adapter
 
 
-def run_chief(cfg: DictConfig, ctx: WorkerContext, model_inputs: dict, shards: WorkerShards,
-              evaluation: tfc.ShardArrays, halfway: Callable[[int], None] | None = None) -> bool:
-    """The coordinator's loop (or Keras `fit`) on the chief, then `run.dump_params_dir`. False: stopped.
-    `halfway(epoch)` is called halfway through each epoch of the custom loop (fault injection)."""
+def run_worker(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
+    """The chief's: the coordinator's loop (or Keras `fit`), then `run.dump_params_dir`. False: stopped.
+    `ctx.mid_epoch(epoch)` is called halfway through each epoch of the custom loop (fault injection)."""
     tfc.require_legacy_keras()
-    keras, adapter = build_adapter(cfg, ctx, model_inputs, shards, evaluation, halfway)
-    if not run_epochs(keras, adapter, ctx, cfg.trainer.tf_loop):
-        return False
-    adapter.dump(cfg.run.dump_params_dir)
-    return True
+    adapter = build_adapter(cfg, ctx, data)
+    return tfc.train_keras(cfg, ctx, adapter.keras, adapter)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """The chief runs the loop; every other role serves (trainers/tf/ps/backend.py)."""
     from trainers.worker import dataset_shards, ray_context, worker_config
 
     cfg = worker_config(config)
@@ -355,13 +353,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         serve(cfg, ctx, kind, index)
         return
     chief = Chief(board())
-    try:
+
+    def shards(seed: int) -> tuple[WorkerShards, ShardArrays]:
         # Rank 0's request makes every rank's shards of a split (Ray Train V2): the chief asks for the train split too
         (_, eval_shard), waited_s = dataset_shards("train", "eval")
-        evaluation = tfc.ShardArrays(eval_shard, cfg.data.name)
+        evaluation = ShardArrays(eval_shard, cfg.data.name)
         evaluation.load_s += waited_s
-        run_chief(cfg, chief.context(ctx, cfg.fault), config["model_inputs"], chief.shards(cfg.trainer.num_workers),
-                  evaluation, chief.halfway(cfg.fault))
+        return chief.shards(cfg.trainer.num_workers), evaluation
+    try:
+        run_worker(cfg, chief.context(ctx, cfg.fault), WorkerData(config["model_inputs"], shards))
     finally:
         chief.post("done")
 

@@ -5,7 +5,7 @@ entries of the model's `nn.ModuleList`s: BERT's encoder blocks) is its own FSDP 
 parameters exist at a time in forward and backward; the root unit takes the rest (embeddings, head). Gradients
 are reduce-scattered (averaged) over the ranks, so the optimizer steps on shards. With "dp_replicate" (HSDP) the
 model is sharded inside a replica group and gradients are also all-reduced across them. With "tp" the model is
-first tensor-parallel (DTensor plans, trainers/parallel/plans.py) and FSDP shards those DTensors further over the
+first tensor-parallel (DTensor plans, trainers/torch/parallel/plans.py) and FSDP shards those DTensors further over the
 data-parallel dimensions (2D parameters: FSDP x TP).
 """
 from __future__ import annotations

@@ -15,9 +15,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
-from trainers.parallel.comm import collective_device
-from trainers.parallel.data_parallel import local_grad
-from trainers.parallel.layers import TPLayer
+from trainers.torch.parallel.comm import collective_device
+from trainers.torch.parallel.data_parallel import local_grad
+from trainers.torch.parallel.layers import TPLayer
 
 
 def is_sharded(model: nn.Module, name: str, param: nn.Parameter) -> bool:

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from trainers.models.bert import MLP, SelfAttention, attend
-from trainers.parallel.comm import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
+from trainers.torch.parallel.comm import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
 
 
 def _check_divides(size: int, tp: int, what: str) -> None:

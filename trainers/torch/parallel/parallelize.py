@@ -9,10 +9,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainers.parallel.fsdp import apply_activation_checkpointing, data_parallel_mesh, parallelize_fsdp
-from trainers.parallel.mesh import ParallelDims
-from trainers.parallel.pipeline import rank_stages, split_stage, stages_per_rank
-from trainers.parallel.plans import parallelize_bert
+from trainers.torch.parallel.fsdp import apply_activation_checkpointing, data_parallel_mesh, parallelize_fsdp
+from trainers.torch.parallel.mesh import ParallelDims
+from trainers.torch.parallel.pipeline import rank_stages, split_stage
+from trainers.torch.parallel.schedules import stages_per_rank
+from trainers.torch.parallel.plans import parallelize_bert
 
 
 @dataclass(frozen=True)

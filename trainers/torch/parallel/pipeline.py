@@ -23,13 +23,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-
-
-def stages_per_rank(schedule: str) -> int:
-    """Interleaved 1F1B runs two (virtual) stages on every rank; the others one."""
-    return 2 if schedule == "interleaved_1f1b" else 1
-
 
 def rank_stages(pp_rank: int, pp: int, per_rank: int) -> list[int]:
     """The stages pipeline rank `pp_rank` holds: pp_rank, pp_rank + pp, ..."""

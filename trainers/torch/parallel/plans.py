@@ -1,7 +1,7 @@
 """Apply tensor parallelism to the plain BERT classifier, and move weights between dense and sharded form.
 
 Two implementations of the same layout (q/k/v and fc_in column-parallel, out_proj and fc_out row-parallel):
-  - "megatron": swaps submodules for our explicit layers (trainers.parallel.layers); the token embedding is
+  - "megatron": swaps submodules for our explicit layers (trainers.torch.parallel.layers); the token embedding is
     vocab-parallel and the classifier column-parallel (when tp divides num_classes).
   - "dtensor":  torch's native `parallelize_module` with ColwiseParallel / RowwiseParallel; embeddings and the
     classifier stay replicated.
@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from trainers.models.bert import BertClassifier
-from trainers.parallel.layers import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, TPLayer,
+from trainers.torch.parallel.layers import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, TPLayer,
                                       VocabParallelEmbedding)
 
 
@@ -46,7 +46,7 @@ def parallelize_bert(model: BertClassifier, mesh: DeviceMesh,
     if impl == "dtensor":
         plan: dict[str, ParallelStyle] = {}
         for i, block in enumerate(model.blocks):
-            if hasattr(block, "attn"):  # not another pipeline stage's block (trainers/parallel/pipeline.py)
+            if hasattr(block, "attn"):  # not another pipeline stage's block (trainers/torch/parallel/pipeline.py)
                 plan |= attention_plan(f"blocks.{i}.attn.") | mlp_plan(f"blocks.{i}.mlp.")
         parallelize_module(model, tp_mesh, plan)
         return model

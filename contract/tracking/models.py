@@ -1,0 +1,45 @@
+"""The trained model in MLflow: logged (PyTorch flavour; Keras' is logged by trainers/tf/common.py) and
+registered as a version of a registered model."""
+from __future__ import annotations
+
+import os
+
+from contract.tracking.server import mlflow_client
+
+
+def log_torch_model(uri: str, run_id: str, model, input_example, epoch: int) -> None:
+    """The model as the run's MLflow model (PyTorch flavour), linked to the metrics of `epoch`, the one whose
+    checkpoint it holds (the logged model's page in the UI shows them)."""
+    import mlflow
+    import torch
+
+    mlflow.set_tracking_uri(uri)
+    # log_model checks the input example by loading the model back, on the GPU where this driver sees one; a
+    # torch.export model of CPU weights loads on the CPU only.
+    os.environ.setdefault("MLFLOW_DEFAULT_PREDICTION_DEVICE", "cpu")
+    # The fluent API is what log_model uses; the driver sets the final status right after this.
+    mlflow.start_run(run_id=run_id, log_system_metrics=False)
+    try:
+        # Explicit requirements: MLflow's inference imports and scans modules, seconds for nothing here.
+        torch_req = f"torch=={torch.__version__.split('+')[0]}"
+        mlflow.pytorch.log_model(model, name="model", input_example=input_example,
+                                 pip_requirements=[torch_req], step=epoch)
+    finally:
+        mlflow.end_run()
+
+
+def register_logged_model(uri: str, run_id: str, name: str) -> str:
+    """Register the model the run logged as a new version of registered model `name` (created if new); tags the
+    version and the run with each other. Returns the version."""
+    import mlflow
+
+    client = mlflow_client(uri)
+    mlflow.set_tracking_uri(uri)
+    experiment_id = client.get_run(run_id).info.experiment_id
+    models = mlflow.search_logged_models(experiment_ids=[experiment_id], output_format="list",
+                                         filter_string=f"source_run_id = '{run_id}'")
+    if len(models) != 1:
+        raise RuntimeError(f"run {run_id} logged {len(models)} models, not one: nothing registered as {name}")
+    version = mlflow.register_model(models[0].model_uri, name, tags={"training_run_id": run_id}).version
+    client.set_tag(run_id, "registered_model", f"{name}/{version}")
+    return str(version)

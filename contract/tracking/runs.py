@@ -1,0 +1,128 @@
+"""A run's life in MLflow: created by the driver (params, tags, the resolved config), continued after a stop,
+ended FINISHED, FAILED (with the error) or KILLED (interrupted, or preempted until continued)."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Mapping
+
+from contract.resume import interruption
+from contract.tracking.provenance import git_commit, library_versions, source_tags
+from contract.tracking.check import answers
+from contract.tracking.server import mlflow_client
+from contract.tracking.spool import write_spool_file
+
+
+def experiment_id(client, name: str, uri: str) -> str:
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    location = None
+    if uri.startswith("sqlite:///"):  # keep artifacts beside the local DB, not in the job's working copy
+        location = (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
+    return client.create_experiment(name, artifact_location=location)
+
+
+def start_run(uri: str, experiment: str, run_name: str, params: Mapping[str, Any],
+              config_yaml: str, tags: Mapping[str, str] | None = None) -> str:
+    """Create the run, log params/tags and the resolved config; return its id. The run stays RUNNING.
+    Extra `tags` are added, e.g. `mlflow.parentRunId` to nest a sweep's trial run under the sweep's run."""
+    from mlflow.entities import Param, RunTag
+
+    client = mlflow_client(uri)
+    tags = {"mlflow.runName": run_name, "mlflow.source.git.commit": git_commit(), **source_tags(),
+            "host": socket.gethostname(), "ray_address": os.environ.get("RAY_ADDRESS", "local"), **(tags or {})}
+    run = client.create_run(experiment_id(client, experiment, uri), tags=tags, run_name=run_name)
+    run_id = run.info.run_id
+    all_params = dict(params)
+    all_params.update({f"version.{k}": v for k, v in library_versions().items()})
+    items = [Param(k, str(v)[:6000]) for k, v in sorted(all_params.items())]
+    for start in range(0, len(items), 100):  # MLflow accepts at most 100 params per batch
+        client.log_batch(run_id, params=items[start:start + 100], tags=[RunTag("host.cpus", str(os.cpu_count()))])
+    client.log_text(run_id, config_yaml, "config.yaml")
+    return run_id
+
+
+def log_params(uri: str, run_id: str, params: Mapping[str, Any]) -> None:
+    from mlflow.entities import Param
+
+    mlflow_client(uri).log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
+
+
+def set_tags(uri: str, run_id: str, tags: Mapping[str, str]) -> None:
+    client = mlflow_client(uri)
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+
+
+def end_run(uri: str, run_id: str, error: str | None = None) -> None:
+    """FINISHED, or FAILED with the error recorded as a tag and a text artifact."""
+    client = mlflow_client(uri)
+    if error is None:
+        client.set_terminated(run_id, status="FINISHED")
+        return
+    client.set_tag(run_id, "error", error[:5000])
+    client.log_text(run_id, error, "error.txt")
+    client.set_terminated(run_id, status="FAILED")
+
+
+def reopen_run(uri: str, run_id: str) -> str:
+    """Continue a run stopped by preemption: back to RUNNING, `attempts` tag counted up. Returns the status
+    the run had (a FINISHED run is left alone)."""
+    client = mlflow_client(uri)
+    run = client.get_run(run_id)
+    status = run.info.status
+    if status != "FINISHED":
+        attempts = int(run.data.tags.get("attempts", "1")) + 1
+        client.set_tag(run_id, "attempts", str(attempts))
+        client.update_run(run_id, status="RUNNING")
+    return status
+
+
+def mark_preempted(uri: str, run_id: str, stopped_at: str, folder: Path | None = None) -> bool:
+    """The run stopped on request with a checkpoint and will be continued: KILLED until then (MLflow has no
+    'suspended' state), with the stop point recorded. With a spool `folder`, a server that does not answer is not
+    an error: the stop point waits there for the continued run (`flush_spools`), the run stays RUNNING, and the
+    answer is False."""
+    if folder is not None and not answers(uri):
+        write_spool_file(Path(folder) / f"driver-{os.getpid()}-{time.time_ns()}.json", run_id, uri,
+                          [{"op": "append_tag", "key": "preempted_at", "value": stopped_at}])
+        return False
+    client = mlflow_client(uri)
+    previous = client.get_run(run_id).data.tags.get("preempted_at")
+    client.set_tag(run_id, "preempted_at", f"{previous},{stopped_at}" if previous else stopped_at)
+    client.set_terminated(run_id, status="KILLED")
+    return True
+
+
+def mark_interrupted(uri: str, run_id: str, how: str) -> None:
+    """Stopped from outside (Ctrl-C, SIGTERM) without a stop request: KILLED, not FAILED (nothing went wrong in
+    the run), with how in the `interrupted` tag."""
+    client = mlflow_client(uri)
+    client.set_tag(run_id, "interrupted", how)
+    client.set_terminated(run_id, status="KILLED")
+
+
+def end_unfinished_run(uri: str, run_id: str, err: BaseException) -> str | None:
+    """End a run its driver could not finish: KILLED with the `interrupted` tag after an interrupt
+    (`contract.resume.interruption`), else FAILED with the error. Returns how it was interrupted, or None."""
+    how = interruption(err)
+    if how:
+        mark_interrupted(uri, run_id, how)
+    else:
+        end_run(uri, run_id, error=f"{type(err).__name__}: {err}\n\n{traceback.format_exc()}")
+    return how
+
+
+def log_cluster_startup(uri: str, run_id: str) -> None:
+    """Seconds from the cluster job's start to all Ray nodes joined, when a cluster script measured it
+    (PIPELINE_CLUSTER_STARTUP_S, set by cluster/slurm); one value per attempt of the run."""
+    value = os.environ.get("PIPELINE_CLUSTER_STARTUP_S")
+    if not value:
+        return
+    client = mlflow_client(uri)
+    attempt = int(client.get_run(run_id).data.tags.get("attempts", "1"))
+    client.log_metric(run_id, "cluster_startup_s", float(value), step=attempt)

@@ -1,0 +1,197 @@
+"""The checks of a composed, typed training config: every value, and every combination a run could not train,
+refused before Ray or MLflow is touched. Each failure is a `ConfigError` whose message starts with the offending
+key; the commands print it on one line and exit with code 2. Framework-free: a framework is found, never imported.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from contract import recipe
+from contract.checkpoint import STATE_FILE
+from contract.config import parallel_degrees
+from contract.metrics import metric_names
+from contract.progress import PROGRESS_SETTINGS
+from pipelines import backend_checks
+from pipelines.errors import ConfigError, choice, installed
+from trainers import BACKENDS, FRAMEWORKS
+
+
+DATA_MODELS = {"mnist": ("mlp", "cnn"), "imdb": ("bert", "embed_pool", "tfidf")}  # which models fit which data
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+POSITIVE = ("num_workers", "threads_per_worker", "batch_size", "lr", "epochs", "tf_steps_per_execution",
+            "grad_accum", "devices_per_worker", "num_ps",
+            "ps_min_shard_bytes")  # trainer keys, where the backend has them
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Every check, in the order a user would fix them: values, the framework, the model, the recipe, the layout,
+    then the data."""
+    for key in POSITIVE:
+        if key in cfg.trainer and cfg.trainer[key] <= 0:
+            raise ConfigError(f"trainer.{key}: must be > 0, got {cfg.trainer[key]}")
+    if cfg.trainer.placement_strategy not in PLACEMENT_STRATEGIES:
+        raise ConfigError(f"trainer.placement_strategy: unknown strategy '{cfg.trainer.placement_strategy}' "
+                          f"(choices: {PLACEMENT_STRATEGIES})")
+    if cfg.data.name not in DATA_MODELS:
+        raise ConfigError(f"data.name: unknown dataset '{cfg.data.name}' (choices: {sorted(DATA_MODELS)})")
+    if cfg.model.name not in DATA_MODELS[cfg.data.name]:
+        raise ConfigError(f"model.name: model '{cfg.model.name}' does not fit data '{cfg.data.name}' "
+                          f"(choices: {DATA_MODELS[cfg.data.name]})")
+    _check_installed(cfg.trainer)
+    _check_model(cfg.model)
+    _check_buckets(cfg.data)
+    _check_recipe(cfg)
+    backend_checks.check_parallelism(cfg)
+    backend_checks.check_tensorflow(cfg)
+    backend_checks.check_dtensor(cfg)
+    backend_checks.check_tf_ps(cfg)
+    backend_checks.check_horovod(cfg)
+    backend_checks.check_compile(cfg.trainer)
+    if cfg.fault.max_failures < 0:
+        raise ConfigError(f"fault.max_failures: must be >= 0, got {cfg.fault.max_failures}")
+    if cfg.fault.resource_timeout_s < 0:
+        raise ConfigError(f"fault.resource_timeout_s: must be >= 0 (0: wait forever), "
+                          f"got {cfg.fault.resource_timeout_s}")
+    if cfg.run.system_metrics_interval_s < 1:  # a request per sample per process: more would flood the server
+        raise ConfigError(f"run.system_metrics_interval_s: must be >= 1, got {cfg.run.system_metrics_interval_s}")
+    for key in ("dropout", "attention_dropout"):
+        if key in cfg.model and not 0 <= cfg.model[key] < 1:
+            raise ConfigError(f"model.{key}: must be in [0, 1), got {cfg.model[key]}")
+    if cfg.run.resume_from and not (Path(cfg.run.resume_from) / STATE_FILE).is_file():
+        raise ConfigError(f"run.resume_from: no checkpoint at '{cfg.run.resume_from}' (missing {STATE_FILE})")
+    manifest = Path(cfg.data.path) / "manifest.json"
+    if not manifest.is_file():
+        raise ConfigError(f"data.path: no prepared dataset at '{cfg.data.path}' (missing manifest.json); "
+                          f"run `rtp prepare {cfg.data.name} --out {cfg.data.path}`")
+    _check_steps_fit(cfg, _manifest_json(manifest))
+
+
+def _manifest_json(path: Path) -> dict:
+    """The manifest as JSON, or {} when it is not (the data checks before training name what is wrong)."""
+    import json
+
+    try:
+        loaded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def _check_buckets(data: DictConfig) -> None:
+    if data.bucket_by_length and data.name != "imdb":
+        raise ConfigError(f"data.bucket_by_length: only token data has lengths to group by; '{data.name}' has none")
+    if data.bucket_by_length and not data.cache_in_worker:
+        raise ConfigError("data.bucket_by_length: grouping an epoch by length needs its rows in memory "
+                          "(data.cache_in_worker=true), or set data.bucket_by_length=false to stream")
+
+
+def _check_recipe(cfg: DictConfig) -> None:
+    """The recipe keys every backend shares (contract/recipe.py) and how the best epoch is picked."""
+    trainer, run = cfg.trainer, cfg.run
+    choice("trainer", "optimizer", trainer.optimizer, recipe.OPTIMIZERS)
+    choice("trainer", "lr_schedule", trainer.lr_schedule, recipe.LR_SCHEDULES)
+    choice("trainer", "precision", trainer.precision, recipe.PRECISIONS)
+    if trainer.weight_decay < 0:
+        raise ConfigError(f"trainer.weight_decay: must be >= 0, got {trainer.weight_decay}")
+    if trainer.weight_decay > 0 and trainer.optimizer != "adamw":
+        # PyTorch's adam/sgd add decay to the gradient (L2), Keras' decouple it: only adamw means the same in both.
+        raise ConfigError(f"trainer.weight_decay: only adamw decays weights (decoupled, the same in every "
+                          f"framework); got optimizer={trainer.optimizer}")
+    if not 0 <= trainer.momentum < 1:
+        raise ConfigError(f"trainer.momentum: must be in [0, 1), got {trainer.momentum}")
+    if trainer.warmup_steps < 0:
+        raise ConfigError(f"trainer.warmup_steps: must be >= 0, got {trainer.warmup_steps}")
+    if not 0 <= trainer.warmup_fraction < 1:
+        raise ConfigError(f"trainer.warmup_fraction: must be in [0, 1), got {trainer.warmup_fraction}")
+    if trainer.warmup_steps and trainer.warmup_fraction:
+        raise ConfigError("trainer.warmup_fraction: set warmup_steps or warmup_fraction, not both")
+    if trainer.grad_clip is not None and trainer.grad_clip <= 0:
+        raise ConfigError(f"trainer.grad_clip: must be > 0 (null: no clipping), got {trainer.grad_clip}")
+    if trainer.precision == "fp16" and not trainer.use_gpu:
+        raise ConfigError("trainer.precision: fp16 needs GPUs (loss scaling, fast half kernels); on CPU use bf16")
+    scheduled = trainer.lr_schedule != "constant" or trainer.warmup_steps > 0 or trainer.warmup_fraction > 0
+    torch_backend = trainer.backend in ("ddp", "tp", "fsdp") or trainer.get("framework") == "torch"
+    if scheduled and not cfg.data.cache_in_worker and torch_backend:
+        raise ConfigError("trainer.lr_schedule: a schedule needs the epoch's length, known only with "
+                          "data.cache_in_worker=true (PyTorch backends stream otherwise)")
+    choice("run", "monitor", run.monitor, metric_names(text=cfg.data.name == "imdb"))
+    if run.monitor_mode is not None:
+        choice("run", "monitor_mode", run.monitor_mode, recipe.MONITOR_MODES)
+    choice("run", "final_model", run.final_model, recipe.FINAL_MODELS)
+    choice("run", "progress", run.progress, PROGRESS_SETTINGS)
+    if run.patience is not None and run.patience < 1:
+        raise ConfigError(f"run.patience: must be >= 1 (null: no early stopping), got {run.patience}")
+    if trainer.profile_steps < 0:
+        raise ConfigError(f"trainer.profile_steps: must be >= 0 (0: off), got {trainer.profile_steps}")
+    name = run.register_model
+    if name is not None and (not name.strip() or "/" in name or ":" in name):
+        raise ConfigError(f"run.register_model: '{name}' is not a model name MLflow accepts (not blank, no / or :)")
+
+
+def _check_steps_fit(cfg: DictConfig, manifest: dict) -> None:
+    """Every data-parallel rank trains at least one batch an epoch, and warmup ends before the run does. A rank
+    holds rows // ranks of the train split; a pipeline (pp > 1) trains full batches only (its stages need fixed
+    shapes: the epoch's short last batch is left out), and so do the TensorFlow backends; the PyTorch backends keep
+    the short batch. tf_ps' epoch is the train split's full batches, whichever workers take them."""
+    trainer = cfg.trainer
+    rows = manifest.get("splits", {}).get("train", {}).get("rows")
+    if not isinstance(rows, int):
+        return
+    dp, _ = parallel_degrees(trainer)
+    ranks = 1 if trainer.backend == "tf_ps" else dp or trainer.num_workers
+    per_rank = rows // ranks
+    if trainer.backend == "fsdp" and trainer.pp > 1:
+        full = ", and a pipeline trains full batches only"
+    elif trainer.backend in ("tf_mwms", "tf_dtensor", "tf_ps") or trainer.get("framework") == "tf":
+        full = ", and TensorFlow trains full batches only"
+    else:
+        full = ""
+    steps = per_rank // trainer.batch_size if full else -(-per_rank // trainer.batch_size)
+    if steps == 0:
+        raise ConfigError(f"trainer.batch_size: each of the {ranks} data-parallel rank(s) holds {per_rank} of the "
+                          f"{rows} training rows{full}: a batch of {trainer.batch_size} leaves it nothing to train")
+    if trainer.max_steps_per_epoch:
+        steps = min(steps, trainer.max_steps_per_epoch)
+    warmup, updates = recipe.schedule_steps(trainer, steps)
+    if warmup and warmup >= updates:
+        key = "warmup_steps" if trainer.warmup_steps else "warmup_fraction"
+        raise ConfigError(f"trainer.{key}: {warmup} warmup steps is not shorter than the run ({updates} optimizer "
+                          f"steps: {trainer.epochs} epochs of {steps} batches, grad_accum={trainer.grad_accum})")
+
+
+def _check_model(model: DictConfig) -> None:
+    if model.name == "cnn" and len(model.channels) != 2:
+        raise ConfigError(f"model.channels: the CNN has 2 conv blocks, got {list(model.channels)}")
+    if model.name in ("mlp", "cnn"):
+        sizes = list(model.hidden) if model.name == "mlp" else [model.hidden, *model.channels]
+        if any(size <= 0 for size in sizes):
+            raise ConfigError(f"model.hidden: layer sizes must be > 0, got {sizes}")
+    if model.name == "tfidf" and model.hidden <= 0:
+        raise ConfigError(f"model.hidden: must be > 0, got {model.hidden}")
+    if model.name == "tfidf" and model.bigram_buckets < 0:
+        raise ConfigError(f"model.bigram_buckets: must be >= 0 (0: no token pairs), got {model.bigram_buckets}")
+    if model.name == "embed_pool" and min(model.embed_dim, model.hidden) <= 0:
+        raise ConfigError(f"model.embed_dim: sizes must be > 0, got embed_dim={model.embed_dim} hidden={model.hidden}")
+    if model.name == "bert":
+        from trainers.models.flavours import BERT_FLAVOURS
+
+        if model.flavour not in BERT_FLAVOURS:
+            raise ConfigError(f"model.flavour: unknown flavour '{model.flavour}' (choices: {sorted(BERT_FLAVOURS)})")
+        for key in ("hidden", "layers", "heads"):
+            if model[key] is not None and model[key] <= 0:
+                raise ConfigError(f"model.{key}: must be > 0, got {model[key]}")
+
+
+def _check_installed(trainer: DictConfig) -> None:
+    """The backend's framework can be imported here (found, not imported: validation stays framework-free)."""
+    spec = BACKENDS[trainer.backend]
+    framework = trainer.framework if len(spec.frameworks) > 1 else spec.frameworks[0]
+    if framework not in FRAMEWORKS:
+        return  # an unknown `trainer.framework`: its own check names the choices
+    modules, extra = FRAMEWORKS[framework]
+    missing = [module for module in modules if not installed(module)]
+    if missing:
+        raise ConfigError(f"trainer.backend: {trainer.backend} needs {', '.join(missing)}, not installed in this "
+                          f"environment: pip install 'ray-train-pipelines[{extra}]'")

@@ -1,0 +1,42 @@
+"""The Ray Train backend of `MultiWorkerMirroredStrategy` (each worker's TF_CONFIG), in a module that imports no
+TensorFlow: Ray Train's controller unpickles it in a process that never runs TensorFlow, and Ray's own
+`ray.train.tensorflow.TensorflowConfig` lives in a package that imports TensorFlow at the top (seconds of CPU in
+every controller: benchmarks/README.md, startup). Each step is one of Ray's own functions, run on the workers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.train.backend import Backend, BackendConfig
+from ray.train.v2._internal.util import TrainingFramework
+
+from trainers.worker import free_addresses, on_worker
+
+TENSORFLOW = "ray.train.tensorflow.config"
+
+
+@dataclass
+class MirroredConfig(BackendConfig):
+    """What `TensorflowConfig` sets up for `MultiWorkerMirroredStrategy`: each worker's TF_CONFIG naming every
+    worker's address (and tf-keras as `tf.keras`, as Ray sets it)."""
+
+    @property
+    def backend_cls(self) -> type:
+        return MirroredBackend
+
+    @property
+    def framework(self) -> TrainingFramework:
+        return TrainingFramework.TENSORFLOW
+
+
+class MirroredBackend(Backend):
+    """`ray.train.tensorflow.config._TensorflowBackend`'s steps, the workers' ports drawn as our other TensorFlow
+    backends draw theirs (`trainers.worker.free_addresses`: distinct, above the kernel's range for outgoing
+    connections)."""
+
+    def on_start(self, worker_group: Any, backend_config: MirroredConfig) -> None:
+        urls = free_addresses(worker_group)  # each worker's TensorFlow server, as tf_ps' and DTensor's
+        ray.get([worker_group.execute_single_async(index, on_worker, TENSORFLOW, "_setup_tensorflow_environment",
+                                                   worker_addresses=urls, index=index)
+                 for index in range(len(worker_group))])
