@@ -1,20 +1,111 @@
 """Facts about the prepared datasets that training code needs (the preparation itself is pipelines/data/)."""
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+from typing import Any
+
 import numpy as np
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # the usual MNIST train-set statistics; workers normalise with them
-PAD_ID = 0  # IMDb token shards: [PAD] is id 0, so a row's real tokens are its first `length` ids
-FEATURE_COLUMNS = {"mnist": "image", "imdb": "input_ids"}  # the model's input column in each dataset's shards
+PAD_ID = 0  # token shards: [PAD] is id 0, so a row's real tokens are its first `length` ids
+
+FEATURE_KINDS = ("image", "numeric", "tokens")
+TASKS = ("classification", "regression")
 
 
-def model_input(dataset: str, column: np.ndarray) -> np.ndarray:
-    """A shard column as a logged model takes it: MNIST images normalised to float32 [N, 784] (what the workers
-    feed), IMDb token ids [N, T] as stored ([PAD] marks the padding)."""
-    features = np.stack(column) if column.dtype == object else np.asarray(column)  # fixed-size lists, as Ray gives
-    if dataset == "mnist":
-        return ((features.astype(np.float32) / 255.0 - MNIST_MEAN) / MNIST_STD).astype(np.float32)
-    return features
+@dataclass(frozen=True)
+class Features:
+    """What a prepared dataset's rows hold as model input (its manifest's `features`), and how a worker turns the
+    stored column into it. `image`: uint8 pixels scaled to (pixel / 255 - mean) / std, float32; `numeric`: float32
+    values as stored; `tokens`: token ids, [PAD] = 0 after a row's `length` real ones."""
+    column: str                       # the stored column: a fixed-size list per row
+    kind: str                         # image | numeric | tokens
+    shape: tuple[int, ...]            # one row's input: (784,), (28, 28), (13,), (max_len,)
+    mean: float = 0.0                 # image scaling
+    std: float = 1.0
+    vocab_size: int = 0               # tokens: ids are below this
+    length_column: str | None = None  # tokens: real tokens per row
+    id_column: str | None = None      # a row's identity (which rows a rank holds: checks)
+
+    @property
+    def width(self) -> int:
+        """Values per row, flattened."""
+        return int(np.prod(self.shape))
+
+    def model_input(self, column: np.ndarray) -> np.ndarray:
+        """A stored column as the model takes it (what the workers feed, what a logged model is given): images
+        scaled to float32 [N, *shape], numeric values as float32, token ids as stored."""
+        values = np.stack(column) if column.dtype == object else np.asarray(column)  # fixed-size lists, as Ray gives
+        values = values.reshape(len(values), *self.shape)
+        if self.kind == "image":
+            return ((values.astype(np.float32) / 255.0 - self.mean) / self.std).astype(np.float32)
+        if self.kind == "numeric":
+            return values.astype(np.float32)
+        return values
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a model predicts (its manifest's `target`): a class id in 0..len(classes)-1 (`classes` names each,
+    as the source data did), or a float value (regression)."""
+    column: str = "label"
+    task: str = "classification"
+    classes: tuple[str, ...] = ()
+
+    @property
+    def outputs(self) -> int:
+        """The model's outputs per row: a logit per class, or the one predicted value."""
+        return len(self.classes) if self.task == "classification" else 1
+
+
+@dataclass(frozen=True)
+class DataSchema:
+    """A prepared dataset as a model sees it: its features and target, read from its manifest. What a model builder
+    gets (`inputs`), shipped to the workers as plain data (`to_dict`)."""
+    dataset: str
+    features: Features
+    target: Target
+
+    @property
+    def vocab_size(self) -> int:
+        return self.features.vocab_size
+
+    @property
+    def max_len(self) -> int:
+        """Token ids per row (0 for other features)."""
+        return self.features.shape[0] if self.features.kind == "tokens" else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dataset": self.dataset, "features": asdict(self.features), "target": asdict(self.target)}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "DataSchema":
+        features = Features(**{**raw["features"], "shape": tuple(raw["features"]["shape"])})
+        target = Target(**{**raw["target"], "classes": tuple(raw["target"].get("classes", ()))})
+        return cls(raw["dataset"], features, target)
+
+    @classmethod
+    def from_manifest(cls, manifest: dict[str, Any]) -> "DataSchema":
+        """The manifest's `features` and `target`; a manifest written before they were recorded (mnist, imdb)
+        gets the ones its dataset has always had."""
+        if "features" in manifest:
+            return cls.from_dict(manifest)
+        return cls.from_dict({"dataset": manifest.get("dataset", "?"), **legacy_layout(manifest)})
+
+
+def legacy_layout(manifest: dict[str, Any]) -> dict[str, Any]:
+    """`features` and `target` of the two datasets prepared before manifests recorded them."""
+    if manifest.get("dataset") == "mnist":
+        features = Features("image", "image", (784,), MNIST_MEAN, MNIST_STD)
+        target = Target("label", "classification", tuple(str(digit) for digit in range(10)))
+    elif manifest.get("dataset") == "imdb":
+        inputs = manifest.get("model_inputs", {})
+        features = Features("input_ids", "tokens", (int(inputs.get("max_len", 0)),),
+                            vocab_size=int(inputs.get("vocab_size", 0)), length_column="length", id_column="id")
+        target = Target("label", "classification", ("neg", "pos"))
+    else:
+        raise ValueError(f"dataset '{manifest.get('dataset')}': its manifest has no features and target")
+    return {"features": asdict(features), "target": asdict(target)}
 
 
 def shuffled_order(rows: int, seed: int) -> np.ndarray:

@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "evaluate": ("pipelines.evaluate", "score a logged model on a prepared split"),
     "predict": ("pipelines.predict", "score a logged model on raw inputs (images, text files)"),
     "replay": ("pipelines.replay", "finish a run or sweep whose MLflow server was away"),
+    "report": ("pipelines.sweep.report", "rebuild the scaling report of a sweep from its MLflow runs"),
+    "screenshots": ("pipelines.sweep.screenshots", "a sweep in the MLflow UI, as PNG files (headless Chromium)"),
     "list": ("pipelines.cli", "the backends, models, datasets and sweep presets, one line each"),
     "config": ("pipelines.cli", "the composed, validated training config of these overrides (starts nothing)"),
 }
@@ -47,7 +49,7 @@ CONFIG_SUMMARY = """Print the training config these overrides compose (conf/ and
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        commands = "\n".join(f"  {name:<10}{what}" for name, (_, what) in COMMANDS.items())
+        commands = "\n".join(f"  {name:<13}{what}" for name, (_, what) in COMMANDS.items())
         print(USAGE.format(commands=commands))
         return 0
     command, args = argv[0], argv[1:]

@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from contract.tracking import tracking_uri
 
-    parser = argparse.ArgumentParser(description="Rebuild the scaling report of a sweep from its MLflow runs")
+    parser = argparse.ArgumentParser(prog="rtp report", description="Rebuild the scaling report of a sweep from its "
+                                                                    "MLflow runs")
     parser.add_argument("parent_run_id")
     parser.add_argument("--out", type=Path, default=None, help="folder for the files (default: a temp dir)")
     parser.add_argument("--target-accuracy", type=float, default=0.8)

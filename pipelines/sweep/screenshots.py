@@ -177,7 +177,7 @@ def take_screenshots(uri: str, parent_id: str, out: Path) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipelines.sweep.screenshots", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="rtp screenshots", description=__doc__.split("\n")[0])
     parser.add_argument("parent_run_id")
     parser.add_argument("--out", type=Path, default=Path("outputs/mlflow-ui"))
     args = parser.parse_args(argv)
