@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from contract.data import mnist_schema
 from benchmarks.common import MNIST, ensure_mnist, mnist_arrays, mnist_parser, pipeline_run, steady_rate
 from pipelines.config import load_config
 from trainers.models import build_model
@@ -26,7 +27,7 @@ def bare_pytorch(overrides: list[str], epochs: int) -> list[float]:
     torch.set_num_threads(1)
     torch.manual_seed(cfg.run.seed)
     images, labels = (torch.from_numpy(a) for a in mnist_arrays("train"))
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, mnist_schema())
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.trainer.lr)
     loss_fn, batch = nn.CrossEntropyLoss(), cfg.trainer.batch_size
     rates = []

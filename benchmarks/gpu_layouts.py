@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from contract.data import imdb_schema
 from tests.support.loop_harness import config, imdb_columns
 
-MODEL_INPUTS = {"vocab_size": 8000, "max_len": 128}
+MODEL_INPUTS = imdb_schema(8000, 128)
 BATCH, WARMUP = 128, 5
 MODELS = {"bert tiny": [], "bert 8x512": ["model.hidden=512", "model.layers=8", "model.heads=8"]}
 LAYOUTS = {"ddp": ["trainer=ddp"], "ddp bf16": ["trainer=ddp", "trainer.precision=bf16"],
@@ -64,13 +65,13 @@ def step_times(cfg: DictConfig, steps: int, device: torch.device) -> tuple[float
     """(wall ms, CPU ms) per training step after the warm-up, batches cached on the device as a worker's are."""
     from trainers.torch.data import ShardBatches
 
-    vocab, length = MODEL_INPUTS["vocab_size"], MODEL_INPUTS["max_len"]
+    vocab, length = MODEL_INPUTS.vocab_size, MODEL_INPUTS.max_len
     columns = {k: torch.from_numpy(v).to(device)
                for k, v in imdb_columns(BATCH * (steps + WARMUP), vocab, length).items()}
     evaluation = {k: torch.from_numpy(v).to(device) for k, v in imdb_columns(BATCH, vocab, length, seed=1).items()}
-    data = lambda seed: (ShardBatches.from_columns(columns, "imdb", BATCH, seed,  # noqa: E731
+    data = lambda seed: (ShardBatches.from_columns(columns, MODEL_INPUTS, BATCH, seed,  # noqa: E731
                                                    bucket_by_length=True, trim=True),
-                         ShardBatches.from_columns(evaluation, "imdb", BATCH, seed, trim=True))
+                         ShardBatches.from_columns(evaluation, MODEL_INPUTS, BATCH, seed, trim=True))
     adapter = build(cfg, data, device)
     batches = list(adapter.batches(0, 0))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

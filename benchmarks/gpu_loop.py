@@ -26,6 +26,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
+from contract.data import mnist_schema
 from benchmarks.common import MNIST, ensure_mnist, mnist_arrays, steady_rate
 from pipelines.config import load_config
 from trainers.adapter import WorkerData
@@ -47,7 +48,7 @@ def model_config(batch: int, epochs: int, compile_: bool, threads: int) -> DictC
 def bare_rates(cfg: DictConfig, images: torch.Tensor, labels: torch.Tensor) -> list[float]:
     """A plain loop on GPU 0: samples/s per epoch."""
     torch.manual_seed(cfg.run.seed)
-    model = build_model(cfg.model).to(CUDA, memory_format=torch.channels_last)
+    model = build_model(cfg.model, mnist_schema()).to(CUDA, memory_format=torch.channels_last)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.trainer.lr)
     forward = torch.compile(model) if cfg.trainer.compile else model
     loss_fn, batch, rates = nn.CrossEntropyLoss(), cfg.trainer.batch_size, []
@@ -71,9 +72,9 @@ def loop_rates(cfg: DictConfig, images: torch.Tensor, labels: torch.Tensor,
                test: dict[str, torch.Tensor]) -> list[float]:
     """The shared loop with the DDP adapter on GPU 0 (one worker: no DDP wrapper, as Ray's `prepare_model`
     leaves it); its `samples_per_s` per epoch. Evaluation and checkpoints run as in a pipeline, outside that."""
-    data = lambda seed: (ShardBatches.from_columns({"image": images, "label": labels}, "mnist",  # noqa: E731
+    data = lambda seed: (ShardBatches.from_columns({"image": images, "label": labels}, mnist_schema(),  # noqa: E731
                                                    cfg.trainer.batch_size, seed),
-                         ShardBatches.from_columns(test, "mnist", 1024, seed))
+                         ShardBatches.from_columns(test, mnist_schema(), 1024, seed))
     reports: list[dict[str, float]] = []
     ctx = WorkerContext(rank=0, world_size=1, report=lambda metrics, _folder: reports.append(metrics),
                         epochs=cfg.trainer.epochs, device=CUDA)

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
+from contract.data import DataSchema
 from pipelines.data.shards import read_manifest, shard_paths
 from trainers.models.bert import BertClassifier, bert_config
 from trainers.torch.data import ShardBatches
@@ -34,13 +35,13 @@ def load_rows(folder: Path, rows: int) -> dict[str, torch.Tensor]:
             "id": torch.from_numpy(table["id"].to_numpy())}
 
 
-def samples_per_s(columns: dict[str, torch.Tensor], model_inputs: dict, batch: int, steps: int,
+def samples_per_s(columns: dict[str, torch.Tensor], schema: DataSchema, batch: int, steps: int,
                   bucketed: bool) -> tuple[float, float]:
     """(samples/s, mean batch width) over `steps` steps of epoch 0, after one warm-up step."""
     torch.manual_seed(0)
-    model = BertClassifier(bert_config("tiny", model_inputs["vocab_size"], model_inputs["max_len"])).train()
+    model = BertClassifier(bert_config("tiny", schema.vocab_size, schema.max_len)).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    batches = ShardBatches.from_columns(columns, "imdb", batch, seed=0, bucket_by_length=bucketed, trim=bucketed)
+    batches = ShardBatches.from_columns(columns, schema, batch, seed=0, bucket_by_length=bucketed, trim=bucketed)
     widths, start = [], 0.0
     for index, (inputs, labels, _) in enumerate(batches.epoch(0)):
         if index == 1:
@@ -64,11 +65,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model_inputs = read_manifest(args.data)["model_inputs"]
+    schema = DataSchema.from_manifest(read_manifest(args.data))
     columns = load_rows(args.data, args.rows)
     results = {}
     for name, bucketed in (("padded", False), ("bucketed", True)):
-        results[name], width = samples_per_s(columns, model_inputs, args.batch, args.steps, bucketed)
+        results[name], width = samples_per_s(columns, schema, args.batch, args.steps, bucketed)
         print(f"{name}: {results[name]:.1f} samples/s, mean batch width {width:.0f} tokens", flush=True)
     print(f"ratio={results['bucketed'] / results['padded']:.2f}")
 

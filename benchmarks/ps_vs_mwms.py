@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from contract.data import mnist_schema
 from benchmarks.common import MNIST, QUIET_ENV, ROOT, ensure_mnist, free_ports, mnist_arrays, mnist_parser, \
     pipeline_run, steady_rate
 
@@ -40,7 +41,7 @@ def bare_ps(model: str, batch: int, epochs: int, own_masks: bool) -> list[float]
 
     from contract.data import MNIST_MEAN, MNIST_STD
     from pipelines.config import load_config
-    from trainers.models.keras_models import build_keras_model
+    from trainers.models import build_keras_model
 
     ports = free_ports(2 + WORKERS)
     cluster = {"chief": [f"127.0.0.1:{ports[0]}"], "ps": [f"127.0.0.1:{ports[1]}"],
@@ -59,7 +60,7 @@ def bare_ps(model: str, batch: int, epochs: int, own_masks: bool) -> list[float]
         if own_masks:
             keras.backend.experimental.enable_tf_random_generator()
         with strategy.scope():
-            net = build_keras_model(cfg.model, keras, seed=0)
+            net = build_keras_model(cfg.model, keras, mnist_schema(), seed=0)
             optimizer = keras.optimizers.Adam(1e-3)
 
         def dataset_fn(_):

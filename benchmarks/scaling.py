@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from contract.data import mnist_schema
 from benchmarks.common import (MNIST, QUIET_ENV, ROOT, ensure_mnist, free_ports, mnist_arrays, pipeline_run,
                                steady_rate)
 
@@ -75,7 +76,7 @@ def channels_last_model(model_name: str):
     torch.set_num_threads(1)
     cfg = load_config([f"data.path={MNIST}", f"model={model_name}"])
     torch.manual_seed(0)
-    return build_model(cfg.model).to(memory_format=torch.channels_last), cfg.trainer.lr
+    return build_model(cfg.model, mnist_schema()).to(memory_format=torch.channels_last), cfg.trainer.lr
 
 
 def bare_torch_worker(args: argparse.Namespace) -> list[float]:
@@ -127,7 +128,7 @@ def bare_tf_worker(args: argparse.Namespace) -> list[float]:
     import tf_keras as keras
 
     from pipelines.config import load_config
-    from trainers.models.keras_models import build_keras_model
+    from trainers.models import build_keras_model
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -138,7 +139,7 @@ def bare_tf_worker(args: argparse.Namespace) -> list[float]:
         return tf_shard_batches(tf, args.rank, args.world, args.batch)
 
     with strategy.scope():
-        net = build_keras_model(cfg.model, keras)
+        net = build_keras_model(cfg.model, keras, mnist_schema())
         net.compile(optimizer=keras.optimizers.Adam(cfg.trainer.lr),
                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), steps_per_execution=8)
     rates: list[float] = []
@@ -164,7 +165,7 @@ def bare_horovod_tf_worker(args: argparse.Namespace) -> list[float]:
     import tf_keras as keras
 
     from pipelines.config import load_config
-    from trainers.models.keras_models import build_keras_model
+    from trainers.models import build_keras_model
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -172,7 +173,7 @@ def bare_horovod_tf_worker(args: argparse.Namespace) -> list[float]:
     rank, world = hvd.rank(), hvd.size()
     cfg = load_config([f"data.path={MNIST}", f"model={args.model}"])
     data = iter(tf_shard_batches(tf, rank, world, args.batch))
-    model = build_keras_model(cfg.model, keras)
+    model = build_keras_model(cfg.model, keras, mnist_schema())
     optimizer, loss_fn = keras.optimizers.Adam(cfg.trainer.lr), keras.losses.SparseCategoricalCrossentropy(True)
     optimizer.build(model.trainable_variables)
     hvd.broadcast_variables(model.variables, root_rank=0)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+from contract.data import mnist_schema
 from benchmarks.common import (MNIST, QUIET_ENV, ROOT, ensure_mnist, mnist_arrays, mnist_parser, pipeline_run,
                                steady_rate)
 
@@ -26,14 +27,14 @@ def bare_keras(model: str, batch: int, epochs: int, steps_per_execution: int) ->
 
     from pipelines.config import load_config
     from contract.data import MNIST_MEAN as MEAN, MNIST_STD as STD
-    from trainers.models.keras_models import build_keras_model
+    from trainers.models import build_keras_model
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     cfg = load_config([f"data.path={MNIST}", f"model={model}"])
     images, labels = mnist_arrays("train")
     ds = (tf.data.Dataset.from_tensor_slices((images, labels)).shuffle(len(labels), seed=0)
           .batch(batch).map(lambda x, y: ((tf.cast(x, tf.float32) / 255.0 - MEAN) / STD, y)).prefetch(2))
-    net = build_keras_model(cfg.model, keras)
+    net = build_keras_model(cfg.model, keras, mnist_schema())
     net.compile(optimizer=keras.optimizers.Adam(cfg.trainer.lr),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                 steps_per_execution=steps_per_execution)

@@ -1,17 +1,20 @@
-"""The typed config every layer reads: one dataclass schema per section, and one trainer schema per backend
-(the common keys plus that backend's own), so a key another backend owns is an error, never silently ignored.
+"""The typed config every layer reads: one dataclass schema per section, one trainer schema per backend (the
+common keys plus that backend's own, registered with the backend: contract/registry.py), so a key another backend
+owns is an error, never silently ignored, and the model's keys from its registered spec.
 
 `pipelines/config.py` composes `conf/` with Hydra and validates values against these; a worker rebuilds the
-same typed, read-only config from the plain dict Ray ships to it (`typed_config`).
+same typed, read-only config from the plain dict Ray ships to it (`typed_config`), once it has imported the
+backend (which registers the built-in specs) and the run's plugins (a user's).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from contract.recipe import Monitor, default_mode
+from contract.registry import BACKENDS, MODELS, load_plugins
 
 
 @dataclass
@@ -106,64 +109,19 @@ class TFPSConfig(TrainerConfig):
     tf_steps_per_execution: int = 8     # training steps per scheduled function (each on one worker)
 
 
-TRAINER_SCHEMAS: dict[str, type[TrainerConfig]] = {"ddp": DDPConfig, "tp": TPConfig, "fsdp": FSDPConfig,
-                                                   "tf_mwms": TFMWMSConfig, "horovod": HorovodConfig,
-                                                   "tf_dtensor": TFDTensorConfig, "tf_ps": TFPSConfig}
+@dataclass
+class PluginsConfig:
+    plugins: list[str] = field(default_factory=list)  # modules of yours that register models and data (imported)
 
 
 @dataclass
 class DataConfig:
-    name: str = "mnist"             # the dataset (`data=<name>` picks it)
+    name: str = "mnist"             # the dataset (`data=<name>` picks it; a run reads it from its manifest)
     path: str = "data/mnist/parquet"  # its prepared folder (manifest.json and Parquet shards): `rtp prepare`
-    eval_split: str = "test"        # the split each epoch's test_accuracy is measured on
+    eval_split: Optional[str] = None  # the split each epoch's evaluation (test_accuracy, test_mse) is measured on,
+                                      # which picks the best epoch; null: validation where the data has one, else test
     cache_in_worker: bool = True    # each worker pulls its shard into memory once (else streams every epoch)
     bucket_by_length: bool = False  # text: batches of similar length, cut to their longest row (contract/data.py)
-
-
-@dataclass
-class MLPConfig:
-    name: str = "mlp"               # multi-layer perceptron on the 784 pixels
-    hidden: list[int] = field(default_factory=lambda: [512, 256])  # hidden layer widths
-    dropout: float = 0.1            # after each hidden layer
-
-
-@dataclass
-class CNNConfig:
-    name: str = "cnn"               # two conv blocks and a dense layer, on 28x28 images
-    channels: list[int] = field(default_factory=lambda: [32, 64])  # output channels of the two conv blocks
-    hidden: int = 128               # width of the dense layer
-    dropout: float = 0.25           # before the classifier
-
-
-@dataclass
-class BertModelConfig:
-    name: str = "bert"              # BERT-style encoder classifier (`model=bert_tiny`, `model=bert_small`)
-    flavour: str = "tiny"           # tiny | small | base | large (trainers/models/bert.py)
-    dropout: float = 0.1            # embedding, residual and MLP dropout
-    attention_dropout: float = 0.0  # on the attention probabilities: > 0 leaves torch's fused CPU attention (slower)
-    hidden: Optional[int] = None    # hidden width, overriding the flavour's
-    layers: Optional[int] = None    # encoder blocks, overriding the flavour's
-    heads: Optional[int] = None     # attention heads, overriding the flavour's
-
-
-@dataclass
-class EmbedPoolConfig:
-    name: str = "embed_pool"        # mean of the token embeddings (padding excluded) -> MLP
-    embed_dim: int = 64             # token embedding width
-    hidden: int = 64                # width of the hidden layer
-    dropout: float = 0.1            # before the classifier
-
-
-@dataclass
-class TfIdfConfig:
-    name: str = "tfidf"             # TF-IDF features -> Dense -> BatchNorm -> Dense (trainer=tf_dtensor)
-    hidden: int = 128               # width of the hidden layer
-    dropout: float = 0.5            # before the classifier
-    bigram_buckets: int = 0         # token pairs hashed into this many extra features (0: single tokens only)
-
-
-MODEL_SCHEMAS: dict[str, type] = {"mlp": MLPConfig, "cnn": CNNConfig, "bert": BertModelConfig,
-                                  "embed_pool": EmbedPoolConfig, "tfidf": TfIdfConfig}
 
 
 @dataclass
@@ -176,7 +134,8 @@ class RunSection:
     resume_dir: Optional[str] = None  # stop-and-resume folder (preemption); see contract/resume.py
     resume_from: Optional[str] = None  # a checkpoint folder this run starts from: its weights, optimizer state,
                                        # schedule position and epoch; hyperparameters are this config's (PBT)
-    monitor: str = "test_accuracy"    # the epoch metric that picks the best epoch (contract/recipe.py)
+    monitor: Optional[str] = None     # the epoch metric that picks the best epoch (contract/recipe.py); default:
+                                      # the task's evaluation metric, test_accuracy or test_mse
     monitor_mode: Optional[str] = None  # max | min; default: min for losses and times, else max
     final_model: str = "best"         # the logged MLflow model: the best epoch's, or the last epoch's
     patience: Optional[int] = None    # stop after this many epochs without a better `monitor` (None: never)
@@ -198,26 +157,33 @@ class FaultConfig:
 
 
 def schema(backend: str, model: str) -> DictConfig:
-    """The structured config of a run of `backend` training `model` (both must be known names)."""
+    """The structured config of a run of `backend` training `model` (both registered; RegistryError naming the
+    registered ones otherwise). `plugins`: the user modules that register specs (contract/registry.py)."""
     return OmegaConf.create({
-        "trainer": OmegaConf.structured(TRAINER_SCHEMAS[backend]),
+        "plugins": OmegaConf.structured(PluginsConfig).plugins,
+        "trainer": OmegaConf.structured(BACKENDS.get(backend).config),
         "data": OmegaConf.structured(DataConfig),
-        "model": OmegaConf.structured(MODEL_SCHEMAS[model]),
+        "model": OmegaConf.structured(MODELS.get(model).config),
         "run": OmegaConf.structured(RunSection),
         "fault": OmegaConf.structured(FaultConfig),
     })
 
 
-def typed_config(plain: dict[str, Any]) -> DictConfig:
-    """A validated config shipped as plain data (to a Ray worker, a Tune trial), typed and read-only again."""
+def typed_config(plain: dict[str, Any], plugin_roots: Iterable[str] = ()) -> DictConfig:
+    """A validated config shipped as plain data (to a Ray worker, a Tune trial), typed and read-only again. Its
+    plugins are imported first (a user's model registers its spec), from the working directory (a job's
+    `--working-dir`) or the folders the driver found them in (`plugin_roots`: shared storage on Slurm)."""
+    load_plugins(plain.get("plugins", []), plugin_roots)
     cfg = OmegaConf.merge(schema(plain["trainer"]["backend"], plain["model"]["name"]), plain)
     OmegaConf.set_readonly(cfg, True)
     return cfg
 
 
 def monitor_of(run: DictConfig) -> Monitor:
-    """The run's `Monitor` (which epoch is best, early stopping)."""
-    return Monitor(run.monitor, run.monitor_mode or default_mode(run.monitor), run.patience)
+    """The run's `Monitor` (which epoch is best, early stopping); `run.monitor` as the config loader resolved it
+    (the task's evaluation metric when not given)."""
+    metric = run.monitor or "test_accuracy"
+    return Monitor(metric, run.monitor_mode or default_mode(metric), run.patience)
 
 
 def worker_resources(trainer: DictConfig) -> tuple[int, int]:

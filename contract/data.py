@@ -11,37 +11,55 @@ PAD_ID = 0  # token shards: [PAD] is id 0, so a row's real tokens are its first 
 
 FEATURE_KINDS = ("image", "numeric", "tokens")
 TASKS = ("classification", "regression")
+FEATURE_DTYPES = {"image": "uint8", "numeric": "float32", "tokens": "int32"}  # a shard's features in a worker
+LABEL_DTYPES = {"classification": "int64", "regression": "float32"}
 
 
 @dataclass(frozen=True)
 class Features:
     """What a prepared dataset's rows hold as model input (its manifest's `features`), and how a worker turns the
-    stored column into it. `image`: uint8 pixels scaled to (pixel / 255 - mean) / std, float32; `numeric`: float32
-    values as stored; `tokens`: token ids, [PAD] = 0 after a row's `length` real ones."""
+    stored column into it. Every row is stored flat (a fixed-size list) and fed flat, [B, width]; `shape` tells a
+    model its structure: an image is (H, W) or (H, W, C), channels last.
+    `image`: uint8 pixels, fed as (pixel / 255 - mean) / std, float32;
+    `numeric`: float values, fed as (value - mean) / std, float32 (`mean`, `std`: one per value, or one for all);
+    `tokens`: int token ids, [PAD] = 0 after a row's `length` real ones, fed with a mask of the real ones."""
     column: str                       # the stored column: a fixed-size list per row
     kind: str                         # image | numeric | tokens
-    shape: tuple[int, ...]            # one row's input: (784,), (28, 28), (13,), (max_len,)
-    mean: float = 0.0                 # image scaling
-    std: float = 1.0
+    shape: tuple[int, ...]            # one row's input: (28, 28), (13,), (max_len,)
+    mean: tuple[float, ...] = (0.0,)  # image and numeric scaling (from the train split)
+    std: tuple[float, ...] = (1.0,)
     vocab_size: int = 0               # tokens: ids are below this
     length_column: str | None = None  # tokens: real tokens per row
     id_column: str | None = None      # a row's identity (which rows a rank holds: checks)
+    source_columns: tuple[str, ...] = ()  # the source's columns the values came from, in order (predict reads them)
 
     @property
     def width(self) -> int:
         """Values per row, flattened."""
         return int(np.prod(self.shape))
 
+    def scaling(self) -> tuple[float, float | np.ndarray, float | np.ndarray]:
+        """(divisor, mean, std): an input is (value / divisor - mean) / std (images: 255; a single mean or std as a
+        Python float, per-value ones as float32 arrays [width])."""
+        def one(values: tuple[float, ...]) -> float | np.ndarray:
+            return float(values[0]) if len(values) == 1 else np.asarray(values, np.float32)
+
+        return (255.0 if self.kind == "image" else 1.0), one(self.mean), one(self.std)
+
+    def stored(self, column: np.ndarray) -> np.ndarray:
+        """A stored column (fixed-size lists, as Ray Data gives them: [N, ...] or N arrays) as [N, width] of the
+        dtype workers hold (FEATURE_DTYPES)."""
+        values = np.stack(column) if column.dtype == object else np.asarray(column)
+        return values.reshape(len(values), self.width).astype(FEATURE_DTYPES[self.kind], copy=False)
+
     def model_input(self, column: np.ndarray) -> np.ndarray:
-        """A stored column as the model takes it (what the workers feed, what a logged model is given): images
-        scaled to float32 [N, *shape], numeric values as float32, token ids as stored."""
-        values = np.stack(column) if column.dtype == object else np.asarray(column)  # fixed-size lists, as Ray gives
-        values = values.reshape(len(values), *self.shape)
-        if self.kind == "image":
-            return ((values.astype(np.float32) / 255.0 - self.mean) / self.std).astype(np.float32)
-        if self.kind == "numeric":
-            return values.astype(np.float32)
-        return values
+        """A stored column as the model takes it (what a logged model is given): [N, width], images and numeric
+        values scaled to float32, token ids as stored."""
+        values = self.stored(column)
+        if self.kind == "tokens":
+            return values
+        divisor, mean, std = self.scaling()
+        return ((values.astype(np.float32) / divisor - mean) / std).astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -80,7 +98,9 @@ class DataSchema:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "DataSchema":
-        features = Features(**{**raw["features"], "shape": tuple(raw["features"]["shape"])})
+        features = Features(**{**raw["features"], **{key: tuple(raw["features"][key]) for key in
+                                                     ("shape", "mean", "std", "source_columns")
+                                                     if key in raw["features"]}})
         target = Target(**{**raw["target"], "classes": tuple(raw["target"].get("classes", ()))})
         return cls(raw["dataset"], features, target)
 
@@ -93,19 +113,29 @@ class DataSchema:
         return cls.from_dict({"dataset": manifest.get("dataset", "?"), **legacy_layout(manifest)})
 
 
+def mnist_schema() -> DataSchema:
+    """The built-in MNIST's features and target (what `rtp prepare mnist` records)."""
+    return DataSchema("mnist", Features("image", "image", (28, 28), (MNIST_MEAN,), (MNIST_STD,)),
+                      Target("label", "classification", tuple(str(digit) for digit in range(10))))
+
+
+def imdb_schema(vocab_size: int, max_len: int) -> DataSchema:
+    """The built-in IMDb's features and target (what `rtp prepare imdb` records)."""
+    return DataSchema("imdb", Features("input_ids", "tokens", (max_len,), vocab_size=vocab_size,
+                                       length_column="length", id_column="id", source_columns=("text",)),
+                      Target("label", "classification", ("neg", "pos")))
+
+
 def legacy_layout(manifest: dict[str, Any]) -> dict[str, Any]:
     """`features` and `target` of the two datasets prepared before manifests recorded them."""
     if manifest.get("dataset") == "mnist":
-        features = Features("image", "image", (784,), MNIST_MEAN, MNIST_STD)
-        target = Target("label", "classification", tuple(str(digit) for digit in range(10)))
+        schema = mnist_schema()
     elif manifest.get("dataset") == "imdb":
         inputs = manifest.get("model_inputs", {})
-        features = Features("input_ids", "tokens", (int(inputs.get("max_len", 0)),),
-                            vocab_size=int(inputs.get("vocab_size", 0)), length_column="length", id_column="id")
-        target = Target("label", "classification", ("neg", "pos"))
+        schema = imdb_schema(int(inputs.get("vocab_size", 0)), int(inputs.get("max_len", 0)))
     else:
         raise ValueError(f"dataset '{manifest.get('dataset')}': its manifest has no features and target")
-    return {"features": asdict(features), "target": asdict(target)}
+    return {"features": asdict(schema.features), "target": asdict(schema.target)}
 
 
 def shuffled_order(rows: int, seed: int) -> np.ndarray:

@@ -1,6 +1,7 @@
 """The one metric set every backend logs, and how it is computed from the ranks' epoch totals.
 
-Rank 0 logs, per epoch (MLflow step = epoch): EPOCH_METRICS always, TEXT_METRICS for text data, and
+Rank 0 logs, per epoch (MLflow step = epoch): EPOCH_METRICS always, with the task's evaluation metric in place
+of `test_accuracy` (EVAL_METRICS: `test_mse` for regression), TEXT_METRICS for token data, and
 FIRST_EPOCH_METRICS at the first epoch of every attempt (a resumed run logs them again). `step_loss` every
 `trainer.log_every_n_steps` global steps: the mean loss of that step's global batch (over every data-parallel
 rank; Keras `fit`: of the steps since the last one logged). Tags: `rank<r>.node` per worker, `resumed_from_epoch`,
@@ -16,6 +17,9 @@ from contract.checkpoint import EpochTotals
 EPOCH_METRICS = ("train_loss", "test_accuracy", "samples_per_s", "step_time_ms", "data_wait_fraction",
                  "epoch_time_s", "peak_memory_bytes")
 TEXT_METRICS = ("tokens_per_s",)
+# task -> the metric each epoch's evaluation logs (on the dataset's evaluation split): accuracy, or mean squared error
+EVAL_METRICS = {"classification": "test_accuracy", "regression": "test_mse"}
+ALL_EPOCH_METRICS = (*EPOCH_METRICS, *(m for m in EVAL_METRICS.values() if m not in EPOCH_METRICS), *TEXT_METRICS)
 FIRST_EPOCH_METRICS = ("data_load_s",)
 STEP_METRIC = "step_loss"
 STOP_METRICS = ("stopped_at_epoch", "stopped_at_step")  # what the driver sees in a stopped run's result
@@ -36,23 +40,29 @@ def reduce_at_once(reduce: Reducer, values: list[float], op: str) -> PendingRedu
     return lambda: result
 
 
-def metric_names(text: bool) -> tuple[str, ...]:
-    """The per-epoch metrics a run logs at every epoch."""
-    return EPOCH_METRICS + (TEXT_METRICS if text else ())
+def eval_metric(task: str) -> str:
+    return EVAL_METRICS[task]
 
 
-def epoch_metrics(totals: EpochTotals, correct: int, total: int, reduce: Reducer, peak_bytes: float,
-                  ranks_per_sample: int = 1) -> dict[str, float]:
-    """The metrics of one epoch over all ranks (sums, and the slowest rank's time). `test_accuracy` is measured on
-    the dataset's evaluation split. `ranks_per_sample`: ranks that process each sample (a tensor- or
+def metric_names(task: str = "classification", text: bool = False) -> tuple[str, ...]:
+    """The per-epoch metrics a run of `task` logs at every epoch (`text`: token data)."""
+    return (tuple(eval_metric(task) if name == "test_accuracy" else name for name in EPOCH_METRICS)
+            + (TEXT_METRICS if text else ()))
+
+
+def epoch_metrics(totals: EpochTotals, score: float, total: int, reduce: Reducer, peak_bytes: float,
+                  ranks_per_sample: int = 1, evaluated: str = "test_accuracy") -> dict[str, float]:
+    """The metrics of one epoch over all ranks (sums, and the slowest rank's time). `evaluated` (the task's
+    `eval_metric`) is the mean of `score` over the `total` rows of the dataset's evaluation split: correct
+    predictions, or squared errors. `ranks_per_sample`: ranks that process each sample (a tensor- or
     pipeline-parallel group), so throughput counts every sample once. A collective: every rank calls it."""
-    loss_sum, samples, steps, wait_s, train_s, tokens, correct_all, total_all = reduce(
+    loss_sum, samples, steps, wait_s, train_s, tokens, score_all, total_all = reduce(
         [totals.loss_sum, totals.samples, totals.steps, totals.data_wait_s, totals.train_s, totals.tokens,
-         correct, total], "sum")
+         score, total], "sum")
     slowest_s, peak = reduce([totals.train_s, peak_bytes], "max")
     metrics = {
         "train_loss": loss_sum / max(samples, 1),
-        "test_accuracy": correct_all / max(total_all, 1),
+        evaluated: score_all / max(total_all, 1),
         "samples_per_s": samples / ranks_per_sample / max(slowest_s, 1e-9),
         "step_time_ms": 1000.0 * train_s / max(steps, 1),
         "data_wait_fraction": wait_s / max(train_s, 1e-9),
@@ -66,8 +76,9 @@ def epoch_metrics(totals: EpochTotals, correct: int, total: int, reduce: Reducer
 
 def epoch_line(epoch: int, epochs: int, metrics: dict[str, float]) -> str:
     """Rank 0's progress line for an epoch, printed at its end (in the driver's output through Ray's log)."""
+    evaluated = next(name for name in EVAL_METRICS.values() if name in metrics)
     return (f"epoch {epoch}/{epochs}: train_loss {metrics['train_loss']:.4f}, "
-            f"test_accuracy {metrics['test_accuracy']:.4f}, {metrics['samples_per_s']:,.0f} samples/s, "
+            f"{evaluated} {metrics[evaluated]:.4f}, {metrics['samples_per_s']:,.0f} samples/s, "
             f"{metrics['epoch_time_s']:.1f} s")
 
 

@@ -81,5 +81,5 @@ class Monitor:
 
 
 def default_mode(metric: str) -> str:
-    """`run.monitor_mode` when not given: lower is better for losses and times, higher for the rest."""
-    return "min" if metric.endswith(("loss", "_s", "_ms", "fraction", "bytes")) else "max"
+    """`run.monitor_mode` when not given: lower is better for losses, errors and times, higher for the rest."""
+    return "min" if metric.endswith(("loss", "mse", "_s", "_ms", "fraction", "bytes")) else "max"

@@ -1,17 +1,21 @@
 """The checks of each backend's own keys and layouts (pipelines/checks.py runs them): the PyTorch layouts (tp,
 fsdp, pipeline stages, torch.compile), the TensorFlow strategies, DTensor meshes, the parameter-server cluster, and
-Horovod. Framework-free: the facts they need (model sizes, schedules, mesh arithmetic) come from modules that import
-no framework."""
+Horovod; and what a backend needs of the model's spec (`check_builders`). Framework-free: the facts they need
+(schedules, mesh arithmetic) come from modules that import no framework; a model's own sizes are its spec's
+`check`."""
 from __future__ import annotations
 
 import re
 
 from omegaconf import DictConfig
 
+from contract.data import DataSchema
+from contract.registry import ModelSpec
 from pipelines.errors import ConfigError, choice, installed
+from trainers import framework_of, model_builder
 
-KERAS_MODELS = ("mlp", "cnn", "embed_pool")  # trainers/models/keras_models.py
-DTENSOR_MODELS = ("mlp", "tfidf")  # trainers/models/tf_modules.py
+BUILDER_FIELDS = {"torch": "a PyTorch builder (torch=)", "keras": "a Keras builder (keras=)",
+                  "dtensor": "a DTensor module builder (dtensor=)"}
 TF_LOOPS = ("fit", "custom")
 TF_COMMUNICATIONS = ("auto", "ring", "nccl")
 TF_STRATEGIES = ("mirrored", "central_storage")
@@ -30,26 +34,29 @@ def check_parallelism(cfg: DictConfig) -> None:
             return
     elif trainer.backend == "tp":
         _check_tp_dp(trainer)
-    else:
-        return
-    if cfg.model.name != "bert":
-        kind = "tensor" if trainer.tp > 1 else "pipeline"
-        raise ConfigError(f"model.name: {kind} parallelism needs the bert model, got '{cfg.model.name}'")
-    from trainers.models.flavours import BERT_FLAVOURS
 
-    layers, hidden, heads = BERT_FLAVOURS[cfg.model.flavour]
-    layers, hidden, heads = cfg.model.layers or layers, cfg.model.hidden or hidden, cfg.model.heads or heads
-    if trainer.get("pp", 1) > 1:
-        from trainers.torch.parallel.schedules import stages_per_rank
 
-        stages = trainer.pp * stages_per_rank(trainer.pp_schedule)
-        if layers % stages:
-            raise ConfigError(f"trainer.pp: {layers} layers do not split into {stages} equal pipeline stages "
-                              f"(pp={trainer.pp}, schedule {trainer.pp_schedule})")
-    if heads % trainer.tp:
-        raise ConfigError(f"trainer.tp: tp={trainer.tp} does not divide the model's heads={heads}")
-    if hidden % heads:
-        raise ConfigError(f"model.hidden: hidden={hidden} is not a multiple of heads={heads}")
+def check_builders(cfg: DictConfig, spec: ModelSpec, inputs: DataSchema) -> None:
+    """The model's spec has what the backend builds it with, and the plans its layout needs: a tensor-parallel
+    plan for tp > 1, a pipeline split for pp > 1 (names the missing spec field)."""
+    trainer = cfg.trainer
+    builder = model_builder(trainer)
+    if getattr(spec, builder) is None:
+        offered = [name for name in BUILDER_FIELDS if getattr(spec, name) is not None]
+        raise ConfigError(f"model.name: trainer={trainer.backend} builds the model with {BUILDER_FIELDS[builder]}; "
+                          f"model '{spec.name}' has none (it has: {', '.join(offered) or 'no builder'})")
+    if trainer.get("tp", 1) > 1 and spec.tensor_parallel is None:
+        raise ConfigError(f"trainer.tp: tp={trainer.tp} shards the model by its spec's tensor-parallel plan; model "
+                          f"'{spec.name}' has none (tensor_parallel=, e.g. trainers.torch.parallel.plans.styles_plan)")
+    if trainer.get("pp", 1) > 1 and spec.pipeline_split is None:
+        raise ConfigError(f"trainer.pp: pp={trainer.pp} splits the model into stages by its spec's pipeline_split; "
+                          f"model '{spec.name}' has none")
+    if builder == "dtensor" and inputs.target.task != "classification":
+        raise ConfigError(f"trainer.backend: tf_dtensor trains classifiers only; '{inputs.dataset}' is a "
+                          f"{inputs.target.task} dataset")
+    if trainer.backend == "tf_ps" and trainer.tf_loop == "fit" and inputs.features.kind == "tokens":
+        raise ConfigError("trainer.tf_loop: tf_ps trains token data with the custom loop only (it counts each "
+                          "step's tokens); use tf_loop=custom")
 
 
 def _check_tp_dp(trainer: DictConfig) -> None:
@@ -139,33 +146,21 @@ def check_tensorflow(cfg: DictConfig) -> None:
         if trainer.tf_cross_device_ops == "nccl" and not trainer.use_gpu:
             raise ConfigError("trainer.tf_cross_device_ops: nccl needs GPUs; on CPUs use hierarchical_copy or "
                               "reduce_to_one")
-    if cfg.model.name not in KERAS_MODELS:
-        raise ConfigError(f"model.name: backend tf_mwms has Keras models for {', '.join(KERAS_MODELS)} only, "
-                          f"got '{cfg.model.name}'")
 
 
 def check_dtensor(cfg: DictConfig) -> None:
-    """The mesh fits the workers' devices and splits every sharded weight evenly; the models and recipe it has."""
-    from trainers.tf.dtensor.layout import MeshDims, sharded_widths
+    """The mesh fits the workers' devices; the recipe it has. (Whether the mesh splits the model's layers evenly is
+    the model spec's `check`: trainers/models/specs.py.)"""
+    from trainers.tf.dtensor.layout import MeshDims
 
-    trainer, model = cfg.trainer, cfg.model
+    trainer = cfg.trainer
     if trainer.backend != "tf_dtensor":
-        if model.name == "tfidf":
-            raise ConfigError("model.name: the tfidf model is trained by trainer=tf_dtensor only")
         return
-    if model.name not in DTENSOR_MODELS:
-        raise ConfigError(f"model.name: tf_dtensor has {', '.join(DTENSOR_MODELS)} models only, got '{model.name}'")
     if min(trainer.mesh.batch, trainer.mesh.model) < 1:
         raise ConfigError(f"trainer.mesh: batch and model must be >= 1, got {dict(trainer.mesh)}")
     dims = MeshDims(trainer.mesh.batch, trainer.mesh.model, trainer.num_workers, trainer.devices_per_worker)
     if dims.problem():
         raise ConfigError(f"trainer.mesh: {dims.problem()}")
-    # Layer widths, inputs first (the input width is never split: the TF-IDF model's is the vocabulary's, 0 here)
-    widths = sharded_widths([784, *model.hidden, 10] if model.name == "mlp" else [0, model.hidden, 2])
-    uneven = [w for w in widths if w % dims.model]
-    if uneven:
-        raise ConfigError(f"trainer.mesh.model: {dims.model} devices do not split the sharded layer widths {uneven} "
-                          f"evenly (model.hidden)")
     _require_fp32_without_accumulation(trainer, "")
 
 
@@ -183,12 +178,6 @@ def check_tf_ps(cfg: DictConfig) -> None:
             raise ConfigError("fault.kill_servers: only trainer=tf_ps runs servers to kill")
         return
     choice("trainer", "tf_loop", trainer.tf_loop, TF_LOOPS)
-    if cfg.model.name not in KERAS_MODELS:
-        raise ConfigError(f"model.name: tf_ps has Keras models for {', '.join(KERAS_MODELS)} only, "
-                          f"got '{cfg.model.name}'")
-    if trainer.tf_loop == "fit" and cfg.data.name != "mnist":
-        raise ConfigError("trainer.tf_loop: tf_ps trains text with the custom loop only (it counts each step's "
-                          "tokens); use tf_loop=custom")
     if trainer.tf_loop == "fit":  # tf-keras has no batch-level callbacks under ParameterServerStrategy
         for key, wanted in (("trainer.log_every_n_steps", trainer.log_every_n_steps > 0),
                             ("trainer.profile_steps", trainer.profile_steps > 0),
@@ -223,8 +212,7 @@ def check_compile(trainer: DictConfig) -> None:
     """torch.compile wraps the training forward of the PyTorch backends; a pipeline schedule runs its stages itself."""
     if not trainer.compile:
         return
-    tensorflow = trainer.backend in ("tf_mwms", "tf_dtensor", "tf_ps")
-    if tensorflow or (trainer.backend == "horovod" and trainer.framework == "tf"):
+    if framework_of(trainer) == "tf":
         raise ConfigError("trainer.compile: torch.compile is for the PyTorch backends (TensorFlow compiles its "
                           "training step with tf.function already)")
     if trainer.backend == "fsdp" and trainer.pp > 1:
@@ -242,9 +230,6 @@ def check_horovod(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.compression: unknown '{trainer.compression}' (choices: {HOROVOD_COMPRESSIONS})")
     if trainer.use_gpu:
         raise ConfigError("trainer.use_gpu: our horovod build has Gloo CPU operations only (no NCCL)")
-    if trainer.framework == "tf" and cfg.model.name not in KERAS_MODELS:
-        raise ConfigError(f"model.name: horovod with framework=tf has Keras models for {', '.join(KERAS_MODELS)} "
-                          f"only, got '{cfg.model.name}'")
     if not installed("horovod"):
         raise ConfigError("trainer.backend: horovod is not installed; build it with "
                           "`bash cluster/local/build-horovod.sh`")

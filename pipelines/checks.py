@@ -1,9 +1,11 @@
-"""The checks of a composed, typed training config: every value, and every combination a run could not train,
-refused before Ray or MLflow is touched. Each failure is a `ConfigError` whose message starts with the offending
-key; the commands print it on one line and exit with code 2. Framework-free: a framework is found, never imported.
+"""The checks of a composed, typed training config: every value, and every combination a run could not train
+(against the prepared data's manifest too: `check_data`), refused before Ray or MLflow is touched. Each failure
+is a `ConfigError` whose message starts with the offending key; the commands print it on one line and exit with
+code 2. Framework-free: a framework is found, never imported.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -11,14 +13,14 @@ from omegaconf import DictConfig
 from contract import recipe
 from contract.checkpoint import STATE_FILE
 from contract.config import parallel_degrees
+from contract.data import DataSchema
 from contract.metrics import metric_names
 from contract.progress import PROGRESS_SETTINGS
+from contract.registry import MODELS, ModelSpec, resolve
 from pipelines import backend_checks
 from pipelines.errors import ConfigError, choice, installed
-from trainers import BACKENDS, FRAMEWORKS
+from trainers import BACKENDS, FRAMEWORKS, framework_of
 
-
-DATA_MODELS = {"mnist": ("mlp", "cnn"), "imdb": ("bert", "embed_pool", "tfidf")}  # which models fit which data
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 POSITIVE = ("num_workers", "threads_per_worker", "batch_size", "lr", "epochs", "tf_steps_per_execution",
             "grad_accum", "devices_per_worker", "num_ps",
@@ -26,24 +28,19 @@ POSITIVE = ("num_workers", "threads_per_worker", "batch_size", "lr", "epochs", "
 
 
 def check_values(cfg: DictConfig) -> None:
-    """Every check, in the order a user would fix them: values, the framework, the model, the recipe, the layout,
-    then the data."""
+    """Every check of the config itself, in the order a user would fix them: values, the framework, the model,
+    the recipe, the layout."""
     for key in POSITIVE:
         if key in cfg.trainer and cfg.trainer[key] <= 0:
             raise ConfigError(f"trainer.{key}: must be > 0, got {cfg.trainer[key]}")
     if cfg.trainer.placement_strategy not in PLACEMENT_STRATEGIES:
         raise ConfigError(f"trainer.placement_strategy: unknown strategy '{cfg.trainer.placement_strategy}' "
                           f"(choices: {PLACEMENT_STRATEGIES})")
-    if cfg.data.name not in DATA_MODELS:
-        raise ConfigError(f"data.name: unknown dataset '{cfg.data.name}' (choices: {sorted(DATA_MODELS)})")
-    if cfg.model.name not in DATA_MODELS[cfg.data.name]:
-        raise ConfigError(f"model.name: model '{cfg.model.name}' does not fit data '{cfg.data.name}' "
-                          f"(choices: {DATA_MODELS[cfg.data.name]})")
     _check_installed(cfg.trainer)
-    _check_model(cfg.model)
     _check_buckets(cfg.data)
     _check_recipe(cfg)
     backend_checks.check_parallelism(cfg)
+    _check_model(cfg, MODELS.get(cfg.model.name), None)  # its keys, and the layout against its sizes
     backend_checks.check_tensorflow(cfg)
     backend_checks.check_dtensor(cfg)
     backend_checks.check_tf_ps(cfg)
@@ -61,11 +58,43 @@ def check_values(cfg: DictConfig) -> None:
             raise ConfigError(f"model.{key}: must be in [0, 1), got {cfg.model[key]}")
     if cfg.run.resume_from and not (Path(cfg.run.resume_from) / STATE_FILE).is_file():
         raise ConfigError(f"run.resume_from: no checkpoint at '{cfg.run.resume_from}' (missing {STATE_FILE})")
-    manifest = Path(cfg.data.path) / "manifest.json"
+
+
+def read_data_schema(data: DictConfig) -> DataSchema:
+    """The prepared dataset's features and target, from its manifest (read, not its shards: `fit` checks those)."""
+    manifest = Path(data.path) / "manifest.json"
     if not manifest.is_file():
-        raise ConfigError(f"data.path: no prepared dataset at '{cfg.data.path}' (missing manifest.json); "
-                          f"run `rtp prepare {cfg.data.name} --out {cfg.data.path}`")
-    _check_steps_fit(cfg, _manifest_json(manifest))
+        raise ConfigError(f"data.path: no prepared dataset at '{data.path}' (missing manifest.json); "
+                          f"run `rtp prepare {data.name} --out {data.path}`")
+    try:  # a manifest from before manifests named their layout: the dataset's the config names (mnist, imdb)
+        return DataSchema.from_manifest({"dataset": data.name, **_manifest_json(manifest)})
+    except (KeyError, TypeError, ValueError) as err:
+        raise ConfigError(f"data.path: {manifest} does not describe its features and target ({err}); prepare it "
+                          f"again with `rtp prepare`") from err
+
+
+def check_data(cfg: DictConfig, inputs: DataSchema) -> None:
+    """The config against the prepared data: the model takes its features and task, the backend can train that,
+    the monitored metric is one the run logs, and every rank gets a batch."""
+    spec = MODELS.get(cfg.model.name)
+    features, task = inputs.features.kind, inputs.target.task
+    if features not in spec.inputs:
+        fitting = [name for name, other in MODELS.specs.items() if features in other.inputs and task in other.tasks]
+        raise ConfigError(f"model.name: model '{spec.name}' takes {'/'.join(spec.inputs)} features; "
+                          f"'{inputs.dataset}' has {features} features (models for it: {', '.join(fitting)})")
+    if task not in spec.tasks:
+        raise ConfigError(f"model.name: model '{spec.name}' is for {'/'.join(spec.tasks)}; '{inputs.dataset}' is "
+                          f"a {task} dataset")
+    if task == "classification" and len(inputs.target.classes) < 2:
+        raise ConfigError(f"data.path: '{inputs.dataset}' has {len(inputs.target.classes)} classes; a classifier "
+                          f"needs at least 2")
+    _check_model(cfg, spec, inputs)
+    backend_checks.check_builders(cfg, spec, inputs)
+    if cfg.data.bucket_by_length and not inputs.features.length_column:
+        raise ConfigError(f"data.bucket_by_length: only token data has lengths to group by; '{inputs.dataset}' has "
+                          f"{features} features")
+    choice("run", "monitor", cfg.run.monitor, metric_names(task, text=features == "tokens"))
+    _check_steps_fit(cfg, _manifest_json(Path(cfg.data.path) / "manifest.json"))
 
 
 def _manifest_json(path: Path) -> dict:
@@ -80,8 +109,6 @@ def _manifest_json(path: Path) -> dict:
 
 
 def _check_buckets(data: DictConfig) -> None:
-    if data.bucket_by_length and data.name != "imdb":
-        raise ConfigError(f"data.bucket_by_length: only token data has lengths to group by; '{data.name}' has none")
     if data.bucket_by_length and not data.cache_in_worker:
         raise ConfigError("data.bucket_by_length: grouping an epoch by length needs its rows in memory "
                           "(data.cache_in_worker=true), or set data.bucket_by_length=false to stream")
@@ -112,11 +139,10 @@ def _check_recipe(cfg: DictConfig) -> None:
     if trainer.precision == "fp16" and not trainer.use_gpu:
         raise ConfigError("trainer.precision: fp16 needs GPUs (loss scaling, fast half kernels); on CPU use bf16")
     scheduled = trainer.lr_schedule != "constant" or trainer.warmup_steps > 0 or trainer.warmup_fraction > 0
-    torch_backend = trainer.backend in ("ddp", "tp", "fsdp") or trainer.get("framework") == "torch"
+    torch_backend = framework_of(trainer) == "torch"
     if scheduled and not cfg.data.cache_in_worker and torch_backend:
         raise ConfigError("trainer.lr_schedule: a schedule needs the epoch's length, known only with "
                           "data.cache_in_worker=true (PyTorch backends stream otherwise)")
-    choice("run", "monitor", run.monitor, metric_names(text=cfg.data.name == "imdb"))
     if run.monitor_mode is not None:
         choice("run", "monitor_mode", run.monitor_mode, recipe.MONITOR_MODES)
     choice("run", "final_model", run.final_model, recipe.FINAL_MODELS)
@@ -144,7 +170,7 @@ def _check_steps_fit(cfg: DictConfig, manifest: dict) -> None:
     per_rank = rows // ranks
     if trainer.backend == "fsdp" and trainer.pp > 1:
         full = ", and a pipeline trains full batches only"
-    elif trainer.backend in ("tf_mwms", "tf_dtensor", "tf_ps") or trainer.get("framework") == "tf":
+    elif framework_of(trainer) == "tf":
         full = ", and TensorFlow trains full batches only"
     else:
         full = ""
@@ -161,32 +187,21 @@ def _check_steps_fit(cfg: DictConfig, manifest: dict) -> None:
                           f"steps: {trainer.epochs} epochs of {steps} batches, grad_accum={trainer.grad_accum})")
 
 
-def _check_model(model: DictConfig) -> None:
-    if model.name == "cnn" and len(model.channels) != 2:
-        raise ConfigError(f"model.channels: the CNN has 2 conv blocks, got {list(model.channels)}")
-    if model.name in ("mlp", "cnn"):
-        sizes = list(model.hidden) if model.name == "mlp" else [model.hidden, *model.channels]
-        if any(size <= 0 for size in sizes):
-            raise ConfigError(f"model.hidden: layer sizes must be > 0, got {sizes}")
-    if model.name == "tfidf" and model.hidden <= 0:
-        raise ConfigError(f"model.hidden: must be > 0, got {model.hidden}")
-    if model.name == "tfidf" and model.bigram_buckets < 0:
-        raise ConfigError(f"model.bigram_buckets: must be >= 0 (0: no token pairs), got {model.bigram_buckets}")
-    if model.name == "embed_pool" and min(model.embed_dim, model.hidden) <= 0:
-        raise ConfigError(f"model.embed_dim: sizes must be > 0, got embed_dim={model.embed_dim} hidden={model.hidden}")
-    if model.name == "bert":
-        from trainers.models.flavours import BERT_FLAVOURS
-
-        if model.flavour not in BERT_FLAVOURS:
-            raise ConfigError(f"model.flavour: unknown flavour '{model.flavour}' (choices: {sorted(BERT_FLAVOURS)})")
-        for key in ("hidden", "layers", "heads"):
-            if model[key] is not None and model[key] <= 0:
-                raise ConfigError(f"model.{key}: must be > 0, got {model[key]}")
+def _check_model(cfg: DictConfig, spec: ModelSpec, inputs: DataSchema | None) -> None:
+    """The model spec's own checks of its keys (with the data once known: `inputs`)."""
+    if spec.check is None:
+        return
+    try:
+        resolve(spec.check)(cfg.model, inputs, cfg.trainer)
+    except ValueError as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        keyed = re.match(r"(model|trainer|data|run)\.[\w.]+: ", message)
+        raise ConfigError(message if keyed else f"model.name: {message}") from err
 
 
 def _check_installed(trainer: DictConfig) -> None:
     """The backend's framework can be imported here (found, not imported: validation stays framework-free)."""
-    spec = BACKENDS[trainer.backend]
+    spec = BACKENDS.get(trainer.backend)
     framework = trainer.framework if len(spec.frameworks) > 1 else spec.frameworks[0]
     if framework not in FRAMEWORKS:
         return  # an unknown `trainer.framework`: its own check names the choices

@@ -8,21 +8,22 @@ import sys
 
 from omegaconf import OmegaConf
 
-from pipelines.config import CONF_DIR, ConfigError, group_choices, installed, load_config
+from pipelines.config import CONF_DIR, ConfigError, group_choices, installed, load_config, load_user_plugins
+from contract.registry import DATASETS, MODELS
 from pipelines.help import first_comment, training_help, wants_help
 from trainers import BACKENDS, FRAMEWORKS
 
 # command -> (its module, what it does)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "prepare": ("pipelines.prepare", "raw data -> Parquet shards and a manifest (mnist, imdb)"),
+    "prepare": ("pipelines.prepare", "raw data -> Parquet shards and a manifest (mnist, imdb, your table)"),
     "train": ("pipelines.train", "train one model on the Ray cluster at RAY_ADDRESS (else a local Ray), into MLflow"),
     "sweep": ("pipelines.sweep.run", "many training runs on Ray Tune (grid, ASHA, PBT) and their scaling report"),
     "evaluate": ("pipelines.evaluate", "score a logged model on a prepared split"),
-    "predict": ("pipelines.predict", "score a logged model on raw inputs (images, text files)"),
+    "predict": ("pipelines.predict", "score a logged model on raw inputs (images, texts, tables)"),
     "replay": ("pipelines.replay", "finish a run or sweep whose MLflow server was away"),
     "report": ("pipelines.sweep.report", "rebuild the scaling report of a sweep from its MLflow runs"),
     "screenshots": ("pipelines.sweep.screenshots", "a sweep in the MLflow UI, as PNG files (headless Chromium)"),
-    "list": ("pipelines.cli", "the backends, models, datasets and sweep presets, one line each"),
+    "list": ("pipelines.cli", "the backends, models, datasets and sweep presets, one line each [plugins=[...]]"),
     "config": ("pipelines.cli", "the composed, validated training config of these overrides (starts nothing)"),
 }
 
@@ -57,28 +58,43 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command '{command}' (commands: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
     if command == "list":
-        return list_choices()
+        return list_choices(args)
     if command == "config":
         return print_config(args)
     return importlib.import_module(COMMANDS[command][0]).main(args)
 
 
-def list_choices() -> int:
-    """The registered backends (and the extra a missing framework needs), then each config group's choices."""
+def list_choices(overrides: list[str]) -> int:
+    """The registered backends (and the extra a missing framework needs), then each config group's choices, with
+    the models and datasets of the plugins named (`plugins=[...]`) or installed (entry points)."""
+    try:
+        load_user_plugins(overrides)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     groups = (("model", "models"), ("data", "datasets"), ("sweep", "sweep presets"))
-    width = 2 + max(len(name) for name in [*BACKENDS, *(c for group, _ in groups for c in group_choices(group))])
+    width = 2 + max(len(name) for name in [*BACKENDS.names(), *(c for group, _ in groups
+                                                                for c in group_choices(group))])
     lines = ["backends (trainer=...):"]
-    for name, spec in sorted(BACKENDS.items()):
+    for name, spec in sorted(BACKENDS.specs.items()):
         missing = [FRAMEWORKS[f][1] for f in spec.frameworks
                    if not all(installed(module) for module in FRAMEWORKS[f][0])]
         note = f" [not installed: pip install 'ray-train-pipelines[{','.join(missing)}]']" if missing else ""
         lines.append(f"  {name:<{width}}{spec.description}{note}")
     for group, title in groups:
         lines.append(f"{title} ({group}=...):")
-        lines += [f"  {name:<{width}}{first_comment(CONF_DIR / group / f'{name}.yaml')}"
-                  for name in group_choices(group)]
+        lines += [f"  {name:<{width}}{choice_description(group, name)}" for name in group_choices(group)]
     print("\n".join(line.rstrip() for line in lines))
     return 0
+
+
+def choice_description(group: str, name: str) -> str:
+    """A group choice's line: its yaml's first comment, else its registered spec's description."""
+    path = CONF_DIR / group / f"{name}.yaml"
+    if path.is_file():
+        return first_comment(path)
+    registry = {"model": MODELS, "data": DATASETS}.get(group)
+    return registry.get(name).description if registry is not None and name in registry else ""
 
 
 def print_config(overrides: list[str]) -> int:

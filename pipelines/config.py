@@ -1,5 +1,7 @@
-"""Config: Hydra composes `conf/` with a command's overrides, the typed schemas of contract/config.py (one trainer
-schema per backend) type it, and pipelines/checks.py validates it, before Ray or MLflow is touched.
+"""Config: the run's plugins are imported (a user's models and datasets register themselves), Hydra composes `conf/`
+with a command's overrides, the typed schemas of contract/config.py (one trainer schema per backend, the model's
+from its spec) type it, and pipelines/checks.py validates it against itself and the prepared data, before Ray or
+MLflow is touched.
 
 Every error is a `ConfigError` whose message starts with the offending key; the commands print it on one line and
 exit with code 2.
@@ -14,12 +16,15 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from contract.config import MODEL_SCHEMAS, TRAINER_SCHEMAS, parallel_degrees, schema, worker_resources
-from pipelines.checks import check_values
+from contract.config import parallel_degrees, schema, worker_resources
+from contract.metrics import eval_metric
+from contract.registry import BACKENDS, DATASETS, MODELS, RegistryError, entry_point_plugins, load_plugins
+import pipelines.data  # noqa: F401  (registers the built-in datasets)
+from pipelines.checks import check_data, check_values, read_data_schema
 from pipelines.errors import ConfigError, installed
 
-__all__ = ["CONF_DIR", "ConfigError", "check_fits_this_machine", "compose", "flatten", "group_choices", "installed",
-           "load_config", "parallel_params", "schema_for"]
+__all__ = ["CONF_DIR", "ConfigError", "check_fits_this_machine", "compose", "flatten", "group_choices",
+           "installed", "load_config", "load_user_plugins", "parallel_params", "schema_for"]
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -28,11 +33,12 @@ def schema_for(cfg: DictConfig) -> DictConfig:
     """The typed schema of the backend and model the composed config names: a key of another backend's schema
     is then an unknown key."""
     backend = OmegaConf.select(cfg, "trainer.backend")
-    if backend not in TRAINER_SCHEMAS:
-        raise ConfigError(f"trainer.backend: unknown backend '{backend}' (choices: {sorted(TRAINER_SCHEMAS)})")
+    if backend not in BACKENDS:
+        raise ConfigError(f"trainer.backend: unknown backend '{backend}' (choices: {', '.join(BACKENDS.names())})")
     model_name = OmegaConf.select(cfg, "model.name")
-    if model_name not in MODEL_SCHEMAS:
-        raise ConfigError(f"model.name: unknown model '{model_name}' (choices: {sorted(MODEL_SCHEMAS)})")
+    if model_name not in MODELS:
+        raise ConfigError(f"model.name: unknown model '{model_name}' (registered: {', '.join(MODELS.names())}; "
+                          f"a model of your own: plugins=[your.module])")
     return schema(backend, model_name)
 
 
@@ -41,8 +47,52 @@ RENAMED = {"trainer.tf_devices": "trainer.devices_per_worker"}
 
 
 def group_choices(group: str) -> list[str]:
-    """The options of a config group (`trainer`, `data`, `model`, `sweep`): its files in conf/<group>/."""
-    return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
+    """The options of a config group (`trainer`, `data`, `model`, `sweep`): its files in conf/<group>/, and the
+    models and datasets registered without one (a plugin's)."""
+    registered = {"model": MODELS.names(),
+                  "data": [name for name, spec in DATASETS.specs.items() if spec.default_path]}.get(group, [])
+    return sorted({path.stem for path in (CONF_DIR / group).glob("*.yaml")} | set(registered))
+
+
+def plugin_modules(overrides: list[str]) -> list[str]:
+    """The plugin modules a command loads: `plugins=[...]` (or `+plugins=...`) among its overrides, then those of
+    installed packages' `rtp.plugins` entry points."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    named: list[str] = []
+    wanted = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] == "plugins"]
+    try:
+        for override in OverridesParser.create().parse_overrides(wanted):
+            value = override.value()
+            named += [str(v) for v in value] if isinstance(value, list) else [str(value)]
+    except HydraException as err:
+        raise ConfigError(f"plugins: {str(err).strip().splitlines()[0]}") from err
+    return [*named, *(m for m in entry_point_plugins() if m not in named)]
+
+
+def load_user_plugins(overrides: list[str]) -> list[str]:
+    """Import the command's plugin modules (they register their specs) and make their models and datasets config
+    group choices (`model=<name>`, `data=<name>`) where conf/ has no yaml for them. ConfigError in one line
+    naming a plugin that fails, before any cluster work."""
+    from hydra.core.config_store import ConfigStore
+
+    from contract.config import DataConfig
+
+    modules = plugin_modules(overrides)
+    try:
+        load_plugins(modules)
+    except RegistryError as err:
+        raise ConfigError(str(err)) from err
+    store = ConfigStore.instance()
+    for spec in MODELS.specs.values():
+        if not (CONF_DIR / "model" / f"{spec.name}.yaml").is_file():
+            store.store(group="model", name=spec.name, node=OmegaConf.merge(OmegaConf.structured(spec.config),
+                                                                              {"name": spec.name}))
+    for spec in DATASETS.specs.values():
+        if spec.default_path and not (CONF_DIR / "data" / f"{spec.name}.yaml").is_file():
+            store.store(group="data", name=spec.name, node=DataConfig(name=spec.name, path=spec.default_path))
+    return modules
 
 
 def compose(overrides: list[str]) -> DictConfig:
@@ -51,6 +101,7 @@ def compose(overrides: list[str]) -> DictConfig:
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
 
+    load_user_plugins(overrides)
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             return hydra_compose(config_name="config", overrides=overrides)
@@ -77,8 +128,8 @@ def _did_you_mean(key: str) -> str:
     import difflib
 
     keys = set()
-    for backend in TRAINER_SCHEMAS:
-        for model in MODEL_SCHEMAS:
+    for backend in BACKENDS.names():
+        for model in MODELS.names():
             keys.update(flatten(schema(backend, model)))
     keys.discard(key)  # another backend's key: the message says so already
     close = difflib.get_close_matches(key, sorted(keys), n=1, cutoff=0.8)
@@ -95,7 +146,10 @@ def _absolutise_paths(cfg: DictConfig) -> None:
 
 
 def load_config(overrides: list[str]) -> DictConfig:
-    """Compose `conf/` with Hydra-style overrides and validate; returns a resolved, read-only config."""
+    """Compose `conf/` with Hydra-style overrides and validate, against the prepared data too; returns a resolved,
+    read-only config. `plugins` lists every plugin module loaded (named, or an installed entry point's); the data's
+    manifest names the dataset (`data.name`) and its task, whose evaluation metric `run.monitor` is unless
+    given."""
     raw = compose(overrides)
     try:
         cfg = OmegaConf.merge(schema_for(raw), raw)
@@ -104,12 +158,32 @@ def load_config(overrides: list[str]) -> DictConfig:
         key = getattr(err, "full_key", None) or "config"
         message = str(err).strip().splitlines()[0]
         raise ConfigError(f"{key}: renamed {RENAMED[key]}" if key in RENAMED else f"{key}: {message}") from err
+    cfg.plugins = plugin_modules(overrides)  # the entry points' too: every worker loads what the driver did
     check_values(cfg)
+    inputs = read_data_schema(cfg.data)
+    cfg.data.name = inputs.dataset
+    if cfg.data.eval_split is None:
+        cfg.data.eval_split = default_eval_split(cfg.data)
+    if cfg.run.monitor is None:
+        cfg.run.monitor = eval_metric(inputs.target.task)
+    check_data(cfg, inputs)
     _absolutise_paths(cfg)
     if cfg.trainer.backend == "tp" and cfg.trainer.dp is None:
         cfg.trainer.dp = cfg.trainer.num_workers // cfg.trainer.tp
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def default_eval_split(data: DictConfig) -> str:
+    """The split a run evaluates each epoch on unless told: `validation` where the prepared data has one (the test
+    split stays unseen by model selection), else `test`."""
+    import json
+
+    try:
+        splits = json.loads((Path(data.path) / "manifest.json").read_text()).get("splits", {})
+    except (OSError, ValueError, AttributeError):
+        splits = {}
+    return "validation" if "validation" in splits else "test"
 
 
 def check_fits_this_machine(cfg: DictConfig) -> None:

@@ -6,10 +6,13 @@ evaluation split), `batch_size`, `concurrency` (scoring actors, one CPU each, or
 `use_gpu=true`), `experiment` (default: the training run's).
 
 Ray Data reads the split's Parquet shards and scores them with actors that each load the MLflow model once
-(pipelines/scoring.py). A new MLflow run gets `<split>_accuracy`, `<split>_loss` and `<split>_rows` (also linked
-to the logged model), for two classes `<split>_roc_auc` and `<split>_average_precision`, the confusion matrix
-(PNG and CSV) and, for two classes, the ROC and precision-recall curves; tag and param `training_run_id` link it
-to the run that trained the model. Uses the cluster at RAY_ADDRESS when set, else starts a local Ray.
+(pipelines/scoring.py). A new MLflow run gets, for a classifier, `<split>_accuracy`, `<split>_loss` and
+`<split>_rows` (also linked to the logged model), for two classes `<split>_roc_auc` and
+`<split>_average_precision`, the confusion matrix (PNG and CSV, rows and columns in the order of the class names
+on its first line) and, for two classes, the ROC and precision-recall curves; for a regression `<split>_mse`,
+`<split>_mae`, `<split>_r2`, `<split>_rows` and a plot of the predictions against the targets. Tag and param
+`training_run_id` link it to the run that trained the model. Uses the cluster at RAY_ADDRESS when set, else
+starts a local Ray.
 
 Last stdout line: `mlflow_run_id=<id>` (the evaluation run).
 """
@@ -25,6 +28,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from contract import tracking
+from contract.data import DataSchema
 from pipelines.config import ConfigError
 from pipelines.help import dataclass_help, wants_help
 from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
@@ -34,7 +38,6 @@ from pipelines.train import close_failed_run
 
 EXIT_CODES = ("0 done; 1 scoring failed (the run is FAILED, or KILLED when interrupted); 2 bad arguments, model, "
               "data or tracking server (nothing was started)")
-FEATURE_WIDTH = {"mnist": lambda inputs: 784, "imdb": lambda inputs: inputs["max_len"]}
 
 
 @dataclass
@@ -56,7 +59,7 @@ class Plan:
     model_uri: str
     model_id: Optional[str]
     training_run: Any  # mlflow Run, or None for a model logged outside a run
-    dataset: str
+    schema: DataSchema
     data_path: str
     split: str
     shards: list[str]
@@ -77,15 +80,15 @@ def resolve(cfg: Any, uri: str) -> Plan:
                           "names its data); give both")
     manifest = read_manifest(data_path)
     shards = shard_paths(data_path, manifest, split)
-    dataset = manifest["dataset"]
-    if trained_on.get("data.name", dataset) != dataset:
-        raise ConfigError(f"data.path: {data_path} holds {dataset}, the model was trained on "
+    schema = DataSchema.from_manifest(manifest)
+    if trained_on.get("data.name", schema.dataset) != schema.dataset:
+        raise ConfigError(f"data.path: {data_path} holds {schema.dataset}, the model was trained on "
                           f"{trained_on['data.name']}")
-    width = FEATURE_WIDTH[dataset](manifest.get("model_inputs", {}))
+    width = schema.max_len or schema.features.width
     expected = info.signature.inputs.inputs[0].shape[-1] if info.signature else width
     if expected != width:
         raise ConfigError(f"data.path: {data_path} has {width} features per row, the model takes {expected}")
-    return Plan(cfg, model_uri, info.model_id, training_run, dataset, data_path, split, shards)
+    return Plan(cfg, model_uri, info.model_id, training_run, schema, data_path, split, shards)
 
 
 def open_run(plan: Plan, uri: str) -> str:
@@ -96,9 +99,9 @@ def open_run(plan: Plan, uri: str) -> str:
     experiment = plan.cfg.experiment or (client.get_experiment(run.info.experiment_id).name if run
                                          else "evaluate")
     trained = {"training_run_id": run.info.run_id} if run else {}
-    name = f"evaluate-{run.info.run_name if run else plan.dataset}-{plan.split}"
+    name = f"evaluate-{run.info.run_name if run else plan.schema.dataset}-{plan.split}"
     params = {"model_uri": plan.model_uri, "model_id": plan.model_id or "", "data.path": plan.data_path,
-              "data.split": plan.split, "data.name": plan.dataset, "batch_size": plan.cfg.batch_size,
+              "data.split": plan.split, "data.name": plan.schema.dataset, "batch_size": plan.cfg.batch_size,
               "concurrency": plan.cfg.concurrency, "use_gpu": plan.cfg.use_gpu, **trained}
     run_id = tracking.start_run(uri, experiment, name, params, OmegaConf.to_yaml(plan.cfg),
                                 tags={"model_uri": plan.model_uri, **trained})
@@ -112,20 +115,28 @@ def evaluate_into_run(plan: Plan, uri: str, run_id: str) -> dict[str, float]:
     import mlflow
 
     from pipelines.data.readers import read_parquet
-    from pipelines.scoring import save_plots, score, summarise
+    from pipelines.scoring import save_plots, score, summarise, summarise_regression
 
     ds = read_parquet(plan.shards)
-    labels, logits = score(ds, plan.model_uri, uri, plan.dataset, plan.cfg.batch_size, plan.cfg.concurrency,
-                           plan.cfg.use_gpu)
-    labels = labels.astype(np.int64)
-    metrics, confusion = summarise(labels, logits, plan.split)
+    target = plan.schema.target
+    labels, logits = score(ds, plan.model_uri, uri, plan.schema, plan.cfg.batch_size, plan.cfg.concurrency,
+                           plan.cfg.use_gpu, key=target.column)
+    if target.task == "regression":
+        metrics, confusion = summarise_regression(labels.astype(np.float64), logits, plan.split), None
+    else:
+        labels = labels.astype(np.int64)
+        metrics, confusion = summarise(labels, logits, plan.split)
     client = mlflow.MlflowClient(uri)
     for name, value in metrics.items():  # linked to the logged model too: its page in the UI lists them
         client.log_metric(run_id, name, value, model_id=plan.model_id)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        np.savetxt(folder / "confusion_matrix.csv", confusion, fmt="%d", delimiter=",")
-        for path in [folder / "confusion_matrix.csv", *save_plots(labels, logits, confusion, folder)]:
+        files = save_plots(labels, logits, confusion, folder, target.classes)
+        if confusion is not None:
+            np.savetxt(folder / "confusion_matrix.csv", confusion, fmt="%d", delimiter=",",
+                       header=",".join(target.classes))  # "# <class names>": a comment to np.loadtxt
+            files.insert(0, folder / "confusion_matrix.csv")
+        for path in files:
             client.log_artifact(run_id, str(path))
     return metrics
 

@@ -14,7 +14,9 @@ from omegaconf import DictConfig, OmegaConf
 from contract import tracking
 from contract.checkpoint import TrainState
 from contract.config import typed_config, worker_resources
+from contract.data import DataSchema
 from contract.metrics import STOP_METRICS
+from contract.registry import plugin_roots
 from pipelines.data.shards import read_manifest
 from pipelines.ray_session import start_local_ray
 
@@ -48,7 +50,7 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
     """Build the backend's Ray Train trainer over the Parquet shards, fit it, and log the final model to the MLflow
     run. Returns where the run stopped ("epoch E step S") when it stopped on request (no model is logged then:
     the checkpoint holds a half-done epoch), else None. `callbacks`: e.g. a sweep trial's TrialReporter."""
-    from pipelines.data.readers import Materializing, model_inputs, parquet_datasets
+    from pipelines.data.readers import Materializing, parquet_datasets
 
     datasets = parquet_datasets(cfg.data.path, {"train": "train", "eval": cfg.data.eval_split}, cfg.run.progress)
     # Workers that cache their shard get it by an ordered split, which materialises the datasets anyway: start
@@ -57,7 +59,7 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
     from trainers import get_backend  # imports the backend's framework (torch: 1.5 s) while the data is read
 
     backend = get_backend(cfg.trainer.backend)
-    inputs = model_inputs(read_manifest(cfg.data.path))
+    inputs = DataSchema.from_manifest(read_manifest(cfg.data.path))
     if materialized is not None:
         datasets = materialized.result()
     if cfg.fault.resource_timeout_s > 0:  # read by Ray Train's controller (trainers/worker.py: run_config)
@@ -147,7 +149,7 @@ def final_checkpoint(result: Any, final_model: str) -> tuple[Any, int]:
                        f"set run.final_model=last to log the last epoch's model")
 
 
-def log_final_model(backend: Any, cfg: DictConfig, run_id: str, uri: str, checkpoint: Any, inputs: dict,
+def log_final_model(backend: Any, cfg: DictConfig, run_id: str, uri: str, checkpoint: Any, inputs: DataSchema,
                     tags: dict[str, str]) -> None:
     """Send what the workers spooled while the tracking server was away, then the final model and its `tags`.
     With the server still away, keep all of it in the spool folder (final.json names the checkpoint) and raise
@@ -167,7 +169,8 @@ def log_final_model(backend: Any, cfg: DictConfig, run_id: str, uri: str, checkp
         if tracking.answers(uri):
             raise  # not the server: a real failure
         final = {"cfg": OmegaConf.to_container(cfg, resolve=True), "checkpoint": checkpoint.path,
-                 "model_inputs": dict(inputs), "run_id": run_id, "uri": uri, "tags": tags}
+                 "inputs": inputs.to_dict(), "plugin_roots": plugin_roots(cfg.plugins), "run_id": run_id, "uri": uri,
+                 "tags": tags}
         folder.mkdir(parents=True, exist_ok=True)
         (folder / tracking.FINAL_FILE).write_text(json.dumps(final, indent=2))
         raise tracking.TrackingDown(uri, run_id, folder, tracking.spooled(folder)) from None
@@ -194,10 +197,11 @@ def replay_run(folder: Path, uri: str | None = None) -> str:
         raise RuntimeError(f"{unsent} record(s) were not accepted by {uri}; run the replay again")
     if final.is_file():
         spec = json.loads(final.read_text())
-        cfg = typed_config(spec["cfg"])
+        cfg = typed_config(spec["cfg"], spec.get("plugin_roots", []))
+        inputs = DataSchema.from_dict(spec["inputs"]) if "inputs" in spec else \
+            DataSchema.from_manifest({"dataset": cfg.data.name, "model_inputs": spec["model_inputs"]})  # older
         tracking.set_tags(uri, run_id, spec.get("tags", {}))
-        get_backend(cfg.trainer.backend).log_final_model(uri, run_id, cfg, Checkpoint(spec["checkpoint"]),
-                                                         spec["model_inputs"])
+        get_backend(cfg.trainer.backend).log_final_model(uri, run_id, cfg, Checkpoint(spec["checkpoint"]), inputs)
         if cfg.run.register_model:
             tracking.register_logged_model(uri, run_id, cfg.run.register_model)
         tracking.end_run(uri, run_id)

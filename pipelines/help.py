@@ -11,8 +11,8 @@ from typing import Any, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 
-from contract.config import (DataConfig, DTensorMeshConfig, FaultConfig, MODEL_SCHEMAS, RunSection,
-                             TRAINER_SCHEMAS)
+from contract.config import DataConfig, DTensorMeshConfig, FaultConfig, PluginsConfig, RunSection
+from contract.registry import BACKENDS, MODELS
 from pipelines.config import CONF_DIR, ConfigError, compose, group_choices, schema_for
 
 HELP_FLAGS = ("-h", "--help")
@@ -53,8 +53,8 @@ def _own_field_docs(klass: type) -> dict[str, str]:
 
 def section_schemas(cfg: DictConfig) -> dict[str, type]:
     """The dataclass behind each section of a composed training config (`trainer.mesh`: the DTensor mesh's)."""
-    return {"trainer": TRAINER_SCHEMAS[cfg.trainer.backend], "trainer.mesh": DTensorMeshConfig,
-            "data": DataConfig, "model": MODEL_SCHEMAS[cfg.model.name], "run": RunSection, "fault": FaultConfig}
+    return {"": PluginsConfig, "trainer": BACKENDS.get(cfg.trainer.backend).config, "trainer.mesh": DTensorMeshConfig,
+            "data": DataConfig, "model": MODELS.get(cfg.model.name).config, "run": RunSection, "fault": FaultConfig}
 
 
 def key_table(cfg: DictConfig, schemas: dict[str, type]) -> list[tuple[str, str, str]]:
@@ -144,8 +144,9 @@ def training_help(usage: str, summary: str, argv: list[str], exit_codes: str, ex
     chosen in `argv` with its default and meaning."""
     chosen = chosen_groups(argv)
     picked = " ".join(f"{group}={chosen[group]}" for group in GROUPS)
+    plugins = [arg for arg in argv if arg.lstrip("+").startswith("plugins=")]  # a user's model's keys too
     try:
-        raw = compose([f"{group}={chosen[group]}" for group in GROUPS])
+        raw = compose([*plugins, *(f"{group}={chosen[group]}" for group in GROUPS)])
         cfg = OmegaConf.merge(schema_for(raw), raw)
         keys = format_rows(key_table(cfg, section_schemas(cfg)))
     except ConfigError as err:

@@ -2,13 +2,15 @@
 `python -m pipelines.predict model=<model> input=<path> output=<file.parquet> [key=value ...]`.
 
 `model`: as `pipelines.evaluate` takes it (a training run id, runs:/, models:/<name>/<version> or @<alias>); its
-training run says which dataset it was trained on. `input`: for MNIST models an IDX images file or a folder of
-image files (28x28 grayscale after conversion), for IMDb models a .txt file (a review per line), a .csv/.parquet
-file with a `text` column, or a folder of .txt files (a review each; an aclImdb folder works), tokenised with the
-training data's tokenizer (logged with the training run). Ray Data tokenises and scores the rows with
-`concurrency` actors that each load the model once (pipelines/scoring.py). `output`: a Parquet file, one row per
-input row in input order: `source` (file, line or index), `prediction` (class id; IMDb: 1 = positive) and
-`probabilities`. Uses the cluster at RAY_ADDRESS when set, else starts a local Ray.
+training run logged the manifest of its data, which says what the model takes. `input`: for image models an IDX
+images file or a folder of image files (converted to the training images' size and colours), for text models a
+.txt file (one text per line), a .csv/.parquet file with the training data's text column, or a folder of .txt files
+(one text each; an aclImdb folder works), tokenised with the training data's tokenizer (logged with the training
+run); for numeric features a .csv/.parquet file with the training data's feature columns. Ray Data tokenises and
+scores the rows with `concurrency` actors that each load the model once (pipelines/scoring.py). `output`: a
+Parquet file, one row per input row in input order: `source` (file, line or index), and for a classifier
+`prediction` (class id), `label` (its name, as in the training data) and `probabilities`; for a regression
+`prediction` (the predicted value). Uses the cluster at RAY_ADDRESS when set, else starts a local Ray.
 
 Last stdout line: `predictions=<output>`.
 """
@@ -24,8 +26,9 @@ import numpy as np
 import pyarrow as pa
 from omegaconf import MISSING
 
+from contract.data import DataSchema
 from pipelines.config import ConfigError
-from pipelines.data.raw_inputs import read_images, read_texts
+from pipelines.data.raw_inputs import read_images, read_numeric, read_texts
 from pipelines.help import dataclass_help, wants_help
 from pipelines.ray_session import shutdown_ray
 from pipelines.scoring_cli import USAGE_ERRORS, ScoringConfig, find_model, init_ray, parse_args, plan_before_start
@@ -37,7 +40,7 @@ EXIT_CODES = ("0 written; 1 scoring failed (nothing written); 2 bad arguments, m
 
 @dataclass
 class PredictConfig(ScoringConfig):
-    input: str = MISSING  # MNIST models: an IDX images file or a folder of images; IMDb: .txt/.csv/.parquet or a folder
+    input: str = MISSING  # images: IDX file or folder; text: .txt/.csv/.parquet or folder; numeric: .csv/.parquet
     output: str = MISSING  # a .parquet file: one row per input row, in input order
 
 
@@ -45,9 +48,9 @@ class PredictConfig(ScoringConfig):
 class Plan:
     cfg: Any
     model_uri: str
-    dataset: str
-    rows: pa.Table  # `row`, `source`, and `image` (MNIST) or `text` (IMDb)
-    tokenizer: tuple[str, int, int | None] | None  # `Tokenise`'s (tokenizer JSON, max_len, head_tokens) for text
+    schema: DataSchema  # the training data's
+    rows: pa.Table  # `row`, `source`, and the features as the training data stores them (`text` for text)
+    tokenizer: tuple[str, int, int | None, str] | None  # `Tokenise`'s (tokenizer JSON, max_len, head_tokens, column)
 
 
 def parse(argv: list[str]) -> Any:
@@ -57,40 +60,53 @@ def parse(argv: list[str]) -> Any:
     return cfg
 
 
-def training_tokenizer(run: Any, uri: str) -> tuple[str, int, int | None]:
-    """The tokenizer JSON, sequence length and head tokens (`Tokenise`'s arguments) of the data the run trained
-    on: logged with the run's data, or with its sweep's (the parent run's) for a sweep trial."""
+def training_data(run: Any, uri: str) -> tuple[str, dict, set[str]]:
+    """(the run logging it, the manifest of the data the run trained on, that run's artifact names): logged with
+    the run's data, or with its sweep's (the parent run's) for a sweep trial."""
     import mlflow
 
     for run_id in filter(None, (run.info.run_id, run.data.tags.get("mlflow.parentRunId"))):
         names = {artifact.path for artifact in mlflow.MlflowClient(uri).list_artifacts(run_id)}
-        if "data_manifest.json" not in names:
-            continue
-        manifest = json.loads(mlflow.artifacts.load_text(f"runs:/{run_id}/data_manifest.json"))
-        tokenizer = Path(manifest.get("tokenizer") or "").name
-        if tokenizer in names:
-            return (mlflow.artifacts.load_text(f"runs:/{run_id}/{tokenizer}"),
-                    manifest["model_inputs"]["max_len"], manifest.get("head_tokens"))  # None: older data
-    raise ConfigError(f"model: training run {run.info.run_id} (or its sweep) logged no tokenizer with its data")
+        if "data_manifest.json" in names:
+            return run_id, json.loads(mlflow.artifacts.load_text(f"runs:/{run_id}/data_manifest.json")), names
+    raise ConfigError(f"model: training run {run.info.run_id} (or its sweep) logged no manifest of its data")
+
+
+def training_tokenizer(run_id: str, manifest: dict, names: set[str], schema: DataSchema) -> tuple:
+    """`Tokenise`'s arguments (tokenizer JSON, sequence length, head tokens, column) of the training data."""
+    import mlflow
+
+    tokenizer = Path(manifest.get("tokenizer") or "").name
+    if tokenizer not in names:
+        raise ConfigError(f"model: training run {run_id} logged no tokenizer with its data")
+    return (mlflow.artifacts.load_text(f"runs:/{run_id}/{tokenizer}"), schema.max_len,
+            manifest.get("head_tokens"), schema.features.column)  # head_tokens None: older data
+
+
+def fixed_size(values: np.ndarray) -> pa.FixedSizeListArray:
+    return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), values.shape[1])
 
 
 def plan(cfg: Any, uri: str) -> Plan:
-    """The model, its dataset and the input rows, all checked; raises ConfigError/DataError."""
+    """The model, the data it was trained on and the input rows, all checked; raises ConfigError/DataError."""
     model_uri, _, run = find_model(cfg.model, uri)
-    dataset = run.data.params.get("data.name") if run else None
-    if dataset not in ("mnist", "imdb"):
-        raise ConfigError(f"model: {model_uri} was not logged by a training run of ours (which names its dataset)")
-    path = Path(cfg.input).resolve()
-    if dataset == "mnist":
-        sources, images = read_images(path)
-        column = pa.FixedSizeListArray.from_arrays(pa.array(images.reshape(-1)), 784)
-        tokenizer = None
+    if run is None:
+        raise ConfigError(f"model: {model_uri} was not logged by a training run of ours (which logs its data)")
+    run_id, manifest, names = training_data(run, uri)
+    schema = DataSchema.from_manifest(manifest)
+    features, path, tokenizer = schema.features, Path(cfg.input).resolve(), None
+    if features.kind == "image":
+        sources, images = read_images(path, features.shape)
+        column = fixed_size(images)
+    elif features.kind == "numeric":
+        sources, values = read_numeric(path, features.source_columns)
+        column = fixed_size(values)
     else:
-        sources, texts = read_texts(path)
-        column, tokenizer = pa.array(texts), training_tokenizer(run, uri)
+        sources, texts = read_texts(path, features.source_columns[0] if features.source_columns else "text")
+        column, tokenizer = pa.array(texts), training_tokenizer(run_id, manifest, names, schema)
     rows = pa.table({"row": np.arange(len(sources)), "source": sources,
-                     "image" if dataset == "mnist" else "text": column})
-    return Plan(cfg, model_uri, dataset, rows, tokenizer)
+                     "text" if tokenizer else features.column: column})
+    return Plan(cfg, model_uri, schema, rows, tokenizer)
 
 
 def predict(plan: Plan, uri: str) -> pa.Table:
@@ -106,14 +122,17 @@ def predict(plan: Plan, uri: str) -> pa.Table:
         ds = ds.map_batches(Tokenise, fn_constructor_args=plan.tokenizer, batch_format="pyarrow",
                             batch_size=plan.cfg.batch_size, compute=ray.data.ActorPoolStrategy(size=1))
     cfg = plan.cfg
-    rows, logits = score(ds, plan.model_uri, uri, plan.dataset, cfg.batch_size, cfg.concurrency, cfg.use_gpu,
+    rows, logits = score(ds, plan.model_uri, uri, plan.schema, cfg.batch_size, cfg.concurrency, cfg.use_gpu,
                          key="row")
-    order = np.argsort(rows)
-    probabilities = softmax(logits[order], axis=1).astype(np.float32)
-    return pa.table({"source": plan.rows.column("source"),
-                     "prediction": logits[order].argmax(axis=1).astype(np.int64),
-                     "probabilities": pa.FixedSizeListArray.from_arrays(pa.array(probabilities.reshape(-1)),
-                                                                        probabilities.shape[1])})
+    outputs = logits[np.argsort(rows)]
+    target = plan.schema.target
+    if target.task == "regression":
+        return pa.table({"source": plan.rows.column("source"), "prediction": outputs.reshape(-1).astype(np.float32)})
+    predicted = outputs.argmax(axis=1).astype(np.int64)
+    names = np.asarray(target.classes or [str(c) for c in range(outputs.shape[1])], dtype=object)
+    return pa.table({"source": plan.rows.column("source"), "prediction": predicted,
+                     "label": pa.array(names[predicted].tolist(), type=pa.string()),
+                     "probabilities": fixed_size(softmax(outputs, axis=1).astype(np.float32))})
 
 
 def write(table: pa.Table, output: Path) -> None:

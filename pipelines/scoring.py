@@ -1,8 +1,9 @@
 """Score a logged MLflow model over prepared Parquet shards with Ray Data, and sum up the scores.
 
 `ModelScorer` is the `map_batches` callable: each actor loads the model once (PyTorch models onto its device,
-tf-keras models through pyfunc) and returns the logits of every row. `summarise` turns labels and logits into the
-evaluation metrics, and `save_plots` draws them (sklearn's displays, matplotlib files).
+tf-keras models through pyfunc) and returns the outputs of every row (logits, or a regression's predictions).
+`summarise` turns labels and outputs into the evaluation metrics of the task, and `save_plots` draws them
+(sklearn's displays, matplotlib files).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from contract.data import FEATURE_COLUMNS, model_input
+from contract.data import DataSchema
 
 # A scoring actor's environment: tf-keras models load only with TF_USE_LEGACY_KERAS=1 from process start
 # (trainers/tf/common.py); harmless for PyTorch models.
@@ -20,14 +21,15 @@ SCORER_ENV = {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 class ModelScorer:
     """Ray Data `map_batches` callable: rows with the dataset's feature column -> the other columns as they came
-    (labels, row numbers) and `logits` [B, classes]. PyTorch models run on `device` ("cuda" in a GPU actor)."""
+    (labels, row numbers) and `logits` [B, classes] (a regression's [B, 1] predictions). `schema`: the data's
+    (`DataSchema.to_dict()`). PyTorch models run on `device` ("cuda" in a GPU actor)."""
 
-    def __init__(self, model_uri: str, tracking_uri: str, dataset: str, device: str = "cpu", threads: int = 1):
+    def __init__(self, model_uri: str, tracking_uri: str, schema: dict, device: str = "cpu", threads: int = 1):
         import mlflow
 
         mlflow.set_tracking_uri(tracking_uri)
         info = mlflow.models.get_model_info(model_uri)
-        self.dataset = dataset
+        self.features = DataSchema.from_dict(schema).features
         # The model's own input dtype (token ids: int64 for PyTorch, int32 for Keras), as pyfunc enforces it.
         self.dtype = info.signature.inputs.numpy_types()[0]
         if "pytorch" in info.flavors:
@@ -43,9 +45,9 @@ class ModelScorer:
             self.predict = mlflow.pyfunc.load_model(model_uri).predict
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        column = FEATURE_COLUMNS[self.dataset]
-        features = model_input(self.dataset, batch[column]).astype(self.dtype, copy=False)
-        logits = np.asarray(self.predict(features), dtype=np.float64)
+        column = self.features.column
+        features = self.features.model_input(batch[column]).astype(self.dtype, copy=False)
+        logits = np.asarray(self.predict(features), dtype=np.float64).reshape(len(features), -1)
         return {**{name: values for name, values in batch.items() if name != column}, "logits": logits}
 
 
@@ -64,6 +66,16 @@ def torch_predictor(model_uri: str, flavor: dict[str, Any], device: str) -> Call
     def predict(features: np.ndarray) -> np.ndarray:
         return module(torch.from_numpy(features).to(device)).float().cpu().numpy()
     return predict
+
+
+def summarise_regression(targets: np.ndarray, outputs: np.ndarray, split: str) -> dict[str, float]:
+    """Metrics named `<split>_<metric>` of a regression's predictions ([N, 1]): mse, mae, r2, rows."""
+    from sklearn import metrics as skm
+
+    predicted = outputs.reshape(len(targets))
+    scores = {"mse": skm.mean_squared_error(targets, predicted), "mae": skm.mean_absolute_error(targets, predicted),
+              "r2": skm.r2_score(targets, predicted), "rows": len(targets)}
+    return {f"{split}_{name}": float(value) for name, value in scores.items()}
 
 
 def summarise(labels: np.ndarray, logits: np.ndarray, split: str) -> tuple[dict[str, float], np.ndarray]:
@@ -85,8 +97,10 @@ def summarise(labels: np.ndarray, logits: np.ndarray, split: str) -> tuple[dict[
     return {f"{split}_{name}": float(value) for name, value in scores.items()}, confusion
 
 
-def save_plots(labels: np.ndarray, logits: np.ndarray, confusion: np.ndarray, folder: Path) -> list[Path]:
-    """The confusion matrix, and for two classes the ROC and precision-recall curves, as PNG files."""
+def save_plots(labels: np.ndarray, logits: np.ndarray, confusion: np.ndarray | None, folder: Path,
+               class_names: tuple[str, ...] = ()) -> list[Path]:
+    """The confusion matrix (its axes named by `class_names`), and for two classes the ROC and precision-recall
+    curves, as PNG files; for a regression (`confusion` None) the predictions against the targets."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on cluster nodes
@@ -101,7 +115,13 @@ def save_plots(labels: np.ndarray, logits: np.ndarray, confusion: np.ndarray, fo
         plt.close(display.figure_)
         return path
 
-    paths = [save(skm.ConfusionMatrixDisplay(confusion).plot(colorbar=False), "confusion_matrix.png")]
+    if confusion is None:
+        display = skm.PredictionErrorDisplay.from_predictions(labels, logits.reshape(len(labels)),
+                                                              kind="actual_vs_predicted")
+        return [save(display, "prediction_error.png")]
+    names = list(class_names) if len(class_names) == len(confusion) else None
+    paths = [save(skm.ConfusionMatrixDisplay(confusion, display_labels=names).plot(colorbar=False),
+                  "confusion_matrix.png")]
     if logits.shape[1] == 2:
         positive = softmax(logits, axis=1)[:, 1]
         paths.append(save(skm.RocCurveDisplay.from_predictions(labels, positive), "roc_curve.png"))
@@ -109,14 +129,14 @@ def save_plots(labels: np.ndarray, logits: np.ndarray, confusion: np.ndarray, fo
     return paths
 
 
-def score(ds: Any, model_uri: str, tracking_uri: str, dataset: str, batch_size: int, concurrency: int,
+def score(ds: Any, model_uri: str, tracking_uri: str, schema: DataSchema, batch_size: int, concurrency: int,
           use_gpu: bool, key: str = "label") -> tuple[np.ndarray, np.ndarray]:
     """(`key` column, logits) of every row of the Ray Dataset `ds`, scored by `concurrency` model-holding
     actors."""
     from ray.data import ActorPoolStrategy
 
     device = "cuda" if use_gpu else "cpu"
-    scored = ds.map_batches(ModelScorer, fn_constructor_args=(model_uri, tracking_uri, dataset, device),
+    scored = ds.map_batches(ModelScorer, fn_constructor_args=(model_uri, tracking_uri, schema.to_dict(), device),
                             batch_size=batch_size, batch_format="numpy", compute=ActorPoolStrategy(size=concurrency),
                             num_cpus=1, num_gpus=1 if use_gpu else 0, runtime_env={"env_vars": SCORER_ENV})
     keys, logits = [], []
@@ -124,3 +144,34 @@ def score(ds: Any, model_uri: str, tracking_uri: str, dataset: str, batch_size: 
         keys.append(batch[key])
         logits.append(np.stack(batch["logits"]) if batch["logits"].dtype == object else batch["logits"])
     return np.concatenate(keys), np.concatenate(logits)
+
+
+def held_out_test_metrics(uri: str, run_id: str, data_path: str, eval_split: str, schema: DataSchema,
+                          batch_size: int = 256) -> dict[str, float]:
+    """The run's logged model scored once on the data's `test` split, when its epochs were evaluated on another
+    (validation): `final_test_accuracy`, `final_test_loss`, ... (`final_test_mse`, ... for regression), logged to
+    the run and linked to its model. Nothing when the test split was the evaluation split, or there is none."""
+    import mlflow
+
+    from pipelines.data.readers import read_parquet
+    from pipelines.data.shards import read_manifest, shard_paths
+
+    manifest = read_manifest(data_path)
+    if eval_split == "test" or "test" not in manifest["splits"]:
+        return {}
+    mlflow.set_tracking_uri(uri)
+    client = mlflow.MlflowClient(uri)
+    models = mlflow.search_logged_models(experiment_ids=[client.get_run(run_id).info.experiment_id],
+                                         filter_string=f"source_run_id = '{run_id}'", output_format="list")
+    if not models:
+        return {}
+    target = schema.target
+    ds = read_parquet(shard_paths(data_path, manifest, "test"))
+    labels, logits = score(ds, models[0].model_uri, uri, schema, batch_size, 1, False, key=target.column)
+    if target.task == "regression":
+        metrics = summarise_regression(labels.astype(np.float64), logits, "final_test")
+    else:
+        metrics = summarise(labels.astype(np.int64), logits, "final_test")[0]
+    for name, value in metrics.items():
+        client.log_metric(run_id, name, value, model_id=models[0].model_id)
+    return metrics

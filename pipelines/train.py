@@ -72,6 +72,7 @@ def run_training(cfg: DictConfig, uri: str, run_id: str, first_attempt: bool = T
                                           "cluster.nodes": len(ray.nodes())})
     stopped = fit_backend(cfg, run_id, uri)
     if stopped is None:
+        score_held_out_test(cfg, uri, run_id)
         return None
     folder = tracking.spool_dir(cfg.run.storage_path, run_id)
     away = "" if tracking.mark_preempted(uri, run_id, stopped, folder) else (
@@ -79,6 +80,21 @@ def run_training(cfg: DictConfig, uri: str, run_id: str, first_attempt: bool = T
         f"(its stop point waits in {folder})")
     return (f"stopped on request with a checkpoint{away}: delete {resume.stop_file(cfg.run.resume_dir)} and run "
             f"again with run.resume_dir={cfg.run.resume_dir} to continue")
+
+
+def score_held_out_test(cfg: DictConfig, uri: str, run_id: str) -> None:
+    """The chosen model (`run.final_model`) scored once on the test split, which model selection never saw (the
+    epochs were evaluated on the validation split): `final_test_*` metrics. A sweep's trials are not scored: a
+    sweep picks among them, so only the model it picks should meet the test split (`rtp evaluate`)."""
+    from contract.data import DataSchema
+    from pipelines.data.shards import read_manifest
+    from pipelines.scoring import held_out_test_metrics
+
+    schema = DataSchema.from_manifest({"dataset": cfg.data.name, **read_manifest(cfg.data.path)})
+    metrics = held_out_test_metrics(uri, run_id, cfg.data.path, cfg.data.eval_split, schema)
+    if metrics:
+        print("held-out test split: " + ", ".join(f"{name} {value:.4g}" for name, value in metrics.items()),
+              flush=True)
 
 
 def close_failed_run(uri: str, run_id: str, err: BaseException, what: str = "training") -> str:

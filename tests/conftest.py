@@ -267,14 +267,15 @@ def read_split(data_path: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
 
     import pyarrow.parquet as pq
 
-    from contract.data import FEATURE_COLUMNS, model_input
+    from contract.data import DataSchema
 
     manifest = json.loads((data_path / "manifest.json").read_text())
+    schema = DataSchema.from_manifest(manifest)
     tables = [pq.read_table(data_path / shard["file"]) for shard in manifest["splits"][split]["shards"]]
-    column = FEATURE_COLUMNS[manifest["dataset"]]
+    column = schema.features.column
     features = np.concatenate([np.stack(t.column(column).to_numpy(zero_copy_only=False)) for t in tables])
-    labels = np.concatenate([t.column("label").to_numpy() for t in tables]).astype(np.int64)
-    return model_input(manifest["dataset"], features), labels
+    labels = np.concatenate([t.column(schema.target.column).to_numpy() for t in tables])
+    return schema.features.model_input(features), labels.astype(np.int64 if schema.target.classes else np.float64)
 
 
 def train_ok(args: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, str]:

@@ -1,26 +1,25 @@
-"""Backends, registered by name. A backend's module exposes
-    build_trainer(cfg, datasets, run_id, tracking_uri, model_inputs, callbacks=None) -> a Ray Train trainer
-        (`callbacks`: extra Ray Train callbacks for its RunConfig, e.g. a sweep trial's TrialReporter)
-    log_final_model(tracking_uri, run_id, cfg, checkpoint, model_inputs) -> None (MLflow flavour of the backend)
+"""Backends, registered by name (contract/registry.py), the built-in ones as a user's would be. A backend's module
+exposes
+    build_trainer(cfg, datasets, run_id, tracking_uri, inputs, callbacks=None) -> a Ray Train trainer
+        (`inputs`: the data's `contract.data.DataSchema`; `callbacks`: extra Ray Train callbacks for its RunConfig,
+        e.g. a sweep trial's TrialReporter)
+    log_final_model(tracking_uri, run_id, cfg, checkpoint, inputs) -> None (MLflow flavour of the backend)
     train_loop_per_worker(config) -> None (what every worker runs: `run_worker(cfg, ctx, data)`, its adapter on
         the shared loop, trainers/loop.py)
 
-Modules are imported on demand so that config validation never imports torch, TensorFlow or Ray.
+Modules are imported on demand so that config validation never imports torch, TensorFlow or Ray. Importing this
+package registers the built-in models too (trainers/models/__init__.py).
 """
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
-
-@dataclass(frozen=True)
-class BackendSpec:
-    name: str
-    module: str          # the backend's module (imported by the driver when it builds the trainer)
-    frameworks: tuple[str, ...]  # the frameworks it can train with (`trainer.framework` picks when several)
-    description: str     # one line for `rtp list`
-
+import trainers.models  # noqa: F401  (registers the built-in models)
+from contract.config import (DDPConfig, FSDPConfig, HorovodConfig, TFDTensorConfig, TFMWMSConfig, TFPSConfig,
+                             TPConfig)
+from contract.registry import BACKENDS, BackendSpec, register_backend
 
 # framework -> (modules it needs, the package extra that installs them)
 FRAMEWORKS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -28,22 +27,35 @@ FRAMEWORKS: dict[str, tuple[tuple[str, ...], str]] = {
     "tf": (("tensorflow", "tf_keras"), "tf"),
 }
 
-BACKENDS: dict[str, BackendSpec] = {spec.name: spec for spec in (
-    BackendSpec("ddp", "trainers.torch.ddp", ("torch",), "PyTorch DistributedDataParallel (gloo on CPU, NCCL on GPU)"),
-    BackendSpec("fsdp", "trainers.torch.fsdp", ("torch",),
+for _spec in (
+    BackendSpec("ddp", "trainers.torch.ddp", DDPConfig, ("torch",),
+                "PyTorch DistributedDataParallel (gloo on CPU, NCCL on GPU)"),
+    BackendSpec("fsdp", "trainers.torch.fsdp", FSDPConfig, ("torch",),
                 "PyTorch FSDP2 sharded data parallelism; HSDP, FSDP x TP and pipeline stages (PP x TP x FSDP)"),
-    BackendSpec("tp", "trainers.torch.tp", ("torch",),
+    BackendSpec("tp", "trainers.torch.tp", TPConfig, ("torch",),
                 "tensor parallelism (Megatron-style layers or DTensor plans) x data parallelism"),
-    BackendSpec("tf_mwms", "trainers.tf.mwms", ("tf",),
+    BackendSpec("tf_mwms", "trainers.tf.mwms", TFMWMSConfig, ("tf",),
                 "TensorFlow MultiWorkerMirroredStrategy: tf-keras fit or a custom loop"),
-    BackendSpec("tf_dtensor", "trainers.tf.dtensor.trainer", ("tf",),
-                "TensorFlow DTensor: data, model or 2D parallelism on a batch x model mesh"),
-    BackendSpec("tf_ps", "trainers.tf.ps.trainer", ("tf",),
+    BackendSpec("tf_dtensor", "trainers.tf.dtensor.trainer", TFDTensorConfig, ("tf",),
+                "TensorFlow DTensor: data, model or 2D parallelism on a batch x model mesh", model_builder="dtensor"),
+    BackendSpec("tf_ps", "trainers.tf.ps.trainer", TFPSConfig, ("tf",),
                 "TensorFlow ParameterServerStrategy: asynchronous data parallelism"),
-    BackendSpec("horovod", "trainers.horovod.trainer", ("torch", "tf"),
+    BackendSpec("horovod", "trainers.horovod.trainer", HorovodConfig, ("torch", "tf"),
                 "Horovod over Gloo, PyTorch or TensorFlow binding (`trainer.framework`)"),
-)}
+):
+    register_backend(_spec)
 
 
 def get_backend(name: str) -> ModuleType:
-    return importlib.import_module(BACKENDS[name].module)
+    return importlib.import_module(BACKENDS.get(name).module)
+
+
+def framework_of(trainer: Any) -> str:
+    """The framework a run of this trainer config trains with (`trainer.framework` where the backend has several)."""
+    spec = BACKENDS.get(trainer.backend)
+    return trainer.framework if len(spec.frameworks) > 1 else spec.frameworks[0]
+
+
+def model_builder(trainer: Any) -> str:
+    """Which builder of a model spec this trainer config builds its model with: torch, keras or dtensor."""
+    return BACKENDS.get(trainer.backend).model_builder or {"torch": "torch", "tf": "keras"}[framework_of(trainer)]

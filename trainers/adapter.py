@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
+from contract.data import DataSchema
 from contract.metrics import PendingReduce, peak_rss_bytes
 
 
@@ -24,10 +25,11 @@ class StepProfiler(Protocol):
 
 @dataclass
 class WorkerData:
-    """What a worker trains on: the model's inputs as the dataset's manifest describes them, and its shards.
-    `shards(seed)` -> (train, evaluation) in the framework's form (PyTorch: `ShardBatches`, shuffled by `seed`;
-    TensorFlow: `ShardArrays`, which the adapter shuffles): a run's Ray Data shards, or data a test made."""
-    model_inputs: dict
+    """What a worker trains on: the data's features and target as its manifest describes them (`DataSchema`),
+    and its shards. `shards(seed)` -> (train, evaluation) in the framework's form (PyTorch: `ShardBatches`,
+    shuffled by `seed`; TensorFlow: `ShardArrays`, which the adapter shuffles): a run's Ray Data shards, or data
+    a test made."""
+    inputs: DataSchema
     shards: Callable[[int], tuple[Any, Any]]
 
 
@@ -51,8 +53,9 @@ class Adapter:
         """Forward, backward and (at an update boundary) the optimizer step; returns (loss, samples, tokens)."""
         raise NotImplementedError
 
-    def evaluate(self, epoch: int) -> tuple[int, int]:
-        """(correct, total) on this worker's evaluation shard."""
+    def evaluate(self, epoch: int) -> tuple[float, int]:
+        """(score, rows) on this worker's evaluation shard: correct predictions (classification) or the sum of
+        squared errors (regression), over its rows (contract/metrics.py `epoch_metrics` takes the mean)."""
         raise NotImplementedError
 
     def reduce_later(self, values: list[float], op: str) -> PendingReduce:

@@ -51,6 +51,7 @@ class WorkerContext:
     before_epoch: Callable[[int], None] | None = None  # testing hook (fault injection)
     stop_check_every: int = STOP_CHECK_EVERY
     monitor: Monitor = Monitor()          # the best epoch and early stopping (`run.monitor`, `run.patience`)
+    evaluated: str = "test_accuracy"      # the task's evaluation metric (contract/metrics.py EVAL_METRICS)
     profile_steps: int = 0                # `trainer.profile_steps`: profile this many steps (rank 0) ...
     profile_dir: Path | None = None       # ... into this folder, logged as the run's `profile/` artifacts
     step_bar: Callable[[str, int, int], StepBar] | None = None  # rank 0 with progress wanted: (description, steps
@@ -241,9 +242,9 @@ class TrainLoop:
         `run.patience` epochs have passed without a better monitored metric (the same on every rank: the metrics
         are reduced over all of them)."""
         adapter = self.adapter
-        correct, total = adapter.evaluate(epoch)
-        metrics = epoch_metrics(totals, correct, total, adapter.reduce, adapter.peak_memory_bytes(),
-                                adapter.ranks_per_sample)
+        score, total = adapter.evaluate(epoch)
+        metrics = epoch_metrics(totals, score, total, adapter.reduce, adapter.peak_memory_bytes(),
+                                adapter.ranks_per_sample, self.ctx.evaluated)
         if epoch == self.first_epoch:
             metrics["data_load_s"] = adapter.load_s
         extras = adapter.epoch_extras()

@@ -13,25 +13,35 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from contract.config import monitor_of, typed_config
+from contract.data import DataSchema
+from contract.metrics import eval_metric
 from contract.progress import StepBar, progress_wanted
+from contract.registry import plugin_roots
 from contract.resume import stop_file
 from contract.startup import StartupMarks, started_at
 from trainers.loop import WorkerContext
 
 
-def loop_config(cfg: DictConfig, run_id: str, tracking_uri: str, model_inputs: dict) -> dict[str, Any]:
-    """`train_loop_config` of every trainer: plain data, so Ray can ship it to the workers. Whether to draw progress
-    is decided here, in the driver: its output is the one someone may watch. The trainer is built right after: the
-    start-up's driver part ends now (contract/startup.py)."""
+def loop_config(cfg: DictConfig, run_id: str, tracking_uri: str, inputs: DataSchema) -> dict[str, Any]:
+    """`train_loop_config` of every trainer: plain data, so Ray can ship it to the workers: the config, the data's
+    schema, and where the driver found the run's plugins. Whether to draw progress is decided here, in the driver:
+    its output is the one someone may watch. The trainer is built right after: the start-up's driver part ends now
+    (contract/startup.py)."""
     now = time.time()
     return {"cfg": OmegaConf.to_container(cfg, resolve=True), "run_id": run_id, "tracking_uri": tracking_uri,
-            "model_inputs": model_inputs, "progress": progress_wanted(cfg.run.progress),
-            "startup": {"asked": started_at(), "trainer_built": now}}
+            "inputs": inputs.to_dict(), "plugin_roots": plugin_roots(cfg.plugins),
+            "progress": progress_wanted(cfg.run.progress), "startup": {"asked": started_at(), "trainer_built": now}}
 
 
 def worker_config(config: dict[str, Any]) -> DictConfig:
-    """The validated config as the driver resolved it: typed by the backend's schema, read-only."""
-    return typed_config(config["cfg"])
+    """The validated config as the driver resolved it: typed by the backend's and model's schemas, read-only, the
+    run's plugins imported (`typed_config`)."""
+    return typed_config(config["cfg"], config.get("plugin_roots", []))
+
+
+def worker_inputs(config: dict[str, Any]) -> DataSchema:
+    """The data's features and target, as the driver read them from the manifest."""
+    return DataSchema.from_dict(config["inputs"])
 
 
 def ray_context(config: dict[str, Any], cfg: DictConfig, device: Any = None) -> WorkerContext:
@@ -68,7 +78,8 @@ def ray_context(config: dict[str, Any], cfg: DictConfig, device: Any = None) -> 
         rank=rank, world_size=world_size, report=ray_report, epochs=cfg.trainer.epochs,
         restored=restored, logger=logger, startup=startup,
         stop_file=stop_file(cfg.run.resume_dir), log_every_n_steps=cfg.trainer.log_every_n_steps,
-        monitor=monitor_of(cfg.run), profile_steps=cfg.trainer.profile_steps,
+        monitor=monitor_of(cfg.run), evaluated=eval_metric(worker_inputs(config).target.task),
+        profile_steps=cfg.trainer.profile_steps,
         profile_dir=run_folder / "profile" if rank == 0 else None,
         step_bar=ray_step_bar if rank == 0 and config.get("progress") else None,
         device=device,

@@ -15,11 +15,12 @@ import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import pyarrow as pa
 
+from contract.data import imdb_schema
 from pipelines.data.idx import DataError
 from pipelines.data.shards import check_not_empty, sha256_of, staged_output, write_manifest, write_split_shards
 
@@ -271,6 +272,48 @@ def prepare(splits: Splits, source: Path, out_dir: Path, num_shards: int, vocab_
                     "validation_grouped_by": "movie" if splits.by_movie else "review",
                     "model_inputs": {"vocab_size": tokenizer.get_vocab_size(), "max_len": max_len},
                     "head_tokens": head_tokens,  # kept from a long review's start; the rest from its end
-                    "schema": str(tokenised.schema)}
+                    "schema": str(tokenised.schema),
+                    **imdb_schema(tokenizer.get_vocab_size(), max_len).to_dict()}
         write_manifest(stage, manifest)
     return manifest
+
+
+def add_arguments(parser: Any) -> None:
+    """`rtp prepare imdb`'s options."""
+    parser.add_argument("--source", type=Path, default=Path("data/imdb/aclImdb_v1.tar.gz"),
+                        help="aclImdb .tar.gz, its extracted folder, or a Parquet/CSV file with text,label")
+    parser.add_argument("--download", action="store_true",
+                        help="fetch the official archive into the --source folder first (SHA-256 verified)")
+    parser.add_argument("--out", type=Path, default=Path("data/imdb/parquet"))
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--max-len", type=int, default=256)
+    parser.add_argument("--head-tokens", type=int, default=128,
+                        help="a longer review keeps this many tokens from its start and the rest from its end "
+                             "(>= max-len - 2: its start only)")
+    parser.add_argument("--val-fraction", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the shuffle and validation split")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="reuse this tokenizer.json instead of training one (same ids as an earlier run)")
+
+
+def prepare_command(args: Any) -> dict:
+    """`rtp prepare imdb`: bad input is reported before Ray starts (Ray only tokenises)."""
+    from pipelines.ray_session import connect_or_start_ray, shutdown_ray
+
+    source = args.source
+    if args.download:
+        source = download(source.parent if source.suffix == ".gz" else source)
+    if not source.exists():
+        raise DataError(f"{source}: not found (pass --source, or --download when online)")
+    if args.tokenizer is not None and not args.tokenizer.is_file():
+        raise DataError(f"{args.tokenizer}: tokenizer file not found")
+    if not 0 < args.val_fraction < 1 or args.vocab_size < 16 or args.max_len < 4 or args.head_tokens < 0:
+        raise DataError("--val-fraction must be in (0, 1), --vocab-size >= 16, --max-len >= 4, --head-tokens >= 0")
+    splits = plan_splits(*read_source(source), source, args.val_fraction, args.seed)
+    connect_or_start_ray({"include_dashboard": False, "log_to_driver": False}, log_to_driver=False)
+    try:
+        return prepare(splits, source, args.out.resolve(), args.shards, args.vocab_size, args.max_len,
+                       min(args.head_tokens, args.max_len - 2), args.val_fraction, args.seed, args.tokenizer)
+    finally:
+        shutdown_ray()

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from contract.data import mnist_schema
 from pipelines.data.idx import DataError, read_idx
 from pipelines.data.shards import check_not_empty, sha256_of, staged_output, write_manifest, write_split_shards
 
@@ -101,7 +102,24 @@ def prepare(source: Path, out_dir: Path, num_shards: int) -> dict[str, Any]:
             shards = write_split_shards(table, stage, split, num_shards)
             splits[split] = {"rows": table.num_rows, "shards": shards}
         canonical = all(CANONICAL.get(name) == digest for name, digest in sources.items())
-        manifest = {"dataset": "mnist", "schema": str(SCHEMA), "splits": splits,
+        manifest = {**mnist_schema().to_dict(), "schema": str(SCHEMA), "splits": splits,
                     "sources": sources, "source_dir": str(source), "canonical_sources": canonical}
         write_manifest(stage, manifest)
     return manifest
+
+
+def add_arguments(parser: Any) -> None:
+    """`rtp prepare mnist`'s options."""
+    parser.add_argument("--source", type=Path, default=EMBEDDED_RAW,
+                        help="folder with the four IDX files (.gz or not); default: the vendored copy")
+    parser.add_argument("--download", action="store_true",
+                        help="fetch the canonical files into --source first (SHA-256 verified)")
+    parser.add_argument("--out", type=Path, default=Path("data/mnist/parquet"))
+    parser.add_argument("--shards", type=int, default=4, help="Parquet files per split")
+
+
+def prepare_command(args: Any) -> dict[str, Any]:
+    """`rtp prepare mnist`: the IDX files (downloaded first if asked) as Parquet shards in `--out`."""
+    if args.download:
+        download(args.source)
+    return prepare(args.source, args.out.resolve(), args.shards)

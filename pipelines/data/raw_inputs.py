@@ -1,6 +1,7 @@
-"""Raw input for prediction (`pipelines.predict`), read and checked before anything starts: MNIST-style images
-from an IDX file or a folder of image files, reviews from a text file, a CSV/Parquet file or a folder of .txt
-files. Each reader returns (source of each row, rows); a bad input raises DataError with one line."""
+"""Raw input for prediction (`pipelines.predict`), read and checked before anything starts: images from an IDX
+file or a folder of image files, texts from a text file, a CSV/Parquet file or a folder of .txt files, numeric
+features from the named columns of a CSV/Parquet file. Each reader returns (source of each row, rows); a bad input
+raises DataError with one line."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,34 +15,37 @@ from pipelines.data.imdb import clean_text
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".pgm", ".tif", ".tiff")
 
 
-def read_images(path: Path) -> tuple[list[str], np.ndarray]:
-    """An IDX images file ([N, 28, 28] unsigned bytes, gzipped or not), or a folder of image files (sorted by
-    name; any size and colour, converted to 28x28 grayscale; MNIST digits are white on black). Returns (row
-    sources, uint8 images [N, 784])."""
+def read_images(path: Path, shape: tuple[int, ...] = (28, 28)) -> tuple[list[str], np.ndarray]:
+    """An IDX images file ([N, H, W] unsigned bytes, gzipped or not; grayscale models), or a folder of image files
+    (sorted by name; any size and colour, converted to the model's `shape`: (H, W) grayscale, (H, W, 3) RGB; MNIST
+    digits are white on black). Returns (row sources, uint8 images [N, H * W (* C)])."""
     if not path.exists():
         raise DataError(f"{path}: not found")
+    width = int(np.prod(shape))
     if path.is_file():
         images = read_idx(path, expected_ndim=3)
-        if images.shape[1:] != (28, 28):
-            raise DataError(f"{path}: images of {images.shape[1]}x{images.shape[2]}, not 28x28")
-        return [f"{path.name}[{i}]" for i in range(len(images))], images.reshape(len(images), 784)
+        if images.shape[1:] != tuple(shape):
+            raise DataError(f"{path}: images of {'x'.join(map(str, images.shape[1:]))}, not "
+                            f"{'x'.join(map(str, shape))}")
+        return [f"{path.name}[{i}]" for i in range(len(images))], images.reshape(len(images), width)
     from PIL import Image, UnidentifiedImageError
 
     files = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
     _require_rows(path, files, f"image files ({', '.join(IMAGE_SUFFIXES)})")
-    rows = []
+    rows, mode = [], "L" if len(shape) == 2 else {1: "L", 3: "RGB", 4: "RGBA"}[shape[2]]
     for file in files:
         try:
             with Image.open(file) as image:
-                rows.append(np.asarray(image.convert("L").resize((28, 28)), dtype=np.uint8).reshape(784))
+                resized = image.convert(mode).resize((shape[1], shape[0]))
+                rows.append(np.asarray(resized, dtype=np.uint8).reshape(width))
         except (OSError, UnidentifiedImageError) as err:
             raise DataError(f"{file}: not a readable image ({type(err).__name__})") from err
     return [str(f.relative_to(path)) for f in files], np.stack(rows)
 
 
-def read_texts(path: Path) -> tuple[list[str], list[str]]:
-    """Reviews: a .txt file (one per line), a .csv or .parquet file (a `text` column), or a folder of .txt files
-    (one review each, sorted by path; an aclImdb folder works: its `urls_*.txt` lists are not reviews). Cleaned
+def read_texts(path: Path, column: str = "text") -> tuple[list[str], list[str]]:
+    """Texts: a .txt file (one per line), a .csv or .parquet file (a `column` column), or a folder of .txt files
+    (one text each, sorted by path; an aclImdb folder works: its `urls_*.txt` lists are not reviews). Cleaned
     as `prepare imdb` cleans them; empty ones are an error (the model would score nothing)."""
     if not path.exists():
         raise DataError(f"{path}: not found")
@@ -51,7 +55,7 @@ def read_texts(path: Path) -> tuple[list[str], list[str]]:
         texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
         sources = [str(f.relative_to(path)) for f in files]
     elif path.suffix in (".csv", ".parquet"):
-        texts = _text_column(path)
+        texts = [str(value) if value is not None else "" for value in _table(path, [column])[column]]
         sources = [f"{path.name}[{i}]" for i in range(len(texts))]
     else:
         texts = path.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -64,7 +68,27 @@ def read_texts(path: Path) -> tuple[list[str], list[str]]:
     return sources, cleaned
 
 
-def _text_column(path: Path) -> list[str]:
+def read_numeric(path: Path, columns: tuple[str, ...]) -> tuple[list[str], np.ndarray]:
+    """Numeric features: the `columns` (the training data's, in its order) of a .csv or .parquet file, as float32
+    [N, len(columns)]; a missing column, a missing or non-numeric value is an error naming it."""
+    if not path.is_file() or path.suffix not in (".csv", ".parquet"):
+        raise DataError(f"{path}: not a .csv or .parquet file (numeric features are read from a table)")
+    table = _table(path, list(columns))
+    values = np.empty((len(next(iter(table.values()))), len(columns)), dtype=np.float32)
+    for i, column in enumerate(columns):
+        try:
+            values[:, i] = np.asarray(table[column], dtype=np.float64)
+        except (TypeError, ValueError) as err:
+            raise DataError(f"{path}: column '{column}' is not numeric ({err})") from err
+        if np.isnan(values[:, i]).any():
+            raise DataError(f"{path}: column '{column}' has {int(np.isnan(values[:, i]).sum())} missing value(s)")
+    if not len(values):
+        raise DataError(f"{path}: no rows")
+    return [f"{path.name}[{i}]" for i in range(len(values))], values
+
+
+def _table(path: Path, columns: list[str]) -> dict[str, list]:
+    """The `columns` of a .csv or .parquet file, as Python lists (None for a missing value)."""
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
@@ -72,9 +96,10 @@ def _text_column(path: Path) -> list[str]:
         table = pq.read_table(path) if path.suffix == ".parquet" else pacsv.read_csv(path)
     except (OSError, pa.ArrowInvalid) as err:
         raise DataError(f"{path}: not a readable {path.suffix[1:]} file ({str(err).splitlines()[0]})") from err
-    if "text" not in table.column_names:
-        raise DataError(f"{path}: no 'text' column (have {table.column_names})")
-    return [str(value) if value is not None else "" for value in table.column("text").to_pylist()]
+    missing = [column for column in columns if column not in table.column_names]
+    if missing:
+        raise DataError(f"{path}: no column {', '.join(repr(c) for c in missing)} (have {table.column_names})")
+    return {column: [None if v is None else v for v in table.column(column).to_pylist()] for column in columns}
 
 
 def _require_rows(path: Path, files: list[Path], what: str) -> None:

@@ -65,8 +65,3 @@ class Materializing:
             if isinstance(outcome, BaseException):
                 raise outcome
         return dict(self.outcome)
-
-
-def model_inputs(manifest: dict) -> dict:
-    """What the model needs to know about the data (vocabulary size and sequence length for text)."""
-    return dict(manifest.get("model_inputs", {}))

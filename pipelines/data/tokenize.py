@@ -62,17 +62,17 @@ def head_and_tail(ids: list[int], max_len: int, head_tokens: int) -> list[int]:
 
 
 class Tokenise:
-    """`map_batches` callable: text -> fixed-length `input_ids` (int32, [PAD]-padded) and `length`. A text
-    longer than `max_len` ids keeps its first `head_tokens` tokens and its end (`head_and_tail`); None keeps its
-    head only (data prepared before head_tokens existed)."""
+    """`map_batches` callable: text -> fixed-length token ids (int32, [PAD]-padded; column `column`) and `length`.
+    A text longer than `max_len` ids keeps its first `head_tokens` tokens and its end (`head_and_tail`); None
+    keeps its head only (data prepared before head_tokens existed)."""
 
-    def __init__(self, tokenizer_json: str, max_len: int, head_tokens: int | None = None):
+    def __init__(self, tokenizer_json: str, max_len: int, head_tokens: int | None = None, column: str = "input_ids"):
         from tokenizers import Tokenizer
 
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
         self.tokenizer.no_truncation()  # whole texts: `head_and_tail` cuts them
         self.tokenizer.no_padding()
-        self.max_len = max_len
+        self.max_len, self.column = max_len, column
         self.head_tokens = max_len - 2 if head_tokens is None else head_tokens
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -84,7 +84,7 @@ class Tokenise:
             ids[row, :len(kept)] = kept
             lengths[row] = len(kept)
         input_ids = pa.FixedSizeListArray.from_arrays(pa.array(ids.reshape(-1)), self.max_len)
-        return (batch.drop_columns(["text"]).append_column("input_ids", input_ids)
+        return (batch.drop_columns(["text"]).append_column(self.column, input_ids)
                 .append_column("length", pa.array(lengths)))
 
 

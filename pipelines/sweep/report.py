@@ -23,13 +23,14 @@ from typing import Any, Optional
 
 from contract.tracking import epoch_values
 
-HISTORY_METRICS = ("train_loss", "test_accuracy", "samples_per_s", "tokens_per_s", "epoch_time_s",
+HISTORY_METRICS = ("train_loss", "test_accuracy", "test_mse", "samples_per_s", "tokens_per_s", "epoch_time_s",
                    "peak_memory_bytes")
 COLUMNS = ("trial", "backend", "workers", "tp", "dp", "batch_size", "lr", "status", "epochs", "samples_per_s",
            "samples_per_s_per_worker", "tokens_per_s", "speedup", "efficiency", "time_to_target_s",
-           "peak_memory_mib", "test_accuracy", "train_loss", "run_id")
+           "peak_memory_mib", "test_accuracy", "test_mse", "train_loss", "run_id")
 NUMERIC = ("samples_per_s", "samples_per_s_per_worker", "tokens_per_s", "speedup", "efficiency", "time_to_target_s",
-           "peak_memory_mib", "test_accuracy", "train_loss")
+           "peak_memory_mib", "test_accuracy", "test_mse", "train_loss")
+EVALUATED = ("test_accuracy", "test_mse")  # a task's evaluation metric: a column only where a trial logged it
 
 
 @dataclass
@@ -84,6 +85,7 @@ def summarise(trial: TrialRecord, target_accuracy: float) -> dict[str, Any]:
                                                target_accuracy),
             "peak_memory_mib": max(peak) / 2**20 if peak else None,
             "test_accuracy": h["test_accuracy"][-1] if h.get("test_accuracy") else None,
+            "test_mse": h["test_mse"][-1] if h.get("test_mse") else None,
             "train_loss": h["train_loss"][-1] if h.get("train_loss") else None, "run_id": trial.run_id}
 
 
@@ -115,8 +117,14 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def shown_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The report's columns: every one, but an evaluation metric no trial logged (a classifier's sweep has no
+    test_mse)."""
+    return [c for c in COLUMNS if c not in EVALUATED or any(row.get(c) is not None for row in rows)]
+
+
 def to_markdown(rows: list[dict[str, Any]], best: dict | None, metric: str, mode: str, target: float) -> str:
-    columns = [c for c in COLUMNS if c != "run_id"]
+    columns = [c for c in shown_columns(rows) if c != "run_id"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(row[c]) for c in columns) + " |" for row in rows]
     best_line = (f"Best by {metric} ({mode}): **{best['trial']}** = {_cell(best[metric])} (run {best['run_id']})"
@@ -129,10 +137,11 @@ def to_markdown(rows: list[dict[str, Any]], best: dict | None, metric: str, mode
 
 def to_csv(rows: list[dict[str, Any]], path: Path) -> None:
     with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(COLUMNS))
+        columns = shown_columns(rows)
+        writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: "" if row[k] is None else row[k] for k in COLUMNS})
+            writer.writerow({k: "" if row[k] is None else row[k] for k in columns})
 
 
 def _by_backend(rows: list[dict[str, Any]], value: str) -> dict[str, list[dict[str, Any]]]:

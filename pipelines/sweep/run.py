@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from contract import resume, tracking
 from contract.metrics import REPORTED_EPOCH
+from contract.registry import plugin_roots
 from pipelines.config import CONF_DIR, ConfigError, check_fits_this_machine, group_choices
 from pipelines.data.idx import DataError
 from pipelines.data.shards import read_manifest, shard_paths
@@ -128,7 +129,8 @@ def run_tune(spec: DictConfig, valid: list[Trial], children: dict[int, str], uri
 
     mutable = mutations(spec)
     specs = {t.index: {"cfg": trial_config(t.cfg), "run_id": children[t.index], "tracking_uri": uri,
-                       "mutable": list(mutable), "tune_checkpoints": spec.scheduler == "pbt"} for t in valid}
+                       "plugin_roots": plugin_roots(t.cfg.plugins), "mutable": list(mutable),
+                       "tune_checkpoints": spec.scheduler == "pbt"} for t in valid}
     # Only the Tune function's own CPU here: the trainer reserves its workers itself, outside Tune.
     trainable = tune.with_resources(tune.with_parameters(run_trial, specs=specs), {"cpu": 1})
     # PBT exploits the checkpoints Tune holds: keep enough that a trial behind can still load one.

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from contract.config import parallel_degrees, worker_resources
+from contract.metrics import ALL_EPOCH_METRICS
 from pipelines.config import ConfigError, load_config
 
 # CPUs a trial takes besides its workers: its Tune function (the Ray Train driver) and one for Ray Data's
@@ -48,7 +49,8 @@ class SweepConfig:
     time_budget_s: Optional[float] = None  # the whole sweep: after this, Tune stops its trials and starts no more
     scheduler: str = "fifo"             # fifo: every trial runs to the end | asha: stop poor trials early |
                                         # pbt: poor trials continue from good ones' checkpoints (pipelines/sweep/pbt.py)
-    metric: str = "test_accuracy"       # best configuration (and ASHA) by this metric of the report
+    metric: str = "test_accuracy"       # best configuration (and ASHA) by this metric of the report (test_mse for
+                                        # regression data, with mode min)
     mode: str = "max"                   # max | min
     target_accuracy: float = 0.8        # report: training time until test_accuracy first reaches this
     max_concurrent_trials: Optional[int] = None  # default (and cap): what the cluster holds at once
@@ -108,13 +110,12 @@ def _check_sweep(spec: DictConfig) -> None:
     if spec.scheduler not in SCHEDULERS:
         raise ConfigError(f"sweep.scheduler: unknown '{spec.scheduler}' (choices: {SCHEDULERS})")
     from pipelines.sweep.report import NUMERIC
-    from contract.metrics import EPOCH_METRICS, TEXT_METRICS
 
     if spec.metric not in NUMERIC:
         raise ConfigError(f"sweep.metric: '{spec.metric}' is not a report column (choices: {NUMERIC})")
-    if spec.scheduler in ("asha", "pbt") and spec.metric not in (*EPOCH_METRICS, *TEXT_METRICS):
+    if spec.scheduler in ("asha", "pbt") and spec.metric not in ALL_EPOCH_METRICS:
         raise ConfigError(f"sweep.metric: {spec.scheduler} needs a metric every epoch reports, got '{spec.metric}' "
-                          f"(choices: {(*EPOCH_METRICS, *TEXT_METRICS)})")
+                          f"(choices: {ALL_EPOCH_METRICS})")
     if spec.mode not in MODES:
         raise ConfigError(f"sweep.mode: unknown '{spec.mode}' (choices: {MODES})")
     if spec.max_concurrent_trials is not None and spec.max_concurrent_trials < 1:
@@ -155,9 +156,8 @@ def check_axis(key: str, axis: Any, where: str = "sweep.grid") -> None:
 
 
 def stop_thresholds(spec: DictConfig) -> dict[str, tuple[float, str]]:
-    """`sweep.stop` as {metric: (threshold, "max" | "min")}: a loss is reached from above, the rest from below."""
-    from contract.metrics import EPOCH_METRICS, TEXT_METRICS
-
+    """`sweep.stop` as {metric: (threshold, "max" | "min")}: a loss or an error is reached from above, the rest from
+    below."""
     raw = OmegaConf.to_container(spec.stop) if OmegaConf.is_config(spec.stop) else spec.stop
     if raw is None:
         return {}
@@ -165,12 +165,11 @@ def stop_thresholds(spec: DictConfig) -> dict[str, tuple[float, str]]:
         raise ConfigError(f"sweep.stop: expected {{epoch metric: value}}, got {raw}")
     thresholds = {}
     for metric, value in raw.items():
-        if metric not in (*EPOCH_METRICS, *TEXT_METRICS):
-            raise ConfigError(f"sweep.stop: '{metric}' is not an epoch metric (choices: "
-                              f"{(*EPOCH_METRICS, *TEXT_METRICS)})")
+        if metric not in ALL_EPOCH_METRICS:
+            raise ConfigError(f"sweep.stop: '{metric}' is not an epoch metric (choices: {ALL_EPOCH_METRICS})")
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise ConfigError(f"sweep.stop: '{metric}' needs a number, got {value}")
-        thresholds[metric] = (float(value), "min" if metric.endswith("loss") else "max")
+        thresholds[metric] = (float(value), "min" if metric.endswith(("loss", "mse")) else "max")
     return thresholds
 
 

@@ -23,6 +23,7 @@ from contract.checkpoint import TrainState
 from contract.console import say
 from contract.config import typed_config
 from pipelines.fit import fit_backend
+import trainers  # noqa: F401  (registers the built-in backends and models: a trial types its config)
 
 DONE = "done"  # the last item on a trial's report queue: its Ray Train run has ended
 
@@ -63,7 +64,8 @@ def run_trial(config: dict[str, Any], specs: dict[int, dict[str, Any]]) -> None:
 
     def fit() -> None:
         try:
-            fit_backend(typed_config(plain), spec["run_id"], spec["tracking_uri"], callbacks=[TrialReporter(reports)])
+            fit_backend(typed_config(plain, spec["plugin_roots"]), spec["run_id"], spec["tracking_uri"],
+                        callbacks=[TrialReporter(reports)])
         except BaseException as err:  # re-raised in the trial's thread
             ended["error"] = err
         finally:

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from contract.data import mnist_schema, imdb_schema
 from tests.support.loop_harness import (check_parity, check_stop_resume_parity, config, imdb_columns, mnist_columns,
                                         run_attempt)
 from tests.support.parallel_checks import dense_training
@@ -53,9 +54,10 @@ def batches(train: dict[str, np.ndarray], evaluation: dict[str, np.ndarray], dat
 
     as_torch = lambda columns: {k: torch.from_numpy(v).to(device) for k, v in columns.items()}  # noqa: E731
     text = dataset == "imdb"
-    return lambda seed: (ShardBatches.from_columns(as_torch(train), dataset, size, seed, bucket_by_length=text,
+    schema = imdb_schema(64, 16) if text else mnist_schema()
+    return lambda seed: (ShardBatches.from_columns(as_torch(train), schema, size, seed, bucket_by_length=text,
                                                    trim=text),
-                         ShardBatches.from_columns(as_torch(evaluation), dataset, 64, seed, trim=text))
+                         ShardBatches.from_columns(as_torch(evaluation), schema, 64, seed, trim=text))
 
 
 def ddp_run(cfg) -> Callable:
@@ -69,7 +71,7 @@ def ddp_run(cfg) -> Callable:
     data = batches(mnist_columns(320), mnist_columns(64, seed=1), "mnist", 16)
 
     def run(ctx):
-        adapter = build_adapter(cfg, replace(ctx, device=CUDA), WorkerData({}, data))
+        adapter = build_adapter(cfg, replace(ctx, device=CUDA), WorkerData(mnist_schema(), data))
         adapter.model = adapter.forward = DistributedDataParallel(adapter.model, device_ids=[CUDA.index])
         return train_adapter(cfg, ctx, adapter)
     return run
@@ -121,9 +123,9 @@ def test_fused_optimizers_on_the_gpu_train_the_dense_cpu_model(nccl, tmp_path):
                "sgd": ["trainer.optimizer=sgd", "trainer.lr=0.01"]}
     for name, recipe in recipes.items():
         cfg = config(tmp_path / name, [*keys, *recipe])
-        assert make_optimizer(build_model(cfg.model, {}).to(CUDA), cfg.trainer).defaults["fused"], name
+        assert make_optimizer(build_model(cfg.model, mnist_schema()).to(CUDA), cfg.trainer).defaults["fused"], name
         curve = run_attempt(ddp_run(cfg), 0, 1, 2, tmp_path / name / "run").recorder.curve()
-        dense, _ = dense_training(cfg, {}, [cpu_data(cfg.run.seed)[0]])
+        dense, _ = dense_training(cfg, mnist_schema(), [cpu_data(cfg.run.seed)[0]])
         np.testing.assert_allclose(curve, dense, rtol=1e-4, atol=1e-5, err_msg=name)
         assert curve[-5:].mean() < curve[:5].mean(), name
 
@@ -147,7 +149,7 @@ def test_checkpoints_move_between_cpu_and_gpu_runs_with_each_devices_kernels(ncc
         data = batches(mnist_columns(320), mnist_columns(64, seed=1), "mnist", 16, device)
 
         def run(ctx):
-            adapters.append(build_adapter(cfg, replace(ctx, device=device), WorkerData({}, data)))
+            adapters.append(build_adapter(cfg, replace(ctx, device=device), WorkerData(mnist_schema(), data)))
             return tc.train_adapter(cfg, ctx, adapters[-1])
         return run
 
@@ -175,7 +177,7 @@ def test_fsdp_over_nccl_on_the_gpu_trains_the_dense_model(nccl, tmp_path):
     from trainers.adapter import WorkerData
     from trainers.torch.fsdp import dense_model_state, run_worker
 
-    model_inputs = {"vocab_size": 64, "max_len": 16}
+    model_inputs = imdb_schema(64, 16)
     data, cpu_data = (batches(imdb_columns(320, 64, 16), imdb_columns(64, 64, 16, seed=1), "imdb", 16, device)
                       for device in (CUDA, torch.device("cpu")))
     keys = ["trainer=fsdp", "data=imdb", "model=bert_tiny", "model.hidden=32", "model.heads=2", "model.dropout=0",
@@ -203,7 +205,7 @@ def test_tp_over_nccl_on_the_gpu_trains_the_dense_model(nccl, tmp_path, impl):
     from trainers.adapter import WorkerData
     from trainers.torch.tp import run_worker
 
-    model_inputs = {"vocab_size": 64, "max_len": 16}
+    model_inputs = imdb_schema(64, 16)
     data, cpu_data = (batches(imdb_columns(320, 64, 16), imdb_columns(64, 64, 16, seed=1), "imdb", 16, device)
                       for device in (CUDA, torch.device("cpu")))
     keys = ["trainer=tp", "trainer.tp=1", f"trainer.tp_impl={impl}", "data=imdb", "model=bert_tiny",

@@ -16,7 +16,8 @@ from trainers.models.bert import BertClassifier, BertConfig
 from trainers.torch.parallel.grad_norm import clip_grad_norm
 from trainers.torch.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from trainers.torch.parallel.mesh import ParallelDims, build_mesh, rank_coords
-from trainers.torch.parallel.plans import parallelize_bert, shard_state_dict, unshard_state_dict
+from trainers.models.bert_parallel import parallelize_bert
+from trainers.torch.parallel.plans import shard_state_dict, unshard_state_dict
 
 
 def tiny_config(num_classes: int = 2) -> BertConfig:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from contract.data import mnist_schema
 from tests.support.loop_harness import config, mnist_columns, run_attempt, shard
 from tests.support.dist_utils import RankPools
 
@@ -26,8 +27,8 @@ def _batches(rank: int):
     evaluation = {k: torch.from_numpy(v) for k, v in mnist_columns(32, seed=1).items()}
 
     def data(seed: int):
-        return (ShardBatches.from_columns(columns, "mnist", BATCH, seed),
-                ShardBatches.from_columns(evaluation, "mnist", 32, seed))
+        return (ShardBatches.from_columns(columns, mnist_schema(), BATCH, seed),
+                ShardBatches.from_columns(evaluation, mnist_schema(), 32, seed))
     return data
 
 
@@ -75,7 +76,7 @@ def _accumulate(rank: int, world_size: int, tmp: str, model: str) -> None:
     adapters = []
 
     def run(ctx):
-        adapters.append(build_adapter(cfg, ctx, WorkerData({}, _batches(rank))))
+        adapters.append(build_adapter(cfg, ctx, WorkerData(mnist_schema(), _batches(rank))))
         return train_adapter(cfg, ctx, adapters[-1])
     run_attempt(run, rank, world_size, 1, Path(tmp) / f"run{rank}")
     [adapter] = adapters
@@ -91,7 +92,7 @@ def _accumulate(rank: int, world_size: int, tmp: str, model: str) -> None:
         torch.testing.assert_close(gathered[1 - rank][name], value, rtol=0, atol=0)
     if rank == 0:
         torch.manual_seed(cfg.run.seed)
-        expected = _dense_reference(cfg, build_model(cfg.model, {}, seed=cfg.run.seed))
+        expected = _dense_reference(cfg, build_model(cfg.model, mnist_schema(), seed=cfg.run.seed))
         # float32, 3 steps: DDP's bucketed all-reduce sums in another order than the reference (~1e-7 relative);
         # compiled kernels fuse and reorder too.
         for name, value in trained.items():

@@ -14,12 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from contract.data import mnist_schema, imdb_schema
 from tests.support.loop_harness import (check_stop_resume_parity, config, imdb_columns, last_checkpoint, mnist_columns,
                                 plain_context, run_attempt, shard)
 from tests.support.parallel_checks import dense_training
 from tests.support.dist_utils import RankPools
 
-MODEL_INPUTS = {"vocab_size": 64, "max_len": 16}
+MODEL_INPUTS = imdb_schema(64, 16)
 ROWS, BATCH = 640, 16  # 320 rows per rank: 20 steps per epoch, so the stop at step 10 is mid-epoch
 OVERRIDES = ["trainer=fsdp", "data=imdb", "model=bert_tiny", "model.hidden=32", "model.heads=2", "model.dropout=0",
              f"trainer.batch_size={BATCH}", "trainer.lr=0.002", "trainer.epochs=2",
@@ -34,8 +35,8 @@ def _data(rank: int, ranks: int):
 
     train = {k: torch.from_numpy(v) for k, v in shard(imdb_columns(ROWS, 64, 16), rank, ranks).items()}
     evaluation = {k: torch.from_numpy(v) for k, v in shard(imdb_columns(64, 64, 16, seed=1), rank, ranks).items()}
-    return lambda seed: (ShardBatches.from_columns(train, "imdb", BATCH, seed),
-                         ShardBatches.from_columns(evaluation, "imdb", 32, seed))
+    return lambda seed: (ShardBatches.from_columns(train, imdb_schema(64, 16), BATCH, seed),
+                         ShardBatches.from_columns(evaluation, imdb_schema(64, 16), 32, seed))
 
 
 def _fsdp_run(cfg, rank: int, world_size: int):
@@ -165,16 +166,16 @@ def _cnn_two_ranks(rank: int, world_size: int, tmp: str) -> None:
     evaluation = {k: torch.from_numpy(v) for k, v in mnist_columns(32, seed=1).items()}
 
     def data(r: int):
-        return lambda seed: (ShardBatches.from_columns(columns[r], "mnist", BATCH, seed),
-                             ShardBatches.from_columns(evaluation, "mnist", 32, seed))
+        return lambda seed: (ShardBatches.from_columns(columns[r], mnist_schema(), BATCH, seed),
+                             ShardBatches.from_columns(evaluation, mnist_schema(), 32, seed))
 
     cfg = config(Path(tmp) / f"cfg{rank}", ["trainer=fsdp", "model=cnn", "model.channels=[4,8]", "model.hidden=16",
                                             "model.dropout=0", f"trainer.batch_size={BATCH}", "trainer.epochs=1",
                                             "trainer.num_workers=2", "trainer.grad_clip=0.5"])
-    attempt = run_attempt(lambda ctx: run_worker(cfg, ctx, WorkerData({}, data(rank))), rank, world_size, 1,
+    attempt = run_attempt(lambda ctx: run_worker(cfg, ctx, WorkerData(mnist_schema(), data(rank))), rank, world_size, 1,
                           Path(tmp) / "cnn")
     if rank == 0:
-        losses, _ = dense_training(cfg, {}, [data(r)(cfg.run.seed + 1000 * r)[0] for r in range(2)])
+        losses, _ = dense_training(cfg, mnist_schema(), [data(r)(cfg.run.seed + 1000 * r)[0] for r in range(2)])
         np.testing.assert_allclose(attempt.recorder.curve(), losses, rtol=1e-4, atol=1e-6)
 
 

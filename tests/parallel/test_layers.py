@@ -15,10 +15,9 @@ from torch.distributed.tensor.parallel import parallelize_module
 from tests.support.parallel_checks import check_grads, check_optimizer_steps, close, local
 from tests.support.dist_utils import RankPools, seeded_float64
 from trainers.models.bert import MLP, SelfAttention
-from trainers.torch.parallel.layers import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, RowParallelLinear,
-                                      TPLayer, VocabParallelEmbedding)
+from trainers.models.bert_parallel import ParallelMLP, ParallelSelfAttention, attention_plan
+from trainers.torch.parallel.layers import ColumnParallelLinear, RowParallelLinear, TPLayer, VocabParallelEmbedding
 from trainers.torch.parallel.mesh import ParallelDims, build_mesh
-from trainers.torch.parallel.plans import attention_plan
 
 
 def _column(rank: int, n: int) -> None:

@@ -22,12 +22,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from contract.data import imdb_schema
 from tests.support.loop_harness import (check_stop_resume_parity, config, imdb_columns, last_checkpoint, run_attempt,
                                         shard)
 from tests.support.parallel_checks import dense_training
 from tests.support.dist_utils import RankPools
 
-MODEL_INPUTS = {"vocab_size": 64, "max_len": 16}
+MODEL_INPUTS = imdb_schema(64, 16)
 ROWS, EVAL_ROWS, BATCH = 320, 40, 16  # 40 evaluation rows: two full batches and one padded
 ROWS_3D = 128  # 8 ranks on 2 cores: 4 steps per epoch on each of the 2 data shards
 OVERRIDES = ["trainer=fsdp", "data=imdb", "model=bert_tiny", "model.hidden=32", "model.heads=2", "model.layers=4",
@@ -41,8 +42,8 @@ def _data(data_rank: int, data_ranks: int, rows: int = ROWS):
 
     train = {k: torch.from_numpy(v) for k, v in shard(imdb_columns(rows, 64, 16), data_rank, data_ranks).items()}
     evaluation = {k: torch.from_numpy(v) for k, v in imdb_columns(EVAL_ROWS, 64, 16, seed=1).items()}
-    return lambda seed: (ShardBatches.from_columns(train, "imdb", BATCH, seed, drop_last=True),
-                         ShardBatches.from_columns(evaluation, "imdb", BATCH, seed))
+    return lambda seed: (ShardBatches.from_columns(train, imdb_schema(64, 16), BATCH, seed, drop_last=True),
+                         ShardBatches.from_columns(evaluation, imdb_schema(64, 16), BATCH, seed))
 
 
 def _run(cfg, rank: int, world_size: int, rows: int = ROWS):

@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from contract.data import imdb_schema
 from tests.support.loop_harness import check_stop_resume_parity, config, imdb_columns, plain_context, run_attempt
 from tests.support.dist_utils import RankPools
 
-MODEL_INPUTS = {"vocab_size": 64, "max_len": 16}
+MODEL_INPUTS = imdb_schema(64, 16)
 OVERRIDES = ["trainer=tp", "data=imdb", "model=bert_tiny", "model.hidden=32", "model.heads=2", "model.dropout=0",
              "trainer.batch_size=16", "trainer.lr=0.002", "trainer.num_workers=2", "trainer.tp=2", "trainer.epochs=2",
              # the recipe, the same through TP and the dense model: decoupled decay (not on biases and norms), the
@@ -27,8 +28,8 @@ def _data(seed: int):
     train = {k: torch.from_numpy(v) for k, v in imdb_columns(320, 64, 16).items()}  # dp=1: the whole set
     evaluation = {k: torch.from_numpy(v) for k, v in imdb_columns(64, 64, 16, seed=1).items()}
     # as a run reads IMDb (data.bucket_by_length): batches of similar length, each cut to its longest row
-    return (ShardBatches.from_columns(train, "imdb", 16, seed, bucket_by_length=True, trim=True),
-            ShardBatches.from_columns(evaluation, "imdb", 64, seed, trim=True))
+    return (ShardBatches.from_columns(train, imdb_schema(64, 16), 16, seed, bucket_by_length=True, trim=True),
+            ShardBatches.from_columns(evaluation, imdb_schema(64, 16), 64, seed, trim=True))
 
 
 def _tp_run(cfg):
@@ -103,7 +104,7 @@ def test_tp_with_dropout_follows_the_dense_model(run_ranks: RankPools, impl, tmp
 def _recipe_updates_a_mixed_model(rank: int, world_size: int, tmp: str) -> None:
     from trainers.models import build_model
     from trainers.torch.parallel.mesh import ParallelDims, build_mesh
-    from trainers.torch.parallel.plans import parallelize_bert
+    from trainers.models.bert_parallel import parallelize_bert
     from trainers.torch.recipe import make_optimizer
 
     cfg = config(Path(tmp) / f"cfg{rank}", [*OVERRIDES, "trainer.tp_impl=dtensor"])

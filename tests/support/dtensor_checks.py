@@ -21,8 +21,10 @@ import tf_keras as keras
 from omegaconf import OmegaConf
 from tensorflow.experimental import dtensor
 
-from trainers.models.keras_models import build_keras_model, custom_objects
-from trainers.models.tf_modules import BIGRAM_HASH, SPECIAL_TOKENS, build_module, document_frequencies, \
+from contract.data import imdb_schema, mnist_schema
+from trainers.models import build_keras_twin, build_module
+from trainers.models.keras_models import custom_objects
+from trainers.models.tf_modules import BIGRAM_HASH, SPECIAL_TOKENS, document_frequencies, \
     inverse_document_frequency, keras_weights, tfidf_features
 from trainers.tf.dtensor.layout import MeshDims
 from trainers.tf.dtensor.mesh import DTensorMesh, device_bytes, parallelize_dtensor
@@ -35,6 +37,7 @@ RECIPES = {"mlp": OmegaConf.create({"optimizer": "adamw", "momentum": 0.9, "weig
 MODELS = {"mlp": OmegaConf.create({"name": "mlp", "hidden": [32, 16], "dropout": 0.0}),
           "tfidf": OmegaConf.create({"name": "tfidf", "hidden": 8, "dropout": 0.0, "bigram_buckets": 16})}
 BUCKETS = MODELS["tfidf"].bigram_buckets
+SCHEMAS = {"mlp": mnist_schema(), "tfidf": imdb_schema(VOCAB, MAX_LEN)}
 
 
 def data(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
@@ -57,7 +60,7 @@ def loss_of(model, x, y):
 def reference(name: str) -> tuple[list[float], list[np.ndarray]]:
     """tf-keras' optimizer on the plain model."""
     x, y, _, _ = data(name)
-    model = build_module(MODELS[name], {"vocab_size": VOCAB}, seed=0)
+    model = build_module(MODELS[name], SCHEMAS[name], seed=0)
     params = [v for v in model.weights() if v.trainable]
     recipe = RECIPES[name]
     if recipe.optimizer == "sgd":
@@ -79,7 +82,7 @@ def reference(name: str) -> tuple[list[float], list[np.ndarray]]:
 def on_mesh(mesh: DTensorMesh, name: str) -> tuple[list[float], list[np.ndarray], int]:
     """Our optimizer on the DTensor model: (losses, whole weights, weight bytes on one device)."""
     x, y, _, _ = data(name)
-    model = parallelize_dtensor(build_module(MODELS[name], {"vocab_size": VOCAB}, seed=0), mesh)
+    model = parallelize_dtensor(build_module(MODELS[name], SCHEMAS[name], seed=0), mesh)
     params = [v for v in model.weights() if v.trainable]
     optimizer = VariableOptimizer(tf, RECIPES[name], params, mesh.zeros_like)
 
@@ -118,10 +121,10 @@ def twin_gap(folder: str) -> float:
     """Largest logit difference between the trained TF-IDF module and its Keras twin on token ids, the twin saved
     and loaded back as MLflow does (Keras format, our layer among the custom objects)."""
     _, _, ids, idf = data("tfidf")
-    module = build_module(MODELS["tfidf"], {"vocab_size": VOCAB}, seed=3)
+    module = build_module(MODELS["tfidf"], imdb_schema(VOCAB, MAX_LEN), seed=3)
     module.norm.moving_mean.assign(np.linspace(-1, 1, 8).astype(np.float32))  # non-trivial statistics
     module.norm.moving_variance.assign(np.linspace(0.5, 2, 8).astype(np.float32))
-    twin = build_keras_model(MODELS["tfidf"], keras, {"vocab_size": VOCAB, "max_len": MAX_LEN})
+    twin = build_keras_twin(MODELS["tfidf"], keras, imdb_schema(VOCAB, MAX_LEN))
     twin.set_weights(keras_weights([v.numpy() for v in module.weights()], idf))
     twin.save(f"{folder}/twin.keras")
     twin = keras.models.load_model(f"{folder}/twin.keras", custom_objects=custom_objects(keras))

@@ -16,10 +16,16 @@ import os
 import sys
 from pathlib import Path
 
+from contract.data import DataSchema, imdb_schema, mnist_schema
 from tests.support.loop_harness import (attempt_to_json, config, imdb_columns, make_context, mnist_columns,
                                         run_attempt, shard)
 
-MODEL_INPUTS = {"vocab_size": 64, "max_len": 16}
+MODEL_INPUTS = imdb_schema(64, 16)
+
+
+def schema_of(cfg) -> DataSchema:
+    """The schema of the data `data_for(cfg)` generates."""
+    return MODEL_INPUTS if cfg.data.name == "imdb" else mnist_schema()
 COMMON = ["trainer.epochs=2", "trainer.batch_size=16", "trainer.optimizer=sgd", "trainer.lr=0.01",
           "trainer.num_workers=1", "model.dropout=0"]
 # The recipe (contract/recipe.py) on the TF runs: 2 batches per update, so the stop at step 10 lands on an update
@@ -115,21 +121,21 @@ def runner(cfg):
 
         def batches(seed):
             as_torch = lambda cols: {k: torch.from_numpy(v) for k, v in cols.items()}  # noqa: E731
-            return (ShardBatches.from_columns(as_torch(train), "mnist", trainer.batch_size, seed),
-                    ShardBatches.from_columns(as_torch(evaluation), "mnist", 64, seed))
+            return (ShardBatches.from_columns(as_torch(train), mnist_schema(), trainer.batch_size, seed),
+                    ShardBatches.from_columns(as_torch(evaluation), mnist_schema(), 64, seed))
         module = torch_ddp if trainer.backend == "ddp" else horovod_torch  # one rank: the plain model
-        return lambda ctx: module.run_worker(cfg, ctx, WorkerData({}, batches))
+        return lambda ctx: module.run_worker(cfg, ctx, WorkerData(mnist_schema(), batches))
     from trainers.tf.data import ShardArrays
 
     if trainer.backend == "tf_ps":
-        return ps_runner(cfg, train, ShardArrays.from_columns(evaluation, cfg.data.name))
-    arrays = (ShardArrays.from_columns(train, cfg.data.name), ShardArrays.from_columns(evaluation, cfg.data.name))
+        return ps_runner(cfg, train, ShardArrays.from_columns(evaluation, schema_of(cfg)))
+    arrays = (ShardArrays.from_columns(train, schema_of(cfg)), ShardArrays.from_columns(evaluation, schema_of(cfg)))
     from trainers.horovod import tf as horovod_tf
     from trainers.tf import mwms as tf_mwms
     from trainers.tf.dtensor import trainer as tf_dtensor
 
     module = {"horovod": horovod_tf, "tf_dtensor": tf_dtensor}.get(trainer.backend, tf_mwms)
-    return lambda ctx: module.run_worker(cfg, ctx, WorkerData(MODEL_INPUTS, lambda seed: arrays))
+    return lambda ctx: module.run_worker(cfg, ctx, WorkerData(schema_of(cfg), lambda seed: arrays))
 
 
 def ps_runner(cfg, train, evaluation):
@@ -138,7 +144,7 @@ def ps_runner(cfg, train, evaluation):
     from trainers.tf.ps import trainer as tf_ps
 
     shards = ps_cluster(cfg, train)
-    return lambda ctx: tf_ps.run_worker(cfg, ctx, WorkerData(MODEL_INPUTS, lambda seed: (shards, evaluation)))
+    return lambda ctx: tf_ps.run_worker(cfg, ctx, WorkerData(schema_of(cfg), lambda seed: (shards, evaluation)))
 
 
 def ps_cluster(cfg, train):
@@ -162,7 +168,7 @@ def ps_cluster(cfg, train):
     for rank, (kind, index) in enumerate(roles(world, trainer.num_ps)):
         if kind == "worker":
             rows = shard(train, index, trainer.num_workers)
-            published.append(write_shard(ShardArrays.from_columns(rows, cfg.data.name), tempfile.mkdtemp()))
+            published.append(write_shard(ShardArrays.from_columns(rows, schema_of(cfg)), tempfile.mkdtemp()))
         if kind != "chief":
             groups[index if kind == "worker" else 0].append(tf_config(addresses, trainer.num_ps, rank))
     for group in groups:
@@ -187,8 +193,8 @@ def ps_dropout_draws(folder: Path) -> dict[int, list[list[float]]]:
                                   "model.dropout=0.5", "trainer.epochs=1", "trainer.batch_size=16"])
     train, evaluation = data_for(cfg)
     context = make_context(0, 1, 1, folder / "checkpoints", None, [])
-    shards = ps_cluster(cfg, train), ShardArrays.from_columns(evaluation, "mnist")
-    adapter = tf_ps.build_adapter(cfg, context, WorkerData(MODEL_INPUTS, lambda seed: shards))
+    shards = ps_cluster(cfg, train), ShardArrays.from_columns(evaluation, mnist_schema())
+    adapter = tf_ps.build_adapter(cfg, context, WorkerData(mnist_schema(), lambda seed: shards))
 
     @tf.function
     def draw():
@@ -217,7 +223,7 @@ def dtensor_dropout_draws(folder: Path) -> list[list[list[float]]]:
     from tensorflow.experimental import dtensor
 
     from trainers.tf import common as tfc
-    from trainers.models.tf_modules import build_module
+    from trainers.models import build_module
     from trainers.tf.dtensor.mesh import DTensorMesh, parallelize_dtensor
     from trainers.tf.dtensor.trainer import mesh_dims
 
@@ -225,7 +231,7 @@ def dtensor_dropout_draws(folder: Path) -> list[list[list[float]]]:
                                   "trainer.batch_size=4", "trainer.num_workers=1"])
     tfc.set_threads(tf, 1)
     mesh = DTensorMesh(mesh_dims(cfg.trainer), 0, "CPU")
-    model = parallelize_dtensor(build_module(cfg.model, MODEL_INPUTS, cfg.run.seed), mesh)
+    model = parallelize_dtensor(build_module(cfg.model, mnist_schema(), cfg.run.seed), mesh)
     rows = cfg.trainer.batch_size * mesh.dims.coords_per_client
     images = mesh.pack_batch(np.ones((rows, 784), np.float32), cfg.trainer.batch_size)
     seed = mesh.put(np.array([cfg.run.seed, 3], np.int32))  # as DTensorAdapter.train_step's, at update 3

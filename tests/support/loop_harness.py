@@ -174,7 +174,7 @@ def check_metric_set(recorder: Recorder, epochs: int, text: bool) -> None:
     assert sorted(recorder.epochs) == list(range(1, epochs + 1))
     first = min(recorder.epochs)
     for epoch, metrics in recorder.epochs.items():
-        expected = set(metric_names(text)) | (set(FIRST_EPOCH_METRICS) if epoch == first else set())
+        expected = set(metric_names(text=text)) | (set(FIRST_EPOCH_METRICS) if epoch == first else set())
         assert set(metrics) == expected, (epoch, sorted(metrics))
         assert all(np.isfinite(v) for v in metrics.values())
 

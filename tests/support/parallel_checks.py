@@ -49,7 +49,7 @@ def check_optimizer_steps(dense: nn.Module, par: nn.Module) -> None:
         check_weights(dense, par, f"after {type(opt_dense).__name__} step")
 
 
-def dense_training(cfg, model_inputs: dict, shards: list) -> tuple[list[float], nn.Module]:
+def dense_training(cfg, inputs, shards: list) -> tuple[list[float], nn.Module]:
     """The plain model in one process, trained with `cfg`'s recipe on the data-parallel ranks' `shards`
     (ShardBatches) for `cfg.trainer.epochs` epochs: each step's loss is the mean of the ranks' batch losses (what
     averaged gradients descend), clipped by the global norm. Returns (those mean losses: the loop's `step_loss`,
@@ -58,7 +58,7 @@ def dense_training(cfg, model_inputs: dict, shards: list) -> tuple[list[float], 
     from trainers.torch.recipe import build_recipe
 
     torch.manual_seed(cfg.run.seed)
-    model = build_model(cfg.model, model_inputs, seed=cfg.run.seed)
+    model = build_model(cfg.model, inputs, seed=cfg.run.seed)
     recipe = build_recipe(model, cfg.trainer, shards[0].steps(), torch.device("cpu"))
     loss_fn, losses = nn.CrossEntropyLoss(), []
     for epoch in range(1, cfg.trainer.epochs + 1):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.support.loop_backends import MODEL_INPUTS
+from contract.data import mnist_schema
 from tests.support.loop_harness import config, mnist_columns, plain_context
 
 BASE = ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.devices_per_worker=2", "trainer.num_workers=1",
@@ -52,7 +52,7 @@ def adapter(folder: Path, name: str, overrides: list[str], data, strategy=None):
     from trainers.tf.mwms import build_adapter
 
     return build_adapter(config(folder / name, [*BASE, *overrides]), plain_context(),
-                         WorkerData(MODEL_INPUTS, lambda seed: data), strategy)
+                         WorkerData(mnist_schema(), lambda seed: data), strategy)
 
 
 def decay_exclusion(tf, model) -> dict:
@@ -133,7 +133,7 @@ def dropout_by_rank(folder: Path, data, strategy) -> list[float]:
     losses = []
     for run, rank in enumerate((0, 1, 0)):
         cfg = config(folder / f"dropout-{run}", [*BASE, "model.dropout=0.5", "trainer.max_steps_per_epoch=1"])
-        model = build_adapter(cfg, plain_context(rank), WorkerData(MODEL_INPUTS, lambda seed: data), strategy)
+        model = build_adapter(cfg, plain_context(rank), WorkerData(mnist_schema(), lambda seed: data), strategy)
         model.seed = cfg.run.seed  # rank 0's shuffle: the same first batch for every rank
         losses.append(model.train_step(next(iter(model.batches(1, 0))))[0])
     return losses
@@ -143,13 +143,13 @@ def evaluations(folder: Path, strategy) -> dict:
     """Three evaluations of one adapter in a row (trainers/tf/common.KerasAdapter.evaluate: one pass each from an
     iterator kept between them) on 300 rows (a full batch and a short one), and the count of right answers the
     model gives on all of them at once."""
-    from contract.data import model_input
     from trainers.tf.data import ShardArrays
 
     columns = mnist_columns(300, seed=2)
-    data = (ShardArrays.from_columns(mnist_columns(160, 0), "mnist"), ShardArrays.from_columns(columns, "mnist"))
+    data = (ShardArrays.from_columns(mnist_columns(160, 0), mnist_schema()),
+            ShardArrays.from_columns(columns, mnist_schema()))
     model = adapter(folder, "evaluations", [], data, strategy)
-    logits = model.model.predict(model_input("mnist", columns["image"]), verbose=0)
+    logits = model.model.predict(mnist_schema().features.model_input(columns["image"]), verbose=0)
     return {"calls": [list(model.evaluate(epoch)) for epoch in (1, 2, 3)],
             "reference": int(np.sum(np.argmax(logits, axis=1) == columns["label"]))}
 
@@ -164,7 +164,7 @@ def chained_epochs_memory() -> dict:
     def resident_bytes() -> int:
         return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
 
-    shard = ShardArrays.from_columns(mnist_columns(20_000, seed=3), "mnist")
+    shard = ShardArrays.from_columns(mnist_columns(20_000, seed=3), mnist_schema())
     before = resident_bytes()
     batches = iter(chained_epochs(lambda epoch: shard.dataset(tf, 128, seed=epoch, steps=156), 1, 20))
     next(batches)
@@ -181,7 +181,8 @@ def main(folder: str) -> None:
     strategy = make_strategy(tf, config(base / "strategy", BASE).trainer)  # first: it splits the CPU
     import tf_keras as keras
 
-    data = tuple(ShardArrays.from_columns(mnist_columns(rows, seed), "mnist") for rows, seed in ((160, 0), (32, 1)))
+    data = tuple(ShardArrays.from_columns(mnist_columns(rows, seed), mnist_schema())
+                 for rows, seed in ((160, 0), (32, 1)))
     adamw = adapter(base, "adamw", ["trainer.optimizer=adamw", "trainer.lr=0.1", "trainer.weight_decay=0.1"],
                     data, strategy)
     result = {"lr": {name: learning_rates(base, keras, tf, name, warmup, 8) for name, warmup in SCHEDULES.items()},

@@ -8,6 +8,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from contract.data import imdb_schema
 from contract.data import PAD_ID
 from trainers.models import build_model
 from trainers.models.bert import BERT_FLAVOURS, BertClassifier, BertConfig, SelfAttention, bert_config
@@ -124,5 +125,5 @@ def test_attention_dropout_is_its_own_setting() -> None:
     # The config key reaches the model (`build_model`, what every torch backend builds from).
     spec = {"name": "bert", "flavour": "tiny", "dropout": 0.1, "attention_dropout": 0.3,
             "hidden": None, "layers": None, "heads": None}
-    built = build_model(OmegaConf.create(spec), {"vocab_size": 50, "max_len": 8})
+    built = build_model(OmegaConf.create(spec), imdb_schema(50, 8))
     assert [block.attn.dropout for block in built.blocks] == [0.3, 0.3] and built.emb_drop.p == 0.1

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from contract.config import MODEL_SCHEMAS, TRAINER_SCHEMAS, DataConfig, FaultConfig, RunSection
+from contract.config import DataConfig, FaultConfig, PluginsConfig, RunSection
+from contract.registry import BACKENDS, MODELS
 from pipelines.config import group_choices
 from pipelines.help import field_docs
 from tests.conftest import ROOT, VENV_BIN
@@ -63,11 +64,12 @@ def test_train_help_shows_the_groups_and_every_key_of_the_chosen_ones(tmp_path, 
 
 
 def test_every_key_of_every_schema_says_what_it_is():
-    schemas = [*TRAINER_SCHEMAS.values(), *MODEL_SCHEMAS.values(), DataConfig, RunSection, FaultConfig]
+    schemas = [*(spec.config for spec in BACKENDS.specs.values()), *(spec.config for spec in MODELS.specs.values()),
+               DataConfig, RunSection, FaultConfig, PluginsConfig]
     undocumented = [f"{schema.__name__}.{key}" for schema in schemas for key, doc in field_docs(schema).items()
                     if not doc]
     assert undocumented == []
-    assert set(field_docs(TRAINER_SCHEMAS["tp"])) >= {"lr", "tp", "tp_impl"}  # inherited keys too
+    assert set(field_docs(BACKENDS.get("tp").config)) >= {"lr", "tp", "tp_impl"}  # inherited keys too
 
 
 def test_config_prints_the_validated_config_or_one_line(tmp_path, tiny_mnist):
@@ -96,6 +98,7 @@ import sys, tempfile
 from pathlib import Path
 import torch
 import pipelines.train, pipelines.fit, trainers.worker, trainers.torch.backend
+from contract.data import mnist_schema
 from pipelines.config import load_config
 from tests.support.loop_harness import mnist_columns, run_attempt
 from trainers.adapter import WorkerData
@@ -104,8 +107,8 @@ from trainers.torch.ddp import run_worker
 
 cfg = load_config([f"data.path={sys.argv[1]}", "trainer=ddp", "model.hidden=[16]", "trainer.epochs=2"])
 columns = {k: torch.from_numpy(v) for k, v in mnist_columns(64).items()}
-data = WorkerData({}, lambda seed: (ShardBatches.from_columns(columns, "mnist", 16, seed),
-                                    ShardBatches.from_columns(columns, "mnist", 32, seed)))
+data = WorkerData(mnist_schema(), lambda seed: (ShardBatches.from_columns(columns, mnist_schema(), 16, seed),
+                                                ShardBatches.from_columns(columns, mnist_schema(), 32, seed)))
 attempt = run_attempt(lambda ctx: run_worker(cfg, ctx, data), 0, 1, 2, Path(tempfile.mkdtemp()))
 print(attempt.finished, sorted(m for m in sys.modules if m.split(".")[0] in ("tensorflow", "tf_keras", "horovod")))
 """

@@ -125,9 +125,11 @@ def test_imdb_groups_batches_by_length_only_from_memory(fake_imdb):
     (["trainer.num_workers=4", "trainer.tp=2", "trainer.dp_replicate=4"], r"num_workers / \(pp x tp\) = 2, got 4"),
     (["trainer.tp=3"], r"^trainer\.tp: must be >= 1 and divide num_workers / pp = 2, got 3"),
     (["trainer.pp=3"], r"^trainer\.pp: must be >= 1 and divide num_workers=2, got 3"),
-    (["trainer.pp=2"], r"^model\.name: pipeline parallelism needs the bert model, got 'mlp'"),
+    (["trainer.pp=2"], r"^trainer\.pp: pp=2 splits the model into stages by its spec's pipeline_split; model 'mlp' "
+                       r"has none$"),
     (["trainer.dp_shard=4"], r"^trainer\.dp_shard: dp_replicate x dp_shard x pp x tp = 1 x 4 x 1 x 1 != num_workers=2"),
-    (["trainer.tp=2"], r"^model\.name: tensor parallelism needs the bert model, got 'mlp'"),
+    (["trainer.tp=2"], r"^trainer\.tp: tp=2 shards the model by its spec's tensor-parallel plan; model 'mlp' has "
+                       r"none \(tensor_parallel=, e\.g\. trainers\.torch\.parallel\.plans\.styles_plan\)$"),
     (["trainer.precision=fp16", "trainer.use_gpu=true"], r"^trainer\.precision: fp16 .* not supported with fsdp"),
 ])
 def test_impossible_fsdp_layouts_are_rejected(data_override, overrides, message):
@@ -162,7 +164,8 @@ def test_impossible_pipelines_are_rejected(fake_imdb, overrides, message):
      r"^trainer\.mesh: a model group of 3 devices must fill whole workers"),
     (["trainer.mesh.batch=0"], r"^trainer\.mesh: batch and model must be >= 1"),
     (["trainer.devices_per_worker=0"], r"^trainer\.devices_per_worker: must be > 0"),
-    (["model=cnn"], r"^model\.name: tf_dtensor has mlp, tfidf models only, got 'cnn'"),
+    (["model=cnn"], r"^model\.name: trainer=tf_dtensor builds the model with a DTensor module builder \(dtensor=\); "
+                    r"model 'cnn' has none \(it has: torch, keras\)$"),
     (["trainer.grad_accum=2"], r"^trainer\.grad_accum: tf_dtensor trains with grad_accum=1 and precision=fp32 only"),
     (["trainer.compile=true"], r"^trainer\.compile: torch\.compile is for the PyTorch backends"),
     (["+trainer.tf_devices=2"], r"^trainer\.tf_devices: renamed trainer\.devices_per_worker$"),
@@ -182,7 +185,8 @@ def test_dtensor_layouts_load(data_override, fake_imdb):
     assert cfg.model.bigram_buckets == 1024
     with pytest.raises(ConfigError, match=r"^model\.bigram_buckets: must be >= 0 \(0: no token pairs\), got -1$"):
         load_config(["trainer=tf_dtensor", "data=imdb", "model=tfidf", fake_imdb, "model.bigram_buckets=-1"])
-    with pytest.raises(ConfigError, match=r"^model\.name: the tfidf model is trained by trainer=tf_dtensor only"):
+    with pytest.raises(ConfigError, match=r"^model\.name: trainer=ddp builds the model with a PyTorch builder "
+                                          r"\(torch=\); model 'tfidf' has none \(it has: dtensor\)$"):
         load_config(["trainer=ddp", "data=imdb", "model=tfidf", fake_imdb])
 
 
@@ -239,12 +243,11 @@ def test_every_backend_can_profile(data_override, backend):
 
 
 def test_schemas_cover_every_backend_module():
-    from contract.config import TRAINER_SCHEMAS
     from trainers import BACKENDS
 
-    assert set(TRAINER_SCHEMAS) == set(BACKENDS) == {p.stem for p in (ROOT / "conf" / "trainer").glob("*.yaml")}
-    for name, schema in TRAINER_SCHEMAS.items():
-        assert schema().backend == name
+    assert set(BACKENDS.names()) == {p.stem for p in (ROOT / "conf" / "trainer").glob("*.yaml")}
+    for name, spec in BACKENDS.specs.items():
+        assert spec.config().backend == name
 
 
 def test_a_worker_rebuilds_the_typed_read_only_config(data_override):

@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from contract.data import PAD_ID, model_input
+from contract.data import PAD_ID, imdb_schema, mnist_schema
 from pipelines import evaluate
-from pipelines.scoring import ModelScorer, save_plots, summarise
+from pipelines.scoring import ModelScorer, save_plots, summarise, summarise_regression
 from trainers.models.bert import BertClassifier, BertConfig
-from trainers.models.mnist import MLP
-from trainers.torch.data import normalise
+from trainers.models.mlp_cnn import MLP
+from trainers.torch.data import BatchInputs
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -48,10 +48,35 @@ def test_metrics_match_direct_computation(tmp_path):
     assert all(p.stat().st_size > 1000 for p in plots)
 
 
-def test_images_are_normalised_as_the_workers_do():
+def test_regression_metrics_match_direct_computation(tmp_path):
+    rng = np.random.default_rng(0)
+    targets = rng.normal(size=50) * 3 + 5
+    outputs = (targets + rng.normal(size=50))[:, None]  # [N, 1], as a regression model gives them
+    metrics = summarise_regression(targets, outputs, "test")
+    errors = outputs[:, 0] - targets
+    assert metrics["test_mse"] == pytest.approx(np.mean(errors ** 2))
+    assert metrics["test_mae"] == pytest.approx(np.mean(np.abs(errors)))
+    assert metrics["test_r2"] == pytest.approx(1 - np.sum(errors ** 2) / np.sum((targets - targets.mean()) ** 2))
+    assert metrics["test_rows"] == 50
+    assert [p.name for p in save_plots(targets, outputs, None, tmp_path)] == ["prediction_error.png"]
+
+
+def test_features_are_scaled_as_the_workers_do():
+    """What a logged model is given (contract/data.py) is what the PyTorch workers feed: MNIST's normalised
+    pixels, and numeric values standardised with one mean and std per column."""
     images = np.random.default_rng(0).integers(0, 256, size=(4, 784)).astype(np.uint8)
-    torch.testing.assert_close(torch.from_numpy(model_input("mnist", images)),
-                               normalise(torch.from_numpy(images)))
+    (fed,), _, _ = BatchInputs(mnist_schema())({"image": torch.from_numpy(images), "label": torch.zeros(4)})
+    torch.testing.assert_close(torch.from_numpy(mnist_schema().features.model_input(images)), fed)
+    from dataclasses import replace
+
+    schema = mnist_schema()
+    numeric = replace(schema, features=replace(schema.features, kind="numeric", shape=(3,), mean=(1.0, 2.0, 3.0),
+                                                std=(2.0, 4.0, 8.0)))
+    values = np.random.default_rng(1).normal(size=(5, 3)).astype(np.float32)
+    (fed,), _, _ = BatchInputs(numeric)({"image": torch.from_numpy(values), "label": torch.zeros(5)})
+    expected = (values - np.array([1.0, 2.0, 3.0])) / np.array([2.0, 4.0, 8.0])
+    torch.testing.assert_close(fed, torch.from_numpy(expected.astype(np.float32)))
+    torch.testing.assert_close(torch.from_numpy(numeric.features.model_input(values)), fed)
 
 
 def log_model(uri: str, model: torch.nn.Module, example: np.ndarray, params: dict) -> str:
@@ -88,10 +113,10 @@ def test_scorer_gives_the_models_logits(logged, device):
     tolerance = {"rtol": 1e-4, "atol": 1e-5} if device == "cuda" else {}
     run_id, mlp = logged["mnist"]
     images = np.random.default_rng(1).integers(0, 256, size=(8, 784)).astype(np.uint8)
-    scorer = ModelScorer(f"runs:/{run_id}/model", logged["uri"], "mnist", device)
+    scorer = ModelScorer(f"runs:/{run_id}/model", logged["uri"], mnist_schema().to_dict(), device)
     scored = scorer({"image": images, "label": np.arange(8)})
     with torch.no_grad():
-        expected = mlp(normalise(torch.from_numpy(images)))
+        expected = mlp(torch.from_numpy(mnist_schema().features.model_input(images)))
     torch.testing.assert_close(torch.from_numpy(scored["logits"]), expected.double(), **tolerance)
     assert scored["label"].tolist() == list(range(8))
 
@@ -101,7 +126,7 @@ def test_scorer_gives_the_models_logits(logged, device):
     ids = torch.randint(1, 40, (3, 8)).masked_fill(~mask, PAD_ID).int()  # as stored: int32
     column = np.empty(3, dtype=object)
     column[:] = list(ids.numpy())  # fixed-size lists arrive as an object array of rows
-    scorer = ModelScorer(f"runs:/{run_id}/model", logged["uri"], "imdb", device)
+    scorer = ModelScorer(f"runs:/{run_id}/model", logged["uri"], imdb_schema(40, 8).to_dict(), device)
     scored = scorer({"input_ids": column, "label": np.zeros(3)})
     with torch.no_grad():
         expected = bert(ids.long(), mask)

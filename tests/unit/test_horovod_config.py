@@ -52,7 +52,8 @@ def test_bad_horovod_config_names_the_key(data_override, overrides, message):
 
 def test_tf_framework_needs_a_keras_model(tmp_path):
     (tmp_path / "manifest.json").write_text("{}")  # config checks only that a prepared dataset is there
-    with pytest.raises(ConfigError, match=r"^model\.name: horovod with framework=tf has Keras models"):
+    with pytest.raises(ConfigError, match=r"^model\.name: trainer=horovod builds the model with a Keras builder "
+                                          r"\(keras=\); model 'bert' has none \(it has: torch\)$"):
         load_config(["data=imdb", f"data.path={tmp_path}", "model=bert_tiny", "trainer=horovod",
                      "trainer.framework=tf"])
 

@@ -70,7 +70,7 @@ def project_imports() -> dict[str, set[str]]:
 def test_every_backend_is_registered_and_imports_no_other_backend():
     from trainers import BACKENDS
 
-    assert {spec.module for spec in BACKENDS.values()} <= BACKEND_MODULES
+    assert {spec.module for spec in BACKENDS.specs.values()} <= BACKEND_MODULES
     graph = project_imports()
     siblings = [f"{name} imports {other}" for name in BACKEND_MODULES for other in graph[name]
                 if other in BACKEND_MODULES - OWN.get(name, set())]
@@ -127,3 +127,13 @@ def test_ray_trains_controller_unpickles_the_backend_configs_without_a_framework
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'tensorflow', 'keras', 'tf_keras')))")
     seen = subprocess.run([sys.executable, "-c", probe], input=configs, capture_output=True, cwd=ROOT, check=True)
     assert seen.stdout.decode().strip() == "[]"
+
+
+def test_the_parallel_layers_import_no_model():
+    """Tensor, pipeline and sharded data parallelism apply a model spec's plans (trainers/models/bert_parallel.py is
+    the built-in BERT's): the parallel package knows no model."""
+    graph = project_imports()
+    found = [f"{name} imports {other}" for name in graph if name.startswith("trainers.torch.parallel")
+             for other in graph[name] if other.startswith("trainers.models")]
+    assert found == []
+    assert "trainers.torch.parallel.layers" in graph  # the walk saw the package

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from contract.data import imdb_schema
 from contract.data import BUCKET_BATCHES, bucketed_order, shuffled_order
 from tests.support.loop_harness import imdb_columns
 
@@ -48,9 +49,9 @@ def test_pytorch_and_tensorflow_batch_the_same_rows():
 
     columns = imdb_columns(200, vocab=50, max_len=32)
     columns["input_ids"][:, 1] = 1000 + np.arange(200)  # each row names itself in its second token
-    torch_batches = ShardBatches.from_columns({k: torch.from_numpy(v) for k, v in columns.items()}, "imdb", BATCH,
-                                              seed=11, bucket_by_length=True, trim=True)
-    arrays = ShardArrays.from_columns(columns, "imdb")
+    torch_batches = ShardBatches.from_columns({k: torch.from_numpy(v) for k, v in columns.items()},
+                                              imdb_schema(50, 32), BATCH, seed=11, bucket_by_length=True, trim=True)
+    arrays = ShardArrays.from_columns(columns, imdb_schema(50, 32))
     arrays.bucket_rows = BATCH  # what the Keras and DTensor adapters set under data.bucket_by_length
     for epoch in range(2):
         rows = torch.cat([inputs[0][:, 1] - 1000 for inputs, _, _ in torch_batches.epoch(epoch)])
@@ -65,8 +66,8 @@ def test_a_batch_cut_to_its_longest_row_gives_the_same_logits():
     columns = {k: torch.from_numpy(v) for k, v in imdb_columns(6, vocab=50, max_len=32).items()}
     columns["length"][:] = torch.tensor([3, 7, 10, 5, 9, 4])
     columns["input_ids"][torch.arange(32)[None, :] >= columns["length"][:, None]] = 0
-    cut = ShardBatches.from_columns(columns, "imdb", 6, seed=0, trim=True)
-    padded = ShardBatches.from_columns(columns, "imdb", 6, seed=0)
+    cut = ShardBatches.from_columns(columns, imdb_schema(50, 32), 6, seed=0, trim=True)
+    padded = ShardBatches.from_columns(columns, imdb_schema(50, 32), 6, seed=0)
     (cut_inputs, labels, tokens), = cut.epoch(0, shuffle=False)
     (padded_inputs, padded_labels, padded_tokens), = padded.epoch(0, shuffle=False)
     assert cut_inputs[0].shape == (6, 10) and padded_inputs[0].shape == (6, 32)

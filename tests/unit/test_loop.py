@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from contract.data import mnist_schema
 from contract.checkpoint import STATE_FILE, EpochTotals, TrainState
 from contract.metrics import PendingReduce
 from tests.support.loop_harness import (STOP_AT, Recorder, check_metric_set, check_stop_resume_parity, config,
@@ -272,11 +273,11 @@ def test_ddp_adapter_stop_resume_parity(tmp_path):
     evaluation = {k: torch.from_numpy(v) for k, v in mnist_columns(64, seed=1).items()}
 
     def data(seed):
-        return (ShardBatches.from_columns(columns, "mnist", 16, seed),
-                ShardBatches.from_columns(evaluation, "mnist", 64, seed))
+        return (ShardBatches.from_columns(columns, mnist_schema(), 16, seed),
+                ShardBatches.from_columns(evaluation, mnist_schema(), 64, seed))
 
     def run(ctx):
-        return run_worker(cfg, ctx, WorkerData({}, data))
+        return run_worker(cfg, ctx, WorkerData(mnist_schema(), data))
 
     runs = check_stop_resume_parity(run, tmp_path, rtol=0, atol=0)
     assert len(runs["straight"].recorder.step_losses) == 40  # 320 rows / 16 x 2 epochs
@@ -299,13 +300,13 @@ def test_rank0_profiles_its_first_steps_into_the_run(tmp_path):
     columns = {k: torch.from_numpy(v) for k, v in mnist_columns(128).items()}
 
     def data(seed):
-        return (ShardBatches.from_columns(columns, "mnist", 16, seed),
-                ShardBatches.from_columns(columns, "mnist", 64, seed))
+        return (ShardBatches.from_columns(columns, mnist_schema(), 16, seed),
+                ShardBatches.from_columns(columns, mnist_schema(), 64, seed))
 
     recorder, reports = Recorder(), []
     ctx = replace(make_context(0, 1, 1, tmp_path / "checkpoints", recorder, reports),
                   profile_steps=cfg.trainer.profile_steps, profile_dir=tmp_path / "profile")
-    assert run_worker(cfg, ctx, WorkerData({}, data))
+    assert run_worker(cfg, ctx, WorkerData(mnist_schema(), data))
     events = json.loads((tmp_path / "profile" / "trace_rank0.json").read_text())["traceEvents"]
     names = [event.get("name", "") for event in events]
     assert sorted({name for name in names if name.startswith("ProfilerStep#")}) == [

@@ -3,13 +3,14 @@ from __future__ import annotations
 import torch
 from omegaconf import OmegaConf
 
+from contract.data import imdb_schema, mnist_schema
 from trainers.models import build_model
 
 
 def test_mlp_and_cnn_accept_flat_or_image_batches():
     for spec in ({"name": "mlp", "hidden": [32], "dropout": 0.0},
                  {"name": "cnn", "channels": [4, 8], "hidden": 16, "dropout": 0.0}):
-        model = build_model(OmegaConf.create(spec))
+        model = build_model(OmegaConf.create(spec), mnist_schema())
         flat = torch.randn(3, 784)
         out_flat, out_img = model(flat), model(flat.reshape(3, 1, 28, 28))
         assert out_flat.shape == (3, 10)
@@ -21,7 +22,8 @@ def test_cnn_pools_before_its_relu_with_the_numbers_of_conv_relu_pool():
     """The CNN's conv-pool-relu order (the faster one) trains exactly like the textbook conv-relu-pool: the same
     logits and the same gradients, bit for bit, in channels-last as trainer=ddp trains it."""
     torch.manual_seed(0)
-    model = build_model(OmegaConf.create({"name": "cnn", "channels": [4, 8], "hidden": 16, "dropout": 0.0}))
+    model = build_model(OmegaConf.create({"name": "cnn", "channels": [4, 8], "hidden": 16, "dropout": 0.0}),
+                        mnist_schema())
     model = model.to(memory_format=torch.channels_last)
     conv1, conv2 = (m for m in model.features if isinstance(m, torch.nn.Conv2d))
 
@@ -42,7 +44,7 @@ def test_cnn_pools_before_its_relu_with_the_numbers_of_conv_relu_pool():
 
 def test_embed_pool_ignores_padding_and_averages_real_tokens():
     model = build_model(OmegaConf.create({"name": "embed_pool", "embed_dim": 8, "hidden": 8, "dropout": 0.0}),
-                        {"vocab_size": 50, "max_len": 12}).eval()
+                        imdb_schema(50, 12)).eval()
     ids = torch.tensor([[5, 6, 7, 0, 0, 0], [9, 0, 0, 0, 0, 0]])
     mask = ids != 0
     garbage = ids.clone()

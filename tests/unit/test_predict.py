@@ -70,7 +70,7 @@ def test_bad_images_are_data_errors(tmp_path, make, message):
 
 @pytest.mark.parametrize("content, name, message", [
     ("good\n\nalso good\n", "r.txt", r"1 empty review\(s\) \(first: r.txt:2\)"),
-    ("review,label\nfine,1\n", "r.csv", r"no 'text' column"),
+    ("review,label\nfine,1\n", "r.csv", r"no column 'text'"),
     ("", "r.txt", r"no reviews"),
 ])
 def test_bad_reviews_are_data_errors(tmp_path, content, name, message):

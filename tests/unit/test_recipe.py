@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from contract.data import mnist_schema
 from contract.recipe import Monitor, default_mode, lr_factor, schedule_steps, updates_per_epoch
 from pipelines.config import ConfigError
 from tests.support.loop_harness import config, mnist_columns, plain_context, run_attempt
@@ -44,7 +45,7 @@ def test_torch_schedule_and_weight_decay_groups(tmp_path):
 
     cfg = config(tmp_path, [*SMALL, "trainer.optimizer=adamw", "trainer.weight_decay=0.1", "trainer.lr=0.01",
                             "trainer.lr_schedule=cosine", "trainer.warmup_steps=3", "trainer.grad_accum=2"])
-    model = build_model(cfg.model, {})
+    model = build_model(cfg.model, mnist_schema())
     recipe = build_recipe(model, cfg.trainer, steps_per_epoch=9, device=torch.device("cpu"))  # 5 updates
     assert isinstance(recipe.optimizer, torch.optim.AdamW)
     assert recipe.optimizer.defaults["foreach"] and not recipe.optimizer.defaults["fused"]  # CPU: multi-tensor
@@ -76,7 +77,7 @@ def test_restored_checkpoint_keeps_its_schedule_position_but_takes_the_configs_h
 
     recipe_keys = ["trainer.optimizer=adamw", "trainer.lr_schedule=cosine", "trainer.warmup_steps=2"]
     saved = config(tmp_path / "a", [*SMALL, *recipe_keys, "trainer.lr=0.01", "trainer.weight_decay=0.1"])
-    model = build_model(saved.model, {})
+    model = build_model(saved.model, mnist_schema())
     recipe = build_recipe(model, saved.trainer, steps_per_epoch=8, device=torch.device("cpu"))
     for _ in range(3):
         model(torch.randn(4, 784)).sum().backward()
@@ -113,9 +114,9 @@ def _train(tmp_path, overrides: list[str], batch: int):
     evaluation = {k: torch.from_numpy(v) for k, v in mnist_columns(32, seed=1).items()}
 
     def data(seed):
-        return (ShardBatches.from_columns(columns, "mnist", batch, seed),
-                ShardBatches.from_columns(evaluation, "mnist", 32, seed))
-    adapter = build_adapter(cfg, plain_context(), WorkerData({}, data))
+        return (ShardBatches.from_columns(columns, mnist_schema(), batch, seed),
+                ShardBatches.from_columns(evaluation, mnist_schema(), 32, seed))
+    adapter = build_adapter(cfg, plain_context(), WorkerData(mnist_schema(), data))
     attempt = run_attempt(lambda ctx: train_adapter(cfg, ctx, adapter), 0, 1, 1, tmp_path / "run")
     return adapter.dense_model_state(), attempt.recorder.curve()
 

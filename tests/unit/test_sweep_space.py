@@ -6,7 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from contract.config import TRAINER_SCHEMAS, parallel_degrees
+from contract.config import parallel_degrees
+from contract.registry import BACKENDS
 from pipelines.config import ConfigError
 from pipelines.sweep.space import (expand_grid, load_sweep, max_concurrent, merge_overrides, plan_trials,
                                    reject_unfit, split_argv, stop_thresholds)
@@ -170,14 +171,14 @@ def test_cli_with_no_valid_trial_exits_2_before_ray(fake_imdb, capsys):
     assert main(["sweep=smoke", fake_imdb, "sweep.overrides=['data=imdb','model=mlp']"]) == 2
     err = capsys.readouterr().err
     assert "sweep.grid: no valid trial" in err
-    assert "model.name: model 'mlp' does not fit data 'imdb'" in err
+    assert "model.name: model 'mlp' takes image/numeric features; 'imdb' has tokens features" in err
 
 
 def test_mnist_backends_sweep_has_every_backend_that_trains_the_mlp(tmp_path):
     (tmp_path / "manifest.json").write_text("{}")  # config checks only that a prepared dataset is there
     trials = plan_trials(load_sweep("mnist_backends", []), [f"data.path={tmp_path}"])
     assert all(t.cfg is not None for t in trials), [t.reason for t in trials]
-    assert {t.cfg.trainer.backend for t in trials} == set(TRAINER_SCHEMAS) - {"tp"}  # tp trains the bert model only
+    assert {t.cfg.trainer.backend for t in trials} == set(BACKENDS.names()) - {"tp"}  # tp trains the bert model only
     assert {t.cfg.trainer.tf_loop for t in trials if t.cfg.trainer.backend == "tf_mwms"} == {"fit", "custom"}
     assert {t.cfg.trainer.framework for t in trials if t.cfg.trainer.backend == "horovod"} == {"torch", "tf"}
 

@@ -87,9 +87,6 @@ def test_tf_ps_defaults_and_resources(data_override):
     (["trainer.ps_min_shard_bytes=0"], r"^trainer\.ps_min_shard_bytes: must be > 0"),
     (["trainer.tf_loop=eager"], r"^trainer\.tf_loop: unknown 'eager'"),
     (["model=cnn", "model.channels=[8]"], r"^model\.channels: "),
-    (["data=imdb", "model=bert_tiny"], r"^model\.name: tf_ps has Keras models for mlp, cnn, embed_pool only"),
-    (["data=imdb", "model=embed_pool", "trainer.tf_loop=fit"], r"^trainer\.tf_loop: tf_ps trains text with the "
-                                                                r"custom loop only"),
     (["trainer.tf_loop=fit", "trainer.log_every_n_steps=5"], r"^trainer\.log_every_n_steps: Keras fit under "
                                                                r"ParameterServerStrategy calls no batch-level"),
     (["trainer.tf_loop=fit", "run.progress=on"], r"^run\.progress: Keras fit under ParameterServerStrategy"),
@@ -116,6 +113,16 @@ def test_tf_ps_defaults_and_resources(data_override):
 def test_bad_tf_ps_config_names_the_key(data_override, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config([data_override, "trainer=tf_ps", *overrides])
+
+
+def test_tf_ps_needs_a_keras_model_and_the_custom_loop_for_tokens(tmp_path):
+    (tmp_path / "manifest.json").write_text("{}")  # the layout of the dataset the config names: IMDb's tokens
+    imdb = ["data=imdb", f"data.path={tmp_path}", "trainer=tf_ps"]
+    with pytest.raises(ConfigError, match=r"^model\.name: trainer=tf_ps builds the model with a Keras builder "
+                                          r"\(keras=\); model 'bert' has none \(it has: torch\)$"):
+        load_config([*imdb, "model=bert_tiny"])
+    with pytest.raises(ConfigError, match=r"^trainer\.tf_loop: tf_ps trains token data with the custom loop only"):
+        load_config([*imdb, "model=embed_pool", "trainer.tf_loop=fit"])
 
 
 def test_kill_servers_is_tf_ps_only(data_override):

@@ -43,14 +43,14 @@ def tf_reduce_later(hvd: Any, tf: Any) -> AsyncReducer:
     return reduce_later
 
 
-def make_train_step(hvd: Any, tf: Any, keras: Any, model: Any, cfg: DictConfig) -> tuple[Any, Any]:
+def make_train_step(hvd: Any, tf: Any, keras: Any, model: Any, cfg: DictConfig, task: str) -> tuple[Any, Any]:
     """(`step(images, labels) -> loss`, `finish()`), both collective. passes == 1: `DistributedGradientTape`
     averages the gradients over ranks every step. passes = k > 1: gradients are accumulated locally (as the mean
     over k batches) and averaged over ranks with Horovod's grouped allreduce every k-th step, when the optimizer
     steps; `finish()` applies what is left at the end of an epoch (as the PyTorch side does).
     `DistributedGradientTape` has no `backward_passes_per_step`; Horovod's wrappers that do are for TF1 graph
     mode or Keras. The optimizer gets averaged gradients: its `global_clipnorm` clips the averaged norm."""
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    loss_fn = tfc.keras_loss(keras, task)
     compression = hvd.Compression.fp16 if cfg.trainer.compression == "fp16" else hvd.Compression.none
     variables, optimizer = model.trainable_variables, model.optimizer
     passes = cfg.trainer.grad_accum
@@ -105,7 +105,7 @@ class HorovodTFAdapter(tfc.KerasAdapter):
         super().__init__(*args, **kwargs)
         self.hvd = hvd
         self.stream = EpochStream(self.epoch_dataset, cfg.trainer.epochs, lambda make: iter(make()))
-        self.step_fn, self.finish = make_train_step(hvd, self.tf, keras, self.model, cfg)
+        self.step_fn, self.finish = make_train_step(hvd, self.tf, keras, self.model, cfg, self.train.schema.target.task)
         self._reduce_later = tf_reduce_later(hvd, self.tf)
         self.calls = 0  # steps since the epoch's (re)start: a stop lands on a multiple of `passes`
         self.model.optimizer.build(self.model.trainable_variables)
@@ -150,7 +150,7 @@ def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> Horo
     keras.utils.set_random_seed(cfg.run.seed + ctx.rank)
     train, evaluation = data.shards(cfg.run.seed + 1000 * ctx.rank)
     steps = train.steps(cfg.trainer.batch_size, cfg.trainer.max_steps_per_epoch)  # for the LR schedule
-    model = tfc.build_compiled_model(keras, cfg, data.model_inputs, steps_per_epoch=steps, seed=cfg.run.seed + ctx.rank)
+    model = tfc.build_compiled_model(keras, cfg, data.inputs, steps_per_epoch=steps, seed=cfg.run.seed + ctx.rank)
     tfc.seed_dropout(tf, cfg.run.seed, ctx.rank)
     return HorovodTFAdapter(hvd, keras, cfg, tf, tf.distribute.get_strategy(), model, train, evaluation,
                             cfg.trainer.batch_size, ctx.rank, cfg.run.seed + 1000 * ctx.rank,

@@ -90,7 +90,7 @@ def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> Horo
     hvd = import_horovod("torch")
     rank, device = ctx.rank, torch.device("cpu")
     torch.manual_seed(cfg.run.seed + rank)
-    model = tc.place_model(build_model(cfg.model, data.model_inputs, seed=cfg.run.seed + rank), device)
+    model = tc.place_model(build_model(cfg.model, data.inputs, seed=cfg.run.seed + rank), device)
     train, evaluation = data.shards(cfg.run.seed + 1000 * rank)
     compression = hvd.Compression.fp16 if cfg.trainer.compression == "fp16" else hvd.Compression.none
 

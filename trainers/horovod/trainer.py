@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from contract.data import DataSchema
 from trainers.horovod.backend import HorovodConfig
 
 FRAMEWORK_MODULES = {"torch": "trainers.horovod.torch", "tf": "trainers.horovod.tf"}
@@ -32,7 +33,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     framework_module(worker_config(config)).train_loop_per_worker(config)
 
 
-def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict,
+def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, inputs: DataSchema,
                   callbacks: list | None = None):
     """`DataParallelTrainer` with Horovod's rendezvous as its backend (each restart redoes the rendezvous)."""
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
@@ -47,7 +48,7 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
         env.update(LEGACY_KERAS_ENV)  # tf-keras must own tf.keras from process start (trainers/tf/common.py)
     return DataParallelTrainer(
         train_loop_per_worker,
-        train_loop_config=loop_config(cfg, run_id, tracking_uri, model_inputs),
+        train_loop_config=loop_config(cfg, run_id, tracking_uri, inputs),
         backend_config=HorovodConfig(),
         scaling_config=scaling_config(cfg, use_gpu=False),
         run_config=run_config(cfg, run_id, callbacks, env),
@@ -57,7 +58,7 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
     )
 
 
-def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, model_inputs: dict) -> None:
+def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, inputs: DataSchema) -> None:
     """The final checkpoint's model, in the flavour of its framework (same as ddp / tf_mwms log)."""
     shared = "trainers.torch.common" if cfg.trainer.framework == "torch" else "trainers.tf.common"
-    importlib.import_module(shared).log_final_model(uri, run_id, cfg, checkpoint, model_inputs)
+    importlib.import_module(shared).log_final_model(uri, run_id, cfg, checkpoint, inputs)

@@ -1,33 +1,44 @@
-"""Plain models (no parallelism inside). `build_model(cfg.model)` picks one by name. This package is imported by
-TensorFlow workers too (keras_models), so torch is imported only where a PyTorch model is built."""
+"""Plain models (no parallelism inside), built from their registered spec (contract/registry.py; the built-in
+ones in specs.py). This package is imported by TensorFlow workers too, so a framework is imported only where a
+model of it is built."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+from contract.data import DataSchema
+from contract.registry import MODELS, ModelSpec, resolve
+from trainers.models import specs  # noqa: F401  (registers the built-in models)
 
 if TYPE_CHECKING:
     from torch import nn
 
 
-def build_model(model_cfg: Any, model_inputs: dict | None = None, seed: int | None = None) -> nn.Module:
-    """`model_inputs`: what the data dictates (vocab_size, max_len for text; see the dataset manifest). `seed`: the
-    MLP's initial weights are those Keras starts from with that seed (`portable_init`); the other models draw
-    theirs from torch's global generator (seeded by the caller)."""
-    from trainers.models.mnist import CNN, MLP
+def _builder(model_cfg: Any, framework: str) -> Any:
+    spec: ModelSpec = MODELS.get(model_cfg.name)
+    ref = getattr(spec, framework)
+    if ref is None:
+        raise ValueError(f"model '{spec.name}' has no {framework} builder")
+    return resolve(ref)
 
-    if model_cfg.name == "mlp":
-        return MLP(hidden=list(model_cfg.hidden), dropout=model_cfg.dropout, init_seed=seed)
-    if model_cfg.name == "cnn":
-        return CNN(channels=list(model_cfg.channels), hidden=model_cfg.hidden, dropout=model_cfg.dropout)
-    if model_cfg.name == "bert":
-        from trainers.models.bert import BertClassifier, bert_config
 
-        overrides = {k: model_cfg[k] for k in ("hidden", "layers", "heads") if model_cfg[k] is not None}
-        config = bert_config(model_cfg.flavour, vocab_size=model_inputs["vocab_size"],
-                             max_len=model_inputs["max_len"], dropout=model_cfg.dropout,
-                             attention_dropout=model_cfg.attention_dropout, **overrides)
-        return BertClassifier(config)
-    if model_cfg.name == "embed_pool":
-        from trainers.models.text import EmbedPool
+def build_model(model_cfg: Any, inputs: DataSchema, seed: int | None = None) -> nn.Module:
+    """The PyTorch model of `model_cfg` for data of `inputs`. `seed`: models that take one (the MLP) draw their
+    initial weights from it, the same in every framework; the others draw from torch's global generator (seeded
+    by the caller)."""
+    return _builder(model_cfg, "torch")(model_cfg, inputs, seed)
 
-        return EmbedPool(model_inputs["vocab_size"], model_cfg.embed_dim, model_cfg.hidden, model_cfg.dropout)
-    raise ValueError(f"unknown model {model_cfg.name}")
+
+def build_keras_model(model_cfg: Any, keras: Any, inputs: DataSchema, seed: int | None = None) -> Any:
+    """The (uncompiled) Keras model of `model_cfg`, built with `keras` (tf-keras in the TensorFlow backends)."""
+    return _builder(model_cfg, "keras")(keras, model_cfg, inputs, seed)
+
+
+def build_keras_twin(model_cfg: Any, keras: Any, inputs: DataSchema) -> Any:
+    """The Keras model a tf_dtensor module is logged as: the spec's `keras_twin`, else its `keras` model."""
+    spec: ModelSpec = MODELS.get(model_cfg.name)
+    return resolve(spec.keras_twin or spec.keras)(keras, model_cfg, inputs, None)
+
+
+def build_module(model_cfg: Any, inputs: DataSchema, seed: int) -> Any:
+    """The `tf.Module` tf_dtensor lays out on its mesh."""
+    return _builder(model_cfg, "dtensor")(model_cfg, inputs, seed)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from contract.data import PAD_ID
+from contract.data import PAD_ID, DataSchema
 from trainers.models.flavours import BERT_FLAVOURS
 
 
@@ -167,3 +167,12 @@ class BertClassifier(nn.Module):
         # Masked mean: padded positions contribute nothing; clamp avoids 0/0 on an all-pad row.
         pooled = (x * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)  # (B, h)
         return self.classifier(pooled)  # (B, C)
+
+
+def build_bert(cfg: Any, inputs: DataSchema, seed: int | None = None) -> BertClassifier:
+    """The flavour's shape with the config's overrides, sized to the data's vocabulary, length and outputs. Draws
+    its weights from torch's global generator (seeded by the caller)."""
+    overrides = {key: cfg[key] for key in ("hidden", "layers", "heads") if cfg[key] is not None}
+    config = bert_config(cfg.flavour, vocab_size=inputs.vocab_size, max_len=inputs.max_len, dropout=cfg.dropout,
+                         attention_dropout=cfg.attention_dropout, num_classes=inputs.target.outputs, **overrides)
+    return BertClassifier(config)

@@ -1,8 +1,9 @@
-"""Plain Keras models, from the same `cfg.model` fields as the PyTorch ones (`trainers/models/`).
+"""Plain Keras models, from the same `cfg.model` fields as the PyTorch ones (`trainers/models/`), the builders of
+the built-in specs (specs.py).
 
-`keras` is passed in (the tf_mwms backend uses tf-keras, see `trainers/tf/mwms.py`); the code runs unchanged
-on Keras 3. MNIST: normalised float images [B, 784] -> logits [B, 10]. IMDb (`embed_pool`): token ids [B, T]
-with [PAD] = 0 -> logits [B, 2]; `mask_zero` keeps padding out of the mean, as `trainers/models/text.py` does.
+`keras` is passed in (the tf_mwms backend uses tf-keras, see `trainers/tf/common.py`); the code runs unchanged
+on Keras 3. Images and numeric features: normalised floats [B, width] -> logits [B, classes]; tokens: ids [B, T]
+with [PAD] = 0.
 The logits layer is float32 under any mixed-precision policy (`trainer.precision`), so the softmax and the loss
 are computed in float32; under the default float32 policy this changes nothing.
 """
@@ -11,54 +12,64 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from contract.data import DataSchema
 from trainers.models.portable_init import mlp_weights
 
 
-def build_keras_model(model_cfg: Any, keras: Any, model_inputs: dict | None = None, seed: int | None = None) -> Any:
-    """`seed`: the MLP's initial weights are `portable_init.mlp_weights` (PyTorch's MLP starts from the same ones
-    with that seed); the other models draw theirs from Keras' seeded generators."""
+def build_embed_pool(keras: Any, cfg: Any, inputs: DataSchema, seed: int | None = None) -> Any:
+    """`mask_zero` keeps padding out of the mean, as trainers/models/text.py does."""
     layers = keras.layers
-    if model_cfg.name == "embed_pool":
-        return keras.Sequential([
-            layers.Input(shape=(model_inputs["max_len"],), dtype="int32"),
-            layers.Embedding(model_inputs["vocab_size"], model_cfg.embed_dim, mask_zero=True),
-            layers.GlobalAveragePooling1D(),  # masked mean over real tokens
-            layers.Dropout(model_cfg.dropout),
-            layers.Dense(model_cfg.hidden, activation="relu"), layers.Dropout(model_cfg.dropout),
-            layers.Dense(2, dtype="float32"),
-        ], name="embed_pool")
-    if model_cfg.name == "tfidf":  # the twin of trainers/models/tf_modules.py's, which tf_dtensor trains
-        from trainers.models.tf_modules import BN_EPSILON, BN_MOMENTUM
+    return keras.Sequential([
+        layers.Input(shape=(inputs.max_len,), dtype="int32"),
+        layers.Embedding(inputs.vocab_size, cfg.embed_dim, mask_zero=True),
+        layers.GlobalAveragePooling1D(),  # masked mean over real tokens
+        layers.Dropout(cfg.dropout),
+        layers.Dense(cfg.hidden, activation="relu"), layers.Dropout(cfg.dropout),
+        layers.Dense(inputs.target.outputs, dtype="float32"),
+    ], name="embed_pool")
 
-        return keras.Sequential([
-            layers.Input(shape=(model_inputs["max_len"],), dtype="int32"),
-            token_features_layer(keras)(model_inputs["vocab_size"], model_cfg.bigram_buckets),
-            layers.Dense(model_cfg.hidden),
-            layers.BatchNormalization(momentum=BN_MOMENTUM, epsilon=BN_EPSILON), layers.ReLU(),
-            layers.Dropout(model_cfg.dropout),
-            layers.Dense(2, dtype="float32"),
-        ], name="tfidf")
-    classes = 10
-    if model_cfg.name == "mlp":
-        stack = [layers.Input(shape=(784,))]
-        for size in model_cfg.hidden:
-            stack += [layers.Dense(size, activation="relu"), layers.Dropout(model_cfg.dropout)]
-        model = keras.Sequential([*stack, layers.Dense(classes, dtype="float32")], name="mlp")
-        if seed is not None:
-            model.set_weights(mlp_weights([784, *model_cfg.hidden, classes], seed))
-        return model
-    if model_cfg.name == "cnn":
-        c1, c2 = model_cfg.channels
-        return keras.Sequential([
-            layers.Input(shape=(784,)),
-            layers.Reshape((28, 28, 1)),
-            layers.Conv2D(c1, 3, padding="same", activation="relu"), layers.MaxPooling2D(2),  # (B, 14, 14, c1)
-            layers.Conv2D(c2, 3, padding="same", activation="relu"), layers.MaxPooling2D(2),  # (B, 7, 7, c2)
-            layers.Flatten(), layers.Dropout(model_cfg.dropout),
-            layers.Dense(model_cfg.hidden, activation="relu"), layers.Dropout(model_cfg.dropout),
-            layers.Dense(classes, dtype="float32"),
-        ], name="cnn")
-    raise ValueError(f"no Keras model for '{model_cfg.name}' (choices: mlp, cnn, embed_pool, tfidf)")
+
+def build_tfidf(keras: Any, cfg: Any, inputs: DataSchema, seed: int | None = None) -> Any:
+    """The twin of trainers/models/tf_modules.py's, which tf_dtensor trains: the logged model."""
+    from trainers.models.tf_modules import BN_EPSILON, BN_MOMENTUM
+
+    layers = keras.layers
+    return keras.Sequential([
+        layers.Input(shape=(inputs.max_len,), dtype="int32"),
+        token_features_layer(keras)(inputs.vocab_size, cfg.bigram_buckets),
+        layers.Dense(cfg.hidden),
+        layers.BatchNormalization(momentum=BN_MOMENTUM, epsilon=BN_EPSILON), layers.ReLU(),
+        layers.Dropout(cfg.dropout),
+        layers.Dense(inputs.target.outputs, dtype="float32"),
+    ], name="tfidf")
+
+
+def build_mlp(keras: Any, cfg: Any, inputs: DataSchema, seed: int | None = None) -> Any:
+    """`seed`: initial weights `portable_init.mlp_weights` (PyTorch's MLP starts from the same ones)."""
+    layers = keras.layers
+    sizes = [inputs.features.width, *cfg.hidden, inputs.target.outputs]
+    stack = [layers.Input(shape=(sizes[0],))]
+    for size in cfg.hidden:
+        stack += [layers.Dense(size, activation="relu"), layers.Dropout(cfg.dropout)]
+    model = keras.Sequential([*stack, layers.Dense(sizes[-1], dtype="float32")], name="mlp")
+    if seed is not None:
+        model.set_weights(mlp_weights(sizes, seed))
+    return model
+
+
+def build_cnn(keras: Any, cfg: Any, inputs: DataSchema, seed: int | None = None) -> Any:
+    layers = keras.layers
+    shape = inputs.features.shape
+    c1, c2 = cfg.channels
+    return keras.Sequential([
+        layers.Input(shape=(inputs.features.width,)),
+        layers.Reshape((*shape[:2], shape[2] if len(shape) == 3 else 1)),  # channels last
+        layers.Conv2D(c1, 3, padding="same", activation="relu"), layers.MaxPooling2D(2),  # (B, H/2, W/2, c1)
+        layers.Conv2D(c2, 3, padding="same", activation="relu"), layers.MaxPooling2D(2),  # (B, H/4, W/4, c2)
+        layers.Flatten(), layers.Dropout(cfg.dropout),
+        layers.Dense(cfg.hidden, activation="relu"), layers.Dropout(cfg.dropout),
+        layers.Dense(inputs.target.outputs, dtype="float32"),
+    ], name="cnn")
 
 
 @functools.cache

@@ -3,10 +3,12 @@ next to BERT for IMDb, and the text model the Keras backends share (`keras_model
 shape)."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from contract.data import PAD_ID
+from contract.data import PAD_ID, DataSchema
 
 
 class EmbedPool(nn.Module):
@@ -24,3 +26,7 @@ class EmbedPool(nn.Module):
         mask = attention_mask.to(self.embed.weight.dtype).unsqueeze(-1)  # (B, T, 1)
         summed = (self.embed(input_ids) * mask).sum(dim=1)
         return self.head(summed / mask.sum(dim=1).clamp(min=1.0))
+
+
+def build_embed_pool(cfg: Any, inputs: DataSchema, seed: int | None = None) -> EmbedPool:
+    return EmbedPool(inputs.vocab_size, cfg.embed_dim, cfg.hidden, cfg.dropout, inputs.target.outputs)

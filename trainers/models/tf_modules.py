@@ -2,11 +2,11 @@
 turns their variables into DTensor variables with a layout each), written like the TensorFlow DTensor tutorial's:
 Dense layers with ReLU between them, and a BatchNorm after the first one for the TF-IDF model.
 
-- `mlp` (MNIST): normalised images [B, 784] -> logits [B, 10], the same layers and initial weights as the Keras and
+- `mlp`: normalised features [B, width] -> logits [B, classes], the same layers and initial weights as the Keras and
   PyTorch MLPs (`portable_init`), so the loss-parity gate holds it to DDP's curve.
-- `tfidf` (IMDb): a review's TF-IDF vector [B, vocab (+ bigram buckets)] (`tfidf_features`: sublinear counts of
+- `tfidf` (token data): a review's TF-IDF vector [B, vocab (+ bigram buckets)] (`tfidf_features`: sublinear counts of
   its tokens, and optionally of its hashed token pairs, times the inverse document frequency of each in the train
-  split, scaled to unit length) -> Dense -> BatchNorm -> ReLU -> Dense -> logits [B, 2].
+  split, scaled to unit length) -> Dense -> BatchNorm -> ReLU -> Dense -> logits [B, classes].
 
 The logged model is a Keras twin (trainers/models/keras_models.py) that loads without a mesh: it computes the same
 features from token ids in a layer of its own, with the IDF as that layer's weights (`keras_weights`).
@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from contract.data import DataSchema
 from trainers.models.portable_init import mlp_weights
 
 # BatchNorm's moving averages: momentum 0.9, not Keras' 0.99: an IMDb epoch is ~88 steps of 256 rows, after which
@@ -99,13 +100,15 @@ def layer_variables(layer: tf.Module) -> list[tf.Variable]:
     return [layer.kernel, layer.bias]
 
 
-def build_module(model_cfg: Any, model_inputs: dict, seed: int) -> Classifier:
-    if model_cfg.name == "mlp":
-        return Classifier([784, *model_cfg.hidden, 10], model_cfg.dropout, seed, name="mlp")
-    if model_cfg.name == "tfidf":
-        features = model_inputs["vocab_size"] + model_cfg.bigram_buckets
-        return Classifier([features, model_cfg.hidden, 2], model_cfg.dropout, seed, batch_norm=True, name="tfidf")
-    raise ValueError(f"no tf.Module model for '{model_cfg.name}' (choices: mlp, tfidf)")
+def build_mlp(cfg: Any, inputs: DataSchema, seed: int) -> Classifier:
+    """The MLP of the PyTorch and Keras builders, with the same initial weights for one seed."""
+    return Classifier([inputs.features.width, *cfg.hidden, inputs.target.outputs], cfg.dropout, seed, name="mlp")
+
+
+def build_tfidf(cfg: Any, inputs: DataSchema, seed: int) -> Classifier:
+    """On TF-IDF vectors of the vocabulary (and the bigram buckets): trainers/tf/dtensor computes them."""
+    return Classifier([inputs.vocab_size + cfg.bigram_buckets, cfg.hidden, inputs.target.outputs], cfg.dropout,
+                      seed, batch_norm=True, name="tfidf")
 
 
 def token_counts(ids: Any, vocab_size: int, bigram_buckets: int, binary: bool = False) -> tf.Tensor:

@@ -19,12 +19,13 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from contract.checkpoint import TrainState
+from contract.data import DataSchema
 from contract.metrics import PendingReduce, reduce_at_once
 from trainers.adapter import Adapter, WorkerData
 from trainers.loop import WorkerContext
 from trainers.tf.data import ShardArrays, worker_shards
 from trainers.tf.keras_fit import run_epochs
-from trainers.worker import ray_context, worker_config
+from trainers.worker import ray_context, worker_config, worker_inputs
 
 LEGACY_KERAS_ENV = {"TF_USE_LEGACY_KERAS": "1"}
 EVAL_BATCH = 256
@@ -62,25 +63,40 @@ def local_devices(tf: Any, count: int, use_gpu: bool) -> list[str]:
     return [d.name for d in tf.config.list_logical_devices("CPU")][:count]
 
 
-def input_example(dataset: str, model_inputs: dict) -> np.ndarray:
-    """Two all-zero inputs of the model's shape (for MLflow's signature)."""
-    if dataset == "mnist":
-        return np.zeros((2, 784), dtype=np.float32)
-    return np.zeros((2, model_inputs["max_len"]), dtype=np.int32)
+def input_example(inputs: DataSchema) -> np.ndarray:
+    """Two all-zero inputs of the model's shape (for MLflow's signature): token ids, or scaled features."""
+    if inputs.features.kind == "tokens":
+        return np.zeros((2, inputs.max_len), dtype=np.int32)
+    return np.zeros((2, inputs.features.width), dtype=np.float32)
 
 
-def build_compiled_model(keras: Any, cfg: Any, model_inputs: dict, steps_per_execution: int = 1,
+def keras_loss(keras: Any, task: str, **kwargs: Any) -> Any:
+    """The training loss of a task (PyTorch's: trainers/torch/common.py `task_loss`): cross-entropy of the logits
+    and class ids, or the mean squared error of the predictions [B, 1] and the targets."""
+    if task == "regression":
+        return keras.losses.MeanSquaredError(**kwargs)
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, **kwargs)
+
+
+def batch_score(outputs: np.ndarray, labels: np.ndarray, regression: bool) -> float:
+    """A batch's evaluation score: its correct predictions, or its summed squared errors."""
+    if regression:
+        return float(np.sum((outputs.reshape(labels.shape) - labels) ** 2))
+    return float(np.sum(np.argmax(outputs, axis=1) == labels))
+
+
+def build_compiled_model(keras: Any, cfg: Any, inputs: DataSchema, steps_per_execution: int = 1,
                          steps_per_epoch: int = 1, seed: int | None = None) -> Any:
     """The Keras model of `cfg.model` compiled with the trainer's recipe optimizer (trainers/tf/recipe.py; its
     LR schedule spans `trainer.epochs` epochs of `steps_per_epoch` batches). `steps_per_execution` > 1 only
     matters to `fit` (tf_mwms' and tf_ps' `trainer.tf_steps_per_execution`). The dtype policy (`set_precision`) is
     the caller's: the logged model is built in float32."""
-    from trainers.models.keras_models import build_keras_model
+    from trainers.models import build_keras_model
     from trainers.tf.recipe import make_optimizer
 
-    model = build_keras_model(cfg.model, keras, model_inputs, seed)
+    model = build_keras_model(cfg.model, keras, inputs, seed)
     optimizer = make_optimizer(keras, cfg.trainer, model.trainable_variables, steps_per_epoch)
-    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    model.compile(optimizer=optimizer, loss=keras_loss(keras, inputs.target.task),
                   # Several steps per tf.function call (fit): cuts the per-step host overhead of the strategy.
                   steps_per_execution=steps_per_execution)
     return model
@@ -187,18 +203,18 @@ class KerasAdapter(Adapter):
         for batch, count in zip(self.stream.batches(epoch, skip, len(tokens)), tokens):
             yield batch, int(count)
 
-    def evaluate(self, epoch: int) -> tuple[int, int]:
+    def evaluate(self, epoch: int) -> tuple[float, int]:
         """One pass over the evaluation set, from one iterator over it repeated, kept for the attempt: an iterator
         made and dropped at every evaluation cost each of 2 workers 0.5-0.6 s more at each epoch's end, its
         destructor waiting for tf.data's autotuning thread (as `EpochStream`'s; benchmarks/README.md, scaling.py)."""
         if self.eval_batches is None:
             self.eval_batches = iter(self.evaluation.dataset(self.tf, EVAL_BATCH).repeat())
-        correct = 0
+        score, regression = 0.0, self.evaluation.schema.target.task == "regression"
         for _ in range(-(-len(self.evaluation.labels) // EVAL_BATCH)):  # the batches of one pass
             features, labels = next(self.eval_batches)
-            logits = self.model(features, training=False)  # local replica's (synchronised) weights
-            correct += int(np.sum(np.argmax(logits.numpy(), axis=1) == labels.numpy()))
-        return correct, len(self.evaluation.labels)
+            outputs = self.model(features, training=False)  # local replica's (synchronised) weights
+            score += batch_score(outputs.numpy(), labels.numpy(), regression)
+        return score, len(self.evaluation.labels)
 
     def reduce_later(self, values: list[float], op: str) -> PendingReduce:
         return reduce_at_once(self.reduce, values, op)  # TF's collectives are called synchronously here
@@ -220,14 +236,14 @@ class KerasAdapter(Adapter):
             np.savez(Path(directory) / f"rank{self.rank}.npz", *self.model.get_weights())
 
 
-def compiled_model_from(keras: Any, cfg: Any, model_inputs: dict, directory: str) -> Any:
+def compiled_model_from(keras: Any, cfg: Any, inputs: DataSchema, directory: str) -> Any:
     """The Keras model a tf_mwms, tf_ps or horovod tf checkpoint in `directory` holds."""
-    model = build_compiled_model(keras, cfg, model_inputs)
+    model = build_compiled_model(keras, cfg, inputs)
     model.load_weights(os.path.join(directory, WEIGHTS))
     return model
 
 
-def _log_model_task(uri: str, run_id: str, cfg_dict: dict, checkpoint: Any, model_inputs: dict,
+def _log_model_task(uri: str, run_id: str, cfg_dict: dict, roots: list[str], checkpoint: Any, inputs: DataSchema,
                     model_from: Callable) -> None:
     import mlflow
     import tensorflow as tf
@@ -237,15 +253,15 @@ def _log_model_task(uri: str, run_id: str, cfg_dict: dict, checkpoint: Any, mode
 
     # The logged model is float32 (no dtype policy is set here), so without fp16's LossScaleOptimizer too: an
     # unbuilt one cannot skip the optimizer variables in the weights file (see `load_keras_state`).
-    cfg = typed_config({**cfg_dict, "trainer": {**cfg_dict["trainer"], "precision": "fp32"}})
+    cfg = typed_config({**cfg_dict, "trainer": {**cfg_dict["trainer"], "precision": "fp32"}}, roots)
     with checkpoint.as_directory() as directory:
-        model = model_from(keras, cfg, model_inputs, directory)
+        model = model_from(keras, cfg, inputs, directory)
         epoch = TrainState.read(directory).epoch
     mlflow.set_tracking_uri(uri)
     mlflow.start_run(run_id=run_id, log_system_metrics=False)
     try:
         # Explicit requirements: MLflow's inference imports and scans modules, seconds for nothing here.
-        mlflow.tensorflow.log_model(model, name="model", input_example=input_example(cfg.data.name, model_inputs),
+        mlflow.tensorflow.log_model(model, name="model", input_example=input_example(inputs),
                                     keras_model_kwargs={"save_format": "keras"}, step=epoch,
                                     custom_objects=custom_objects(keras),
                                     pip_requirements=[f"tensorflow=={tf.__version__}",
@@ -254,7 +270,7 @@ def _log_model_task(uri: str, run_id: str, cfg_dict: dict, checkpoint: Any, mode
         mlflow.end_run()
 
 
-def log_final_model(uri: str, run_id: str, cfg: Any, checkpoint: Any, model_inputs: dict,
+def log_final_model(uri: str, run_id: str, cfg: Any, checkpoint: Any, inputs: DataSchema,
                     model_from: Callable = compiled_model_from) -> None:
     """The final checkpoint's model, MLflow tensorflow (Keras) flavour (`model_from`: the Keras model a
     checkpoint folder holds). MLflow recognises Keras models via
@@ -263,9 +279,12 @@ def log_final_model(uri: str, run_id: str, cfg: Any, checkpoint: Any, model_inpu
     import ray
     from omegaconf import OmegaConf
 
+    from contract.registry import plugin_roots
+
     task = ray.remote(num_cpus=1, runtime_env={"env_vars": {**LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}})(
         _log_model_task)
-    ray.get(task.remote(uri, run_id, OmegaConf.to_container(cfg, resolve=True), checkpoint, model_inputs, model_from))
+    ray.get(task.remote(uri, run_id, OmegaConf.to_container(cfg, resolve=True), plugin_roots(cfg.plugins), checkpoint,
+                        inputs, model_from))
 
 
 RunWorker = Callable[[Any, WorkerContext, WorkerData], bool]  # a backend's `run_worker`
@@ -275,8 +294,8 @@ def run_on_ray(config: dict[str, Any], run_worker: RunWorker) -> None:
     """What a TensorFlow backend's Ray Train workers run: its `run_worker` on this worker's context and Ray Data
     shards (pulled when the adapter asks, after the worker has set TensorFlow's threads)."""
     cfg = worker_config(config)
-    run_worker(cfg, ray_context(config, cfg), WorkerData(config["model_inputs"],
-                                                         lambda seed: worker_shards(cfg.data.name)))
+    inputs = worker_inputs(config)
+    run_worker(cfg, ray_context(config, cfg), WorkerData(inputs, lambda seed: worker_shards(inputs)))
 
 
 def train_keras(cfg: Any, ctx: WorkerContext, keras: Any, adapter: KerasAdapter) -> bool:

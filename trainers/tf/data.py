@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from contract.data import MNIST_MEAN, MNIST_STD, bucketed_order, shuffled_order
+from contract.data import LABEL_DTYPES, DataSchema, bucketed_order, shuffled_order
 from trainers.worker import dataset_shards
 
 LOAD_BATCH = 8192  # rows per Ray Data batch when pulling a shard into memory
@@ -18,31 +18,32 @@ LOAD_BATCH = 8192  # rows per Ray Data batch when pulling a shard into memory
 class ShardArrays:
     """This worker's Ray Data shard, pulled once into memory as numpy (same reason as
     `trainers.torch.data.ShardBatches`: re-streaming Parquet every epoch is slower than the model trains).
-    Features: MNIST uint8 images [N, 784] (normalised per batch in `dataset`), IMDb int32 token ids [N, T]
-    with their `lengths` (real tokens per row). `shard`: anything with Ray's `iter_batches`."""
+    Features [N, width] as workers hold them (contract/data.py FEATURE_DTYPES: uint8 images and float32 values,
+    scaled per batch in `dataset`; int32 token ids, with their `lengths`: real tokens per row), labels int64 class
+    ids or float32 targets. `shard`: anything with Ray's `iter_batches`."""
 
-    def __init__(self, shard: Any, dataset: str):
+    def __init__(self, shard: Any, schema: DataSchema):
         start = time.perf_counter()
-        self.column = "image" if dataset == "mnist" else "input_ids"
+        self.schema = schema
         self._concat(shard.iter_batches(batch_size=LOAD_BATCH, batch_format="numpy"))
         self.load_s = time.perf_counter() - start
 
     @classmethod
-    def from_columns(cls, columns: dict[str, np.ndarray], dataset: str) -> "ShardArrays":
+    def from_columns(cls, columns: dict[str, np.ndarray], schema: DataSchema) -> "ShardArrays":
         """A shard already in memory (in-process tests): what pulling a Ray Data shard gives."""
         arrays = cls.__new__(cls)
-        arrays.column, arrays.load_s = "image" if dataset == "mnist" else "input_ids", 0.0
+        arrays.schema, arrays.load_s = schema, 0.0
         arrays._concat([columns])
         return arrays
 
     def _concat(self, batches: Any) -> None:
         features, labels, lengths = [], [], []
+        stored, target = self.schema.features, self.schema.target
         for batch in batches:
-            column = batch[self.column]  # fixed-size lists: [B, D], or B arrays of D
-            features.append(np.stack(column) if column.dtype == object else column)
-            labels.append(np.asarray(batch["label"], dtype=np.int64))
-            lengths.append(np.asarray(batch["length"], dtype=np.int64) if "length" in batch
-                           else np.zeros(len(column), dtype=np.int64))
+            features.append(stored.stored(batch[stored.column]))
+            labels.append(np.asarray(batch[target.column], dtype=LABEL_DTYPES[target.task]))
+            lengths.append(np.asarray(batch[stored.length_column], dtype=np.int64) if stored.length_column
+                           else np.zeros(len(features[-1]), dtype=np.int64))
         self.features, self.labels = np.concatenate(features), np.concatenate(labels)
         self.lengths = np.concatenate(lengths)  # zeros for images: no tokens to count
         # Rows per step when shuffled epochs are grouped by length (`data.bucket_by_length`, set by the adapter;
@@ -87,10 +88,8 @@ class ShardArrays:
             ds = ds.take(steps)
         features, labels = self.tensors(tf)
         ds = ds.map(lambda rows: (tf.gather(features, rows), tf.gather(labels, rows)))
-        if self.column == "image":
-            ds = ds.map(lambda x, y: ((tf.cast(x, tf.float32) / 255.0 - MNIST_MEAN) / MNIST_STD, y))
-        else:
-            ds = ds.map(lambda x, y: (tf.cast(x, tf.int32), y))
+        scale = model_input_fn(tf, self.schema)
+        ds = ds.map(lambda x, y: (scale(x), y))
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         # tf.data's default graph rewrites, made when an iterator opens, copy the shard into every epoch's part of
@@ -100,10 +99,20 @@ class ShardArrays:
         return ds.with_options(options).prefetch(2)
 
 
-def worker_shards(dataset: str) -> tuple[ShardArrays, ShardArrays]:
+def model_input_fn(tf: Any, schema: DataSchema) -> Callable[[Any], Any]:
+    """Stored features [B, width] -> what the model takes: images and values scaled to float32, token ids int32."""
+    if schema.features.kind == "tokens":
+        return lambda x: tf.cast(x, tf.int32)
+    divisor, mean, std = schema.features.scaling()
+    if divisor == 1.0:
+        return lambda x: (tf.cast(x, tf.float32) - mean) / std
+    return lambda x: (tf.cast(x, tf.float32) / divisor - mean) / std
+
+
+def worker_shards(schema: DataSchema) -> tuple[ShardArrays, ShardArrays]:
     """This worker's train and eval arrays (Ray Train dataset shards "train" and "eval")."""
     (train_shard, eval_shard), waited_s = dataset_shards("train", "eval")
-    train, evaluation = ShardArrays(train_shard, dataset), ShardArrays(eval_shard, dataset)
+    train, evaluation = ShardArrays(train_shard, schema), ShardArrays(eval_shard, schema)
     train.load_s += waited_s
     return train, evaluation
 

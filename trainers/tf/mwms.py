@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import numpy as np
 from omegaconf import DictConfig
 
+from contract.data import DataSchema
 from contract.recipe import updates_per_epoch
 from trainers.tf import common as tfc
 from trainers.tf.data import EpochStream, chained_epochs
@@ -100,8 +101,7 @@ class MirroredAdapter(tfc.KerasAdapter):
         tf, strategy, model, optimizer = self.tf, self.strategy, self.model, self.model.optimizer
         variables = model.trainable_variables
         global_batch = self.batch_size * strategy.num_replicas_in_sync
-        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
-                                                             reduction=keras.losses.Reduction.NONE)
+        loss_fn = tfc.keras_loss(keras, self.evaluation.schema.target.task, reduction=keras.losses.Reduction.NONE)
 
         def replica_step(images, labels):
             with tf.GradientTape() as tape:
@@ -222,19 +222,19 @@ def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData, strateg
         strategy = make_strategy(tf, cfg.trainer)
     import tf_keras as keras
 
-    from trainers.models.keras_models import build_keras_model
+    from trainers.models import build_keras_model
 
     trainer, rank, world_size = cfg.trainer, ctx.rank, ctx.world_size
     tfr.set_precision(keras, trainer.precision)
     # Same initial weights everywhere and for every device layout: they are drawn outside the strategy, whose
     # variable creation uses up random ops differently (default vs Mirrored strategy), then copied in.
     keras.utils.set_random_seed(cfg.run.seed)
-    initial = build_keras_model(cfg.model, keras, data.model_inputs, seed=cfg.run.seed).get_weights()
+    initial = build_keras_model(cfg.model, keras, data.inputs, seed=cfg.run.seed).get_weights()
     local_replicas = strategy.num_replicas_in_sync // world_size  # devices_per_worker under MirroredStrategy, else 1
     train, evaluation = data.shards(cfg.run.seed + 1000 * rank)
     steps = train.steps(trainer.batch_size * local_replicas, trainer.max_steps_per_epoch)  # for the LR schedule
     with strategy.scope():
-        model = tfc.build_compiled_model(keras, cfg, data.model_inputs, trainer.tf_steps_per_execution, steps)
+        model = tfc.build_compiled_model(keras, cfg, data.inputs, trainer.tf_steps_per_execution, steps)
         model.set_weights(initial)
     tfc.seed_dropout(tf, cfg.run.seed, rank)  # before the training step is traced
     return MirroredAdapter(keras, world_size, trainer.epochs, tf, strategy, model, train, evaluation,
@@ -260,7 +260,7 @@ def worker_resources(trainer: DictConfig) -> dict[str, float]:
     return resources
 
 
-def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict,
+def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, inputs: DataSchema,
                   callbacks: list | None = None):
     from ray.train.tensorflow import TensorflowTrainer
 
@@ -270,7 +270,7 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
 
     return TensorflowTrainer(
         train_loop_per_worker,
-        train_loop_config=loop_config(cfg, run_id, tracking_uri, model_inputs),
+        train_loop_config=loop_config(cfg, run_id, tracking_uri, inputs),
         tensorflow_config=MirroredConfig(),  # TensorflowConfig's TF_CONFIG, without TensorFlow in the controller
         scaling_config=scaling_config(cfg, resources=worker_resources(cfg.trainer)),
         # tf-keras must own `tf.keras` from process start (trainers/tf/common.py); Ray starts the worker

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from contract.checkpoint import TrainState
+from contract.data import DataSchema
 from contract.metrics import AsyncReducer, PendingReduce, peak_rss_bytes
 from trainers.adapter import Adapter, WorkerData
 from trainers.loop import WorkerContext, train
@@ -25,9 +26,24 @@ from trainers.torch.parallel.comm import collective_device
 from trainers.torch.parallel.data_parallel import average_gradients
 from trainers.torch.parallel.memory import rank_memory
 from trainers.torch.recipe import TorchRecipe, clip_dense_grad_norm, with_kernels_of
-from trainers.worker import loop_config, ray_context, run_config, scaling_config, worker_config
+from trainers.worker import loop_config, ray_context, run_config, scaling_config, worker_config, worker_inputs
 
 STATE_FILE = "state.pt"  # {"model": dense state dict, "optimizer": dense optimizer state, "scheduler": ...}
+
+
+def task_loss(task: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The training loss of a task: cross-entropy of the logits [B, classes] and class ids, or the mean squared
+    error of the predictions ([B] or [B, 1]) and the targets."""
+    if task == "regression":
+        return lambda outputs, targets: nn.functional.mse_loss(outputs.reshape(targets.shape).float(), targets)
+    return nn.CrossEntropyLoss()
+
+
+def batch_score(outputs: torch.Tensor, labels: torch.Tensor, regression: bool) -> float:
+    """A batch's evaluation score: its correct predictions (the top logit's class), or its summed squared errors."""
+    if regression:
+        return float(((outputs.reshape(labels.shape).float() - labels) ** 2).sum())
+    return float((outputs.argmax(dim=1) == labels).sum())
 
 
 def place_model(model: nn.Module, device: torch.device) -> nn.Module:
@@ -113,7 +129,8 @@ class TorchAdapter(Adapter):
         self.passes, self.sync_gradients, self.ranks_per_sample = recipe.passes, sync_gradients, ranks_per_sample
         self.clip = clip or (lambda max_norm: clip_dense_grad_norm(self.model, max_norm))
         self.load_s = train.load_s + evaluation.load_s
-        self.loss_fn = nn.CrossEntropyLoss()
+        self.regression = train.schema.target.task == "regression"
+        self.loss_fn = task_loss(train.schema.target.task)
         self.forward: Callable[..., torch.Tensor] = model  # the training forward (`compile_forward`)
         self.pending = 0  # backward passes since the last optimizer step
 
@@ -185,14 +202,14 @@ class TorchAdapter(Adapter):
             self._optimizer_step()
 
     @torch.no_grad()
-    def evaluate(self, epoch: int) -> tuple[int, int]:
+    def evaluate(self, epoch: int) -> tuple[float, int]:
         self.model.eval()
-        correct = total = 0
+        score, total = 0.0, 0
         for inputs, labels, _ in self.evaluation.epoch(epoch, shuffle=False):
-            predictions = self.model(*(x.to(self.device) for x in inputs)).argmax(dim=1)
-            correct += int((predictions == labels.to(self.device)).sum())
+            outputs = self.model(*(x.to(self.device) for x in inputs))
+            score += batch_score(outputs, labels.to(self.device), self.regression)
             total += len(labels)
-        return correct, total
+        return score, total
 
     def reduce_later(self, values: list[float], op: str) -> PendingReduce:
         return self._reduce_later(values, op)
@@ -266,7 +283,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def torch_trainer(loop: Callable[[dict], None], cfg: Any, datasets: dict, run_id: str, tracking_uri: str,
-                  model_inputs: dict, dataset_config: Any = None, callbacks: list | None = None) -> Any:
+                  inputs: DataSchema, dataset_config: Any = None, callbacks: list | None = None) -> Any:
     """The `TorchTrainer` every PyTorch backend but Horovod uses: gloo on CPU / NCCL on GPU, set up by
     trainers/torch/backend.py (the process group `TorchConfig` sets up, without torch in Ray Train's controller)."""
     from ray.train.torch import TorchTrainer
@@ -276,7 +293,7 @@ def torch_trainer(loop: Callable[[dict], None], cfg: Any, datasets: dict, run_id
 
     return TorchTrainer(
         loop,
-        train_loop_config=loop_config(cfg, run_id, tracking_uri, model_inputs),
+        train_loop_config=loop_config(cfg, run_id, tracking_uri, inputs),
         torch_config=TorchGroupConfig(backend="nccl" if cfg.trainer.use_gpu else "gloo"),
         scaling_config=scaling_config(cfg),
         run_config=run_config(cfg, run_id, callbacks),
@@ -296,7 +313,8 @@ def run_on_ray(config: dict[str, Any], run_worker: RunWorker) -> None:
     cfg = worker_config(config)
     torch.set_num_threads(cfg.trainer.threads_per_worker)
     ctx = ray_context(config, cfg, device=ray.train.torch.get_device())
-    run_worker(cfg, ctx, WorkerData(config["model_inputs"], lambda seed: worker_shards(cfg, seed)))
+    inputs = worker_inputs(config)
+    run_worker(cfg, ctx, WorkerData(inputs, lambda seed: worker_shards(cfg, inputs, seed)))
 
 
 def train_adapter(cfg: DictConfig, ctx: WorkerContext, adapter: TorchAdapter) -> bool:
@@ -311,21 +329,22 @@ def worker_device(ctx: WorkerContext) -> torch.device:
     return ctx.device if ctx.device is not None else torch.device("cpu")
 
 
-def example_input(dataset: str, model_inputs: dict) -> Any:
-    """An input the logged model takes (MLflow infers its signature from it)."""
-    if dataset == "imdb":
-        return np.ones((2, model_inputs["max_len"]), dtype=np.int64)  # token ids; [PAD] ids are the padding
-    return np.zeros((2, 784), dtype=np.float32)
+def example_input(inputs: DataSchema) -> Any:
+    """An input the logged model takes (MLflow infers its signature from it): token ids ([PAD] ids are the
+    padding), or scaled features [2, width]."""
+    if inputs.features.kind == "tokens":
+        return np.ones((2, inputs.max_len), dtype=np.int64)
+    return np.zeros((2, inputs.features.width), dtype=np.float32)
 
 
-def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, model_inputs: dict,
+def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, inputs: DataSchema,
                     model_state: Callable[[str], dict[str, torch.Tensor]] | None = None) -> None:
     """Log the trained (dense) model of the final checkpoint to the MLflow run (PyTorch flavour). `model_state`:
     the dense state dict a checkpoint folder holds (default: `state.pt`'s)."""
     from contract.tracking import log_torch_model
 
-    model = build_model(cfg.model, model_inputs)
+    model = build_model(cfg.model, inputs)
     with checkpoint.as_directory() as directory:
         model.load_state_dict(model_state(directory) if model_state else load_state_file(directory)["model"])
         epoch = TrainState.read(directory).epoch
-    log_torch_model(uri, run_id, model.eval(), example_input(cfg.data.name, model_inputs), epoch)
+    log_torch_model(uri, run_id, model.eval(), example_input(inputs), epoch)

@@ -8,7 +8,7 @@ from typing import Any, Iterator
 
 import torch
 
-from contract.data import MNIST_MEAN, MNIST_STD, bucketed_order, shuffled_order
+from contract.data import DataSchema, bucketed_order, shuffled_order
 from trainers.worker import dataset_shards
 
 LOAD_BATCH = 8192  # rows per Ray Data batch when pulling a shard into memory
@@ -17,23 +17,33 @@ EVAL_BATCH = 256
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor, int]  # (model inputs, labels, tokens in batch)
 
 
-def normalise(images: torch.Tensor) -> torch.Tensor:
-    return (images.float() / 255.0 - MNIST_MEAN) / MNIST_STD
+class BatchInputs:
+    """How a batch of a prepared dataset's stored columns becomes (model inputs, labels, tokens), from its schema
+    (contract/data.py): image and numeric features scaled to float32 [B, width], token ids with a mask of the real
+    ones; class ids as int64, regression targets as float32."""
 
+    def __init__(self, schema: DataSchema):
+        features, target = schema.features, schema.target
+        self.schema, self.features, self.label = schema, features.column, target.column
+        self.columns = tuple(c for c in (features.column, target.column, features.length_column, features.id_column)
+                             if c)
+        self.tokens = features.kind == "tokens"
+        self.scale, mean, std = features.scaling()
+        self.mean, self.std = (x if isinstance(x, float) else torch.from_numpy(x) for x in (mean, std))
+        self.regression = target.task == "regression"
 
-def image_batch(columns: dict[str, torch.Tensor]) -> Batch:
-    return (normalise(columns["image"]),), columns["label"].long(), 0
-
-
-def text_batch(columns: dict[str, torch.Tensor]) -> Batch:
-    ids, lengths = columns["input_ids"].long(), columns["length"]
-    mask = torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]  # (B, T), True = real token
-    return (ids, mask), columns["label"].long(), int(lengths.sum())
-
-
-# dataset name -> (columns a worker keeps, how a batch of them becomes model inputs)
-DATA_ADAPTERS = {"mnist": (("image", "label"), image_batch),
-                 "imdb": (("input_ids", "length", "label", "id"), text_batch)}
+    def __call__(self, columns: dict[str, torch.Tensor]) -> Batch:
+        labels = columns[self.label]
+        labels = labels.float() if self.regression else labels.long()
+        if self.tokens:
+            ids, lengths = columns[self.features].long(), columns[self.schema.features.length_column]
+            mask = torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]  # (B, T), True = real token
+            return (ids, mask), labels, int(lengths.sum())
+        values = columns[self.features].float().flatten(1)
+        mean, std = (x.to(values.device) if torch.is_tensor(x) else x for x in (self.mean, self.std))
+        if self.scale != 1.0:
+            values = values / self.scale
+        return ((values - mean) / std,), labels, 0
 
 
 class ShardBatches:
@@ -49,10 +59,12 @@ class ShardBatches:
     and each batch is indexed there.
     """
 
-    def __init__(self, shard: Any, dataset: str, batch_size: int, cache: bool, seed: int,
+    def __init__(self, shard: Any, schema: DataSchema, batch_size: int, cache: bool, seed: int,
                  max_steps: int | None = None, drop_last: bool = False, bucket_by_length: bool = False,
                  trim: bool = False):
-        self.columns, self.adapt = DATA_ADAPTERS[dataset]
+        self.adapt = BatchInputs(schema)
+        self.schema, self.columns, self.label = schema, self.adapt.columns, schema.target.column
+        self.length, self.feature_column = schema.features.length_column, schema.features.column
         self.shard, self.batch_size, self.seed, self.max_steps = shard, batch_size, seed, max_steps
         self.drop_last = drop_last  # leave out an epoch's last batch if it is short (pipelines need fixed shapes)
         self.bucket_by_length = bucket_by_length  # shuffled epochs in `bucketed_order` (cached text shards)
@@ -69,18 +81,18 @@ class ShardBatches:
             self.load_s = time.perf_counter() - start
 
     @classmethod
-    def from_columns(cls, columns: dict[str, torch.Tensor], dataset: str, batch_size: int, seed: int,
+    def from_columns(cls, columns: dict[str, torch.Tensor], schema: DataSchema, batch_size: int, seed: int,
                      max_steps: int | None = None, drop_last: bool = False, bucket_by_length: bool = False,
                      trim: bool = False) -> "ShardBatches":
         """A shard already in memory (in-process tests, benchmarks): what caching a Ray Data shard gives."""
-        batches = cls(None, dataset, batch_size, cache=False, seed=seed, max_steps=max_steps, drop_last=drop_last,
+        batches = cls(None, schema, batch_size, cache=False, seed=seed, max_steps=max_steps, drop_last=drop_last,
                       bucket_by_length=bucket_by_length, trim=trim)
         batches.cached = {c: columns[c] for c in batches.columns}
         return batches
 
     def steps(self) -> int:
         """Batches per epoch (known once cached; 0 when streaming)."""
-        rows = 0 if self.cached is None else len(self.cached["label"])
+        rows = 0 if self.cached is None else len(self.cached[self.label])
         steps = rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)  # floor or ceil
         return min(steps, self.max_steps) if self.max_steps else steps
 
@@ -93,11 +105,11 @@ class ShardBatches:
             for batch in self.shard.iter_torch_batches(batch_size=self.batch_size, drop_last=self.drop_last):
                 yield self.adapt(self._trimmed(batch))
             return
-        rows = len(self.cached["label"])
+        rows = len(self.cached[self.label])
         if shuffle:
             order = shuffled_order(rows, self.seed + epoch)  # as the TF backends shuffle
             if self.bucket_by_length:
-                lengths = self.cached["length"].cpu().numpy()  # the cache is on the GPU in a GPU worker
+                lengths = self.cached[self.length].cpu().numpy()  # the cache is on the GPU in a GPU worker
                 order = bucketed_order(order, lengths, self.batch_size, self.seed + epoch)
             order = torch.from_numpy(order)
         else:
@@ -110,26 +122,29 @@ class ShardBatches:
     def _trimmed(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The batch with its token ids cut after its longest row's tokens, when `trim` is set. Padding is masked
         out of attention and pooling, so the model's outputs do not change."""
-        if not self.trim or "length" not in batch:
+        if not self.trim or not self.length:
             return batch
-        return {**batch, "input_ids": batch["input_ids"][:, :max(int(batch["length"].max()), 1)]}
+        return {**batch, self.feature_column: batch[self.feature_column][:, :max(int(batch[self.length].max()), 1)]}
 
     def row_keys(self) -> torch.Tensor | None:
-        """Sorted keys of the cached text rows (id * 2 + label, unique per review): which rows a rank holds."""
-        if self.cached is None or "id" not in self.cached:
+        """Sorted keys of the cached rows that have an id column (id x classes + label: IMDb numbers the reviews
+        of each label from 0), which rows a rank holds."""
+        id_column = self.schema.features.id_column
+        if self.cached is None or not id_column:
             return None
-        return (self.cached["id"].long() * 2 + self.cached["label"].long()).sort().values.cpu()
+        classes = max(len(self.schema.target.classes), 1)
+        return (self.cached[id_column].long() * classes + self.cached[self.label].long()).sort().values.cpu()
 
 
-def worker_shards(cfg: Any, seed: int) -> tuple[ShardBatches, ShardBatches]:
+def worker_shards(cfg: Any, schema: DataSchema, seed: int) -> tuple[ShardBatches, ShardBatches]:
     """This worker's train and eval batches (Ray Train dataset shards "train" and "eval"). A pipeline
     (`trainer.pp` > 1) has fixed shapes: training drops a short last batch, evaluation runs in training batches."""
     pipeline = cfg.trainer.get("pp", 1) > 1
     (train_shard, eval_shard), waited_s = dataset_shards("train", "eval")
-    train = ShardBatches(train_shard, cfg.data.name, cfg.trainer.batch_size, cfg.data.cache_in_worker, seed,
+    train = ShardBatches(train_shard, schema, cfg.trainer.batch_size, cfg.data.cache_in_worker, seed,
                          cfg.trainer.max_steps_per_epoch, drop_last=pipeline,
                          bucket_by_length=cfg.data.bucket_by_length, trim=not pipeline)
-    evaluation = ShardBatches(eval_shard, cfg.data.name, cfg.trainer.batch_size if pipeline else EVAL_BATCH,
+    evaluation = ShardBatches(eval_shard, schema, cfg.trainer.batch_size if pipeline else EVAL_BATCH,
                               cfg.data.cache_in_worker, seed, trim=not pipeline)
     train.load_s += waited_s
     return train, evaluation

@@ -7,6 +7,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from contract.data import DataSchema
 from trainers.adapter import WorkerData
 from trainers.loop import WorkerContext
 from trainers.models import build_model
@@ -21,7 +22,7 @@ def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> tc.T
     it), and this rank's shard, shuffled by its own seed."""
     device = tc.worker_device(ctx)
     torch.manual_seed(cfg.run.seed)  # same initial weights on every rank (DDP also broadcasts them)
-    model = tc.place_model(build_model(cfg.model, data.model_inputs, seed=cfg.run.seed), device)
+    model = tc.place_model(build_model(cfg.model, data.inputs, seed=cfg.run.seed), device)
     train, evaluation = data.shards(cfg.run.seed + 1000 * ctx.rank)
     recipe = build_recipe(model, cfg.trainer, train.steps(), device)
     if ctx.world_size > 1:
@@ -39,7 +40,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     tc.run_on_ray(config, run_worker)
 
 
-def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict,
+def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, inputs: DataSchema,
                   callbacks: list | None = None):
-    return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, model_inputs,
+    return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, inputs,
                             callbacks=callbacks)

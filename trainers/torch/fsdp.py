@@ -27,6 +27,8 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from contract.data import DataSchema
+from contract.registry import MODELS
 from trainers.adapter import WorkerData
 from trainers.loop import WorkerContext
 from trainers.models import build_model
@@ -117,7 +119,8 @@ class PipelineAdapter(FSDPAdapter):
     """FSDP (or FSDP x TP) on pipeline stages: a training step is one pass of the pipeline schedule over the batch
     (trainers/torch/parallel/pipeline.py). The last stage computes the loss and broadcasts it to its pipeline group, so
     every rank reports the step's loss and samples (the loop counts each sample `ranks_per_sample` = pp x tp times);
-    evaluation runs the pipeline forward only and the last stage broadcasts the correct count."""
+    evaluation runs the pipeline forward only and the last stage broadcasts the score (correct count, squared
+    errors)."""
 
     def __init__(self, parts: list[nn.Module], schedule: Any, stages: list[int], n_stages: int,
                  pp_group: ProcessGroup, recipe: TorchRecipe, train: ShardBatches, evaluation: ShardBatches,
@@ -148,20 +151,20 @@ class PipelineAdapter(FSDPAdapter):
         return {**super().own_stats(), **self.trained_memory}
 
     @torch.no_grad()
-    def evaluate(self, epoch: int) -> tuple[int, int]:
+    def evaluate(self, epoch: int) -> tuple[float, int]:
         """Batches of the training batch size (the pipeline's shapes are fixed); the last one padded with copies of
         its first row, whose predictions are dropped."""
         self.model.eval()
-        correct, total = torch.zeros((), dtype=torch.float64), 0
+        score, total = torch.zeros((), dtype=torch.float64), 0
         for (ids, mask), labels, _ in self.evaluation.epoch(epoch, shuffle=False):
             rows = len(labels)
             ids, mask, labels = (_pad_rows(x, self.batch_size).to(self.device) for x in (ids, mask, labels))
             logits = self.schedule.eval(*((ids,) if self.first else ()), attention_mask=mask,
                                         target=labels if self.last else None)
             if self.last:
-                correct += int((logits[:rows].argmax(dim=1) == labels[:rows]).sum())
+                score += tc.batch_score(logits[:rows], labels[:rows], self.regression)
             total += rows
-        return int(self._from_last_stage(correct)), total
+        return float(self._from_last_stage(score)), total
 
     def _from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         value = value.to(collective_device(self.pp_group))
@@ -179,7 +182,7 @@ def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> FSDP
     """The dense model from the shared seed, parallelized on the N-D mesh (trainers/torch/parallel/parallelize.py: this
     rank's pipeline stages if pp > 1, each tensor-parallel if tp > 1, sharded over the data-parallel dimensions);
     this rank's data-parallel shard, shuffled by its seed (alike in the pp x tp ranks that read the same batches)."""
-    from trainers.torch.parallel.parallelize import parallelize
+    from trainers.torch.parallel.parallelize import ModelPlans, parallelize
     from trainers.torch.parallel.pipeline import build_schedule
 
     trainer, device, rank = cfg.trainer, tc.worker_device(ctx), ctx.rank
@@ -187,8 +190,9 @@ def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> FSDP
     dims.validate(ctx.world_size)
     mesh = build_nd_mesh(dims, device.type)
     torch.manual_seed(cfg.run.seed)  # the same dense weights on every rank before each keeps its part
-    model = build_model(cfg.model, data.model_inputs, seed=cfg.run.seed).to(device)
-    split = parallelize(model, dims, mesh, trainer.pp_schedule, trainer.activation_checkpointing,
+    model = build_model(cfg.model, data.inputs, seed=cfg.run.seed).to(device)
+    plans = ModelPlans.of(MODELS.get(cfg.model.name))
+    split = parallelize(model, dims, mesh, plans, trainer.pp_schedule, trainer.activation_checkpointing,
                         trainer.reshard_after_forward, AUTOCAST_DTYPES[trainer.precision])
     train, evaluation = data.shards(cfg.run.seed + 1000 * dims.data_rank(rank))
     # The recipe over the sharded parameters, without autocast: bf16 is FSDP's mixed-precision policy.
@@ -198,7 +202,7 @@ def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> FSDP
         return FSDPAdapter(split.parts, recipe, train, evaluation, device, rank, ranks_per_sample=dims.batch_group)
     pp_group = mesh.get_group("pp")
     schedule = build_schedule(split.parts, split.stages, split.n_stages, trainer.pp_schedule, trainer.microbatches,
-                              nn.CrossEntropyLoss(), pp_group, device)
+                              tc.task_loss(data.inputs.target.task), pp_group, device)
     return PipelineAdapter(split.parts, schedule, split.stages, split.n_stages, pp_group, recipe, train, evaluation,
                            device, rank, ranks_per_sample=dims.batch_group, batch_size=trainer.batch_size)
 
@@ -218,13 +222,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     tc.run_on_ray(config, run_worker)
 
 
-def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict,
+def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, inputs: DataSchema,
                   callbacks: list | None = None):
     from trainers.shard_data import shard_config
 
     trainer = cfg.trainer
     dims = parallel_dims(trainer, trainer.num_workers)
-    return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, model_inputs,
+    return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, inputs,
                             dataset_config=shard_config(trainer.num_workers, cfg.data.cache_in_worker,
                                                         dims.batch_group),
                             callbacks=callbacks)
@@ -240,6 +244,6 @@ def dense_model_state(directory: str) -> dict[str, torch.Tensor]:
         return torch.load(path, map_location="cpu", weights_only=False)["model"]
 
 
-def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, model_inputs: dict) -> None:
+def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, inputs: DataSchema) -> None:
     """Log the final checkpoint's model, exported dense, to the MLflow run (PyTorch flavour)."""
-    tc.log_final_model(uri, run_id, cfg, checkpoint, model_inputs, model_state=dense_model_state)
+    tc.log_final_model(uri, run_id, cfg, checkpoint, inputs, model_state=dense_model_state)

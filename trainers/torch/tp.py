@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from contract.data import DataSchema
+from contract.registry import MODELS, resolve
 from trainers.adapter import WorkerData
 from trainers.loop import WorkerContext
 from trainers.models import build_model
@@ -99,12 +101,12 @@ class TPAdapter(tc.TorchAdapter):
 
 
 def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> TPAdapter:
-    """Mesh, the dense model from the shared seed, sharded by `parallelize_bert`; each TP group reads one DP
-    shard (`data.shards(seed)` -> (train, evaluation) batches), shuffled alike on its ranks."""
+    """Mesh, the dense model from the shared seed, sharded by its spec's tensor-parallel plan (`trainer.tp_impl`
+    says which implementation, where the plan has two); each TP group reads one DP shard (`data.shards(seed)` ->
+    (train, evaluation) batches), shuffled alike on its ranks."""
     from trainers.torch.parallel.data_parallel import average_gradients
     from trainers.torch.parallel.grad_norm import clip_grad_norm
     from trainers.torch.parallel.mesh import ParallelDims, build_mesh, rank_coords
-    from trainers.torch.parallel.plans import parallelize_bert
 
     device = tc.worker_device(ctx)
     dims = ParallelDims(dp=cfg.trainer.dp, tp=cfg.trainer.tp)
@@ -112,7 +114,8 @@ def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> TPAd
     dp_rank, _ = rank_coords(ctx.rank, dims.dp, dims.tp)
     mesh = build_mesh(dims, "cuda" if cfg.trainer.use_gpu else "cpu")
     torch.manual_seed(cfg.run.seed)  # same seed everywhere: identical dense weights before sharding
-    model = parallelize_bert(build_model(cfg.model, data.model_inputs).to(device), mesh, impl=cfg.trainer.tp_impl)
+    tensor_parallel = resolve(MODELS.get(cfg.model.name).tensor_parallel)
+    model = tensor_parallel(build_model(cfg.model, data.inputs).to(device), mesh, cfg.trainer.tp_impl)
     dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
     train, evaluation = data.shards(cfg.run.seed + 1000 * dp_rank)  # same shuffle in a TP group
     recipe = build_recipe(model, cfg.trainer, train.steps(), device)
@@ -131,10 +134,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     tc.run_on_ray(config, run_worker)
 
 
-def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict,
+def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, inputs: DataSchema,
                   callbacks: list | None = None):
     from trainers.shard_data import OrderedShards
 
-    return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, model_inputs,
+    return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, inputs,
                             dataset_config=OrderedShards(dp=cfg.trainer.dp, tp=cfg.trainer.tp),
                             callbacks=callbacks)

@@ -3,15 +3,17 @@ device mesh spanning the Ray workers, one DTensor client per worker (trainers/tf
 each with `trainer.devices_per_worker` devices (GPUs, or logical CPU devices).
 
 An adapter on the shared loop (trainers/loop.py), so the metrics, checkpoints, stop/resume and MLflow logging are
-every backend's. The model is a plain `tf.Module` (trainers/models/tf_modules.py: the MNIST MLP, or the TF-IDF
-classifier for IMDb) whose variables `parallelize_dtensor` lays out on the mesh (trainers/tf/dtensor/): weights
+every backend's. The model is a plain `tf.Module`, its spec's `dtensor` builder's (trainers/models/tf_modules.py:
+the MLP, or the TF-IDF classifier for token data) whose `layers()` `parallelize_dtensor` lays out on the mesh
+(trainers/tf/dtensor/): weights
 sharded on `model` (Megatron's column/row pairs), batches on `batch`. Each step packs this worker's rows of the
 batch onto its devices (`dtensor.pack`) and runs one `tf.function`; DTensor adds the collectives. The optimizer
 is the recipe's, over the DTensor variables (trainers/tf/recipe.py `VariableOptimizer`).
 
 Checkpoints hold whole values (`dtensor_model.npz`, `dtensor_optimizer.npz`: every sharded variable gathered,
 rank 0 writes), so a run resumes on any mesh. The logged model is a Keras twin with these weights that loads
-without a mesh. TF-IDF: the document frequencies are summed over the workers' train shards before the first step.
+without a mesh. Token data is given to the model as TF-IDF vectors (the document frequencies are summed over the
+workers' train shards before the first step); image and numeric features scaled, as every backend feeds them.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Any, Iterator
 import numpy as np
 from omegaconf import DictConfig
 
-from contract.data import model_input
+from contract.data import DataSchema
 from contract.metrics import PendingReduce, reduce_at_once
 from contract.recipe import lr_factor, schedule_steps
 from trainers.tf import common as tfc
@@ -71,6 +73,7 @@ class DTensorAdapter(Adapter):
         self.optimizer = VariableOptimizer(tf, trainer, self.params, mesh.zeros_like)
         self.train_fn = tf.function(self._train_step)
         self.predict_fn = tf.function(lambda x: tf.argmax(model(x, training=False), axis=1))
+        self.features = train.schema.features
 
     def _train_step(self, x: Any, y: Any, lr: Any, update: Any, seed: Any) -> Any:
         tf = self.tf
@@ -81,9 +84,9 @@ class DTensorAdapter(Adapter):
         return loss  # the global batch's mean
 
     def inputs(self, features: np.ndarray) -> np.ndarray:
-        """Model inputs from stored rows: normalised MNIST images, or TF-IDF vectors of token ids."""
+        """Model inputs from stored rows: scaled features, or TF-IDF vectors of token ids."""
         if self.idf is None:
-            return model_input("mnist", features)
+            return self.features.model_input(features)
         from trainers.models.tf_modules import tfidf_features
 
         return tfidf_features(features, self.idf, self.bigram_buckets).numpy()  # on this worker's CPU
@@ -110,7 +113,7 @@ class DTensorAdapter(Adapter):
         self.optimizer.updates += 1
         return float(dtensor.unpack(loss)[0].numpy()), self.rows_per_step, tokens
 
-    def evaluate(self, epoch: int) -> tuple[int, int]:
+    def evaluate(self, epoch: int) -> tuple[float, int]:
         """Every worker runs the same number of full batches (the mesh needs them): the last one padded."""
         rows, features, labels = EVAL_BATCH * self.mesh.dims.coords_per_client, self.evaluation.features, \
             self.evaluation.labels
@@ -178,14 +181,15 @@ def shared_idf(mesh: Any, train: ShardArrays, vocab_size: int, bigram_buckets: i
 
 def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> DTensorAdapter:
     """The mesh, this worker's data, the model laid out on the mesh. TensorFlow's threads are set (`run_worker`)."""
-    from trainers.models.tf_modules import build_module
+    from trainers.models import build_module
     from trainers.tf.dtensor.mesh import DTensorMesh, parallelize_dtensor
 
     mesh = DTensorMesh(mesh_dims(cfg.trainer), ctx.rank, "GPU" if cfg.trainer.use_gpu else "CPU")
     train, evaluation = data.shards(cfg.run.seed)  # the adapter shuffles: one order per data shard
-    idf = shared_idf(mesh, train, data.model_inputs["vocab_size"], cfg.model.bigram_buckets,
-                     mesh.dims.clients_per_group) if cfg.model.name == "tfidf" else None
-    model = parallelize_dtensor(build_module(cfg.model, data.model_inputs, cfg.run.seed), mesh)
+    tokens = data.inputs.features.kind == "tokens"
+    idf = shared_idf(mesh, train, data.inputs.vocab_size, cfg.model.get("bigram_buckets", 0),
+                     mesh.dims.clients_per_group) if tokens else None
+    model = parallelize_dtensor(build_module(cfg.model, data.inputs, cfg.run.seed), mesh)
     return DTensorAdapter(cfg, mesh, model, train, evaluation, idf)
 
 
@@ -201,7 +205,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     tfc.run_on_ray(config, run_worker)
 
 
-def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict,
+def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, inputs: DataSchema,
                   callbacks: list | None = None):
     """`DataParallelTrainer` with the DTensor clients' variables as its backend; a model group spanning workers
     reads one data shard (`OrderedShards`' tp)."""
@@ -217,7 +221,7 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
         resources["GPU"] = float(trainer.devices_per_worker)
     return DataParallelTrainer(
         train_loop_per_worker,
-        train_loop_config=loop_config(cfg, run_id, tracking_uri, model_inputs),
+        train_loop_config=loop_config(cfg, run_id, tracking_uri, inputs),
         backend_config=DTensorConfig(),
         scaling_config=scaling_config(cfg, resources=resources),
         run_config=run_config(cfg, run_id, callbacks, {**tfc.LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}),
@@ -226,18 +230,18 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
     )
 
 
-def twin_from(keras: Any, cfg: Any, model_inputs: dict, directory: str) -> Any:
-    """The Keras twin of the checkpoint's model (trainers/models/keras_models.py), no mesh needed to load it."""
-    from trainers.models.keras_models import build_keras_model
+def twin_from(keras: Any, cfg: Any, inputs: DataSchema, directory: str) -> Any:
+    """The Keras twin of the checkpoint's model (its spec's `keras_twin`), no mesh needed to load it."""
+    from trainers.models import build_keras_twin
     from trainers.models.tf_modules import keras_weights
 
-    model = build_keras_model(cfg.model, keras, model_inputs)
+    model = build_keras_twin(cfg.model, keras, inputs)
     with np.load(os.path.join(directory, MODEL_FILE)) as saved:
         weights = [saved[f"arr_{i}"] for i in range(sum(name.startswith("arr_") for name in saved.files))]
         model.set_weights(keras_weights(weights, saved["idf"] if "idf" in saved.files else None))
     return model
 
 
-def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, model_inputs: dict) -> None:
+def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, inputs: DataSchema) -> None:
     """MLflow tensorflow (Keras) flavour, as tf_mwms logs."""
-    tfc.log_final_model(uri, run_id, cfg, checkpoint, model_inputs, model_from=twin_from)
+    tfc.log_final_model(uri, run_id, cfg, checkpoint, inputs, model_from=twin_from)

@@ -33,6 +33,7 @@ import ray
 from omegaconf import DictConfig
 from ray.train.backend import Backend, BackendConfig
 
+from contract.data import DataSchema
 from trainers.tf.data import ShardArrays
 from trainers.loop import WorkerContext
 from trainers.worker import dataset_shards, free_addresses, maybe_inject_failure, set_worker_envs
@@ -116,7 +117,7 @@ def write_shard(train: ShardArrays, folder: str) -> dict[str, Any]:
     """This worker's train shard as raw arrays in `folder`, for the dataset function to read (no TensorFlow in
     this process: the server is the one that runs it)."""
     Path(folder, FEATURES).write_bytes(np.ascontiguousarray(train.features).tobytes())
-    Path(folder, LABELS).write_bytes(train.labels.astype(np.int64).tobytes())
+    Path(folder, LABELS).write_bytes(np.ascontiguousarray(train.labels).tobytes())  # int64 ids, float32 targets
     return {"folder": folder, "rows": len(train.labels)}
 
 
@@ -163,14 +164,14 @@ class ServerProcess:
         self.process.wait()
 
 
-def serve(cfg: DictConfig, ctx: WorkerContext, kind: str, index: int) -> None:
+def serve(cfg: DictConfig, ctx: WorkerContext, inputs: DataSchema, kind: str, index: int) -> None:
     """A parameter server's or worker's Ray worker: publish the shard (workers), run the server, and follow the
     chief's messages (report along with it, kill the server on a fault injection) until it says done."""
     messages, folder = board(), None
     if kind == WORKER:
         (shard,), _ = dataset_shards("train")
         folder = tempfile.mkdtemp(prefix="tf_ps-")
-        messages.put.remote(f"worker{index}", write_shard(ShardArrays(shard, cfg.data.name), folder))
+        messages.put.remote(f"worker{index}", write_shard(ShardArrays(shard, inputs), folder))
     server = ServerProcess(kind, index, cfg.trainer.threads_per_worker, os.environ["TF_CONFIG"])
     try:
         for number in count():

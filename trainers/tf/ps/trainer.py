@@ -37,10 +37,10 @@ from typing import Any, Iterator
 import numpy as np
 from omegaconf import DictConfig
 
-from contract.data import MNIST_MEAN, MNIST_STD, shuffled_order
+from contract.data import FEATURE_DTYPES, LABEL_DTYPES, DataSchema, shuffled_order
 from contract.console import say
 from trainers.tf import common as tfc
-from trainers.tf.data import ShardArrays
+from trainers.tf.data import ShardArrays, model_input_fn
 from trainers.adapter import WorkerData
 from trainers.loop import WorkerContext
 from trainers.tf.ps.backend import CHIEF, FEATURES, LABELS, Chief, TFPSConfig, WorkerShards, board, serve, \
@@ -74,15 +74,15 @@ class PSAdapter(tfc.KerasAdapter):
     batch_hooks = False  # tf-keras refuses batch-level callbacks under ParameterServerStrategy
 
     def __init__(self, keras: Any, cfg: DictConfig, strategy: Any, coordinator: Any, model: Any, twin: Any,
-                 shards: WorkerShards, evaluation: ShardArrays, model_inputs: dict, ctx: WorkerContext):
+                 shards: WorkerShards, evaluation: ShardArrays, inputs: DataSchema, ctx: WorkerContext):
         import tensorflow as tf
 
         trainer = cfg.trainer
         super().__init__(tf, strategy, model, shards, evaluation, trainer.batch_size, 0, cfg.run.seed,
                          trainer.max_steps_per_epoch)
         self.keras, self.coordinator, self.twin, self.shards = keras, coordinator, twin, shards
-        self.text = cfg.data.name == "imdb"
-        self.width = model_inputs["max_len"] if self.text else 784  # token ids, or MNIST pixels
+        self.inputs = inputs
+        self.text = inputs.features.kind == "tokens"
         self.steps_per_call = trainer.tf_steps_per_execution  # steps a scheduled function runs on its worker
         self.in_flight = 2 * len(shards.rows)  # scheduled functions: enough that no worker waits for the chief
         self.stop_file, self.stop_every = ctx.stop_file, ctx.stop_check_every
@@ -101,13 +101,13 @@ class PSAdapter(tfc.KerasAdapter):
         the real tokens in the batch and the worker's index. Several steps per scheduled function and one tensor
         back: the chief's cost is per function and per fetched tensor (measured, bare loop on MNIST-sized data: one
         step per function 16.8k samples/s, 8 per function 23.9k; 3 tensors back instead of 1: -18%)."""
-        tf, strategy, model, losses = self.tf, self.strategy, self.model, self.keras.losses
+        tf, strategy, model = self.tf, self.strategy, self.model
         optimizer = model.optimizer
+        loss_fn = tfc.keras_loss(self.keras, self.inputs.target.task, reduction=self.keras.losses.Reduction.NONE)
 
         def replica(x: Any, y: Any) -> Any:
             with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(losses.sparse_categorical_crossentropy(y, model(x, training=True),
-                                                                             from_logits=True))
+                loss = tf.reduce_mean(loss_fn(y, model(x, training=True)))
             optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
             return loss
 
@@ -126,14 +126,14 @@ class PSAdapter(tfc.KerasAdapter):
         tf = self.tf
         worker = tf.distribute.coordinator.experimental_get_current_worker_index()
         folder = tf.gather(tf.constant(self.shards.folders), worker)
-        dtype = tf.int32 if self.text else tf.uint8
-        x = tf.reshape(tf.io.decode_raw(tf.io.read_file(folder + "/" + FEATURES), dtype), [-1, self.width])
-        y = tf.io.decode_raw(tf.io.read_file(folder + "/" + LABELS), tf.int64)
+        features, target = self.inputs.features, self.inputs.target
+        x = tf.reshape(tf.io.decode_raw(tf.io.read_file(folder + "/" + FEATURES), FEATURE_DTYPES[features.kind]),
+                       [-1, features.width])
+        y = tf.io.decode_raw(tf.io.read_file(folder + "/" + LABELS), LABEL_DTYPES[target.task])
         ds = tf.data.Dataset.from_tensor_slices(orders).repeat().flat_map(
             lambda order: tf.data.Dataset.from_tensor_slices((tf.gather(x, order), tf.gather(y, order)))).skip(skip)
-        if not self.text:
-            ds = ds.map(lambda x, y: ((tf.cast(x, tf.float32) / 255.0 - MNIST_MEAN) / MNIST_STD, y))
-        return ds.batch(self.batch_size, drop_remainder=True).prefetch(2)
+        scale = model_input_fn(tf, self.inputs)
+        return ds.map(lambda x, y: (scale(x), y)).batch(self.batch_size, drop_remainder=True).prefetch(2)
 
     def stream_iterator(self) -> Any:
         """The workers' iterators for the rest of the attempt. Worker i reads its shard in pass after pass, pass k in
@@ -232,7 +232,7 @@ class PSAdapter(tfc.KerasAdapter):
         return {f"ps_worker{i}_steps": float(steps) for i, steps in enumerate(self.positions)}
 
     def epoch_tokens(self, epoch: int) -> np.ndarray:
-        return np.zeros(self.steps, dtype=np.int64)  # fit: MNIST only (pipelines/backend_checks.py), no tokens
+        return np.zeros(self.steps, dtype=np.int64)  # fit: no token data (pipelines/backend_checks.py)
 
     def fit(self, first_epoch: int, epochs: int, callbacks: list) -> None:
         """tf-keras `fit` with the coordinator, `steps` per epoch: each worker repeats its shard in one seeded order
@@ -314,11 +314,11 @@ def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> PSAd
     strategy, coordinator = make_strategy(tf, cfg.trainer)
     import tf_keras as keras
 
-    from trainers.models.keras_models import build_keras_model
+    from trainers.models import build_keras_model
 
-    model_inputs = data.model_inputs
+    inputs = data.inputs
     keras.utils.set_random_seed(cfg.run.seed)
-    initial = build_keras_model(cfg.model, keras, model_inputs, seed=cfg.run.seed).get_weights()
+    initial = build_keras_model(cfg.model, keras, inputs, seed=cfg.run.seed).get_weights()
     # Dropout: tf-keras' default ops take their seeds when the chief traces a step, and each worker's kernels start
     # from them: worker i's k-th step drew worker j's k-th masks (tests/unit/test_loop_backends.py). With a
     # tf.random.Generator per layer, made under the strategy, its state is on a parameter server and every step
@@ -326,10 +326,10 @@ def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> PSAd
     keras.backend.experimental.enable_tf_random_generator()
     steps = shards.steps(cfg.trainer.batch_size, cfg.trainer.max_steps_per_epoch)
     with strategy.scope():
-        model = tfc.build_compiled_model(keras, cfg, model_inputs, cfg.trainer.tf_steps_per_execution, steps)
+        model = tfc.build_compiled_model(keras, cfg, inputs, cfg.trainer.tf_steps_per_execution, steps)
         assign_whole(model.weights, initial)
-    twin = tfc.build_compiled_model(keras, cfg, model_inputs, steps_per_epoch=steps)
-    adapter = PSAdapter(keras, cfg, strategy, coordinator, model, twin, shards, evaluation, model_inputs, ctx)
+    twin = tfc.build_compiled_model(keras, cfg, inputs, steps_per_epoch=steps)
+    adapter = PSAdapter(keras, cfg, strategy, coordinator, model, twin, shards, evaluation, inputs, ctx)
     adapter.build_optimizer()
     return adapter
 
@@ -344,29 +344,30 @@ def run_worker(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """The chief runs the loop; every other role serves (trainers/tf/ps/backend.py)."""
-    from trainers.worker import dataset_shards, ray_context, worker_config
+    from trainers.worker import dataset_shards, ray_context, worker_config, worker_inputs
 
     cfg = worker_config(config)
     ctx = ray_context(config, cfg)
+    inputs = worker_inputs(config)
     kind, index = task_of_this_worker()
     if kind != CHIEF:
-        serve(cfg, ctx, kind, index)
+        serve(cfg, ctx, inputs, kind, index)
         return
     chief = Chief(board())
 
     def shards(seed: int) -> tuple[WorkerShards, ShardArrays]:
         # Rank 0's request makes every rank's shards of a split (Ray Train V2): the chief asks for the train split too
         (_, eval_shard), waited_s = dataset_shards("train", "eval")
-        evaluation = ShardArrays(eval_shard, cfg.data.name)
+        evaluation = ShardArrays(eval_shard, inputs)
         evaluation.load_s += waited_s
         return chief.shards(cfg.trainer.num_workers), evaluation
     try:
-        run_worker(cfg, chief.context(ctx, cfg.fault), WorkerData(config["model_inputs"], shards))
+        run_worker(cfg, chief.context(ctx, cfg.fault), WorkerData(inputs, shards))
     finally:
         chief.post("done")
 
 
-def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, model_inputs: dict,
+def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, inputs: DataSchema,
                   callbacks: list | None = None):
     """`DataParallelTrainer` over every role. Ray gives each worker of a run the same resources: the run takes
     `num_workers x threads_per_worker` CPUs (what its workers compute with; the chief and the parameter servers
@@ -384,7 +385,7 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
                             resources_per_worker={"CPU": trainer.num_workers * trainer.threads_per_worker / world})
     return DataParallelTrainer(
         train_loop_per_worker,
-        train_loop_config=loop_config(cfg, run_id, tracking_uri, model_inputs),
+        train_loop_config=loop_config(cfg, run_id, tracking_uri, inputs),
         backend_config=TFPSConfig(num_ps=trainer.num_ps),
         scaling_config=scaling,
         run_config=run_config(cfg, run_id, callbacks, {**tfc.LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}),

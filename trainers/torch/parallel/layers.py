@@ -4,8 +4,9 @@ Sharding (nn.Linear.weight is [out, in]):
     ColumnParallelLinear  weight rows    [out/tp, in], bias [out/tp]; input replicated, output sharded
     RowParallelLinear     weight columns [out, in/tp], bias [out] (replicated); input sharded, output replicated
     VocabParallelEmbedding  vocabulary rows, padded to a multiple of tp
-A column layer followed by a row layer (ParallelMLP, ParallelSelfAttention) keeps the activation sharded in
-between, so the pair costs one all-reduce forward (after the row layer) and one backward (before the columns).
+A column layer followed by a row layer (a model's plan pairs them: trainers/models/bert_parallel.py) keeps the
+activation sharded in between, so the pair costs one all-reduce forward (after the row layer) and one backward
+(before the columns).
 
 Every layer has `from_dense(dense, group)`, which copies this rank's shard of a dense module's weights, so a
 TP=k model starts as exactly the same function as the TP=1 model. `local_shard` / `full_tensor` convert one
@@ -21,11 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from trainers.models.bert import MLP, SelfAttention, attend
 from trainers.torch.parallel.comm import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
 
 
-def _check_divides(size: int, tp: int, what: str) -> None:
+def check_divides(size: int, tp: int, what: str) -> None:
     if size % tp:
         raise ValueError(f"tp={tp} does not divide {what}={size}")
 
@@ -90,7 +90,7 @@ class ColumnParallelLinear(TPLayer):
         """`sync_input_grad=False` when the caller already passed the input through copy_to_tp (several column
         layers sharing one input, e.g. q/k/v): the input-gradient all-reduce then happens once, not per layer."""
         super().__init__(group)
-        _check_divides(out_features, self.tp_size, "out_features")
+        check_divides(out_features, self.tp_size, "out_features")
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.sync_input_grad = gather_output, sync_input_grad
         self.adopt_shards(nn.Linear(in_features, out_features, bias, device=device, dtype=dtype))
@@ -115,7 +115,7 @@ class RowParallelLinear(TPLayer):
                  input_is_parallel: bool = True, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None):
         super().__init__(group)
-        _check_divides(in_features, self.tp_size, "in_features")
+        check_divides(in_features, self.tp_size, "in_features")
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
         self.adopt_shards(nn.Linear(in_features, out_features, bias, device=device, dtype=dtype))
@@ -168,63 +168,4 @@ class VocabParallelEmbedding(TPLayer):
         layer = cls(dense.num_embeddings, dense.embedding_dim, group, dtype=dense.weight.dtype,
                     device=dense.weight.device)
         layer.load_dense(dense)
-        return layer
-
-
-class ParallelMLP(nn.Module):
-    """fc_in (column) -> GELU -> fc_out (row): the 4h-wide activation never leaves its rank."""
-
-    def __init__(self, hidden: int, inner: int, group: ProcessGroup, dropout: float = 0.0,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
-        super().__init__()
-        self.fc_in = ColumnParallelLinear(hidden, inner, group, dtype=dtype, device=device)
-        self.act = nn.GELU()
-        self.fc_out = RowParallelLinear(inner, hidden, group, dtype=dtype, device=device)
-        # Acts on the replicated output: TP ranks must share the dropout RNG state to stay identical.
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.fc_out(self.act(self.fc_in(x))))  # (B, T, h) -> (B, T, 4h/tp) -> (B, T, h)
-
-    @classmethod
-    def from_dense(cls, dense: MLP, group: ProcessGroup) -> ParallelMLP:
-        w = dense.fc_in.weight
-        layer = cls(dense.fc_in.in_features, dense.fc_in.out_features, group, dense.drop.p, w.dtype, w.device)
-        layer.fc_in.load_dense(dense.fc_in)
-        layer.fc_out.load_dense(dense.fc_out)
-        return layer
-
-
-class ParallelSelfAttention(nn.Module):
-    """q/k/v column-parallel by whole heads (heads/tp per rank), out_proj row-parallel."""
-
-    def __init__(self, hidden: int, heads: int, group: ProcessGroup, dropout: float = 0.0,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
-        super().__init__()
-        _check_divides(heads, dist.get_world_size(group), "heads")
-        self.group = group
-        self.head_dim = hidden // heads
-        self.dropout = dropout
-        kw = {"dtype": dtype, "device": device, "sync_input_grad": False}  # one copy_to_tp for all three
-        self.q_proj = ColumnParallelLinear(hidden, hidden, group, **kw)
-        self.k_proj = ColumnParallelLinear(hidden, hidden, group, **kw)
-        self.v_proj = ColumnParallelLinear(hidden, hidden, group, **kw)
-        self.out_proj = RowParallelLinear(hidden, hidden, group, dtype=dtype, device=device)
-
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        """x (B, T, h) replicated, key_mask (B, T) bool -> (B, T, h) replicated."""
-        x = copy_to_tp(x, self.group)
-        # Drops within this rank's heads. Every rank draws the same number of values, so with a shared seed the
-        # RNG streams stay aligned for the dropouts on replicated activations that follow.
-        p = self.dropout if self.training else 0.0
-        y = attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), key_mask, self.head_dim, p)  # (B, T, h/tp)
-        return self.out_proj(y)
-
-    @classmethod
-    def from_dense(cls, dense: SelfAttention, group: ProcessGroup) -> ParallelSelfAttention:
-        w = dense.q_proj.weight
-        hidden = dense.q_proj.in_features
-        layer = cls(hidden, hidden // dense.head_dim, group, dense.dropout, w.dtype, w.device)
-        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            getattr(layer, name).load_dense(getattr(dense, name))
         return layer

@@ -4,16 +4,33 @@ leaves the parameter names of the dense model, so checkpoints stay layout-free."
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from contract.registry import ModelSpec, resolve
 from trainers.torch.parallel.fsdp import apply_activation_checkpointing, data_parallel_mesh, parallelize_fsdp
 from trainers.torch.parallel.mesh import ParallelDims
-from trainers.torch.parallel.pipeline import rank_stages, split_stage
+from trainers.torch.parallel.pipeline import rank_stages
 from trainers.torch.parallel.schedules import stages_per_rank
-from trainers.torch.parallel.plans import parallelize_bert
+
+
+@dataclass(frozen=True)
+class ModelPlans:
+    """A model spec's parallel plans, resolved (contract/registry.py `ModelSpec`): None where it has none."""
+    tensor_parallel: Callable[[nn.Module, DeviceMesh, str], nn.Module] | None = None
+    pipeline_split: Callable[[nn.Module, int, int], nn.Module] | None = None
+    fsdp_blocks: tuple[type, ...] = ()
+
+    @classmethod
+    def of(cls, spec: ModelSpec) -> "ModelPlans":
+        def optional(ref: object) -> Callable | None:
+            return resolve(ref) if ref is not None else None
+
+        blocks = resolve(spec.fsdp_blocks)() if spec.fsdp_blocks is not None else ()
+        return cls(optional(spec.tensor_parallel), optional(spec.pipeline_split), tuple(blocks))
 
 
 @dataclass(frozen=True)
@@ -23,22 +40,24 @@ class Parallelized:
     n_stages: int           # stages of the whole pipeline (1 without one)
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, pp_schedule: str = "1f1b",
-                activation_checkpointing: bool = False, reshard_after_forward: bool = True,
+def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh, plans: ModelPlans,
+                pp_schedule: str = "1f1b", activation_checkpointing: bool = False, reshard_after_forward: bool = True,
                 param_dtype: torch.dtype | None = None) -> Parallelized:
-    """This rank's parts of `model` (the same dense weights on every rank) on `mesh` (`build_nd_mesh(dims)`).
-    TP (dims.tp > 1) and pipelines (dims.pp > 1) need the BERT classifier."""
+    """This rank's parts of `model` (the same dense weights on every rank) on `mesh` (`build_nd_mesh(dims)`), by
+    the model's `plans`: TP (dims.tp > 1) needs its `tensor_parallel` plan, pipelines (dims.pp > 1) its
+    `pipeline_split` (the config checks refuse a run without them)."""
     if dims.pp > 1:
         per_rank = stages_per_rank(pp_schedule)
         n_stages = dims.pp * per_rank
         stages = rank_stages(mesh["pp"].get_local_rank(), dims.pp, per_rank)
-        parts = [split_stage(model, stage, n_stages) for stage in stages]
+        parts = [plans.pipeline_split(model, stage, n_stages) for stage in stages]
     else:
         n_stages, stages, parts = 1, [0], [model]
     for i, part in enumerate(parts):
         if dims.tp > 1:
-            part = parallelize_bert(part, mesh, impl="dtensor")
+            part = plans.tensor_parallel(part, mesh, "dtensor")
         if activation_checkpointing:
-            part = apply_activation_checkpointing(part)
-        parts[i] = parallelize_fsdp(part, data_parallel_mesh(mesh), reshard_after_forward, param_dtype)
+            part = apply_activation_checkpointing(part, plans.fsdp_blocks)
+        parts[i] = parallelize_fsdp(part, data_parallel_mesh(mesh), reshard_after_forward, param_dtype,
+                                    plans.fsdp_blocks)
     return Parallelized(parts, stages, n_stages)

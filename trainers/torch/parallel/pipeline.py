@@ -1,10 +1,10 @@
-"""Pipeline parallelism for the BERT classifier with `torch.distributed.pipelining`.
+"""Pipeline parallelism with `torch.distributed.pipelining`, for a model whose spec can split it into stages.
 
-The model's blocks are split into `pp * stages_per_rank` stages of equal length: the first stage also owns the
-embeddings, the last the final norm and the classifier. A stage is a copy of the whole model with everything
-other stages own removed (blocks replaced by a parameterless `SkippedBlock`, embeddings or head set to None), so
-every parameter keeps its dense name: the state dicts of a rank's stages merged are a part of the dense model's,
-which is what lets a sharded checkpoint load at any layout. Rank r of the pipeline group holds stage r (GPipe,
+The model is split into `pp * stages_per_rank` stages by its spec's `pipeline_split(model, stage, n_stages)`
+(the BERT classifier's: trainers/models/bert_parallel.py, blocks in equal runs). A stage is a copy of the whole
+model with everything other stages own removed, so every parameter keeps its dense name: the state dicts of a
+rank's stages merged are a part of the dense model's, which is what lets a sharded checkpoint load at any
+layout. Rank r of the pipeline group holds stage r (GPipe,
 1F1B) or stages r and r + pp (interleaved 1F1B, the "looped" assignment).
 
 A training step is one `schedule.step` over the whole batch: the schedule cuts it into `microbatches` equal
@@ -17,7 +17,6 @@ evaluation batches).
 """
 from __future__ import annotations
 
-import copy
 from typing import Callable
 
 import torch
@@ -35,27 +34,6 @@ def stage_blocks(layers: int, n_stages: int, stage: int) -> range:
         raise ValueError(f"{layers} layers do not split into {n_stages} equal pipeline stages")
     per_stage = layers // n_stages
     return range(stage * per_stage, (stage + 1) * per_stage)
-
-
-class SkippedBlock(nn.Module):
-    """A block another stage owns: passes the hidden states through, holds no parameters."""
-
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        return x
-
-
-def split_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
-    """A copy of the BERT classifier `model` holding only `stage`'s parts (dense names kept)."""
-    part = copy.deepcopy(model)
-    owned = stage_blocks(len(part.blocks), n_stages, stage)
-    for i in range(len(part.blocks)):
-        if i not in owned:
-            part.blocks[i] = SkippedBlock()
-    if stage > 0:
-        part.tok_emb = part.pos_emb = None
-    if stage < n_stages - 1:
-        part.ln_f = part.classifier = None
-    return part
 
 
 def build_schedule(parts: list[nn.Module], stages: list[int], n_stages: int, schedule: str, microbatches: int,

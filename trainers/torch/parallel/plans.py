@@ -1,66 +1,47 @@
-"""Apply tensor parallelism to the plain BERT classifier, and move weights between dense and sharded form.
+"""Tensor-parallel plans applied to a plain model, and its weights moved between dense and sharded form.
 
-Two implementations of the same layout (q/k/v and fc_in column-parallel, out_proj and fc_out row-parallel):
-  - "megatron": swaps submodules for our explicit layers (trainers.torch.parallel.layers); the token embedding is
-    vocab-parallel and the classifier column-parallel (when tp divides num_classes).
-  - "dtensor":  torch's native `parallelize_module` with ColwiseParallel / RowwiseParallel; embeddings and the
-    classifier stay replicated.
-Either way the model code is untouched: attention infers its local head count from tensor shapes. Replicated
-parameters (LayerNorms, position embedding, ...) get identical gradients on every TP rank, so TP needs no
-gradient sync; data parallelism afterwards averages every gradient over the "dp" group. TP ranks must share
-the RNG seed: dropout on replicated activations has to drop the same elements on every rank.
+A model's plan is its spec's `tensor_parallel(model, mesh, impl)` (contract/registry.py): either our explicit
+Megatron-style layers swapped in (trainers.torch.parallel.layers; trainers/models/bert_parallel.py does so), or
+torch's `parallelize_module` with a `ParallelStyle` per module name (`styles_plan` builds such a plan from a
+pattern table). Either way every parameter keeps its dense name, so the state-dict helpers below move weights
+and optimizer state between the dense form (checkpoints) and a rank's shards at any tp. Replicated parameters
+get identical gradients on every TP rank, so TP needs no gradient sync; data parallelism afterwards averages
+every gradient over the "dp" group. TP ranks must share the RNG seed: dropout on replicated activations has to
+drop the same elements on every rank.
 """
 from __future__ import annotations
 
-from typing import Literal
+import fnmatch
+from typing import Callable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from trainers.models.bert import BertClassifier
-from trainers.torch.parallel.layers import (ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, TPLayer,
-                                      VocabParallelEmbedding)
+from trainers.torch.parallel.layers import TPLayer
 
-
-def attention_plan(prefix: str = "") -> dict[str, ParallelStyle]:
-    """DTensor plan for one SelfAttention at `prefix` (e.g. "blocks.0.attn.")."""
-    return {prefix + "q_proj": ColwiseParallel(), prefix + "k_proj": ColwiseParallel(),
-            prefix + "v_proj": ColwiseParallel(), prefix + "out_proj": RowwiseParallel()}
+Plan = Callable[[nn.Module, DeviceMesh, str], nn.Module]  # (model, mesh, impl) -> the model, sharded over "tp"
 
 
-def mlp_plan(prefix: str = "") -> dict[str, ParallelStyle]:
-    """DTensor plan for one MLP at `prefix` (e.g. "blocks.0.mlp.")."""
-    return {prefix + "fc_in": ColwiseParallel(), prefix + "fc_out": RowwiseParallel()}
+def styles_plan(styles: dict[str, ParallelStyle]) -> Plan:
+    """A model spec's `tensor_parallel` from torch `ParallelStyle`s keyed by module-name pattern (fnmatch:
+    `"blocks.*.attn.q_proj": ColwiseParallel()`): torch's `parallelize_module` shards every matching module over
+    the mesh's "tp" dimension (the "dtensor" implementation, whatever `trainer.tp_impl` says). A pattern that
+    matches no module is an error: a plan that shards nothing would train a dense model on every rank."""
 
+    def plan(model: nn.Module, mesh: DeviceMesh, impl: str = "dtensor") -> nn.Module:
+        names = [name for name, _ in model.named_modules()]
+        matched: dict[str, ParallelStyle] = {}
+        for pattern, style in styles.items():
+            hits = fnmatch.filter(names, pattern)
+            if not hits:
+                raise ValueError(f"tensor-parallel plan: '{pattern}' names no module of {type(model).__name__}")
+            matched.update({name: style for name in hits})
+        return parallelize_module(model, mesh["tp"], matched)
 
-def parallelize_bert(model: BertClassifier, mesh: DeviceMesh,
-                     impl: Literal["megatron", "dtensor"] = "megatron") -> BertClassifier:
-    """Shard `model` in place over mesh["tp"] and return it. Every TP rank must pass the same dense weights."""
-    tp_mesh = mesh["tp"]
-    tp = tp_mesh.size()
-    if model.cfg.heads % tp:
-        raise ValueError(f"tp={tp} does not divide heads={model.cfg.heads}")
-    if impl == "dtensor":
-        plan: dict[str, ParallelStyle] = {}
-        for i, block in enumerate(model.blocks):
-            if hasattr(block, "attn"):  # not another pipeline stage's block (trainers/torch/parallel/pipeline.py)
-                plan |= attention_plan(f"blocks.{i}.attn.") | mlp_plan(f"blocks.{i}.mlp.")
-        parallelize_module(model, tp_mesh, plan)
-        return model
-    if impl != "megatron":
-        raise ValueError(f"unknown TP implementation {impl!r}; use 'megatron' or 'dtensor'")
-    group = tp_mesh.get_group()
-    model.tok_emb = VocabParallelEmbedding.from_dense(model.tok_emb, group)
-    for block in model.blocks:
-        block.attn = ParallelSelfAttention.from_dense(block.attn, group)
-        block.mlp = ParallelMLP.from_dense(block.mlp, group)
-    # Two classes cannot be split four ways; a replicated head is cheap and needs no communication.
-    if model.classifier.out_features % tp == 0:
-        model.classifier = ColumnParallelLinear.from_dense(model.classifier, group, gather_output=True)
-    return model
+    return plan
 
 
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:

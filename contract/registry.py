@@ -1,0 +1,180 @@
+"""Models, datasets and backends, registered by name: the built-in ones (trainers/models/__init__.py,
+pipelines/data/__init__.py, trainers/__init__.py) exactly as a user's own are. A user's module registers its specs
+when imported: named in the config (`plugins=[my_project.rtp_plugins]`) or by an installed package's entry point
+(group `rtp.plugins`); `load_plugins` imports them on the driver and on every Ray worker.
+
+A spec names its code by callable or by "module:attribute" string: a string keeps the framework out of a process
+that only validates a config (`rtp config`, Ray Train's controller) until the code is called. Framework-free.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Iterable, TypeVar, Union
+
+from contract.data import FEATURE_KINDS, TASKS
+
+Ref = Union[str, Callable[..., Any]]  # a callable, or "module:attribute" naming one
+ENTRY_POINT_GROUP = "rtp.plugins"
+
+
+class RegistryError(ValueError):
+    """An unknown name, or a plugin that cannot be loaded; the message is one line naming it."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model: its config keys (`model.*`, a dataclass whose `name` field defaults to the spec's name), the feature
+    kinds and tasks it takes, and its builders. Builders get (model config, the data's `contract.data.DataSchema`,
+    seed or None) and return a plain model, no parallelism inside:
+      `torch`: an `nn.Module` taking the batch's inputs (one float tensor [B, width] for image and numeric
+        features; token ids [B, T] and a mask [B, T] of the real ones for tokens) and returning [B, classes]
+        logits, or [B] or [B, 1] predictions for regression: ddp, fsdp, horovod (torch) train any;
+      `keras`: (with the `keras` module first) an uncompiled Keras model, the same inputs and outputs:
+        tf_mwms, tf_ps, horovod (tf);
+      `dtensor`: a `tf.Module` whose `layers()` trainers/tf/dtensor lays out on its mesh (tf_dtensor), logged as
+        `keras_twin` (default: the `keras` builder's model) with its weights.
+    The parallel plans are optional: `tensor_parallel(model, mesh, impl) -> model` shards the model over the
+    mesh's "tp" dimension (trainer=tp, fsdp with tp > 1; `trainers.torch.parallel.plans.styles_plan` makes one from
+    torch `ParallelStyle`s by module name); `pipeline_split(model, stage, n_stages) -> model` keeps one pipeline
+    stage's parts (fsdp with pp > 1); `fsdp_blocks() -> classes`: the module classes FSDP shards one by one
+    (default: each entry of the model's `nn.ModuleList`s). `check(cfg, inputs, trainer)` raises
+    ValueError("model.<key>: why") for a config it cannot build, or a layout of `trainer` it does not split into
+    (`inputs` is None when no data is known yet)."""
+    name: str
+    config: type
+    description: str = ""
+    inputs: tuple[str, ...] = FEATURE_KINDS  # feature kinds it takes (contract/data.py)
+    tasks: tuple[str, ...] = TASKS
+    torch: Ref | None = None
+    keras: Ref | None = None
+    dtensor: Ref | None = None
+    keras_twin: Ref | None = None
+    tensor_parallel: Ref | None = None
+    pipeline_split: Ref | None = None
+    fsdp_blocks: Ref | None = None
+    check: Ref | None = None
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A dataset `rtp prepare <name>` makes: `add_arguments(parser)` adds its command-line options (argparse),
+    `prepare(args) -> manifest` writes its Parquet shards and manifest into `args.out`. `default_path`: where
+    `data=<name>` reads it unless `data.path` says otherwise."""
+    name: str
+    prepare: Ref
+    add_arguments: Ref | None = None
+    description: str = ""
+    default_path: str = ""
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A backend: its module (`build_trainer`, `log_final_model`, `train_loop_per_worker`), its config keys
+    (`trainer.*`, a dataclass), the frameworks it trains with (`trainer.framework` picks when several), and the
+    model builder it needs of a model spec (`ModelSpec.torch`, `.keras` or `.dtensor`; default: the framework's,
+    torch for torch, keras for tf)."""
+    name: str
+    module: str
+    config: type
+    frameworks: tuple[str, ...]
+    description: str = ""
+    model_builder: str = ""
+
+
+S = TypeVar("S")
+
+
+@dataclass
+class Registry(Generic[S]):
+    kind: str
+    specs: dict[str, S] = field(default_factory=dict)
+
+    def register(self, spec: S) -> S:
+        """Add `spec` under its name; a name already taken by another spec is an error (a plugin loaded twice
+        registers the same spec again: fine)."""
+        name = spec.name  # type: ignore[attr-defined]
+        if name in self.specs and self.specs[name] != spec:
+            raise RegistryError(f"{self.kind} '{name}' is registered already (by {_origin(self.specs[name])})")
+        self.specs[name] = spec
+        return spec
+
+    def get(self, name: str) -> S:
+        if name not in self.specs:
+            raise RegistryError(f"{self.kind} '{name}' is not registered (registered: {', '.join(self.names())}; "
+                                f"a model or dataset of your own: plugins=[your.module])")
+        return self.specs[name]
+
+    def names(self) -> list[str]:
+        return sorted(self.specs)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.specs
+
+
+def _origin(spec: Any) -> str:
+    config = getattr(spec, "config", None) or getattr(spec, "prepare", None)
+    return getattr(config, "__module__", None) or str(config)
+
+
+MODELS: Registry[ModelSpec] = Registry("model")
+DATASETS: Registry[DatasetSpec] = Registry("dataset")
+BACKENDS: Registry[BackendSpec] = Registry("backend")
+
+
+def register_model(spec: ModelSpec) -> ModelSpec:
+    return MODELS.register(spec)
+
+
+def register_dataset(spec: DatasetSpec) -> DatasetSpec:
+    return DATASETS.register(spec)
+
+
+def register_backend(spec: BackendSpec) -> BackendSpec:
+    return BACKENDS.register(spec)
+
+
+def resolve(ref: Ref) -> Callable[..., Any]:
+    """The callable a spec names."""
+    if callable(ref):
+        return ref
+    module, _, attribute = ref.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def entry_point_plugins() -> list[str]:
+    """The modules installed packages name in their `rtp.plugins` entry points."""
+    return sorted({entry.value.split(":")[0] for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def load_plugins(modules: Iterable[str], search: Iterable[str] = ()) -> None:
+    """Import each plugin module (it registers its specs), from the working directory too, as `python -m` would, and
+    from the `search` folders (where the driver found them: `plugin_roots`). RegistryError in one line naming one
+    that fails."""
+    for folder in [os.getcwd(), *search]:
+        if folder not in sys.path:
+            sys.path.append(folder)
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # the user's module: any failure is theirs to read, in one line
+            raise RegistryError(f"plugins: {module} failed to load ({type(err).__name__}: "
+                                f"{str(err).splitlines()[0] if str(err) else ''})") from err
+
+
+def plugin_roots(modules: Iterable[str]) -> list[str]:
+    """The folders the loaded plugin modules were imported from (what a worker adds to its path when it does not
+    find them there, e.g. a Slurm node reading the same shared folder)."""
+    roots = []
+    for module in modules:
+        loaded = sys.modules.get(module)
+        path = getattr(loaded, "__file__", None)
+        if path:
+            root = os.path.dirname(os.path.abspath(path))
+            for _ in range(module.count(".") + (path.endswith("__init__.py"))):
+                root = os.path.dirname(root)
+            roots.append(root)
+    return sorted(set(roots))

@@ -1,0 +1,102 @@
+"""The example user project (examples/wine) end to end, as a user runs it from its own folder with `rtp`: its
+plugin module registers a model (PyTorch and Keras builders) and a dataset, which the Ray workers import too.
+Through ddp on its wine table (3 cultivars named by strings): selected on the validation split, scored once on
+the test split, evaluated and used to predict; through tf_mwms on a 5-class table prepared by `rtp prepare table`,
+whose predictions carry the class names."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import ROOT, VENV_BIN, check_finished_run, error_lines, pipeline_env, run_id_from
+
+pytestmark = pytest.mark.slow
+PLUGIN = "plugins=[wine_project]"
+SMALL = ["trainer.epochs=4", "trainer.batch_size=16", "trainer.lr=0.01", "model.hidden=16", "run.system_metrics=false"]
+
+
+def rtp(args: list[str], cwd, env: dict[str, str]) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(VENV_BIN / "rtp"), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, error_lines(proc.stdout + proc.stderr) + "\n---\n" + proc.stdout[-3000:] + \
+        proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """The example project copied where a user keeps theirs: outside the package."""
+    folder = tmp_path_factory.mktemp("user") / "wine"
+    shutil.copytree(ROOT / "examples" / "wine", folder, ignore=shutil.ignore_patterns("data", "__pycache__"))
+    return folder
+
+
+def five_classes(folder) -> None:
+    """A CSV of 5 tree species (string labels) from 4 numeric measurements."""
+    rng = np.random.default_rng(3)
+    species = np.array(["ash", "birch", "cedar", "elm", "fir"])
+    labels = rng.integers(0, 5, 400)
+    x = rng.normal(size=(400, 4)) + labels[:, None] * np.array([1.0, -1.0, 0.5, 0.0])
+    rows = [f"{a:.3f},{b:.3f},{c:.3f},{d:.3f},{species[y]}" for (a, b, c, d), y in zip(x, labels)]
+    (folder / "trees.csv").write_text("\n".join(["girth,height,bark,leaf,species", *rows]) + "\n")
+
+
+def test_the_example_project_trains_evaluates_and_predicts_with_ddp(project, tmp_path, mlflow_server, ray_head):
+    env = pipeline_env(mlflow_server, ray_head)
+    rtp(["prepare", "--plugin", "wine_project", "wine"], project, env)
+    proc = rtp(["train", PLUGIN, "data=wine", "model=wine_net", "trainer=ddp", *SMALL,
+                f"run.storage_path={tmp_path / 'ray'}"], project, env)
+    run_id = run_id_from(proc.stdout)
+    client = MlflowClient(mlflow_server)
+    check_finished_run(client, run_id, "ddp", 4)
+    run = client.get_run(run_id)
+    assert run.data.params["data.name"] == "wine" and run.data.params["model.name"] == "wine_net"
+    assert run.data.metrics["test_accuracy"] > 0.5  # 3 cultivars: a third by chance
+
+    assert run.data.params["data.eval_split"] == "validation"  # model selection never saw the test split ...
+    assert run.data.metrics["final_test_rows"] == 36  # ... which scored the chosen model once, at the end
+    evaluation = client.get_run(run_id_from(rtp(["evaluate", f"model={run_id}", "data.split=test"], project,
+                                                env).stdout))
+    assert evaluation.data.metrics["test_rows"] == 36
+    assert evaluation.data.metrics["test_accuracy"] == pytest.approx(run.data.metrics["final_test_accuracy"])
+    header = client.download_artifacts(evaluation.info.run_id, "confusion_matrix.csv", str(tmp_path))
+    assert open(header).readline().strip() == "# barbera,barolo,grignolino"  # the manifest's class names, sorted
+
+    output = tmp_path / "wine.parquet"
+    rtp(["predict", f"model={run_id}", "input=wine.csv", f"output={output}"], project, env)
+    predictions = pq.read_table(output).to_pydict()
+    assert len(predictions["label"]) == 178
+    assert set(predictions["label"]) <= {"barolo", "barbera", "grignolino"}
+    names = ["barbera", "barolo", "grignolino"]
+    assert [names[i] for i in predictions["prediction"]] == predictions["label"]
+
+
+def test_a_five_class_table_trains_with_tf_mwms_and_predicts_names(project, tmp_path, mlflow_server, ray_head):
+    env = pipeline_env(mlflow_server, ray_head)
+    five_classes(project)
+    out = project / "data" / "trees"
+    rtp(["prepare", "table", "--source", "trees.csv", "--features", "girth", "height", "bark", "leaf", "--label",
+         "species", "--out", str(out)], project, env)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["target"]["classes"] == ["ash", "birch", "cedar", "elm", "fir"]
+    proc = rtp(["train", PLUGIN, f"data.path={out}", "model=wine_net", "trainer=tf_mwms", "trainer.tf_loop=custom",
+                "trainer.tf_communication=ring", *SMALL, f"run.storage_path={tmp_path / 'ray'}"],
+               project, env)
+    run_id = run_id_from(proc.stdout)
+    client = MlflowClient(mlflow_server)
+    check_finished_run(client, run_id, "tf_mwms", 4)
+    assert client.get_run(run_id).data.metrics["test_accuracy"] > 0.4  # 5 classes: a fifth by chance
+
+    output = tmp_path / "trees.parquet"
+    rtp(["predict", f"model={run_id}", "input=trees.csv", f"output={output}"], project, env)
+    predictions = pq.read_table(output).to_pydict()
+    species = np.array(manifest["target"]["classes"])
+    assert list(species[predictions["prediction"]]) == predictions["label"]
+    truth = [line.rsplit(",", 1)[1] for line in (project / "trees.csv").read_text().splitlines()[1:]]
+    assert np.mean(np.array(predictions["label"]) == np.array(truth)) > 0.4

@@ -1,0 +1,201 @@
+"""A user's own model and data, through the registries (contract/registry.py) as the built-in ones go: a plugin
+module in the user's folder registers a model, `rtp` loads it by import path (or an installed package's entry
+point), and the config, the checks and the shared loop treat it as one of ours. A plugin that fails and a layout
+the model has no plan for are one line and exit 2 before Ray starts."""
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from contract.config import monitor_of
+from contract.data import DataSchema
+from contract.metrics import eval_metric, metric_names
+from contract.registry import DATASETS, MODELS, entry_point_plugins
+from pipelines.config import ConfigError, load_config
+from pipelines.data.table import prepare_table
+from tests.support.loop_harness import run_attempt
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PLUGIN = '''
+from dataclasses import dataclass
+
+from contract.registry import ModelSpec, register_model
+
+
+@dataclass
+class TinyConfig:
+    name: str = "{name}"  # a user's model
+    hidden: int = 8        # its width
+
+
+def build(cfg, inputs, seed):
+    from torch import nn
+
+    return nn.Sequential(nn.Linear(inputs.features.width, cfg.hidden), nn.ReLU(),
+                         nn.Linear(cfg.hidden, inputs.target.outputs))
+
+
+register_model(ModelSpec("{name}", TinyConfig, "a user's model", inputs=("numeric",), torch=build))
+'''
+
+
+def write_plugin(folder: Path, module: str, name: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{module}.py").write_text(PLUGIN.format(name=name))
+
+
+def table(folder: Path, task: str = "classification", rows: int = 120) -> Path:
+    """A prepared table: 3 numeric features; 5 string classes, or a regression target linear in the features."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, 3))
+    if task == "regression":
+        labels = [f"{v:.4f}" for v in x @ np.array([1.5, -2.0, 0.5]) + 3.0]
+    else:
+        labels = [["ash", "birch", "cedar", "elm", "fir"][i % 5] for i in range(rows)]
+    lines = ["a,b,c,y", *(f"{a:.4f},{b:.4f},{c:.4f},{y}" for (a, b, c), y in zip(x, labels))]
+    source = folder / "table.csv"
+    folder.mkdir(parents=True, exist_ok=True)
+    source.write_text("\n".join(lines) + "\n")
+    out = folder / "prepared"
+    prepare_table(source=[source], features=["a", "b", "c"], label="y", task=task, out=out, name=f"t_{task}",
+                  shards=1)
+    return out
+
+
+@pytest.fixture()
+def user_folder(tmp_path, monkeypatch) -> Iterator[Path]:
+    """The user's project folder, the working directory (where `rtp` finds plugin modules, as `python -m` does).
+    What its plugins register is forgotten afterwards: the registries, Hydra's config store, the search path."""
+    from hydra.core.config_store import ConfigStore
+
+    folder = tmp_path / "project"
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    registered = [(registry, dict(registry.specs)) for registry in (MODELS, DATASETS)]
+    stored = {group: dict(ConfigStore.instance().repo.get(group, {})) for group in ("model", "data")}
+    yield folder
+    for registry, specs in registered:
+        registry.specs.clear()
+        registry.specs.update(specs)
+    for group, entries in stored.items():
+        ConfigStore.instance().repo[group] = entries
+
+
+def test_a_plugin_model_trains_with_the_built_in_keys(user_folder):
+    write_plugin(user_folder, "my_models", "tiny_a")
+    data = table(user_folder)
+    cfg = load_config(["plugins=[my_models]", "model=tiny_a", "model.hidden=4", f"data.path={data}"])
+    assert cfg.model.hidden == 4 and cfg.model.name == "tiny_a" and cfg.data.name == "t_classification"
+    assert cfg.run.monitor == "test_accuracy" and "tiny_a" in MODELS
+    with pytest.raises(ConfigError, match=r"^model\.width: not a key of this config"):
+        load_config(["plugins=[my_models]", "model=tiny_a", "model.width=4", f"data.path={data}"])
+
+
+def test_an_unknown_model_lists_the_registered_ones(user_folder):
+    data = table(user_folder)
+    with pytest.raises(ConfigError, match=r"^model: unknown choice 'nope' \(choices: .*cnn.*mlp"):
+        load_config(["model=nope", f"data.path={data}"])
+    with pytest.raises(ConfigError, match=r"^model\.name: unknown model 'nope' \(registered: bert, cnn, embed_pool, "
+                                          r"mlp, tfidf.*; a model of your own: plugins=\[your\.module\]\)$"):
+        load_config(["model.name=nope", f"data.path={data}"])
+
+
+def test_a_plugin_that_fails_to_import_is_one_line_and_exit_2_before_ray(user_folder, capsys):
+    import ray
+
+    from pipelines import train
+
+    (user_folder / "broken.py").write_text("import numpy\nraise RuntimeError('no GPU driver here')\n")
+    data = table(user_folder)
+    assert train.main(["plugins=[broken]", f"data.path={data}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: plugins: broken failed to load (RuntimeError: no GPU driver here)"
+    assert train.main(["plugins=[not_there]", f"data.path={data}"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: plugins: not_there failed to load (ModuleNotFoundError: No "
+                                               "module named 'not_there')")
+    assert not ray.is_initialized()
+
+
+def test_tensor_parallelism_needs_the_models_plan(user_folder, capsys):
+    from pipelines import train
+
+    write_plugin(user_folder, "my_models_b", "tiny_b")  # a module name of its own: imported modules are cached
+    data = table(user_folder)
+    base = ["plugins=[my_models_b]", "model=tiny_b", f"data.path={data}"]
+    assert train.main([*base, "trainer=tp", "trainer.tp=2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: trainer.tp: tp=2 shards the model by its spec's tensor-parallel plan; model 'tiny_b' has none "
+        "(tensor_parallel=, e.g. trainers.torch.parallel.plans.styles_plan)")
+    with pytest.raises(ConfigError, match=r"^model\.name: trainer=tf_mwms builds the model with a Keras builder "
+                                          r"\(keras=\); model 'tiny_b' has none \(it has: torch\)$"):
+        load_config([*base, "trainer=tf_mwms"])
+    with pytest.raises(ConfigError, match=r"^model\.name: model 'cnn' takes image features; 't_classification' has "
+                                          r"numeric features \(models for it: .*mlp.*tiny_b"):
+        load_config([f"data.path={data}", "model=cnn"])
+
+
+def test_an_installed_packages_entry_point_is_a_plugin(user_folder, tmp_path, monkeypatch):
+    """A package's `rtp.plugins` entry point, found by importlib.metadata in a site folder, as pip installs it."""
+    site = tmp_path / "site"
+    write_plugin(site, "their_models", "tiny_c")
+    info = site / "their_models-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: their-models\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[rtp.plugins]\ntheir = their_models\n")
+    monkeypatch.syspath_prepend(str(site))
+    assert "their_models" in entry_point_plugins()
+    cfg = load_config(["model=tiny_c", f"data.path={table(user_folder)}"])
+    assert cfg.model.name == "tiny_c" and cfg.plugins == ["their_models"]  # what the workers load too
+
+
+def test_a_regression_trains_on_the_loop_and_keeps_the_epoch_of_least_test_mse(user_folder, tmp_path):
+    """A regression dataset through the shared loop (ddp's adapter, in process): MSE loss, `test_mse` in the metric
+    set in place of `test_accuracy`, monitored by default with mode min: the best epoch is the one of least
+    test_mse."""
+    import pyarrow.parquet as pq
+
+    from trainers.adapter import WorkerData
+    from trainers.torch.data import ShardBatches
+    from trainers.torch.ddp import run_worker
+
+    data = table(user_folder, "regression", rows=400)
+    cfg = load_config([f"data.path={data}", "model.hidden=[16]", "model.dropout=0", "trainer.epochs=4",
+                       "trainer.batch_size=32", "trainer.num_workers=1", "trainer.lr=0.01",
+                       f"run.storage_path={tmp_path / 'ray'}"])
+    assert (cfg.run.monitor, monitor_of(cfg.run).mode) == ("test_mse", "min")
+    schema = DataSchema.from_manifest(__import__("json").loads((data / "manifest.json").read_text()))
+
+    def columns(split: str) -> dict[str, torch.Tensor]:
+        frame = pq.read_table(next(data.glob(f"{split}-*.parquet")))
+        return {"features": torch.from_numpy(np.stack(frame.column("features").to_numpy(zero_copy_only=False))),
+                "label": torch.from_numpy(frame.column("label").to_numpy().copy())}
+
+    train, evaluation = columns("train"), columns("validation")
+    assert train["label"].dtype == torch.float32
+
+    def shards(seed):
+        return (ShardBatches.from_columns(train, schema, 32, seed), ShardBatches.from_columns(evaluation, schema, 64,
+                                                                                              seed))
+
+    def run(ctx):
+        ctx = replace(ctx, monitor=monitor_of(cfg.run), evaluated=eval_metric(schema.target.task))
+        return run_worker(cfg, ctx, WorkerData(schema, shards))
+
+    attempt = run_attempt(run, 0, 1, cfg.trainer.epochs, tmp_path / "attempt")
+    epochs = attempt.recorder.epochs
+    assert set(epochs[1]) == set(metric_names("regression")) | {"data_load_s"}
+    mse = {epoch: metrics["test_mse"] for epoch, metrics in epochs.items()}
+    assert mse[4] < mse[1]  # it learns the linear target
+    from contract.checkpoint import TrainState
+
+    state = TrainState.read(str(attempt.checkpoint))
+    assert state.best_epoch == min(mse, key=lambda epoch: (mse[epoch], -epoch))
+    assert state.best_value == pytest.approx(min(mse.values()))

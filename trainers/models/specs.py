@@ -1,0 +1,150 @@
+"""The built-in models, registered as specs exactly as a user's own are (contract/registry.py): each one's config
+keys (`model.*`), the features and tasks it takes, its builders per framework, its parallel plans, and its config
+checks. Framework-free: builders are named by "module:attribute", imported only when a model is built."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from contract.data import DataSchema
+from contract.registry import ModelSpec, register_model
+from trainers.models.flavours import BERT_FLAVOURS
+
+
+@dataclass
+class MLPConfig:
+    name: str = "mlp"               # multi-layer perceptron on the flattened features
+    hidden: list[int] = field(default_factory=lambda: [512, 256])  # hidden layer widths
+    dropout: float = 0.1            # after each hidden layer
+
+
+@dataclass
+class CNNConfig:
+    name: str = "cnn"               # two conv blocks and a dense layer, on images
+    channels: list[int] = field(default_factory=lambda: [32, 64])  # output channels of the two conv blocks
+    hidden: int = 128               # width of the dense layer
+    dropout: float = 0.25           # before the classifier
+
+
+@dataclass
+class BertModelConfig:
+    name: str = "bert"              # BERT-style encoder classifier (`model=bert_tiny`, `model=bert_small`)
+    flavour: str = "tiny"           # tiny | small | base | large (trainers/models/bert.py)
+    dropout: float = 0.1            # embedding, residual and MLP dropout
+    attention_dropout: float = 0.0  # on the attention probabilities: > 0 leaves torch's fused CPU attention (slower)
+    hidden: Optional[int] = None    # hidden width, overriding the flavour's
+    layers: Optional[int] = None    # encoder blocks, overriding the flavour's
+    heads: Optional[int] = None     # attention heads, overriding the flavour's
+
+
+@dataclass
+class EmbedPoolConfig:
+    name: str = "embed_pool"        # mean of the token embeddings (padding excluded) -> MLP
+    embed_dim: int = 64             # token embedding width
+    hidden: int = 64                # width of the hidden layer
+    dropout: float = 0.1            # before the classifier
+
+
+@dataclass
+class TfIdfConfig:
+    name: str = "tfidf"             # TF-IDF features -> Dense -> BatchNorm -> Dense (trainer=tf_dtensor)
+    hidden: int = 128               # width of the hidden layer
+    dropout: float = 0.5            # before the classifier
+    bigram_buckets: int = 0         # token pairs hashed into this many extra features (0: single tokens only)
+
+
+def _positive(**sizes: Any) -> None:
+    """Each size (a number, None for not set, or a list of numbers) is > 0."""
+    for key, value in sizes.items():
+        values = value if isinstance(value, list) else [value]
+        if any(v is not None and v <= 0 for v in values):
+            raise ValueError(f"model.{key}: sizes must be > 0, got {value}")
+
+
+def _dtensor_split(widths: list[int], trainer: Any) -> None:
+    """tf_dtensor shards the layers' widths (inputs first; an input width is never split) over `mesh.model`."""
+    if trainer is None or trainer.backend != "tf_dtensor":
+        return
+    from trainers.tf.dtensor.layout import sharded_widths
+
+    uneven = [w for w in sharded_widths(widths) if w % trainer.mesh.model]
+    if uneven:
+        raise ValueError(f"trainer.mesh.model: {trainer.mesh.model} devices do not split the sharded layer widths "
+                         f"{uneven} evenly (model.hidden)")
+
+
+def check_mlp(cfg: Any, inputs: DataSchema | None, trainer: Any = None) -> None:
+    _positive(hidden=list(cfg.hidden))
+    if inputs is not None:
+        _dtensor_split([inputs.features.width, *cfg.hidden, inputs.target.outputs], trainer)
+
+
+def check_cnn(cfg: Any, inputs: DataSchema | None, trainer: Any = None) -> None:
+    if len(cfg.channels) != 2:
+        raise ValueError(f"model.channels: the CNN has 2 conv blocks, got {list(cfg.channels)}")
+    _positive(hidden=[cfg.hidden, *cfg.channels])  # the CNN's layer sizes
+    if inputs is not None and (len(inputs.features.shape) not in (2, 3) or min(inputs.features.shape[:2]) < 4):
+        raise ValueError(f"model.name: the CNN takes images of at least 4x4, (H, W) or (H, W, C); "
+                         f"'{inputs.dataset}' has shape {inputs.features.shape}")
+
+
+def check_bert(cfg: Any, inputs: DataSchema | None, trainer: Any = None) -> None:
+    """The flavour and sizes, and the layout: tp divides the heads (whole heads per rank), the pipeline's stages
+    split the blocks evenly."""
+    if cfg.flavour not in BERT_FLAVOURS:
+        raise ValueError(f"model.flavour: unknown flavour '{cfg.flavour}' (choices: {', '.join(BERT_FLAVOURS)})")
+    _positive(hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads)
+    layers, hidden, heads = BERT_FLAVOURS[cfg.flavour]
+    layers, hidden, heads = cfg.layers or layers, cfg.hidden or hidden, cfg.heads or heads
+    if hidden % heads:
+        raise ValueError(f"model.hidden: hidden={hidden} is not a multiple of heads={heads}")
+    if trainer is None:
+        return
+    if trainer.get("pp", 1) > 1:
+        from trainers.torch.parallel.schedules import stages_per_rank
+
+        stages = trainer.pp * stages_per_rank(trainer.pp_schedule)
+        if layers % stages:
+            raise ValueError(f"trainer.pp: {layers} layers do not split into {stages} equal pipeline stages "
+                             f"(pp={trainer.pp}, schedule {trainer.pp_schedule})")
+    if heads % trainer.get("tp", 1):
+        raise ValueError(f"trainer.tp: tp={trainer.tp} does not divide the model's heads={heads}")
+
+
+def check_embed_pool(cfg: Any, inputs: DataSchema | None, trainer: Any = None) -> None:
+    _positive(embed_dim=cfg.embed_dim, hidden=cfg.hidden)
+
+
+def check_tfidf(cfg: Any, inputs: DataSchema | None, trainer: Any = None) -> None:
+    _positive(hidden=cfg.hidden)
+    if cfg.bigram_buckets < 0:
+        raise ValueError(f"model.bigram_buckets: must be >= 0 (0: no token pairs), got {cfg.bigram_buckets}")
+    if inputs is not None:
+        _dtensor_split([0, cfg.hidden, inputs.target.outputs], trainer)
+
+
+def bert_blocks() -> tuple[type, ...]:
+    from trainers.models.bert import Block
+
+    return (Block,)
+
+
+for _spec in (
+    ModelSpec("mlp", MLPConfig, "multi-layer perceptron on the flattened features", ("image", "numeric"),
+              torch="trainers.models.mlp_cnn:build_mlp", keras="trainers.models.keras_models:build_mlp",
+              dtensor="trainers.models.tf_modules:build_mlp", check=check_mlp),
+    ModelSpec("cnn", CNNConfig, "two conv blocks and a dense layer", ("image",),
+              torch="trainers.models.mlp_cnn:build_cnn", keras="trainers.models.keras_models:build_cnn",
+              check=check_cnn),
+    ModelSpec("bert", BertModelConfig, "BERT-style encoder classifier, tensor- and pipeline-parallel", ("tokens",),
+              torch="trainers.models.bert:build_bert",
+              tensor_parallel="trainers.models.bert_parallel:parallelize_bert",
+              pipeline_split="trainers.models.bert_parallel:split_stage", fsdp_blocks=bert_blocks, check=check_bert),
+    ModelSpec("embed_pool", EmbedPoolConfig, "mean of the token embeddings, then an MLP", ("tokens",),
+              torch="trainers.models.text:build_embed_pool", keras="trainers.models.keras_models:build_embed_pool",
+              check=check_embed_pool),
+    ModelSpec("tfidf", TfIdfConfig, "TF-IDF features, Dense, BatchNorm, Dense (tf_dtensor; Keras twin)", ("tokens",),
+              ("classification",), dtensor="trainers.models.tf_modules:build_tfidf",
+              keras_twin="trainers.models.keras_models:build_tfidf", check=check_tfidf),
+):
+    register_model(_spec)
