@@ -51,6 +51,9 @@ def check_builders(cfg: DictConfig, spec: ModelSpec, inputs: DataSchema) -> None
     if trainer.get("pp", 1) > 1 and spec.pipeline_split is None:
         raise ConfigError(f"trainer.pp: pp={trainer.pp} splits the model into stages by its spec's pipeline_split; "
                           f"model '{spec.name}' has none")
+    if trainer.get("pp", 1) > 1 and inputs.features.kind != "tokens":
+        raise ConfigError(f"trainer.pp: pipeline stages take token ids and their mask (trainers/torch/parallel/"
+                          f"pipeline.py); '{inputs.dataset}' has {inputs.features.kind} features")
     if builder == "dtensor" and inputs.target.task != "classification":
         raise ConfigError(f"trainer.backend: tf_dtensor trains classifiers only; '{inputs.dataset}' is a "
                           f"{inputs.target.task} dataset")

@@ -93,8 +93,9 @@ def score_held_out_test(cfg: DictConfig, uri: str, run_id: str) -> None:
     schema = DataSchema.from_manifest({"dataset": cfg.data.name, **read_manifest(cfg.data.path)})
     metrics = held_out_test_metrics(uri, run_id, cfg.data.path, cfg.data.eval_split, schema)
     if metrics:
-        print("held-out test split: " + ", ".join(f"{name} {value:.4g}" for name, value in metrics.items()),
-              flush=True)
+        shown = (f"{name} {int(value)}" if name.endswith("_rows") else f"{name} {value:.4g}"
+                 for name, value in metrics.items())
+        print("held-out test split: " + ", ".join(shown), flush=True)
 
 
 def close_failed_run(uri: str, run_id: str, err: BaseException, what: str = "training") -> str:

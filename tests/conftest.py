@@ -109,11 +109,15 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:
 
 
 def prepared_mnist(base: Path, n_train: int, n_test: int = 256) -> Path:
-    """Prepared Parquet shards (2 per split) of `n_train` train / `n_test` test generated images."""
+    """Prepared Parquet shards (2 per split) of `n_train` train / `n_test` test generated images, without a
+    validation split: the runs of the suite evaluate on the test split, which its expectations (steps per epoch,
+    an evaluation of the test split against the run's own accuracy) are computed on. The default carve is tested
+    in tests/unit/test_mnist_data.py, the validation-then-test path end to end in test_user_project.py."""
     from pipelines.prepare import main as prepare_main
 
     raw = make_mnist_like(base / "raw", n_train, n_test)
-    assert prepare_main(["mnist", "--source", str(raw), "--out", str(base / "parquet"), "--shards", "2"]) == 0
+    assert prepare_main(["mnist", "--source", str(raw), "--out", str(base / "parquet"), "--shards", "2",
+                         "--val-fraction", "0"]) == 0
     return base / "parquet"
 
 

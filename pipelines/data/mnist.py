@@ -31,6 +31,7 @@ SPLIT_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
                "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
 EMBEDDED_RAW = Path(__file__).resolve().parents[2] / "data" / "mnist" / "raw"
 
+VAL_FRACTION = 1 / 12  # of the train file, as validation: 5,000 of MNIST's 60,000, the classic 55,000/5,000 split
 SCHEMA = pa.schema([("image", pa.list_(pa.uint8(), PIXELS)), ("label", pa.int8())])
 
 
@@ -87,15 +88,22 @@ def to_table(images: np.ndarray, labels: np.ndarray) -> pa.Table:
     return pa.Table.from_arrays([image_col, pa.array(labels, type=pa.int8())], schema=SCHEMA)
 
 
-def prepare(source: Path, out_dir: Path, num_shards: int) -> dict[str, Any]:
+def prepare(source: Path, out_dir: Path, num_shards: int, val_fraction: float = VAL_FRACTION) -> dict[str, Any]:
     """Convert the IDX files in `source` into Parquet shards + manifest in `out_dir` (replaced as a whole, only
-    once everything is written)."""
+    once everything is written). The last `val_fraction` of the train file becomes the validation split (0: none),
+    so the epochs can be measured, the best one picked and training stopped early without the test split."""
     tables, sources = {}, {}
     for split in SPLIT_FILES:  # read and check everything before writing anything
         images, labels, sums = read_split(source, split)
         tables[split] = to_table(images, labels)
         sources.update(sums)
     check_not_empty({split: table.num_rows for split, table in tables.items()}, source, " (zero-row IDX files)")
+    carved = round(tables["train"].num_rows * val_fraction)
+    if carved:
+        train = tables["train"]
+        tables = {"train": train.slice(0, train.num_rows - carved),
+                  "validation": train.slice(train.num_rows - carved), "test": tables["test"]}
+        check_not_empty({"train": tables["train"].num_rows}, source, f" (--val-fraction {val_fraction} takes all)")
     splits = {}
     with staged_output(out_dir) as stage:
         for split, table in tables.items():
@@ -104,6 +112,8 @@ def prepare(source: Path, out_dir: Path, num_shards: int) -> dict[str, Any]:
         canonical = all(CANONICAL.get(name) == digest for name, digest in sources.items())
         manifest = {**mnist_schema().to_dict(), "schema": str(SCHEMA), "splits": splits,
                     "sources": sources, "source_dir": str(source), "canonical_sources": canonical}
+        if carved:
+            manifest["validation_from"] = f"the last {carved} rows of the train file"
         write_manifest(stage, manifest)
     return manifest
 
@@ -116,10 +126,16 @@ def add_arguments(parser: Any) -> None:
                         help="fetch the canonical files into --source first (SHA-256 verified)")
     parser.add_argument("--out", type=Path, default=Path("data/mnist/parquet"))
     parser.add_argument("--shards", type=int, default=4, help="Parquet files per split")
+    parser.add_argument("--val-fraction", type=float, default=VAL_FRACTION,
+                        help="the last fraction of the train file becomes the validation split, which each epoch "
+                             "is measured on (default 1/12: the classic 55,000 + 5,000; 0: none, epochs are "
+                             "measured on the test split)")
 
 
 def prepare_command(args: Any) -> dict[str, Any]:
     """`rtp prepare mnist`: the IDX files (downloaded first if asked) as Parquet shards in `--out`."""
     if args.download:
         download(args.source)
-    return prepare(args.source, args.out.resolve(), args.shards)
+    if not 0 <= args.val_fraction < 1:
+        raise DataError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+    return prepare(args.source, args.out.resolve(), args.shards, args.val_fraction)

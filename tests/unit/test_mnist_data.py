@@ -6,6 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from omegaconf import OmegaConf
 
 from pipelines.data import mnist
 from pipelines.data.idx import DataError, read_idx, write_idx
@@ -61,7 +62,7 @@ def test_missing_file_is_named(tmp_path):
 
 def test_shards_schema_counts_and_content(tmp_path):
     raw = make_mnist_like(tmp_path / "raw", 101, 37)
-    manifest = mnist.prepare(raw, tmp_path / "out", 3)
+    manifest = mnist.prepare(raw, tmp_path / "out", 3, val_fraction=0)
     assert manifest["splits"]["train"]["rows"] == 101
     assert [s["rows"] for s in manifest["splits"]["train"]["shards"]] == [33, 34, 34]
     assert sum(s["rows"] for s in manifest["splits"]["test"]["shards"]) == 37
@@ -73,6 +74,28 @@ def test_shards_schema_counts_and_content(tmp_path):
     np.testing.assert_array_equal(np.stack(table.column("image").to_numpy(zero_copy_only=False)), images)
     np.testing.assert_array_equal(table.column("label").to_numpy(), labels)
     assert manifest["canonical_sources"] is False
+
+
+def test_the_validation_split_is_the_end_of_the_train_file_and_what_runs_evaluate_on(tmp_path):
+    """By default the last twelfth of the train file is the validation split: the epochs are measured on it, the
+    test split is left for the chosen model."""
+    from pipelines.config import default_eval_split
+
+    raw = make_mnist_like(tmp_path / "raw", 120, 20)
+    out = tmp_path / "out"
+    assert prepare_main(["mnist", "--source", str(raw), "--out", str(out), "--shards", "2"]) == 0
+    manifest = read_manifest(out)
+    assert {split: info["rows"] for split, info in manifest["splits"].items()} == {"train": 110, "validation": 10,
+                                                                                 "test": 20}
+    assert manifest["validation_from"] == "the last 10 rows of the train file"
+    images = read_idx(raw / "train-images-idx3-ubyte.gz", 3).reshape(120, 784)
+    for split, rows in (("train", images[:110]), ("validation", images[110:])):
+        table = pa.concat_tables(pq.read_table(p) for p in shard_paths(out, manifest, split))
+        np.testing.assert_array_equal(np.stack(table.column("image").to_numpy(zero_copy_only=False)), rows)
+    assert default_eval_split(OmegaConf.create({"path": str(out)})) == "validation"
+    assert prepare_main(["mnist", "--source", str(raw), "--out", str(out), "--val-fraction", "0"]) == 0
+    assert set(read_manifest(out)["splits"]) == {"train", "test"}
+    assert default_eval_split(OmegaConf.create({"path": str(out)})) == "test"
 
 
 def test_manifest_check_catches_corrupt_shard(tmp_path):
@@ -104,7 +127,7 @@ def test_zero_row_idx_files_are_an_error_and_nothing_is_written(tmp_path, capsys
 
 def test_prepare_replaces_a_dataset_whole_and_keeps_the_old_one_after_a_failure(tmp_path, monkeypatch):
     out = tmp_path / "out"
-    mnist.prepare(make_mnist_like(tmp_path / "raw", 40, 10), out, 3)
+    mnist.prepare(make_mnist_like(tmp_path / "raw", 40, 10), out, 3, val_fraction=0)
     before = shards_of(out)
     other = make_mnist_like(tmp_path / "other", 30, 12, seed=1)
 
@@ -115,11 +138,11 @@ def test_prepare_replaces_a_dataset_whole_and_keeps_the_old_one_after_a_failure(
 
     monkeypatch.setattr(mnist, "write_split_shards", fail_on_test_split)
     with pytest.raises(KeyboardInterrupt):
-        mnist.prepare(other, out, 2)
+        mnist.prepare(other, out, 2, val_fraction=0)
     assert shards_of(out) == before  # the old dataset, unmixed
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging folder left
     monkeypatch.undo()
-    manifest = mnist.prepare(other, out, 2)  # fewer shards: no stale third shard beside the new ones
+    manifest = mnist.prepare(other, out, 2, val_fraction=0)  # fewer shards: no stale third shard beside the new ones
     assert sorted(shards_of(out)) == sorted(["manifest.json", *(s["file"] for split in ("train", "test")
                                                                 for s in manifest["splits"][split]["shards"])])
     assert read_manifest(out)["splits"]["test"]["rows"] == 12
@@ -142,7 +165,7 @@ def test_manifest_shape_shard_schema_and_empty_split_are_checked_before_training
     from pipelines.train import main as train_main
 
     out = tmp_path / "out"
-    manifest = mnist.prepare(make_mnist_like(tmp_path / "raw", 40, 10), out, 2)
+    manifest = mnist.prepare(make_mnist_like(tmp_path / "raw", 40, 10), out, 2, val_fraction=0)
     train_args = ["trainer=ddp", f"data.path={out}"]
     (out / "manifest.json").write_text('{"dataset": "mnist"}')
     assert train_main(train_args) == 2
