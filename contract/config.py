@@ -144,6 +144,7 @@ class RunSection:
     tensorboard: bool = False         # rank 0 also writes TensorBoard event files: the run's tensorboard/ artifacts
     system_metrics_interval_s: float = 10.0  # how often the system metrics are sampled
     progress: str = "auto"            # auto | on | off: Ray Data's bars and each epoch's step bar (auto: in a terminal)
+    verbose: bool = False             # Ray's own INFO lines too (worker start, each report, data plans); `-v`
 
 
 @dataclass

@@ -1,7 +1,10 @@
-"""The one-line messages the pipelines print."""
+"""The one-line messages the pipelines print, and how much of Ray's own logging is printed beside them."""
 from __future__ import annotations
 
+import logging
+import os
 import sys
+from typing import Any
 
 
 def say(line: str) -> None:
@@ -10,3 +13,36 @@ def say(line: str) -> None:
     showed twice in the driver's output."""
     sys.stdout.write(f"{line}\n")
     sys.stdout.flush()
+
+
+# Ray Data reads its loggers' level from this variable whenever it (re)configures them, in every process.
+RAY_DATA_LEVEL_VAR = "RAY_DATA_LOG_LEVEL"
+
+
+def quiet_ray_env(verbose: bool) -> dict[str, str]:
+    """Environment for every process of the job: Ray Data's INFO lines (per-dataset execution plans, Parquet
+    encoding estimates) off the console unless `verbose` (`run.verbose`)."""
+    return {} if verbose else {RAY_DATA_LEVEL_VAR: "WARNING"}
+
+
+def ray_init_logging(verbose: bool) -> dict[str, Any]:
+    """`ray.init` keywords: Ray's own INFO lines (connecting, starting a local Ray) only when `verbose`."""
+    return {} if verbose else {"logging_level": logging.WARNING}
+
+
+def quiet_ray_logs() -> None:
+    """In this process (the driver, a Ray Train worker): Ray's INFO lines off (Ray Train's own still go to its log
+    files under the Ray session's logs/train), its warnings kept.
+    Ray Train's own `ray.train` loggers follow the run's LoggingConfig (trainers/worker.py: run_config); this covers
+    Ray Data, its notice that progress bars are off (the run turned them off: `run.progress`), and the loggers some
+    Ray modules name by their file path, which no level setting of Ray reaches (Ray Train's per-report
+    `Reporting training result N: TrainingReport(...)` line)."""
+    import ray
+
+    os.environ.update(quiet_ray_env(False))
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    ray_dir = os.path.dirname(ray.__file__)
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.startswith(ray_dir):
+            logging.getLogger(name).setLevel(logging.WARNING)

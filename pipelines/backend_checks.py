@@ -48,6 +48,9 @@ def check_builders(cfg: DictConfig, spec: ModelSpec, inputs: DataSchema) -> None
     if trainer.get("tp", 1) > 1 and spec.tensor_parallel is None:
         raise ConfigError(f"trainer.tp: tp={trainer.tp} shards the model by its spec's tensor-parallel plan; model "
                           f"'{spec.name}' has none (tensor_parallel=, e.g. trainers.torch.parallel.plans.styles_plan)")
+    if trainer.backend == "tp" and spec.tensor_parallel is None:  # it applies the plan at any degree, tp=1 too
+        raise ConfigError(f"trainer.backend: trainer=tp lays the model out by its spec's tensor-parallel plan; model "
+                          f"'{spec.name}' has none (data parallelism alone: trainer=ddp or trainer=fsdp)")
     if trainer.get("pp", 1) > 1 and spec.pipeline_split is None:
         raise ConfigError(f"trainer.pp: pp={trainer.pp} splits the model into stages by its spec's pipeline_split; "
                           f"model '{spec.name}' has none")

@@ -27,14 +27,19 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("pipelines.cli", "the composed, validated training config of these overrides (starts nothing)"),
 }
 
-USAGE = """usage: rtp <command> [arguments]
+# `-v` (or `--verbose`) after a command: Ray's own INFO lines on the console too, as this key says
+VERBOSE_KEYS = {"train": "run.verbose=true", "sweep": "run.verbose=true", "evaluate": "verbose=true",
+                "predict": "verbose=true"}
+
+USAGE = """usage: rtp <command> [-v] [arguments]
 
 Distributed deep-learning training on Ray (Train, Data, Tune), tracked in MLflow, from a laptop to a Slurm cluster.
 
 commands:
 {commands}
 
-`rtp <command> --help` tells a command's arguments, keys and exit codes.
+`rtp <command> --help` tells a command's arguments, keys and exit codes. `-v` (train, sweep, evaluate, predict):
+Ray's own INFO lines too (worker start, each report, data plans), which are otherwise off the console.
 Environment: RAY_ADDRESS (a Ray cluster; unset: a local Ray of the command's own), MLFLOW_TRACKING_URI (unset: the
 sqlite store mlflow.db of the project).
 
@@ -61,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         return list_choices(args)
     if command == "config":
         return print_config(args)
+    if command in VERBOSE_KEYS and {"-v", "--verbose"} & set(args):
+        args = [arg for arg in args if arg not in ("-v", "--verbose")] + [VERBOSE_KEYS[command]]
     return importlib.import_module(COMMANDS[command][0]).main(args)
 
 

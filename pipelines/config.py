@@ -150,16 +150,7 @@ def load_config(overrides: list[str]) -> DictConfig:
     read-only config. `plugins` lists every plugin module loaded (named, or an installed entry point's); the data's
     manifest names the dataset (`data.name`) and its task, whose evaluation metric `run.monitor` is unless
     given."""
-    raw = compose(overrides)
-    try:
-        cfg = OmegaConf.merge(schema_for(raw), raw)
-        OmegaConf.resolve(cfg)
-    except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", None) or "config"
-        message = str(err).strip().splitlines()[0]
-        raise ConfigError(f"{key}: renamed {RENAMED[key]}" if key in RENAMED else f"{key}: {message}") from err
-    cfg.plugins = plugin_modules(overrides)  # the entry points' too: every worker loads what the driver did
-    check_values(cfg)
+    cfg = checked_values(overrides)
     inputs = read_data_schema(cfg.data)
     cfg.data.name = inputs.dataset
     if cfg.data.eval_split is None:
@@ -171,6 +162,22 @@ def load_config(overrides: list[str]) -> DictConfig:
     if cfg.trainer.backend == "tp" and cfg.trainer.dp is None:
         cfg.trainer.dp = cfg.trainer.num_workers // cfg.trainer.tp
     OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def checked_values(overrides: list[str]) -> DictConfig:
+    """The composed, typed config of `overrides` with every check that needs no prepared data (`check_values`):
+    the first part of `load_config`, and what the docs' commands are checked with."""
+    raw = compose(overrides)
+    try:
+        cfg = OmegaConf.merge(schema_for(raw), raw)
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "config"
+        message = str(err).strip().splitlines()[0]
+        raise ConfigError(f"{key}: renamed {RENAMED[key]}" if key in RENAMED else f"{key}: {message}") from err
+    cfg.plugins = plugin_modules(overrides)  # the entry points' too: every worker loads what the driver did
+    check_values(cfg)
     return cfg
 
 

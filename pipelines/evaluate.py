@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"MLflow run {run_id} ({uri}): scoring {plan.model_uri} on {plan.data_path} split {plan.split}",
           flush=True)
     code = 0
-    init_ray(cfg.concurrency)
+    init_ray(cfg.concurrency, cfg.verbose)
     try:
         metrics = evaluate_into_run(plan, uri, run_id)
         tracking.end_run(uri, run_id)

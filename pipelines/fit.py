@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from contract import tracking
 from contract.checkpoint import TrainState
 from contract.config import typed_config, worker_resources
+from contract.console import quiet_ray_env, quiet_ray_logs, ray_init_logging
 from contract.data import DataSchema
 from contract.metrics import STOP_METRICS
 from contract.registry import plugin_roots
@@ -21,23 +22,29 @@ from pipelines.data.shards import read_manifest
 from pipelines.ray_session import start_local_ray
 
 
-def init_ray(num_cpus: int) -> None:
+def init_ray(num_cpus: int, verbose: bool = False) -> None:
     """Connect to the cluster at RAY_ADDRESS, or start our own local Ray with `num_cpus` (never some other cluster on
     this machine by accident; loopback only, with a token: `start_local_ray`), and tell the job's processes which
     cluster is theirs. Ray Train's placement-group cleaner (a detached actor) asks Ray's State API whether the run's
     controller lives; without RAY_ADDRESS or RAY_API_SERVER_ADDRESS it looks for "the" cluster in
     /tmp/ray/ray_current_cluster, which the last `ray start` without `--temp-dir` on this machine wrote: a head long
     gone (the cleaner's thread then dies with a traceback, and cleans nothing), or another live cluster, which does
-    not know our controller, so the cleaner removes our workers' placement group mid-run."""
+    not know our controller, so the cleaner removes our workers' placement group mid-run. Unless `verbose`
+    (`run.verbose`), Ray's INFO lines stay in its log files, off the console (contract/console.py)."""
+    quiet = quiet_ray_env(verbose)
+    if not verbose:
+        quiet_ray_logs()
     if address := os.environ.get("RAY_ADDRESS"):
         import ray
 
-        ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": {"RAY_ADDRESS": address}})
+        ray.init(address=address, log_to_driver=True, runtime_env={"env_vars": {"RAY_ADDRESS": address, **quiet}},
+                 **ray_init_logging(verbose))
         return
     # The dashboard serves the State API: on, at a port chosen here so that the job's processes can be told it.
     port = _free_port()
     start_local_ray(num_cpus=num_cpus, dashboard_host="127.0.0.1", dashboard_port=port,
-                    runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}})
+                    runtime_env={"env_vars": {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}", **quiet}},
+                    **ray_init_logging(verbose))
 
 
 def _free_port() -> int:

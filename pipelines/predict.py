@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     output = Path(cfg.output).resolve()
-    init_ray(cfg.concurrency)
+    init_ray(cfg.concurrency, cfg.verbose)
     try:
         write(predict(work, uri), output)
     except BaseException as err:  # interrupts too: say what happened in one line

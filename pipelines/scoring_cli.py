@@ -11,6 +11,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from contract import tracking
+from contract.console import quiet_ray_env, quiet_ray_logs, ray_init_logging
 from pipelines.config import ConfigError
 from pipelines.data.idx import DataError
 from pipelines.ray_session import connect_or_start_ray
@@ -26,6 +27,7 @@ class ScoringConfig:
     batch_size: int = 256  # rows per batch a scoring actor takes
     concurrency: int = 1  # scoring actors, a CPU each (a GPU each with use_gpu)
     use_gpu: bool = False  # score on GPUs, one per actor
+    verbose: bool = False  # Ray's own INFO lines too (data plans, per-operator progress); `-v`
 
 
 def parse_args(schema: type, argv: list[str]) -> Any:
@@ -93,7 +95,11 @@ def plan_before_start(argv: list[str], parse: Callable[[list[str]], Any],
     return cfg, uri, plan
 
 
-def init_ray(actors: int) -> None:
-    """The cluster at RAY_ADDRESS, or a local Ray of our own with a CPU for the reads beside the actors."""
-    connect_or_start_ray({"num_cpus": max(os.cpu_count() or 1, actors + 1), "include_dashboard": False},
-                         log_to_driver=True)
+def init_ray(actors: int, verbose: bool = False) -> None:
+    """The cluster at RAY_ADDRESS, or a local Ray of our own with a CPU for the reads beside the actors; Ray's INFO
+    lines off the console unless `verbose`."""
+    if not verbose:
+        quiet_ray_logs()
+    quiet = {"runtime_env": {"env_vars": quiet_ray_env(verbose)}, **ray_init_logging(verbose)}
+    connect_or_start_ray({"num_cpus": max(os.cpu_count() or 1, actors + 1), "include_dashboard": False, **quiet},
+                         log_to_driver=True, **quiet)

@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from omegaconf import DictConfig, OmegaConf
 
 from contract import resume, tracking
-from contract.config import ray_train_workers, worker_resources
+from contract.config import monitor_of, ray_train_workers, worker_resources
 from pipelines.config import ConfigError, check_fits_this_machine, flatten, load_config, parallel_params
 from pipelines.data.idx import DataError
 from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
 from pipelines.fit import fit_backend, fit_still_running, init_ray
 from pipelines.help import training_help, wants_help
 from pipelines.ray_session import shutdown_ray
+from pipelines.summary import run_summary
 
 SUMMARY = """Train one model with a backend (trainer=...) on a prepared dataset (data=..., data.path=...), on the Ray
 cluster at RAY_ADDRESS or a local Ray of its own, logged to MLflow (MLFLOW_TRACKING_URI, else the project's sqlite
@@ -91,11 +93,7 @@ def score_held_out_test(cfg: DictConfig, uri: str, run_id: str) -> None:
     from pipelines.scoring import held_out_test_metrics
 
     schema = DataSchema.from_manifest({"dataset": cfg.data.name, **read_manifest(cfg.data.path)})
-    metrics = held_out_test_metrics(uri, run_id, cfg.data.path, cfg.data.eval_split, schema)
-    if metrics:
-        shown = (f"{name} {int(value)}" if name.endswith("_rows") else f"{name} {value:.4g}"
-                 for name, value in metrics.items())
-        print("held-out test split: " + ", ".join(shown), flush=True)
+    held_out_test_metrics(uri, run_id, cfg.data.path, cfg.data.eval_split, schema)  # the summary shows them
 
 
 def close_failed_run(uri: str, run_id: str, err: BaseException, what: str = "training") -> str:
@@ -133,6 +131,7 @@ def open_run(cfg: DictConfig, manifest: dict, uri: str) -> tuple[str, str | None
 
 
 def main(argv: list[str] | None = None) -> int:
+    began = time.monotonic()
     argv = sys.argv[1:] if argv is None else argv
     if wants_help(argv):
         print(training_help("rtp train [GROUP=CHOICE ...] [KEY=VALUE ...]", SUMMARY, argv, EXIT_CODES, EXAMPLES))
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     needed = cfg.trainer.num_workers * cfg.trainer.threads_per_worker + 2  # +2: Ray Data readers
-    init_ray(max(os.cpu_count() or 1, needed))  # a local Ray's CPUs, if it starts one
+    init_ray(max(os.cpu_count() or 1, needed), cfg.run.verbose)  # a local Ray's CPUs, if it starts one
     try:
         check_cluster_fits(cfg)
     except ConfigError as err:
@@ -156,19 +155,23 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:
         shutdown_ray()
         raise
+    summary = run_summary(uri, run_id, monitor_of(cfg.run), cfg.data.eval_split,
+                          str(tracking.run_dir(cfg.run.storage_path, run_id).absolute()), time.monotonic() - began)
     if fit_still_running():  # interrupted: say it before the shutdown, which may end this process
-        report_end(message, run_id)
+        report_end(summary, message, run_id)
         shutdown_ray()
     else:
         # After the shutdown, so that they are the last lines: Ray's thread that forwards the workers' logs can
         # no longer write after them, or into the middle of them.
         shutdown_ray()
-        report_end(message, run_id)
+        report_end(summary, message, run_id)
     return code
 
 
-def report_end(message: str | None, run_id: str) -> None:
-    """The run's last lines: its one error or stop line (stderr), then `mlflow_run_id=` (stdout)."""
+def report_end(summary: list[str], message: str | None, run_id: str) -> None:
+    """The run's last lines: the summary block, its one error or stop line (stderr), then `mlflow_run_id=`
+    (stdout, the line scripts read)."""
+    print("\n".join(summary), flush=True)
     if message:
         print(message, file=sys.stderr, flush=True)
     sys.stdout.write(f"mlflow_run_id={run_id}\n")

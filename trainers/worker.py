@@ -13,6 +13,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from contract.config import monitor_of, typed_config
+from contract.console import quiet_ray_logs
 from contract.data import DataSchema
 from contract.metrics import eval_metric
 from contract.progress import StepBar, progress_wanted
@@ -51,6 +52,9 @@ def ray_context(config: dict[str, Any], cfg: DictConfig, device: Any = None) -> 
     worker_began = time.time()
     import ray.train
     import ray.util
+
+    if not cfg.run.verbose:
+        quiet_ray_logs()
 
     from contract.tracking import (EpochLogger, SystemMetrics, TrackingSpool, lineage_start_ms, ray_run_name, run_dir,
                                    spool_dir)
@@ -152,7 +156,7 @@ def run_config(cfg: DictConfig, run_id: str, callbacks: list | None, env: dict[s
     """A Ray Train run named after the MLflow run (so a rerun finds its checkpoints), restarts from checkpoints up
     to `fault.max_failures`. `callbacks`: e.g. a sweep trial's TrialReporter; `env`: variables the worker
     processes must have from their start (tf-keras)."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig
 
     from contract.tracking import ray_run_name
 
@@ -168,6 +172,7 @@ def run_config(cfg: DictConfig, run_id: str, callbacks: list | None, env: dict[s
                      failure_config=FailureConfig(max_failures=cfg.fault.max_failures,
                                                   controller_failure_limit=-1 if patient else 0),
                      checkpoint_config=checkpoints, callbacks=list(callbacks or []),
+                     logging_config=LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING"),
                      worker_runtime_env={"env_vars": env} if env else None)
 
 

@@ -20,18 +20,19 @@ source "$state/ray.env"
 
 log=outputs/demo-job.log
 runtime_env=$(cat <<JSON
-{"excludes": ["/.venv", "/.git", "/data", "/outputs", "/mlflow.db", "/mlartifacts"],
+{"excludes": ["/.venv", "/.git", "/data", "/outputs", "/mlflow.db", "/mlartifacts", "/.ruff_cache", "/.pytest_cache"],
  "env_vars": {"MLFLOW_TRACKING_URI": "$MLFLOW_TRACKING_URI", "PIPELINE_GIT_COMMIT": "$PIPELINE_GIT_COMMIT",
               "OMP_NUM_THREADS": "1"}}
 JSON
 )
-status=0
-ray job submit --address "$RAY_DASHBOARD_ADDRESS" --working-dir . --runtime-env-json "$runtime_env" -- \
+# Submitted without waiting (the submission's own packaging lines go to a file), then the job's output followed:
+# what a user reads is the run's, not the job client's.
+job=demo-$(date +%Y%m%d-%H%M%S)-$$
+ray job submit --address "$RAY_DASHBOARD_ADDRESS" --submission-id "$job" --no-wait --working-dir . \
+  --runtime-env-json "$runtime_env" -- \
   rtp train data.path="$root/data/mnist/parquet" run.storage_path="$root/outputs/ray" "$@" \
-  2>&1 | tee "$log" || status=$?
-
-run_id=$(grep -o 'mlflow_run_id=[0-9a-f]*' "$log" | tail -n 1 | cut -d= -f2)
-echo
-echo "MLflow run: ${run_id:-none (see $log)}   store: $MLFLOW_TRACKING_URI"
-echo "Look at it: $root/.venv/bin/mlflow ui --backend-store-uri $MLFLOW_TRACKING_URI --port 5000  (then open http://127.0.0.1:5000)"
+  > outputs/demo-submit.log 2>&1 || { cat outputs/demo-submit.log; exit 1; }
+echo "Ray job $job submitted (its output: ray job logs $job)"
+status=0
+python cluster/local/follow-job.py "$RAY_DASHBOARD_ADDRESS" "$job" 2>&1 | tee "$log" || status=$?
 exit $status

@@ -13,14 +13,17 @@ if TYPE_CHECKING:
     import ray.data
 
 
-def read_parquet(paths: list[str]) -> "ray.data.Dataset":
+def read_parquet(paths: list[str], progress: str = "auto") -> "ray.data.Dataset":
     """A lazy Ray Data dataset over Parquet files, read by Ray Data's first Parquet datasource
     (`use_datasource_v2=False`): Ray 2.60's default (V2) starts FooterReader actors at every execution, and every
     training run executes both of its splits (the ordered split materialises them): seconds more per run than
-    with the footers read in place (benchmarks/README.md, startup)."""
+    with the footers read in place (benchmarks/README.md, startup). Progress bars (the footer sampling's, and
+    those of the executions the dataset starts from this driver) as `progress` says (`run.progress`)."""
     import ray.data
 
-    ray.data.DataContext.get_current().use_datasource_v2 = False  # read_parquet picks the datasource from it
+    context = ray.data.DataContext.get_current()  # read_parquet and the new dataset take their settings from it
+    context.use_datasource_v2 = False
+    context.enable_progress_bars = progress_wanted(progress)
     return ray.data.read_parquet(paths)
 
 
@@ -30,7 +33,8 @@ def parquet_datasets(data_dir: str | Path, splits: dict[str, str], progress: str
     Ray Data's bars are drawn by its split coordinator actor whatever the driver's terminal: in a log they add
     redrawn lines every second (measured: 328 bar lines, 88 KB, in the log of a 1-minute IMDb run)."""
     manifest = read_manifest(data_dir)
-    datasets = {name: read_parquet(shard_paths(data_dir, manifest, split)) for name, split in splits.items()}
+    datasets = {name: read_parquet(shard_paths(data_dir, manifest, split), progress)
+                for name, split in splits.items()}
     for dataset in datasets.values():
         dataset.context.enable_progress_bars = progress_wanted(progress)
     return datasets

@@ -33,6 +33,7 @@ from pipelines.data.shards import read_manifest, shard_paths
 from pipelines.fit import init_ray, stopped_at
 from pipelines.help import exit_codes_text, first_comment, format_rows, key_table, wants_help
 from pipelines.ray_session import shutdown_ray
+from pipelines.summary import sweep_summary
 from pipelines.sweep.pbt import PBT_CHECKPOINTS_KEPT, check_mutated_trials, make_pbt, mutations, param_space
 from pipelines.sweep.runs import Outcome, SweepEnding, SweepTrackingDown, close_children, finish_sweep, open_sweep
 from pipelines.sweep.space import (SweepConfig, Trial, cpus_needed, load_sweep, max_concurrent, plan_trials,
@@ -86,7 +87,8 @@ def start_ray(trials: list[Trial]) -> tuple[float, float]:
     import ray
 
     valid = [cpus_needed(t.cfg) for t in trials if t.cfg is not None]
-    init_ray(max(os.cpu_count() or 1, int(max(valid, default=1))))
+    verbose = any(t.cfg.run.verbose for t in trials if t.cfg is not None)
+    init_ray(max(os.cpu_count() or 1, int(max(valid, default=1))), verbose)
     resources = ray.cluster_resources()
     return resources.get("CPU", 0.0), resources.get("GPU", 0.0)
 
@@ -257,27 +259,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     resume.raise_on_sigterm()
+    began = time.monotonic()
     try:
         parent_id, failed, stopped = run_sweep(spec, trials, uri, resume_dir)
     except SweepTrackingDown as err:
-        print(f"error: {err}", file=sys.stderr)
-        print(f"mlflow_parent_run_id={err.parent_id}", flush=True)
-        return 1
+        return end_sweep(f"error: {err}", err.parent_id, 1)
     except SweepFailed as err:
         how = resume.interruption(err.__cause__)
-        print(f"error: interrupted ({how}); the MLflow parent run is KILLED" if how else f"error: sweep failed: {err}",
-              file=sys.stderr)
-        print(f"mlflow_parent_run_id={err.parent_id}", flush=True)
-        return 1
+        print("\n".join(sweep_summary(uri, err.parent_id, spec.metric, time.monotonic() - began)), flush=True)
+        return end_sweep(f"error: interrupted ({how}); the MLflow parent run is KILLED" if how
+                         else f"error: sweep failed: {err}", err.parent_id, 1)
+    print("\n".join(sweep_summary(uri, parent_id, spec.metric, time.monotonic() - began)), flush=True)
     if stopped:
-        print(f"stopped on request with {failed} trial(s) unfinished: delete {resume.stop_file(resume_dir)} and "
-              f"run again with run.resume_dir={resume_dir} to continue", file=sys.stderr)
-        print(f"mlflow_parent_run_id={parent_id}", flush=True)
-        return resume.EXIT_PREEMPTED
-    if failed:
-        print(f"error: {failed} trial(s) did not finish", file=sys.stderr)
+        return end_sweep(f"stopped on request with {failed} trial(s) unfinished: delete {resume.stop_file(resume_dir)} "
+                         f"and run again with run.resume_dir={resume_dir} to continue", parent_id,
+                         resume.EXIT_PREEMPTED)
+    return end_sweep(f"error: {failed} trial(s) did not finish" if failed else None, parent_id, 1 if failed else 0)
+
+
+def end_sweep(message: str | None, parent_id: str, code: int) -> int:
+    """The sweep's last lines: its one error or stop line (stderr), then `mlflow_parent_run_id=` (stdout, the
+    line scripts read). Returns `code`."""
+    if message:
+        print(message, file=sys.stderr, flush=True)
     print(f"mlflow_parent_run_id={parent_id}", flush=True)
-    return 1 if failed else 0
+    return code
 
 
 if __name__ == "__main__":

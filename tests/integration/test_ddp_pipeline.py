@@ -109,9 +109,26 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
     [version] = client.search_model_versions(f"name = '{registered}'")
     assert version.run_id == run_id and version.tags["training_run_id"] == run_id
     assert client.get_run(run_id).data.tags["registered_model"] == f"{registered}/{version.version}"
+    page = f"{mlflow_server}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
+    check_console(proc.stdout + proc.stderr, run_id, best, f"models:/{registered}/{version.version}",
+                  tmp_path / "ray" / f"run-{run_id}", page)
     client.set_registered_model_alias(registered, "champion", version.version)
     check_evaluation(client, run_id, f"models:/{registered}@champion", model, accuracy[best], tiny_mnist,
                      pipeline_env(mlflow_server, ray_head), tmp_path)
+
+
+def check_console(output: str, run_id: str, best: int, model: str, checkpoints: Path, page: str) -> None:
+    """What the user reads: the epoch lines without Ray's per-report and data-sampling lines (`run.verbose` is
+    off), then the run's summary block, which says what MLflow holds, then `mlflow_run_id=`."""
+    assert "Reporting training result" not in output and "Parquet dataset sampling" not in output
+    assert "epoch 3/3: train_loss" in output
+    lines = output.splitlines()
+    start, end = lines.index("--- run ---"), lines.index(f"mlflow_run_id={run_id}")
+    rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in lines[start + 1:end])
+    assert rows["status"] == "FINISHED" and rows["run"].startswith(run_id)
+    assert rows["best epoch"].startswith(f"{best}: test_accuracy ")
+    assert rows["model"].startswith(f"{model}  ") and rows["checkpoints"] == str(checkpoints)
+    assert checkpoints.is_dir() and rows["MLflow UI"] == page
 
 
 def inputs_by_context(run) -> dict:

@@ -102,6 +102,10 @@ def test_smoke_sweep_nests_runs_rejects_points_and_reports(tmp_path, tiny_imdb, 
     [version] = client.search_model_versions(f"name = 'smoke-best-{tmp_path.name}'")
     assert version.run_id == parent.data.tags["best.run_id"]
     assert parent.data.tags["registered_model"] == f"smoke-best-{tmp_path.name}/{version.version}"
+    # The console ends with the sweep's block: its best trial (the report's pick) and that trial's model.
+    block = proc.stdout[proc.stdout.index("--- sweep ---"):proc.stdout.index(f"mlflow_parent_run_id={parent_id}")]
+    assert f"best trial  {parent.data.tags['best.trial']}: test_accuracy " in block
+    assert f"(run {version.run_id})" in block and f"/report  (rtp report {parent_id})" in block
     check_text_prediction(f"models:/smoke-best-{tmp_path.name}/{version.version}", tiny_imdb, mlflow_server,
                           ray_head, tmp_path)
     by_layout = {(c.data.params["backend"], c.data.params["world_size"]): c for c in children}
