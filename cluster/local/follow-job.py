@@ -15,7 +15,7 @@ async def follow(client: JobSubmissionClient, job: str) -> None:
 
 
 def main(address: str, job: str) -> int:
-    logging.getLogger("ray").setLevel(logging.WARNING)  # the client's INFO lines (connection closed)
+    logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)  # its INFO: "WebSocket closed"
     client = JobSubmissionClient(address)
     asyncio.run(follow(client, job))
     status = client.get_job_status(job)
