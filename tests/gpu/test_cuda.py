@@ -6,7 +6,7 @@ without a GPU, as in CI. Where one is lent:
 (these tests need torch, omegaconf, hydra and Ray's `Checkpoint` class, no Ray cluster or MLflow). The GPU machines
 lent here have one GPU, and NCCL refuses two ranks on one device, so the process groups have one rank; every
 collective still runs through NCCL, which takes CUDA tensors only, a path the CPU suite's gloo groups never take.
-Scoring on a GPU: tests/unit/test_evaluate.py. Results: README, "GPU runs"."""
+Scoring on a GPU: tests/unit/test_evaluate.py. Results: benchmarks/README.md, "Speed on one GPU"."""
 from __future__ import annotations
 
 from dataclasses import replace
