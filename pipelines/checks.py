@@ -5,6 +5,7 @@ code 2. Framework-free: a framework is found, never imported.
 """
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -30,6 +31,10 @@ POSITIVE = ("num_workers", "threads_per_worker", "batch_size", "lr", "epochs", "
 def check_values(cfg: DictConfig) -> None:
     """Every check of the config itself, in the order a user would fix them: values, the framework, the model,
     the recipe, the layout."""
+    for section in ("trainer", "model", "run", "fault"):  # lr=inf trains five epochs of NaN losses
+        for key, value in cfg[section].items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section}.{key}: must be a finite number, got {value}")
     for key in POSITIVE:
         if key in cfg.trainer and cfg.trainer[key] <= 0:
             raise ConfigError(f"trainer.{key}: must be > 0, got {cfg.trainer[key]}")

@@ -120,6 +120,11 @@ def _compose_error(first_line: str) -> str:
     choice = re.search(r"Could not find '(\w+)/([^']+)'", first_line)
     if choice and (CONF_DIR / choice[1]).is_dir():
         return f"{choice[1]}: unknown choice '{choice[2]}' (choices: {', '.join(group_choices(choice[1]))})"
+    unparsed = re.fullmatch(r"Error parsing override '([^']*)'", first_line) or \
+        re.fullmatch(r"LexerNoViableAltException: (.*)", first_line)
+    if unparsed:  # a value the shell split at a space, or characters Hydra's grammar takes only quoted
+        return (f"overrides: cannot read '{unparsed[1]}': every argument is KEY=VALUE; quote a value with spaces "
+                f"or other characters for the shell and for Hydra, e.g. \"run.name='my run'\"")
     return f"overrides: {first_line}"
 
 

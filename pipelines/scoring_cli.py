@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -37,6 +38,10 @@ def parse_args(schema: type, argv: list[str]) -> Any:
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "arguments"
         raise ConfigError(f"{key}: {str(err).strip().splitlines()[0]}") from err
+    except yaml.YAMLError as err:  # a value OmegaConf reads as YAML, e.g. one starting with a quote
+        where = next((arg.split("=", 1)[0] for arg in argv if not _reads_as_yaml(arg)), "arguments")
+        raise ConfigError(f"{where}: not a readable value ({type(err).__name__}); quote it for YAML too, e.g. "
+                          f"\"{where}='...'\"") from None
     for key in sorted(OmegaConf.missing_keys(cfg)):
         raise ConfigError(f"{key}: Missing mandatory value")
     if not cfg.model:
@@ -59,6 +64,14 @@ def find_model(spec: str, uri: str) -> tuple[str, Any, Any]:
         return model_uri, info, mlflow.MlflowClient(uri).get_run(info.run_id) if info.run_id else None
     except (MlflowException, OSError) as err:
         raise ConfigError(f"model: {model_uri}: {str(err).strip().splitlines()[0]}") from err
+
+
+def _reads_as_yaml(arg: str) -> bool:
+    try:
+        OmegaConf.from_dotlist([arg])
+        return True
+    except (OmegaConfBaseException, yaml.YAMLError):
+        return False
 
 
 def check_actors_fit(cfg: Any) -> None:

@@ -44,7 +44,8 @@ def read_images(path: Path, shape: tuple[int, ...] = (28, 28)) -> tuple[list[str
 
 
 def read_texts(path: Path, column: str = "text") -> tuple[list[str], list[str]]:
-    """Texts: a .txt file (one per line), a .csv or .parquet file (a `column` column), or a folder of .txt files
+    """Texts: a .txt file (one per line; blank lines separate, they are no text), a .csv or .parquet file (a
+    `column` column), or a folder of .txt files
     (one text each, sorted by path; an aclImdb folder works: its `urls_*.txt` lists are not reviews). Cleaned
     as `prepare imdb` cleans them; empty ones are an error (the model would score nothing)."""
     if not path.exists():
@@ -58,8 +59,9 @@ def read_texts(path: Path, column: str = "text") -> tuple[list[str], list[str]]:
         texts = [str(value) if value is not None else "" for value in _table(path, [column])[column]]
         sources = [f"{path.name}[{i}]" for i in range(len(texts))]
     else:
-        texts = path.read_text(encoding="utf-8", errors="replace").splitlines()
-        sources = [f"{path.name}:{i + 1}" for i in range(len(texts))]
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        numbered = [(f"{path.name}:{i + 1}", line) for i, line in enumerate(lines) if line.strip()]
+        sources, texts = [source for source, _ in numbered], [line for _, line in numbered]
     cleaned = [clean_text(text or "") for text in texts]
     empty = [source for source, text in zip(sources, cleaned) if not text]
     if empty or not cleaned:

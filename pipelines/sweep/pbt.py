@@ -47,8 +47,11 @@ def mutations(spec: DictConfig) -> dict[str, Any]:
 
 
 def check_mutated_trials(spec: DictConfig, trials: list[Trial], mutable: dict[str, Any]) -> None:
-    """Reject the trials that some mutation would make invalid (each key's values, or its range's ends, on top of
-    the trial's overrides), and a perturbation interval no trial reaches before its last epoch."""
+    """Under PBT: reject the trials that some mutation would make invalid (each key's values, or its range's ends,
+    on top of the trial's overrides), and a perturbation interval no trial reaches before its last epoch. Other
+    schedulers mutate nothing: nothing to check."""
+    if spec.scheduler != "pbt":
+        return
     for trial in trials:
         if trial.cfg is None:
             continue

@@ -135,6 +135,7 @@ def test_scorer_gives_the_models_logits(logged, device):
 
 @pytest.mark.parametrize("args, message", [
     (["model=abc", "bogus=1"], r"^error: bogus: Key 'bogus' not in 'EvaluateConfig'"),
+    (["model='; DROP TABLE runs;--"], r"^error: model: not a readable value \(ScannerError\); quote it"),
     ([], r"^error: model: Missing mandatory value"),
     (["model=0123456789abcdef0123456789abcdef"],
      r"^error: model: runs:/0123456789abcdef0123456789abcdef/model: Run with id=\S+ not found"),

@@ -68,8 +68,13 @@ def test_bad_images_are_data_errors(tmp_path, make, message):
         read_images(make(tmp_path))
 
 
+def test_blank_lines_of_a_text_file_separate_texts(tmp_path):
+    (tmp_path / "r.txt").write_text("good\n\n  \nalso good\n")
+    assert read_texts(tmp_path / "r.txt") == (["r.txt:1", "r.txt:4"], ["good", "also good"])
+
+
 @pytest.mark.parametrize("content, name, message", [
-    ("good\n\nalso good\n", "r.txt", r"1 empty review\(s\) \(first: r.txt:2\)"),
+    ("text,label\ngood,1\n\"\",0\n", "r.csv", r"1 empty review\(s\) \(first: r.csv\[1\]\)"),
     ("review,label\nfine,1\n", "r.csv", r"no column 'text'"),
     ("", "r.txt", r"no reviews"),
 ])

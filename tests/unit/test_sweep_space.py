@@ -254,6 +254,12 @@ def test_pbt_rejects_trials_a_mutation_would_make_invalid_and_keeps_perturbation
     assert initial_values([t for t in trials if t.cfg is not None], {"trainer.weight_decay": [0.0, 0.1]}) == \
         {3: {"trainer.weight_decay": 0.0}}
 
+    # A sweep that is not PBT mutates nothing: one epoch is no reason to reject its trials.
+    fifo = load_sweep("mnist_backends", ["sweep.scheduler=fifo"])
+    fifo_trials = plan_trials(fifo, [f"data.path={tmp_path}", "trainer.epochs=1"])
+    check_mutated_trials(fifo, fifo_trials, mutations(fifo))
+    assert fifo_trials and all(t.cfg is not None for t in fifo_trials)
+
     keep_in = InRange({"trainer.lr": {"loguniform": [1e-5, 1e-2]}, "trainer.batch_size": [32, 64],
                        "trainer.grad_clip": {"randint": [1, 5]}})
     assert keep_in({"trainer.lr": 0.012, "trainer.batch_size": 32, "trainer.grad_clip": 0.8}) == \
