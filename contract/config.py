@@ -139,6 +139,9 @@ class RunSection:
     monitor_mode: Optional[str] = None  # max | min; default: min for losses and times, else max
     final_model: str = "best"         # the logged MLflow model: the best epoch's, or the last epoch's
     patience: Optional[int] = None    # stop after this many epochs without a better `monitor` (None: never)
+    nan_patience: int = 3             # fail the run once this many step losses in a row (those logged every
+                                      # trainer.log_every_n_steps), or an epoch's train_loss, are not finite; no
+                                      # model is logged, the last finite checkpoint stays
     register_model: Optional[str] = None  # register the logged model as a new version of this registered model
     system_metrics: bool = True       # MLflow system metrics of the driver and rank 0 (contract/tracking/system.py)
     tensorboard: bool = False         # rank 0 also writes TensorBoard event files: the run's tensorboard/ artifacts

@@ -51,6 +51,8 @@ def check_values(cfg: DictConfig) -> None:
     backend_checks.check_tf_ps(cfg)
     backend_checks.check_horovod(cfg)
     backend_checks.check_compile(cfg.trainer)
+    if cfg.run.nan_patience < 1:
+        raise ConfigError(f"run.nan_patience: must be >= 1, got {cfg.run.nan_patience}")
     if cfg.fault.max_failures < 0:
         raise ConfigError(f"fault.max_failures: must be >= 0, got {cfg.fault.max_failures}")
     if cfg.fault.resource_timeout_s < 0:

@@ -16,7 +16,7 @@ from contract.checkpoint import TrainState
 from contract.config import typed_config, worker_resources
 from contract.console import quiet_ray_env, quiet_ray_logs, ray_init_logging
 from contract.data import DataSchema
-from contract.metrics import STOP_METRICS
+from contract.metrics import DIVERGED_METRICS, STOP_METRICS
 from contract.registry import plugin_roots
 from pipelines.data.shards import read_manifest
 from pipelines.ray_session import start_local_ray
@@ -94,6 +94,11 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
     finally:
         if system is not None:
             system.stop()
+    if (where := diverged_at(result.metrics)) is not None:
+        last = result.checkpoint.path if result.checkpoint is not None else "none (the first epoch diverged)"
+        raise TrainingDiverged(f"the loss is not a finite number from {where} on (run.nan_patience="
+                               f"{cfg.run.nan_patience}); no model is logged; the last finite checkpoint: {last}; "
+                               f"a lower trainer.lr or a trainer.grad_clip may help")
     if result.checkpoint is None:
         raise RuntimeError("training ended without a checkpoint")
     stopped = stopped_at(result.metrics)
@@ -230,6 +235,19 @@ def resource_wait(err: Exception, cfg: DictConfig) -> str | None:
             f"{trainer.num_workers} workers within {cfg.fault.resource_timeout_s:g} s (free now: "
             f"{free.get('CPU', 0):g} CPUs, {free.get('GPU', 0):g} GPUs); wait for other jobs, or raise the timeout "
             f"(0: wait forever)")
+
+
+class TrainingDiverged(RuntimeError):
+    """The workers' loss stopped being a number (trainers/loop.py); the run fails without a model."""
+
+
+def diverged_at(metrics: Mapping[str, Any] | None) -> str | None:
+    """"epoch E step S" (or "epoch E" for an epoch's mean loss) when a report carries the loop's divergence
+    metrics (contract/metrics.py), else None."""
+    if not metrics or DIVERGED_METRICS[0] not in metrics:
+        return None
+    epoch, step = (metrics[name] for name in DIVERGED_METRICS)
+    return f"epoch {epoch:g} step {step:g}" if step else f"epoch {epoch:g}"
 
 
 def stopped_at(metrics: Mapping[str, Any] | None) -> str | None:

@@ -59,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as err:
         print(f"data error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # the machine's, not the input's: a full disk, a file size limit, permissions
+        print(f"error: {err.filename or args.out}: {err.strerror or err}; the previous dataset there, if any, is "
+              f"unchanged", file=sys.stderr)
+        return 1
     splits = manifest["splits"]
     rows = ", ".join(f"{s}={info['rows']}" for s, info in splits.items())
     shards = {len(info["shards"]) for info in splits.values()}

@@ -41,6 +41,11 @@ def validate(argv: list[str]) -> tuple[DictConfig, dict, str]:
         shard_paths(cfg.data.path, manifest, split)
     uri = tracking.tracking_uri()
     tracking.check_reachable(uri)
+    if (recorded := resume.recorded_run_id(cfg.run.resume_dir)) is not None:
+        try:
+            tracking.check_recorded_run(uri, cfg.run.resume_dir, recorded)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     return cfg, manifest, uri
 
 

@@ -10,6 +10,7 @@ is the adapter's, from contract/recipe.py. Keras `fit` keeps its own loop and ca
 (trainers/tf/keras_fit.py)."""
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -17,7 +18,8 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from contract.checkpoint import EpochTotals, TrainState, partial_over_ranks
-from contract.metrics import REPORTED_EPOCH, PendingReduce, Reducer, epoch_line, epoch_metrics, stop_metrics
+from contract.metrics import (DIVERGED_METRICS, REPORTED_EPOCH, PendingReduce, Reducer, epoch_line, epoch_metrics,
+                              stop_metrics)
 from contract.progress import NoBar, StepBar
 from contract.recipe import Monitor
 from contract.resume import STOP_CHECK_EVERY
@@ -50,6 +52,7 @@ class WorkerContext:
     log_every_n_steps: int = 0            # `step_loss` every n global steps; 0: off
     before_epoch: Callable[[int], None] | None = None  # testing hook (fault injection)
     stop_check_every: int = STOP_CHECK_EVERY
+    nan_patience: int = 3                 # `run.nan_patience`: non-finite logged step losses in a row that end a run
     monitor: Monitor = Monitor()          # the best epoch and early stopping (`run.monitor`, `run.patience`)
     evaluated: str = "test_accuracy"      # the task's evaluation metric (contract/metrics.py EVAL_METRICS)
     profile_steps: int = 0                # `trainer.profile_steps`: profile this many steps (rank 0) ...
@@ -99,6 +102,8 @@ class TrainLoop:
         self.profiler: StepProfiler | None = None
         self.profiled = False  # this attempt has profiled its steps
         self.step_loss_in_flight: tuple[int, PendingReduce] | None = None  # a logged step and its all-reduce
+        self.non_finite_losses = 0  # logged step losses in a row that are not finite (the same count on every rank)
+        self.diverged_at: int | None = None  # the global step where they reached `nan_patience` (0: an epoch's mean)
 
     def _restore(self) -> TrainState:
         if self.ctx.restored is None:
@@ -120,7 +125,11 @@ class TrainLoop:
             if self.ctx.before_epoch is not None:
                 self.ctx.before_epoch(epoch)
             totals = self.state.totals_for(epoch, self.ctx.rank)
-            if not self.train_epoch(epoch, totals):
+            stopped = not self.train_epoch(epoch, totals)
+            if self.diverged_at is not None:
+                self._report_diverged(epoch)
+                return True
+            if stopped:
                 self._report_stop(epoch, totals)
                 if self.ctx.logger is not None:
                     self.ctx.logger.flush()  # the stopped epoch's step losses
@@ -154,6 +163,8 @@ class TrainLoop:
             totals.steps += 1
             totals.tokens += tokens
             self.log_step_loss(epoch, totals.steps, loss, global_mean=adapter.loss_is_global)
+            if self.diverged_at is not None:
+                break  # every rank at once: each settled the same all-reduced losses
             self.log_startup(epoch)
             bar.update(1)
             self.profile_step()
@@ -161,7 +172,7 @@ class TrainLoop:
                 stopped = True
                 break
         self.settle_step_losses()
-        if not stopped:
+        if not stopped and self.diverged_at is None:
             adapter.finish_epoch()
         totals.train_s += time.perf_counter() - start
         bar.close()
@@ -236,6 +247,9 @@ class TrainLoop:
         (total,) = pending()
         if self.ctx.logger is not None:
             self.ctx.logger.log_step_loss(step, total / self.ctx.world_size)
+        self.non_finite_losses = 0 if math.isfinite(total) else self.non_finite_losses + 1
+        if self.non_finite_losses >= self.ctx.nan_patience and self.diverged_at is None:
+            self.diverged_at = step
 
     def end_epoch(self, epoch: int, totals: EpochTotals) -> bool:
         """Evaluate, reduce the metrics over the ranks, checkpoint, report, and log (rank 0). Collective. True when
@@ -245,6 +259,10 @@ class TrainLoop:
         score, total = adapter.evaluate(epoch)
         metrics = epoch_metrics(totals, score, total, adapter.reduce, adapter.peak_memory_bytes(),
                                 adapter.ranks_per_sample, self.ctx.evaluated)
+        if not math.isfinite(metrics["train_loss"]):  # reduced over the ranks: every rank sees it
+            self.diverged_at = 0
+            self._report_diverged(epoch)
+            return True
         if epoch == self.first_epoch:
             metrics["data_load_s"] = adapter.load_s
         extras = adapter.epoch_extras()
@@ -264,6 +282,15 @@ class TrainLoop:
         state = replace(self.state, partial=partial_over_ranks(totals, self.adapter.reduce))
         monitor = self.ctx.monitor
         self._checkpoint_and_report({**stop_metrics(epoch, totals.steps), monitor.metric: monitor.worst()}, state)
+
+    def _report_diverged(self, epoch: int) -> None:
+        """The loss stopped being a number: report where (every rank, no checkpoint: the last one reported is the
+        last finite state) and train no more; the driver sees DIVERGED_METRICS and fails the run."""
+        if self.ctx.logger is not None:
+            self.ctx.logger.flush()  # the step losses that show it
+        monitor = self.ctx.monitor
+        self.ctx.report({**dict(zip(DIVERGED_METRICS, (float(epoch), float(self.diverged_at)))),
+                         monitor.metric: monitor.worst()}, None)
 
     def _checkpoint_and_report(self, metrics: dict[str, float], state: TrainState) -> None:
         with tempfile.TemporaryDirectory() as directory:

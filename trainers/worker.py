@@ -82,6 +82,7 @@ def ray_context(config: dict[str, Any], cfg: DictConfig, device: Any = None) -> 
         rank=rank, world_size=world_size, report=ray_report, epochs=cfg.trainer.epochs,
         restored=restored, logger=logger, startup=startup,
         stop_file=stop_file(cfg.run.resume_dir), log_every_n_steps=cfg.trainer.log_every_n_steps,
+        nan_patience=cfg.run.nan_patience,
         monitor=monitor_of(cfg.run), evaluated=eval_metric(worker_inputs(config).target.task),
         profile_steps=cfg.trainer.profile_steps,
         profile_dir=run_folder / "profile" if rank == 0 else None,

@@ -69,6 +69,25 @@ def end_run(uri: str, run_id: str, error: str | None = None) -> None:
     client.set_terminated(run_id, status="FAILED")
 
 
+def run_exists(uri: str, run_id: str) -> bool:
+    """Whether the tracking server at `uri` holds run `run_id` (False: it never had it, or it was deleted)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return mlflow_client(uri).get_run(run_id).info.lifecycle_stage != "deleted"
+    except MlflowException as err:
+        if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return False
+        raise
+
+
+def check_recorded_run(uri: str, resume_dir: str, run_id: str) -> None:
+    """The run a `run.resume_dir` continues is on this tracking server; else ValueError, in one line."""
+    if not run_exists(uri, run_id):
+        raise ValueError(f"run.resume_dir: {resume_dir} continues MLflow run {run_id}, which {uri} does not hold: "
+                         f"point MLFLOW_TRACKING_URI at the server it was started on, or use a new run.resume_dir")
+
+
 def reopen_run(uri: str, run_id: str) -> str:
     """Continue a run stopped by preemption: back to RUNNING, `attempts` tag counted up. Returns the status
     the run had (a FINISHED run is left alone)."""

@@ -252,9 +252,7 @@ def prepare(splits: Splits, source: Path, out_dir: Path, num_shards: int, vocab_
     from pipelines.data.tokenize import tokenise_table, train_wordpiece
 
     if tokenizer_path is not None:
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        tokenizer = read_tokenizer(tokenizer_path)
     else:
         tokenizer = train_wordpiece(splits.tables["train"].column("text").to_pylist(), vocab_size)
     with staged_output(out_dir) as stage:
@@ -297,6 +295,19 @@ def add_arguments(parser: Any) -> None:
                         help="reuse this tokenizer.json instead of training one (same ids as an earlier run)")
 
 
+def read_tokenizer(path: Path) -> Any:
+    """A HF `tokenizers` tokenizer.json (`--tokenizer`); DataError naming the file when it is none."""
+    from tokenizers import Tokenizer
+
+    if not path.is_file():
+        raise DataError(f"{path}: tokenizer file not found")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # the Rust library's errors: a file that is not JSON, or not a tokenizer's
+        reason = (str(err).splitlines() or [""])[0][:160]
+        raise DataError(f"{path}: not a tokenizer.json of HF tokenizers ({reason})") from None
+
+
 def prepare_command(args: Any) -> dict:
     """`rtp prepare imdb`: bad input is reported before Ray starts (Ray only tokenises)."""
     from pipelines.ray_session import connect_or_start_ray, shutdown_ray
@@ -306,8 +317,8 @@ def prepare_command(args: Any) -> dict:
         source = download(source.parent if source.suffix == ".gz" else source)
     if not source.exists():
         raise DataError(f"{source}: not found (pass --source, or --download when online)")
-    if args.tokenizer is not None and not args.tokenizer.is_file():
-        raise DataError(f"{args.tokenizer}: tokenizer file not found")
+    if args.tokenizer is not None:
+        read_tokenizer(args.tokenizer)
     if not 0 < args.val_fraction < 1 or args.vocab_size < 16 or args.max_len < 4 or args.head_tokens < 0:
         raise DataError("--val-fraction must be in (0, 1), --vocab-size >= 16, --max-len >= 4, --head-tokens >= 0")
     splits = plan_splits(*read_source(source), source, args.val_fraction, args.seed)

@@ -73,6 +73,11 @@ def validate(argv: list[str]) -> tuple[DictConfig, list[Trial], str, str | None]
                           f"({missing}); continue it with the same sweep and overrides, or use another run.resume_dir")
     uri = tracking.tracking_uri()
     tracking.check_reachable(uri)
+    if recorded:
+        try:
+            tracking.check_recorded_run(uri, resume_dir, recorded[0])
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     return spec, trials, uri, resume_dir
 
 

@@ -181,6 +181,25 @@ def test_a_run_the_cluster_can_never_hold_exits_2_before_opening_a_run(tmp_path,
     assert MlflowClient(mlflow_server).get_experiment_by_name(experiment) is None
 
 
+def test_a_run_whose_loss_is_no_number_fails_without_a_model(tmp_path, tiny_mnist, mlflow_server, ray_head):
+    """A learning rate of 1e30 blows the weights up in the first steps: the run fails with one line naming where,
+    is FAILED in MLflow, logs no model, and keeps no checkpoint of the broken state (the first epoch diverged)."""
+    proc = run_pipeline([f"data.path={tiny_mnist}", "trainer.lr=1e30", "trainer.epochs=2", "trainer.num_workers=1",
+                         f"run.storage_path={tmp_path / 'ray'}", *TINY], pipeline_env(mlflow_server, ray_head))
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: training failed: TrainingDiverged: the loss is not a finite number from epoch 1 ")
+    assert "the last finite checkpoint: none (the first epoch diverged)" in error
+    run_id = run_id_from(proc.stdout)
+    client = MlflowClient(mlflow_server)
+    run = client.get_run(run_id)
+    assert run.info.status == "FAILED" and "train_loss" not in run.data.metrics
+    mlflow.set_tracking_uri(mlflow_server)
+    assert not mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list",
+                                           filter_string=f"source_run_id = '{run_id}'")
+    assert not list((tmp_path / "ray").glob("run-*/checkpoint_*"))
+
+
 def test_a_tracking_server_away_at_the_end_loses_nothing_and_the_replay_finishes_the_run(tmp_path, tiny_imdb,
                                                                                          ray_head):
     """The run's MLflow server goes away once epoch 1 is logged and is still away when training ends: the workers

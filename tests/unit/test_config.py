@@ -80,6 +80,23 @@ def test_cli_exits_2_with_one_line_before_touching_ray_or_mlflow(tmp_path, data_
     assert not (tmp_path / "never.db").exists()  # MLflow was never touched
 
 
+def test_a_resume_dir_of_a_run_this_store_lacks_is_one_line_before_ray(tmp_path, data_override, monkeypatch, capsys):
+    """`run.resume_dir` records a run id the tracking store (a real sqlite one) does not hold: exit 2 naming both,
+    before Ray starts, and no run is opened."""
+    from contract.resume import RUN_ID_FILE
+    from pipelines import train
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    (tmp_path / "resume").mkdir()
+    (tmp_path / "resume" / RUN_ID_FILE).write_text("0123456789abcdef0123456789abcdef\n")
+    assert train.main([data_override, f"run.resume_dir={tmp_path / 'resume'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: run.resume_dir: {tmp_path / 'resume'} continues MLflow run 0123456789abcdef0123456789abcdef"
+                   f", which sqlite:///{tmp_path}/mlflow.db does not hold: point MLFLOW_TRACKING_URI at the server it "
+                   f"was started on, or use a new run.resume_dir")
+    assert "ray" not in sys.modules or not __import__("ray").is_initialized()
+
+
 @pytest.mark.parametrize("store", ["http", "file"])
 def test_unreachable_mlflow_is_a_clear_error_before_ray(tmp_path, data_override, store):
     """A server that does not answer, or a local store MLflow refuses (MLflow 3: file stores): one line, exit 2,

@@ -255,6 +255,35 @@ def test_step_loss_all_reduce_runs_while_the_next_steps_train(tmp_path):
     assert recorder.step_losses == {step: losses[step] for step in (4, 8, 12, 16, 20)}
 
 
+class DivergingAdapter(LineAdapter):
+    """LineAdapter whose loss is NaN from its `bad`-th step on (a learning rate that blew the weights up)."""
+
+    def __init__(self, bad: int):
+        super().__init__()
+        self.bad, self.trained = bad, 0
+
+    def train_step(self, batch: tuple[float, float]) -> tuple[float, int, int]:
+        loss, samples, tokens = super().train_step(batch)
+        self.trained += 1
+        return (float("nan") if self.trained >= self.bad else loss), samples, tokens
+
+
+@pytest.mark.parametrize("log_every, where", [(1, (2.0, 32.0)), (4, (2.0, 40.0)), (0, (2.0, 0.0))])
+def test_a_loss_that_is_no_number_ends_the_run_without_a_checkpoint_of_it(tmp_path, log_every, where):
+    """From step 30 on (epoch 2 of 25-step epochs) the loss is NaN: after `nan_patience` logged step losses in a
+    row (steps 30-32; every 4th step: 32, 36, 40), or without step losses at the epoch's mean, every rank reports
+    where and trains no more. The last checkpoint is epoch 1's, the last finite state; no epoch 2 is logged."""
+    recorder, reports = Recorder(), []
+    ctx = replace(make_context(0, 1, 3, tmp_path, recorder, reports, log_every_n_steps=log_every), nan_patience=3)
+    adapter = DivergingAdapter(bad=30)
+    assert TrainLoop(adapter, ctx).run()
+    assert len(reports) == 2 and (reports[1]["diverged_at_epoch"], reports[1]["diverged_at_step"]) == where
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_1"]  # epoch 1's; none after it
+    assert list(recorder.epochs) == [1]
+    # a logged step's all-reduce is settled at the next logged step: the loop notices one logged step later
+    assert adapter.trained == {1: 33, 4: 44, 0: 50}[log_every]
+
+
 def test_ddp_adapter_stop_resume_parity(tmp_path):
     """The PyTorch adapter (one rank; DDP's loop) with SGD momentum, a cosine schedule with warmup, clipping and
     2 batches per update: the resumed run restores weights, momentum buffers, the schedule's position and the
