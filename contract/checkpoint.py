@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from contract.recipe import Monitor
 
 STATE_FILE = "train_state.json"
+ORIGIN_KEY = "origin"  # in STATE_FILE: the backend and model that wrote the checkpoint, and its files' sizes
 
 
 @dataclass
@@ -61,12 +62,20 @@ class TrainState:
             return EpochTotals(**asdict(self.partial))
         return EpochTotals(steps=self.partial.steps, train_s=self.partial.train_s)
 
-    def write(self, directory: str | Path) -> None:
-        Path(directory, STATE_FILE).write_text(json.dumps(asdict(self), sort_keys=True))
+    def write(self, directory: str | Path, origin: dict[str, Any] | None = None) -> None:
+        """Into a checkpoint folder the adapter has saved into; `origin`: what wrote it (`checkpoint_origin`), with
+        the size of each file there, so that a run resuming from it can be checked before it starts."""
+        record = asdict(self)
+        if origin is not None:
+            files = {str(path.relative_to(directory)): path.stat().st_size
+                     for path in sorted(Path(directory).rglob("*")) if path.is_file()}
+            record[ORIGIN_KEY] = {**origin, "files": files}
+        Path(directory, STATE_FILE).write_text(json.dumps(record, sort_keys=True))
 
     @classmethod
     def read(cls, directory: str | Path) -> "TrainState":
         raw = json.loads(Path(directory, STATE_FILE).read_text())
+        raw.pop(ORIGIN_KEY, None)
         partial = raw.pop("partial")
         return cls(**raw, partial=None if partial is None else EpochTotals(**partial))
 
@@ -76,3 +85,28 @@ class TrainState:
         if monitor.better(value, self.best_value):
             return TrainState(epoch=epoch, metrics=metrics, best_epoch=epoch, best_value=value)
         return TrainState(epoch=epoch, metrics=metrics, best_epoch=self.best_epoch, best_value=self.best_value)
+
+
+def checkpoint_origin(backend: str, model: str) -> dict[str, Any]:
+    """What a checkpoint records of the run that wrote it: its backend (each has its own checkpoint format) and
+    model (the weights' shapes)."""
+    return {"backend": backend, "model": model}
+
+
+def checkpoint_mismatch(directory: str | Path, backend: str, model: str) -> str | None:
+    """Why a run of `backend` training `model` cannot resume from the checkpoint in `directory`, or None: another
+    backend's or model's checkpoint, or a file shorter or longer than when it was written (a copy cut short).
+    A checkpoint from before origins were recorded is not checked."""
+    raw = json.loads(Path(directory, STATE_FILE).read_text())
+    origin = raw.get(ORIGIN_KEY)
+    if origin is None:
+        return None
+    if (origin["backend"], origin["model"]) != (backend, model):
+        return (f"written by trainer={origin['backend']} model={origin['model']}, this run is trainer={backend} "
+                f"model={model} (a checkpoint loads into the backend and model that wrote it)")
+    for name, size in origin["files"].items():
+        path = Path(directory, name)
+        if not path.is_file() or path.stat().st_size != size:
+            found = f"{path.stat().st_size} bytes" if path.is_file() else "missing"
+            return f"{name} is {found}, it was {size} bytes when written (an incomplete copy?)"
+    return None

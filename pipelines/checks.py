@@ -12,7 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from contract import recipe
-from contract.checkpoint import STATE_FILE
+from contract.checkpoint import STATE_FILE, checkpoint_mismatch
 from contract.config import parallel_degrees
 from contract.data import DataSchema
 from contract.metrics import metric_names
@@ -65,6 +65,8 @@ def check_values(cfg: DictConfig) -> None:
             raise ConfigError(f"model.{key}: must be in [0, 1), got {cfg.model[key]}")
     if cfg.run.resume_from and not (Path(cfg.run.resume_from) / STATE_FILE).is_file():
         raise ConfigError(f"run.resume_from: no checkpoint at '{cfg.run.resume_from}' (missing {STATE_FILE})")
+    if cfg.run.resume_from and (why := checkpoint_mismatch(cfg.run.resume_from, cfg.trainer.backend, cfg.model.name)):
+        raise ConfigError(f"run.resume_from: {cfg.run.resume_from}: {why}")
 
 
 def read_data_schema(data: DictConfig) -> DataSchema:

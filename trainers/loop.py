@@ -53,6 +53,7 @@ class WorkerContext:
     before_epoch: Callable[[int], None] | None = None  # testing hook (fault injection)
     stop_check_every: int = STOP_CHECK_EVERY
     nan_patience: int = 3                 # `run.nan_patience`: non-finite logged step losses in a row that end a run
+    origin: dict[str, Any] | None = None  # what wrote the checkpoints (contract/checkpoint.py checkpoint_origin)
     monitor: Monitor = Monitor()          # the best epoch and early stopping (`run.monitor`, `run.patience`)
     evaluated: str = "test_accuracy"      # the task's evaluation metric (contract/metrics.py EVAL_METRICS)
     profile_steps: int = 0                # `trainer.profile_steps`: profile this many steps (rank 0) ...
@@ -295,6 +296,6 @@ class TrainLoop:
     def _checkpoint_and_report(self, metrics: dict[str, float], state: TrainState) -> None:
         with tempfile.TemporaryDirectory() as directory:
             self.adapter.save(directory)  # every rank: saving may be collective
-            state.write(directory)
+            state.write(directory, self.ctx.origin)
             reports_folder = self.ctx.rank == 0 or self.adapter.sharded_checkpoint
             self.ctx.report(metrics, directory if reports_folder else None)

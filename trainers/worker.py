@@ -12,6 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from contract.checkpoint import checkpoint_origin
 from contract.config import monitor_of, typed_config
 from contract.console import quiet_ray_logs
 from contract.data import DataSchema
@@ -82,7 +83,7 @@ def ray_context(config: dict[str, Any], cfg: DictConfig, device: Any = None) -> 
         rank=rank, world_size=world_size, report=ray_report, epochs=cfg.trainer.epochs,
         restored=restored, logger=logger, startup=startup,
         stop_file=stop_file(cfg.run.resume_dir), log_every_n_steps=cfg.trainer.log_every_n_steps,
-        nan_patience=cfg.run.nan_patience,
+        nan_patience=cfg.run.nan_patience, origin=checkpoint_origin(cfg.trainer.backend, cfg.model.name),
         monitor=monitor_of(cfg.run), evaluated=eval_metric(worker_inputs(config).target.task),
         profile_steps=cfg.trainer.profile_steps,
         profile_dir=run_folder / "profile" if rank == 0 else None,

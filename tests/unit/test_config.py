@@ -80,6 +80,24 @@ def test_cli_exits_2_with_one_line_before_touching_ray_or_mlflow(tmp_path, data_
     assert not (tmp_path / "never.db").exists()  # MLflow was never touched
 
 
+def test_a_checkpoint_that_does_not_fit_the_run_is_refused_before_ray(tmp_path, data_override):
+    """`run.resume_from` a checkpoint another backend or model wrote (the loop records which, and each file's size),
+    or one whose copy was cut short: one line naming why. The one that fits passes."""
+    from contract.checkpoint import TrainState, checkpoint_origin
+
+    for name, backend, model in (("fsdp-cnn", "fsdp", "cnn"), ("ddp-mlp", "ddp", "mlp")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "state.pt").write_bytes(bytes(1000))
+        TrainState(epoch=1).write(tmp_path / name, checkpoint_origin(backend, model))
+    with pytest.raises(ConfigError, match=r"^run\.resume_from: \S+fsdp-cnn: written by trainer=fsdp model=cnn, this "
+                                          r"run is trainer=ddp model=mlp"):
+        load_config([data_override, f"run.resume_from={tmp_path / 'fsdp-cnn'}"])
+    assert load_config([data_override, f"run.resume_from={tmp_path / 'ddp-mlp'}"]).run.resume_from
+    (tmp_path / "ddp-mlp" / "state.pt").write_bytes(bytes(600))
+    with pytest.raises(ConfigError, match=r"^run\.resume_from: \S+: state\.pt is 600 bytes, it was 1000 bytes"):
+        load_config([data_override, f"run.resume_from={tmp_path / 'ddp-mlp'}"])
+
+
 def test_a_resume_dir_of_a_run_this_store_lacks_is_one_line_before_ray(tmp_path, data_override, monkeypatch, capsys):
     """`run.resume_dir` records a run id the tracking store (a real sqlite one) does not hold: exit 2 naming both,
     before Ray starts, and no run is opened."""

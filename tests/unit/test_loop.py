@@ -255,6 +255,20 @@ def test_step_loss_all_reduce_runs_while_the_next_steps_train(tmp_path):
     assert recorder.step_losses == {step: losses[step] for step in (4, 8, 12, 16, 20)}
 
 
+def test_a_checkpoint_records_what_wrote_it(tmp_path):
+    """The backend and model of the run (`WorkerContext.origin`) and the size of every file beside the state, which
+    a run resuming from it is checked against (pipelines/checks.py)."""
+    from contract.checkpoint import checkpoint_mismatch, checkpoint_origin
+
+    ctx = replace(make_context(0, 1, 1, tmp_path, Recorder(), []), origin=checkpoint_origin("ddp", "line"))
+    assert TrainLoop(LineAdapter(), ctx).run()
+    origin = json.loads((tmp_path / "checkpoint_1" / STATE_FILE).read_text())["origin"]
+    files = {p.name: p.stat().st_size for p in (tmp_path / "checkpoint_1").iterdir() if p.name != STATE_FILE}
+    assert origin == {"backend": "ddp", "model": "line", "files": files} and files
+    assert checkpoint_mismatch(tmp_path / "checkpoint_1", "ddp", "line") is None
+    assert "written by trainer=ddp model=line" in checkpoint_mismatch(tmp_path / "checkpoint_1", "fsdp", "line")
+
+
 class DivergingAdapter(LineAdapter):
     """LineAdapter whose loss is NaN from its `bad`-th step on (a learning rate that blew the weights up)."""
 
