@@ -23,8 +23,11 @@ ALL_EPOCH_METRICS = (*EPOCH_METRICS, *(m for m in EVAL_METRICS.values() if m not
 FIRST_EPOCH_METRICS = ("data_load_s",)
 STEP_METRIC = "step_loss"
 STOP_METRICS = ("stopped_at_epoch", "stopped_at_step")  # what the driver sees in a stopped run's result
-# what it sees in a run whose loss stopped being a number: the epoch and the global step (0: the epoch's mean)
+# a run whose loss stopped being a number: the epoch and the global step (0: the epoch's mean), in the last report
+# (Tune sees it) and in this file of the run's folder, which the driver reads (Ray Train's result carries the
+# metrics of checkpoints only, and a diverged state is never checkpointed)
 DIVERGED_METRICS = ("diverged_at_epoch", "diverged_at_step")
+DIVERGED_FILE = "diverged.json"
 REPORTED_EPOCH = "epoch"  # beside an epoch's metrics in its report to Ray Train (and Tune): the epoch's number
 
 # (values, "sum" | "max") -> each value reduced over all ranks. Every backend supplies one over its own

@@ -16,7 +16,7 @@ from contract.checkpoint import TrainState
 from contract.config import typed_config, worker_resources
 from contract.console import quiet_ray_env, quiet_ray_logs, ray_init_logging
 from contract.data import DataSchema
-from contract.metrics import DIVERGED_METRICS, STOP_METRICS
+from contract.metrics import DIVERGED_FILE, DIVERGED_METRICS, STOP_METRICS
 from contract.registry import plugin_roots
 from pipelines.data.shards import read_manifest
 from pipelines.ray_session import start_local_ray
@@ -81,6 +81,8 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
     # little more of the controller's CPU (benchmarks/README.md "Run end"). A slow answer is no
     # failure (Ray Train gives a worker 10 min). Ray Train hands the variable on to its controller.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    diverged = tracking.run_dir(cfg.run.storage_path, run_id) / DIVERGED_FILE
+    diverged.unlink(missing_ok=True)  # an earlier attempt's, continued with a gentler recipe
     trainer = backend.build_trainer(cfg, datasets, run_id, uri, inputs, callbacks=callbacks)
     system = tracking.SystemMetrics(uri, run_id, "driver", cfg.run.system_metrics_interval_s) \
         if cfg.run.system_metrics else None
@@ -94,7 +96,7 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
     finally:
         if system is not None:
             system.stop()
-    if (where := diverged_at(result.metrics)) is not None:
+    if (where := diverged_at(json.loads(diverged.read_text()) if diverged.is_file() else None)) is not None:
         last = result.checkpoint.path if result.checkpoint is not None else "none (the first epoch diverged)"
         raise TrainingDiverged(f"the loss is not a finite number from {where} on (run.nan_patience="
                                f"{cfg.run.nan_patience}); no model is logged; the last finite checkpoint: {last}; "

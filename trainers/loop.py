@@ -10,6 +10,7 @@ is the adapter's, from contract/recipe.py. Keras `fit` keeps its own loop and ca
 (trainers/tf/keras_fit.py)."""
 from __future__ import annotations
 
+import json
 import math
 import tempfile
 import time
@@ -18,8 +19,8 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from contract.checkpoint import EpochTotals, TrainState, partial_over_ranks
-from contract.metrics import (DIVERGED_METRICS, REPORTED_EPOCH, PendingReduce, Reducer, epoch_line, epoch_metrics,
-                              stop_metrics)
+from contract.metrics import (DIVERGED_FILE, DIVERGED_METRICS, REPORTED_EPOCH, PendingReduce, Reducer, epoch_line,
+                              epoch_metrics, stop_metrics)
 from contract.progress import NoBar, StepBar
 from contract.recipe import Monitor
 from contract.resume import STOP_CHECK_EVERY
@@ -54,6 +55,7 @@ class WorkerContext:
     stop_check_every: int = STOP_CHECK_EVERY
     nan_patience: int = 3                 # `run.nan_patience`: non-finite logged step losses in a row that end a run
     origin: dict[str, Any] | None = None  # what wrote the checkpoints (contract/checkpoint.py checkpoint_origin)
+    run_folder: Path | None = None        # rank 0: the Ray Train run's folder (shared storage), for DIVERGED_FILE
     monitor: Monitor = Monitor()          # the best epoch and early stopping (`run.monitor`, `run.patience`)
     evaluated: str = "test_accuracy"      # the task's evaluation metric (contract/metrics.py EVAL_METRICS)
     profile_steps: int = 0                # `trainer.profile_steps`: profile this many steps (rank 0) ...
@@ -289,9 +291,12 @@ class TrainLoop:
         last finite state) and train no more; the driver sees DIVERGED_METRICS and fails the run."""
         if self.ctx.logger is not None:
             self.ctx.logger.flush()  # the step losses that show it
+        where = dict(zip(DIVERGED_METRICS, (float(epoch), float(self.diverged_at))))
+        if self.ctx.run_folder is not None:
+            self.ctx.run_folder.mkdir(parents=True, exist_ok=True)
+            (self.ctx.run_folder / DIVERGED_FILE).write_text(json.dumps(where))
         monitor = self.ctx.monitor
-        self.ctx.report({**dict(zip(DIVERGED_METRICS, (float(epoch), float(self.diverged_at)))),
-                         monitor.metric: monitor.worst()}, None)
+        self.ctx.report({**where, monitor.metric: monitor.worst()}, None)
 
     def _checkpoint_and_report(self, metrics: dict[str, float], state: TrainState) -> None:
         with tempfile.TemporaryDirectory() as directory:

@@ -86,7 +86,7 @@ def ray_context(config: dict[str, Any], cfg: DictConfig, device: Any = None) -> 
         nan_patience=cfg.run.nan_patience, origin=checkpoint_origin(cfg.trainer.backend, cfg.model.name),
         monitor=monitor_of(cfg.run), evaluated=eval_metric(worker_inputs(config).target.task),
         profile_steps=cfg.trainer.profile_steps,
-        profile_dir=run_folder / "profile" if rank == 0 else None,
+        profile_dir=run_folder / "profile" if rank == 0 else None, run_folder=run_folder if rank == 0 else None,
         step_bar=ray_step_bar if rank == 0 and config.get("progress") else None,
         device=device,
         before_epoch=lambda epoch: maybe_inject_failure(cfg.fault, epoch, rank, world_size))

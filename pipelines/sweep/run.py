@@ -152,6 +152,9 @@ def run_tune(spec: DictConfig, valid: list[Trial], children: dict[int, str], uri
                                   checkpoint_config=checkpoints,
                                   stop=ReachedStop(stop_thresholds(spec)) if spec.stop else None, verbose=1),
     )
+    # Tune's own SIGINT handler ends the trials and returns as if they had failed: the sweep would end FAILED. Without
+    # it Ctrl-C interrupts fit here, and run_sweep marks the trials and the parent KILLED (`interrupted`).
+    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"
     start = time.monotonic()
     results = {result.config["trial_index"]: result for result in tuner.fit()}
     out_of_time = spec.time_budget_s is not None and time.monotonic() - start >= spec.time_budget_s

@@ -271,9 +271,10 @@ def test_a_run_waiting_for_a_busy_cluster_ctrl_c_kills_it_and_the_timeout_fails_
     try:
         other_job = placement_group([{"CPU": 5}])
         ray.get(other_job.ready(), timeout=120)
-        # SIGINT as in a terminal, even when this suite itself runs in the background (which ignores it)
-        waiting = subprocess.Popen([sys.executable, "-m", "pipelines.train", *args], cwd=ROOT, env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # SIGINT as in a terminal, even when this suite itself runs in the background (which ignores it); verbose:
+        # Ray Train's line saying it waits for the workers' resources is one of Ray's INFO lines
+        waiting = subprocess.Popen([sys.executable, "-m", "pipelines.train", *args, "run.verbose=true"], cwd=ROOT,
+                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             interrupted = next(line.split()[2] for line in waiting.stdout if line.startswith("MLflow run "))

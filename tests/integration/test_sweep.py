@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -173,6 +174,33 @@ def test_random_search_under_asha_stops_the_poor_trial_early(tmp_path, tiny_mnis
     stopped = by_lr["2.233e-06"]
     epochs = len(epoch_values(client.get_metric_history(stopped.info.run_id, "test_accuracy")))
     assert int(stopped.data.tags["sweep.stopped_early_after_epoch"]) < 5 and epochs < 5, epochs
+
+
+def test_ctrl_c_kills_a_running_sweep_and_says_so(tmp_path, tiny_mnist, mlflow_server, ray_head):
+    """Ctrl-C once a trial trains: the sweep exits 1 with one line saying it was interrupted, its parent run and the
+    running trial's run are KILLED (tag `interrupted` on the parent), not FAILED as Tune's own handler left them."""
+    args = ["sweep=pbt_mnist", f"data.path={tiny_mnist}", f"run.storage_path={tmp_path / 'ray'}", "trainer.epochs=30",
+            "sweep.scheduler=fifo", "sweep.mutations=null", "sweep.num_samples=1", "sweep.grid=[{trainer.lr: [0.001]}]"]
+    # SIGINT as in a terminal, even when this suite itself runs in the background (which ignores it)
+    sweep = subprocess.Popen([sys.executable, "-m", "pipelines.sweep", *args], cwd=ROOT,
+                             env=pipeline_env(mlflow_server, ray_head), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        parent_id = next(line.split()[3] for line in sweep.stdout if line.startswith("MLflow parent run "))
+        next(line for line in sweep.stdout if "epoch 1/30: train_loss" in line)
+        sweep.send_signal(signal.SIGINT)
+        out, err = sweep.communicate(timeout=180)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+    assert sweep.returncode == 1, err[-3000:]
+    assert err.strip().splitlines()[-1] == "error: interrupted (SIGINT); the MLflow parent run is KILLED"
+    assert out.strip().splitlines()[-1] == f"mlflow_parent_run_id={parent_id}"
+    client = MlflowClient(mlflow_server)
+    parent = client.get_run(parent_id)
+    assert parent.info.status == "KILLED" and parent.data.tags["interrupted"] == "SIGINT"
+    [child] = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    assert child.info.status == "KILLED"
 
 
 def check_ui_screenshots(mlflow_server: str, parent_id: str, children: list, out: Path) -> None:

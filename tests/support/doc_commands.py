@@ -89,7 +89,10 @@ def check_call(command: str, args: list[str]) -> bool:
     from pipelines.config import checked_values
     from pipelines.errors import ConfigError
 
-    args = [arg for arg in args if arg not in ("-v", "--verbose")]
+    from pipelines.cli import VERBOSE_KEYS
+
+    if command in VERBOSE_KEYS and {"-v", "--verbose"} & set(args):  # as `rtp` passes it on
+        args = [arg for arg in args if arg not in ("-v", "--verbose")] + [VERBOSE_KEYS[command]]
     if any(arg in ("-h", "--help") for arg in args):
         return False
     if command in ("train", "config"):

@@ -72,6 +72,15 @@ def test_every_key_of_every_schema_says_what_it_is():
     assert set(field_docs(BACKENDS.get("tp").config)) >= {"lr", "tp", "tp_impl"}  # inherited keys too
 
 
+def test_every_run_and_fault_key_can_be_overridden():
+    """conf/config.yaml spells out the `run` and `fault` sections (Hydra overrides only keys it holds): each key of
+    their schemas is there, or `run.<key>=...` would be refused as unknown."""
+    from pipelines.config import compose
+
+    raw = compose([])
+    assert set(raw.run) == set(field_docs(RunSection)) and set(raw.fault) == set(field_docs(FaultConfig))
+
+
 def test_config_prints_the_validated_config_or_one_line(tmp_path, tiny_mnist):
     valid = rtp(["config", "trainer=fsdp", "model=cnn", f"data.path={tiny_mnist}"], tmp_path, FRAMEWORKS_AND_RAY)
     assert valid.returncode == 0, valid.stderr
