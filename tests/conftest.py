@@ -1,16 +1,18 @@
 """Shared fixtures: small generated MNIST-format data, a real MLflow server, a real Ray head."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -241,6 +243,26 @@ def fresh_tf_process(module: str, *args: str) -> Any:
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def interruptible(module: str, args: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen]:
+    """`python -m <module> <args>` with pipes, taking SIGINT as in a terminal even when this suite runs in the
+    background (which ignores it); killed on leaving the block if still running."""
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def ctrl_c(proc: subprocess.Popen, timeout_s: float) -> tuple[str, str]:
+    """SIGINT to `proc`, then the rest of its (stdout, stderr) once it has exited."""
+    proc.send_signal(signal.SIGINT)
+    return proc.communicate(timeout=timeout_s)
 
 
 def run_pipeline(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +17,8 @@ from mlflow.tracking import MlflowClient
 
 from contract.metrics import EPOCH_METRICS
 from contract.tracking import FINAL_FILE, spooled
-from tests.conftest import (ROOT, check_finished_run, evaluate_ok, free_port, metric_steps, pipeline_env,
-                            ray_init_on, read_split, run_id_from, run_pipeline, start_mlflow_server,
+from tests.conftest import (ROOT, check_finished_run, ctrl_c, evaluate_ok, free_port, interruptible, metric_steps,
+                            pipeline_env, ray_init_on, read_split, run_id_from, run_pipeline, start_mlflow_server,
                             stop_mlflow_server, wait_until)
 
 pytestmark = pytest.mark.slow
@@ -271,21 +270,13 @@ def test_a_run_waiting_for_a_busy_cluster_ctrl_c_kills_it_and_the_timeout_fails_
     try:
         other_job = placement_group([{"CPU": 5}])
         ray.get(other_job.ready(), timeout=120)
-        # SIGINT as in a terminal, even when this suite itself runs in the background (which ignores it); verbose:
-        # Ray Train's line saying it waits for the workers' resources is one of Ray's INFO lines
-        waiting = subprocess.Popen([sys.executable, "-m", "pipelines.train", *args, "run.verbose=true"], cwd=ROOT,
-                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        try:
+        # verbose: Ray Train's line saying it waits for the workers' resources is one of Ray's INFO lines
+        with interruptible("pipelines.train", [*args, "run.verbose=true"], env) as waiting:
             interrupted = next(line.split()[2] for line in waiting.stdout if line.startswith("MLflow run "))
             # Ctrl-C while Ray Train's controller waits for the CPUs (it would not take an abort before its 600 s
             # resource timeout: pipelines/fit.py fit_in_thread)
             next(line for line in waiting.stderr if "Attempting to start training worker group" in line)
-            waiting.send_signal(signal.SIGINT)
-            _, err = waiting.communicate(timeout=120)
-        finally:
-            if waiting.poll() is None:
-                waiting.kill()
+            _, err = ctrl_c(waiting, 120)
         timed_out = run_pipeline([*args, "fault.resource_timeout_s=5"], env)
         remove_placement_group(other_job)
     finally:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import csv
 import json
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from contract.tracking import epoch_values
 from pipelines.data.raw_inputs import read_texts
 from pipelines.data.shards import read_manifest
 from pipelines.data.tokenize import Tokenise
-from tests.conftest import ROOT, pipeline_env
+from tests.conftest import ROOT, ctrl_c, interruptible, pipeline_env
 
 pytestmark = pytest.mark.slow
 EXPECTED_TRIALS = {("ddp", "1", "1", "1"), ("ddp", "2", "1", "2")}
@@ -181,18 +180,10 @@ def test_ctrl_c_kills_a_running_sweep_and_says_so(tmp_path, tiny_mnist, mlflow_s
     running trial's run are KILLED (tag `interrupted` on the parent), not FAILED as Tune's own handler left them."""
     args = ["sweep=pbt_mnist", f"data.path={tiny_mnist}", f"run.storage_path={tmp_path / 'ray'}", "trainer.epochs=30",
             "sweep.scheduler=fifo", "sweep.mutations=null", "sweep.num_samples=1", "sweep.grid=[{trainer.lr: [0.001]}]"]
-    # SIGINT as in a terminal, even when this suite itself runs in the background (which ignores it)
-    sweep = subprocess.Popen([sys.executable, "-m", "pipelines.sweep", *args], cwd=ROOT,
-                             env=pipeline_env(mlflow_server, ray_head), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
+    with interruptible("pipelines.sweep", args, pipeline_env(mlflow_server, ray_head)) as sweep:
         parent_id = next(line.split()[3] for line in sweep.stdout if line.startswith("MLflow parent run "))
         next(line for line in sweep.stdout if "epoch 1/30: train_loss" in line)
-        sweep.send_signal(signal.SIGINT)
-        out, err = sweep.communicate(timeout=180)
-    finally:
-        if sweep.poll() is None:
-            sweep.kill()
+        out, err = ctrl_c(sweep, 180)
     assert sweep.returncode == 1, err[-3000:]
     assert err.strip().splitlines()[-1] == "error: interrupted (SIGINT); the MLflow parent run is KILLED"
     assert out.strip().splitlines()[-1] == f"mlflow_parent_run_id={parent_id}"
