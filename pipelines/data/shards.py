@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from contract.data import DataSchema
 from contract.tracking import DatasetRef
 from pipelines.data.idx import DataError
 
@@ -126,7 +127,11 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
     except json.JSONDecodeError as err:
         raise DataError(f"{path}: not valid JSON ({err})") from err
     _check_shape(manifest, path)
+    columns = None if "schema" in manifest else _named_columns(manifest)
     for split, info in manifest["splits"].items():
+        held = sum(shard["rows"] for shard in info["shards"])
+        if held != info["rows"]:
+            raise DataError(f"{path}: split '{split}' says {info['rows']} rows, its shards say {held}")
         for shard in info["shards"]:
             shard_path = data_dir / shard["file"]
             try:
@@ -139,7 +144,44 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
             if "schema" in manifest and _same_types(schema) != _same_types(manifest["schema"]):
                 raise DataError(f"{shard_path}: schema ({schema.replace(chr(10), '; ')}) is not the manifest's "
                                 f"({manifest['schema'].replace(chr(10), '; ')})")
+            if columns is not None:
+                _check_columns(shard_path, metadata.schema.to_arrow_schema(), columns)
     return manifest
+
+
+def _named_columns(manifest: dict[str, Any]) -> dict[str, str] | None:
+    """{column: what it must hold} of the features and target a manifest without a `schema` names (the shards'
+    columns are then checked against these), or None when it names none."""
+    try:
+        inputs = DataSchema.from_manifest(manifest)
+    except (KeyError, TypeError, ValueError):
+        return None  # the config check says what is missing (pipelines/checks.py read_data_schema)
+    numbers = "a list of numbers per row"
+    columns = {inputs.features.column: numbers,
+               inputs.target.column: "integer class ids" if inputs.target.task == "classification" else "numbers"}
+    if inputs.features.length_column:
+        columns[inputs.features.length_column] = "integer lengths"
+    return columns
+
+
+def _check_columns(shard_path: Path, schema: pa.Schema, columns: dict[str, str]) -> None:
+    for name, holds in columns.items():
+        if name not in schema.names:
+            raise DataError(f"{shard_path}: no column '{name}', which the manifest's features and target name "
+                            f"(columns: {', '.join(schema.names)})")
+        kind = schema.field(name).type
+        values = kind.value_type if pa.types.is_list(kind) or pa.types.is_large_list(kind) or \
+            pa.types.is_fixed_size_list(kind) else None
+        fits = {"a list of numbers per row": values is not None and _numeric(values),
+                "integer class ids": pa.types.is_integer(kind), "integer lengths": pa.types.is_integer(kind),
+                "numbers": _numeric(kind)}[holds]
+        if not fits:
+            raise DataError(f"{shard_path}: column '{name}' is {kind}; the manifest's features and target need "
+                            f"{holds} there")
+
+
+def _numeric(kind: pa.DataType) -> bool:
+    return pa.types.is_integer(kind) or pa.types.is_floating(kind)
 
 
 def shard_paths(data_dir: str | Path, manifest: dict[str, Any], split: str) -> list[str]:

@@ -1,6 +1,7 @@
 """IDX parsing and Parquet sharding on generated MNIST-format files."""
 from __future__ import annotations
 
+import json
 
 import numpy as np
 import pyarrow as pa
@@ -104,6 +105,30 @@ def test_manifest_check_catches_corrupt_shard(tmp_path):
     shard = tmp_path / "out" / "train-00001-of-00002.parquet"
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(DataError, match="train-00001-of-00002.parquet: missing or not a readable Parquet"):
+        read_manifest(tmp_path / "out")
+
+
+def test_manifest_check_catches_totals_and_columns_that_disagree_with_the_shards(tmp_path):
+    """A split's total against its shards' rows (the footers hold the truth), and a manifest without a recorded
+    Arrow schema: the columns its features and target name must be in the shards, holding what they need."""
+    mnist.prepare(make_mnist_like(tmp_path / "raw", 40, 10), tmp_path / "out", 2, val_fraction=0)
+    path = tmp_path / "out" / "manifest.json"
+    good = json.loads(path.read_text())
+    for rows in (6_000_000, 0):
+        path.write_text(json.dumps({**good, "splits": {**good["splits"], "train": {**good["splits"]["train"],
+                                                                                    "rows": rows}}}))
+        with pytest.raises(DataError, match=rf"split 'train' says {rows} rows, its shards say 40"):
+            read_manifest(tmp_path / "out")
+    path.write_text(json.dumps({key: value for key, value in good.items() if key != "schema"}))
+    assert read_manifest(tmp_path / "out")["splits"]["train"]["rows"] == 40  # the same shards: fine
+    shard = tmp_path / "out" / good["splits"]["test"]["shards"][0]["file"]
+    rows = pq.read_metadata(shard).num_rows
+    pq.write_table(pa.table({"image": pa.array(["x"] * rows), "label": pa.array([0] * rows)}), shard)
+    with pytest.raises(DataError, match=r"column 'image' is string; the manifest's features and target need a list "
+                                        r"of numbers per row there"):
+        read_manifest(tmp_path / "out")
+    pq.write_table(pa.table({"pixels": pa.array([[0.0]] * rows), "label": pa.array([0] * rows)}), shard)
+    with pytest.raises(DataError, match=r"no column 'image', which the manifest's features and target name"):
         read_manifest(tmp_path / "out")
 
 
