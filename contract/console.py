@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from typing import Any
 
@@ -13,6 +14,20 @@ def say(line: str) -> None:
     showed twice in the driver's output."""
     sys.stdout.write(f"{line}\n")
     sys.stdout.flush()
+
+
+def one_line(err: BaseException) -> str:
+    """`Type: message` of an error on one line. A worker's failure (Ray Train's WorkerGroupError) carries each
+    failed rank's traceback: it becomes the ranks and the traceback's last line, the error itself (a run keeps
+    the whole text as its `error.txt`: contract/tracking/runs.py end_run)."""
+    failures = getattr(err, "worker_failures", None)  # {rank: its exception}
+    if failures:
+        ranks = ", ".join(str(rank) for rank in sorted(failures))
+        return f"{type(err).__name__} (rank {ranks}): {one_line(failures[min(failures)])}"
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return f"{type(err).__name__}: {lines[0] if lines else ''}"
+    return lines[-1] if re.match(r"[\w.]+(Error|Exception)\b", lines[-1]) else f"{type(err).__name__}: {lines[-1]}"
 
 
 # Ray Data reads its loggers' level from this variable whenever it (re)configures them, in every process.
@@ -46,3 +61,6 @@ def quiet_ray_logs() -> None:
     for name in list(logging.Logger.manager.loggerDict):
         if name.startswith(ray_dir):
             logging.getLogger(name).setLevel(logging.WARNING)
+    # A worker's failure: its traceback goes to the run's error.txt, the driver says it in one line (`one_line`)
+    logging.getLogger("ray.train.v2._internal.util").addFilter(
+        lambda record: not record.getMessage().startswith("Error in training function"))

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 from omegaconf import MISSING
 
+from contract.console import one_line
 from contract.data import DataSchema
 from pipelines.config import ConfigError
 from pipelines.data.raw_inputs import read_images, read_numeric, read_texts
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         write(predict(work, uri), output)
     except BaseException as err:  # interrupts too: say what happened in one line
-        print(f"error: prediction failed: {type(err).__name__}: {err}; nothing written", file=sys.stderr)
+        print(f"error: prediction failed: {one_line(err)}; nothing written", file=sys.stderr)
         return 1
     finally:
         shutdown_ray()

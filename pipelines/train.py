@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from contract import resume, tracking
 from contract.config import monitor_of, ray_train_workers, worker_resources
+from contract.console import one_line
 from pipelines.config import ConfigError, check_fits_this_machine, flatten, load_config, parallel_params
 from pipelines.data.idx import DataError
 from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
@@ -113,7 +114,8 @@ def close_failed_run(uri: str, run_id: str, err: BaseException, what: str = "tra
         outcome = f"the MLflow run could not be marked {status} ({type(mark_err).__name__})"
     if how:
         return f"error: interrupted ({how}); {outcome}"
-    return f"error: {what} failed: {type(err).__name__}: {err}; {outcome}"
+    whole = " (its traceback: the run's error.txt)" if "\n" in str(err).strip() else ""
+    return f"error: {what} failed: {one_line(err)}{whole}; {outcome}"
 
 
 def open_run(cfg: DictConfig, manifest: dict, uri: str) -> tuple[str, str | None]:

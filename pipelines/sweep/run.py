@@ -25,6 +25,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from contract import resume, tracking
+from contract.console import one_line
 from contract.metrics import REPORTED_EPOCH
 from contract.registry import plugin_roots
 from pipelines.config import CONF_DIR, ConfigError, check_fits_this_machine, group_choices
@@ -222,7 +223,7 @@ def run_sweep(spec: DictConfig, trials: list[Trial], uri: str, resume_dir: str |
 
 class SweepFailed(RuntimeError):
     def __init__(self, parent_id: str, cause: BaseException):
-        super().__init__(f"{type(cause).__name__}: {cause}")
+        super().__init__(one_line(cause))
         self.parent_id = parent_id
 
 
