@@ -301,6 +301,7 @@ class TrainLoop:
     def _checkpoint_and_report(self, metrics: dict[str, float], state: TrainState) -> None:
         with tempfile.TemporaryDirectory() as directory:
             self.adapter.save(directory)  # every rank: saving may be collective
-            state.write(directory, self.ctx.origin)
+            if self.ctx.rank == 0:  # the one state file: Ray Train merges every rank's folder of a sharded checkpoint
+                state.write(directory, self.ctx.origin)
             reports_folder = self.ctx.rank == 0 or self.adapter.sharded_checkpoint
             self.ctx.report(metrics, directory if reports_folder else None)
