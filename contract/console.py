@@ -61,6 +61,22 @@ def quiet_ray_logs() -> None:
     for name in list(logging.Logger.manager.loggerDict):
         if name.startswith(ray_dir):
             logging.getLogger(name).setLevel(logging.WARNING)
-    # A worker's failure: its traceback goes to the run's error.txt, the driver says it in one line (`one_line`)
-    logging.getLogger("ray.train.v2._internal.util").addFilter(
-        lambda record: not record.getMessage().startswith("Error in training function"))
+    for handler in logging.getLogger("ray.train").handlers:  # a worker's: its console, not its log files
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            handler.addFilter(worker_error_line)
+
+
+WORKER_ERROR = "Error in training function"  # how Ray Train's worker logs its training function's traceback
+
+
+def worker_error_line(record: logging.LogRecord) -> bool:
+    """A console filter of a Ray Train worker: its training function's traceback becomes one line, the error
+    itself (Ray Train may restart the workers; if the run fails, the driver's own line comes last and the run keeps
+    the traceback as `error.txt`). Ray's log files keep the whole record; `-v` shows it here too."""
+    message = record.getMessage()
+    if not message.startswith(WORKER_ERROR):
+        return True
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    sys.stderr.write(f"worker error: {lines[-1]} (its traceback: -v, or the run's error.txt if the run fails)\n")
+    sys.stderr.flush()
+    return False

@@ -5,7 +5,7 @@ import logging
 
 from ray.train.v2.api.exceptions import WorkerGroupError
 
-from contract.console import RAY_DATA_LEVEL_VAR, one_line, quiet_ray_logs
+from contract.console import one_line, worker_error_line
 
 
 def test_a_worker_groups_failure_is_its_ranks_and_their_error_in_one_line():
@@ -18,11 +18,11 @@ def test_a_worker_groups_failure_is_its_ranks_and_their_error_in_one_line():
     assert one_line(OSError("disk full")) == "OSError: disk full"
 
 
-def test_quiet_ray_logs_drops_the_workers_traceback_line_and_keeps_other_errors(caplog, monkeypatch):
-    monkeypatch.setenv(RAY_DATA_LEVEL_VAR, "INFO")  # restored after the test, as quiet_ray_logs changes it
-    quiet_ray_logs()
-    logger = logging.getLogger("ray.train.v2._internal.util")
-    with caplog.at_level(logging.ERROR, logger="ray.train.v2._internal.util"):
-        logger.error("Error in training function:\nTraceback ...")
-        logger.error("something else went wrong")
-    assert [record.getMessage() for record in caplog.records] == ["something else went wrong"]
+def test_a_workers_traceback_is_one_line_on_its_console(capsys):
+    traceback = "Error in training function:\nTraceback (most recent call last):\n  File x\nRuntimeError: ps:0 exited\n"
+    record = logging.LogRecord("ray.train.v2._internal.util", logging.ERROR, "util.py", 252, traceback, None, None)
+    assert worker_error_line(record) is False  # the traceback itself is not printed
+    assert capsys.readouterr().err == ("worker error: RuntimeError: ps:0 exited (its traceback: -v, or the run's "
+                                       "error.txt if the run fails)\n")
+    other = logging.LogRecord("ray.train", logging.ERROR, "x.py", 1, "something else went wrong", None, None)
+    assert worker_error_line(other) is True and capsys.readouterr().err == ""
