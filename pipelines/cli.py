@@ -66,9 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         return list_choices(args)
     if command == "config":
         return print_config(args)
-    if command in VERBOSE_KEYS and {"-v", "--verbose"} & set(args):
-        args = [arg for arg in args if arg not in ("-v", "--verbose")] + [VERBOSE_KEYS[command]]
-    return importlib.import_module(COMMANDS[command][0]).main(args)
+    return importlib.import_module(COMMANDS[command][0]).main(with_verbose_key(command, args))
+
+
+def with_verbose_key(command: str, args: list[str]) -> list[str]:
+    """`args` with `-v`/`--verbose` as the config key of `command` that it stands for (VERBOSE_KEYS)."""
+    if command not in VERBOSE_KEYS or not {"-v", "--verbose"} & set(args):
+        return args
+    return [arg for arg in args if arg not in ("-v", "--verbose")] + [VERBOSE_KEYS[command]]
 
 
 def list_choices(overrides: list[str]) -> int:

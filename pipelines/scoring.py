@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from contract import tracking
 from contract.data import DataSchema
 
 # A scoring actor's environment: tf-keras models load only with TF_USE_LEGACY_KERAS=1 from process start
@@ -151,18 +152,13 @@ def held_out_test_metrics(uri: str, run_id: str, data_path: str, eval_split: str
     """The run's logged model scored once on the data's `test` split, when its epochs were evaluated on another
     (validation): `final_test_accuracy`, `final_test_loss`, ... (`final_test_mse`, ... for regression), logged to
     the run and linked to its model. Nothing when the test split was the evaluation split, or there is none."""
-    import mlflow
-
     from pipelines.data.readers import read_parquet
     from pipelines.data.shards import read_manifest, shard_paths
 
     manifest = read_manifest(data_path)
     if eval_split == "test" or "test" not in manifest["splits"]:
         return {}
-    mlflow.set_tracking_uri(uri)
-    client = mlflow.MlflowClient(uri)
-    models = mlflow.search_logged_models(experiment_ids=[client.get_run(run_id).info.experiment_id],
-                                         filter_string=f"source_run_id = '{run_id}'", output_format="list")
+    models = tracking.logged_models(uri, run_id)
     if not models:
         return {}
     target = schema.target
@@ -172,6 +168,7 @@ def held_out_test_metrics(uri: str, run_id: str, data_path: str, eval_split: str
         metrics = summarise_regression(labels.astype(np.float64), logits, "final_test")
     else:
         metrics = summarise(labels.astype(np.int64), logits, "final_test")[0]
+    client = tracking.mlflow_client(uri)
     for name, value in metrics.items():
         client.log_metric(run_id, name, value, model_id=models[0].model_id)
     return metrics

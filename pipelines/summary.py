@@ -33,14 +33,11 @@ def best_epoch(client: Any, run_id: str, monitor: Monitor) -> tuple[int, float] 
     return best
 
 
-def logged_model_uri(run: Any) -> str | None:
+def logged_model_uri(uri: str, run: Any) -> str | None:
     """The run's model: its registered version when it has one, else the model it logged (`models:/<model id>`)."""
-    import mlflow
-
     if registered := run.data.tags.get("registered_model"):
         return f"models:/{registered}"
-    models = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list",
-                                         filter_string=f"source_run_id = '{run.info.run_id}'")
+    models = tracking.logged_models(uri, run.info.run_id)
     return models[-1].model_uri if models else None
 
 
@@ -78,7 +75,7 @@ def run_summary(uri: str, run_id: str, monitor: Monitor, eval_split: str, checkp
                  if name.startswith("final_test_") and name != "final_test_rows"}
         if final:  # the chosen model, scored once on the held-out test split
             rows.append(("test split", ", ".join(f"{name} {value:.4g}" for name, value in final.items())))
-        if (model := logged_model_uri(run)) is not None:
+        if (model := logged_model_uri(uri, run)) is not None:
             rows.append(("model", f"{model}  (rtp evaluate model={run_id})"))
         rows.append(("checkpoints", checkpoints))
         rows.append(("MLflow UI", mlflow_ui(uri, run.info.experiment_id, run_id)))
@@ -97,7 +94,7 @@ def sweep_summary(uri: str, parent_id: str, metric: str, seconds: float) -> list
             value = metrics.get(f"best.{metric}")
             rows.append(("best trial", f"{tags.get('best.trial', '')}: {metric} "
                                        f"{'?' if value is None else f'{value:.4g}'} (run {best_id})"))
-            if (model := logged_model_uri(client.get_run(best_id))) is not None:
+            if (model := logged_model_uri(uri, client.get_run(best_id))) is not None:
                 rows.append(("its model", model))
         if any(item.path == "report" for item in client.list_artifacts(parent_id)):
             rows.append(("report", f"{parent.info.artifact_uri}/report  (rtp report {parent_id})"))

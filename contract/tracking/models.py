@@ -28,16 +28,23 @@ def log_torch_model(uri: str, run_id: str, model, input_example, epoch: int) -> 
         mlflow.end_run()
 
 
+def logged_models(uri: str, run_id: str) -> list:
+    """The models run `run_id` logged (MLflow's LoggedModels, each with its `model_uri`)."""
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    experiment_id = mlflow_client(uri).get_run(run_id).info.experiment_id
+    return mlflow.search_logged_models(experiment_ids=[experiment_id], output_format="list",
+                                       filter_string=f"source_run_id = '{run_id}'")
+
+
 def register_logged_model(uri: str, run_id: str, name: str) -> str:
     """Register the model the run logged as a new version of registered model `name` (created if new); tags the
     version and the run with each other. Returns the version."""
     import mlflow
 
     client = mlflow_client(uri)
-    mlflow.set_tracking_uri(uri)
-    experiment_id = client.get_run(run_id).info.experiment_id
-    models = mlflow.search_logged_models(experiment_ids=[experiment_id], output_format="list",
-                                         filter_string=f"source_run_id = '{run_id}'")
+    models = logged_models(uri, run_id)
     if len(models) != 1:
         raise RuntimeError(f"run {run_id} logged {len(models)} models, not one: nothing registered as {name}")
     version = mlflow.register_model(models[0].model_uri, name, tags={"training_run_id": run_id}).version

@@ -89,10 +89,9 @@ def check_call(command: str, args: list[str]) -> bool:
     from pipelines.config import checked_values
     from pipelines.errors import ConfigError
 
-    from pipelines.cli import VERBOSE_KEYS
+    from pipelines.cli import with_verbose_key
 
-    if command in VERBOSE_KEYS and {"-v", "--verbose"} & set(args):  # as `rtp` passes it on
-        args = [arg for arg in args if arg not in ("-v", "--verbose")] + [VERBOSE_KEYS[command]]
+    args = with_verbose_key(command, args)  # as `rtp` passes it on
     if any(arg in ("-h", "--help") for arg in args):
         return False
     if command in ("train", "config"):
