@@ -70,6 +70,12 @@ class FSDPConfig(TrainerConfig):
 
 
 @dataclass
+class LightningConfig(TrainerConfig):
+    backend: str = "lightning"          # PyTorch Lightning's Trainer on Ray Train (ray.train.lightning)
+    strategy: str = "ddp"               # ddp | fsdp (Lightning's FSDP needs GPUs: use_gpu=true)
+
+
+@dataclass
 class TFMWMSConfig(TrainerConfig):
     backend: str = "tf_mwms"            # TensorFlow MultiWorkerMirroredStrategy
     tf_loop: str = "fit"                # fit (tf-keras model.fit) | custom (strategy.run loop)

@@ -80,3 +80,10 @@ def worker_error_line(record: logging.LogRecord) -> bool:
     sys.stderr.write(f"worker error: {lines[-1]} (its traceback: -v, or the run's error.txt if the run fails)\n")
     sys.stderr.flush()
     return False
+
+
+def quiet_lightning_logs() -> None:
+    """In a trainer=lightning worker: Lightning's INFO lines (which accelerators it found, its tips and its Slurm
+    hint) off the console unless `run.verbose`; its warnings kept."""
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)

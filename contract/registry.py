@@ -36,7 +36,10 @@ class ModelSpec:
       `keras`: (with the `keras` module first) an uncompiled Keras model, the same inputs and outputs:
         tf_mwms, tf_ps, horovod (tf);
       `dtensor`: a `tf.Module` whose `layers()` trainers/tf/dtensor lays out on its mesh (tf_dtensor), logged as
-        `keras_twin` (default: the `keras` builder's model) with its weights.
+        `keras_twin` (default: the `keras` builder's model) with its weights;
+      `lightning`: a `lightning.pytorch.LightningModule` (trainer=lightning; without one, lightning trains the
+        `torch` model with this project's recipe): `forward` as the `torch` model's, `training_step((inputs,
+        targets), batch_idx)` returning the loss, its own `configure_optimizers`.
     The parallel plans are optional: `tensor_parallel(model, mesh, impl) -> model` shards the model over the
     mesh's "tp" dimension (trainer=tp, fsdp with tp > 1; `trainers.torch.parallel.plans.styles_plan` makes one from
     torch `ParallelStyle`s by module name); `pipeline_split(model, stage, n_stages) -> model` keeps one pipeline
@@ -52,6 +55,7 @@ class ModelSpec:
     torch: Ref | None = None
     keras: Ref | None = None
     dtensor: Ref | None = None
+    lightning: Ref | None = None
     keras_twin: Ref | None = None
     tensor_parallel: Ref | None = None
     pipeline_split: Ref | None = None
@@ -74,15 +78,18 @@ class DatasetSpec:
 @dataclass(frozen=True)
 class BackendSpec:
     """A backend: its module (`build_trainer`, `log_final_model`, `train_loop_per_worker`), its config keys
-    (`trainer.*`, a dataclass), the frameworks it trains with (`trainer.framework` picks when several), and the
-    model builder it needs of a model spec (`ModelSpec.torch`, `.keras` or `.dtensor`; default: the framework's,
-    torch for torch, keras for tf)."""
+    (`trainer.*`, a dataclass), the frameworks it trains with (`trainer.framework` picks when several), the model
+    builders it can build a model spec with, in order of preference (`ModelSpec.torch`, `.keras`, `.dtensor`,
+    `.lightning`; default: the framework's, torch for torch, keras for tf), and the modules it imports beyond its
+    framework's (`needs`, installed by the package extra `extra`)."""
     name: str
     module: str
     config: type
     frameworks: tuple[str, ...]
     description: str = ""
-    model_builder: str = ""
+    model_builders: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ()
+    extra: str = ""
 
 
 S = TypeVar("S")

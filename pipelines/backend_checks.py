@@ -12,10 +12,12 @@ from omegaconf import DictConfig
 from contract.data import DataSchema
 from contract.registry import ModelSpec
 from pipelines.errors import ConfigError, choice, installed
-from trainers import framework_of, model_builder
+from trainers import framework_of, model_builders
 
 BUILDER_FIELDS = {"torch": "a PyTorch builder (torch=)", "keras": "a Keras builder (keras=)",
-                  "dtensor": "a DTensor module builder (dtensor=)"}
+                  "dtensor": "a DTensor module builder (dtensor=)",
+                  "lightning": "a LightningModule builder (lightning=)"}
+LIGHTNING_STRATEGIES = ("ddp", "fsdp")
 TF_LOOPS = ("fit", "custom")
 TF_COMMUNICATIONS = ("auto", "ring", "nccl")
 TF_STRATEGIES = ("mirrored", "central_storage")
@@ -40,10 +42,12 @@ def check_builders(cfg: DictConfig, spec: ModelSpec, inputs: DataSchema) -> None
     """The model's spec has what the backend builds it with, and the plans its layout needs: a tensor-parallel
     plan for tp > 1, a pipeline split for pp > 1 (names the missing spec field)."""
     trainer = cfg.trainer
-    builder = model_builder(trainer)
-    if getattr(spec, builder) is None:
+    builders = model_builders(trainer)
+    builder = next((name for name in builders if getattr(spec, name) is not None), None)
+    if builder is None:
         offered = [name for name in BUILDER_FIELDS if getattr(spec, name) is not None]
-        raise ConfigError(f"model.name: trainer={trainer.backend} builds the model with {BUILDER_FIELDS[builder]}; "
+        wanted = " or ".join(BUILDER_FIELDS[name] for name in builders)
+        raise ConfigError(f"model.name: trainer={trainer.backend} builds the model with {wanted}; "
                           f"model '{spec.name}' has none (it has: {', '.join(offered) or 'no builder'})")
     if trainer.get("tp", 1) > 1 and spec.tensor_parallel is None:
         raise ConfigError(f"trainer.tp: tp={trainer.tp} shards the model by its spec's tensor-parallel plan; model "
@@ -63,6 +67,20 @@ def check_builders(cfg: DictConfig, spec: ModelSpec, inputs: DataSchema) -> None
     if trainer.backend == "tf_ps" and trainer.tf_loop == "fit" and inputs.features.kind == "tokens":
         raise ConfigError("trainer.tf_loop: tf_ps trains token data with the custom loop only (it counts each "
                           "step's tokens); use tf_loop=custom")
+
+
+def check_lightning(cfg: DictConfig) -> None:
+    """Lightning's strategies: its FSDP refuses CPUs ("The strategy `fsdp` requires a GPU accelerator")."""
+    trainer = cfg.trainer
+    if trainer.backend != "lightning":
+        return
+    choice("trainer", "strategy", trainer.strategy, LIGHTNING_STRATEGIES)
+    if trainer.strategy == "fsdp" and not trainer.use_gpu:
+        raise ConfigError("trainer.strategy: Lightning's fsdp strategy runs on GPUs only (use_gpu=true); on CPUs use "
+                          "strategy=ddp, or trainer=fsdp")
+    if trainer.strategy == "fsdp" and trainer.precision == "fp16":
+        raise ConfigError("trainer.precision: fp16 (loss scaling over sharded gradients) is not supported with fsdp; "
+                          "use bf16")
 
 
 def _check_tp_dp(trainer: DictConfig) -> None:
@@ -223,6 +241,9 @@ def check_compile(trainer: DictConfig) -> None:
                           "training step with tf.function already)")
     if trainer.backend == "fsdp" and trainer.pp > 1:
         raise ConfigError("trainer.compile: not supported with pipeline stages (pp > 1)")
+    if trainer.backend == "lightning":
+        raise ConfigError("trainer.compile: not supported with lightning (its Trainer runs the LightningModule "
+                          "it is given); compile inside your LightningModule instead")
 
 
 def check_horovod(cfg: DictConfig) -> None:

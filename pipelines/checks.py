@@ -50,6 +50,7 @@ def check_values(cfg: DictConfig) -> None:
     backend_checks.check_dtensor(cfg)
     backend_checks.check_tf_ps(cfg)
     backend_checks.check_horovod(cfg)
+    backend_checks.check_lightning(cfg)
     backend_checks.check_compile(cfg.trainer)
     if cfg.run.nan_patience < 1:
         raise ConfigError(f"run.nan_patience: must be >= 1, got {cfg.run.nan_patience}")
@@ -216,6 +217,9 @@ def _check_installed(trainer: DictConfig) -> None:
         return  # an unknown `trainer.framework`: its own check names the choices
     modules, extra = FRAMEWORKS[framework]
     missing = [module for module in modules if not installed(module)]
+    if not missing:
+        modules, extra = spec.needs, spec.extra
+        missing = [module for module in modules if not installed(module)]
     if missing:
         raise ConfigError(f"trainer.backend: {trainer.backend} needs {', '.join(missing)}, not installed in this "
                           f"environment: pip install 'ray-train-pipelines[{extra}]'")

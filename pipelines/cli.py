@@ -91,6 +91,7 @@ def list_choices(overrides: list[str]) -> int:
     for name, spec in sorted(BACKENDS.specs.items()):
         missing = [FRAMEWORKS[f][1] for f in spec.frameworks
                    if not all(installed(module) for module in FRAMEWORKS[f][0])]
+        missing += [spec.extra] if not all(installed(module) for module in spec.needs) else []
         note = f" [not installed: pip install 'ray-train-pipelines[{','.join(missing)}]']" if missing else ""
         lines.append(f"  {name:<{width}}{spec.description}{note}")
     for group, title in groups:

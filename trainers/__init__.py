@@ -17,8 +17,8 @@ from types import ModuleType
 from typing import Any
 
 import trainers.models  # noqa: F401  (registers the built-in models)
-from contract.config import (DDPConfig, FSDPConfig, HorovodConfig, TFDTensorConfig, TFMWMSConfig, TFPSConfig,
-                             TPConfig)
+from contract.config import (DDPConfig, FSDPConfig, HorovodConfig, LightningConfig, TFDTensorConfig, TFMWMSConfig,
+                             TFPSConfig, TPConfig)
 from contract.registry import BACKENDS, BackendSpec, register_backend
 
 # framework -> (modules it needs, the package extra that installs them)
@@ -34,10 +34,14 @@ for _spec in (
                 "PyTorch FSDP2 sharded data parallelism; HSDP, FSDP x TP and pipeline stages (PP x TP x FSDP)"),
     BackendSpec("tp", "trainers.torch.tp", TPConfig, ("torch",),
                 "tensor parallelism (Megatron-style layers or DTensor plans) x data parallelism"),
+    BackendSpec("lightning", "trainers.torch.lightning.backend", LightningConfig, ("torch",),
+                "PyTorch Lightning's Trainer (ddp, or fsdp on GPUs) through Ray Train's Lightning integration",
+                model_builders=("lightning", "torch"), needs=("lightning",), extra="lightning"),
     BackendSpec("tf_mwms", "trainers.tf.mwms", TFMWMSConfig, ("tf",),
                 "TensorFlow MultiWorkerMirroredStrategy: tf-keras fit or a custom loop"),
     BackendSpec("tf_dtensor", "trainers.tf.dtensor.trainer", TFDTensorConfig, ("tf",),
-                "TensorFlow DTensor: data, model or 2D parallelism on a batch x model mesh", model_builder="dtensor"),
+                "TensorFlow DTensor: data, model or 2D parallelism on a batch x model mesh",
+                model_builders=("dtensor",)),
     BackendSpec("tf_ps", "trainers.tf.ps.trainer", TFPSConfig, ("tf",),
                 "TensorFlow ParameterServerStrategy: asynchronous data parallelism"),
     BackendSpec("horovod", "trainers.horovod.trainer", HorovodConfig, ("torch", "tf"),
@@ -56,6 +60,8 @@ def framework_of(trainer: Any) -> str:
     return trainer.framework if len(spec.frameworks) > 1 else spec.frameworks[0]
 
 
-def model_builder(trainer: Any) -> str:
-    """Which builder of a model spec this trainer config builds its model with: torch, keras or dtensor."""
-    return BACKENDS.get(trainer.backend).model_builder or {"torch": "torch", "tf": "keras"}[framework_of(trainer)]
+def model_builders(trainer: Any) -> tuple[str, ...]:
+    """The builders of a model spec this trainer config can build its model with (torch, keras, dtensor,
+    lightning), the first one a spec has being the one used."""
+    spec = BACKENDS.get(trainer.backend)
+    return spec.model_builders or ({"torch": "torch", "tf": "keras"}[framework_of(trainer)],)

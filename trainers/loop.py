@@ -130,12 +130,10 @@ class TrainLoop:
             totals = self.state.totals_for(epoch, self.ctx.rank)
             stopped = not self.train_epoch(epoch, totals)
             if self.diverged_at is not None:
-                self._report_diverged(epoch)
+                self.report_diverged(epoch)
                 return True
             if stopped:
-                self._report_stop(epoch, totals)
-                if self.ctx.logger is not None:
-                    self.ctx.logger.flush()  # the stopped epoch's step losses
+                self.report_stop(epoch, totals)
                 return False
             if self.end_epoch(epoch, totals):
                 break  # early stopping: the run is finished
@@ -264,7 +262,7 @@ class TrainLoop:
                                 adapter.ranks_per_sample, self.ctx.evaluated)
         if not math.isfinite(metrics["train_loss"]):  # reduced over the ranks: every rank sees it
             self.diverged_at = 0
-            self._report_diverged(epoch)
+            self.report_diverged(epoch)
             return True
         if epoch == self.first_epoch:
             metrics["data_load_s"] = adapter.load_s
@@ -279,14 +277,16 @@ class TrainLoop:
                 self.ctx.logger.log_extra(epoch, extras)
         return self.ctx.monitor.exhausted(epoch, self.state.best_epoch)
 
-    def _report_stop(self, epoch: int, totals: EpochTotals) -> None:
+    def report_stop(self, epoch: int, totals: EpochTotals) -> None:
         """Checkpoint the half-done epoch; the driver sees STOP_METRICS and marks the run as stopped. The report
         scores the monitored metric worst, so Ray Train never keeps this checkpoint as a best one."""
         state = replace(self.state, partial=partial_over_ranks(totals, self.adapter.reduce))
         monitor = self.ctx.monitor
         self._checkpoint_and_report({**stop_metrics(epoch, totals.steps), monitor.metric: monitor.worst()}, state)
+        if self.ctx.logger is not None:
+            self.ctx.logger.flush()  # the stopped epoch's step losses
 
-    def _report_diverged(self, epoch: int) -> None:
+    def report_diverged(self, epoch: int) -> None:
         """The loss stopped being a number: report where (every rank, no checkpoint: the last one reported is the
         last finite state) and train no more; the driver sees DIVERGED_METRICS and fails the run."""
         if self.ctx.logger is not None:

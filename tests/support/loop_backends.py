@@ -11,6 +11,7 @@ Horovod runs as a lone process (size 1, no rendezvous). The TF backends also che
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -32,6 +33,8 @@ COMMON = ["trainer.epochs=2", "trainer.batch_size=16", "trainer.optimizer=sgd", 
 # boundary. SGD with momentum (COMMON), whose updates scale with the gradient (Adam's would hide a wrong
 # 1/grad_accum); the clipping at 5 is active in the first updates only (averaged gradient norms 13.5, 9.0, 6.8,
 # 7.4, then 3-5, measured unclipped).
+USER_LIGHTNING = ["trainer=lightning", "plugins=[tests.support.user_lightning]", "model=smoothed_mlp",
+                  *[key for key in COMMON if not key.startswith("model.")]]
 DTENSOR_2X2 = ["trainer.devices_per_worker=4", "trainer.mesh.batch=2", "trainer.mesh.model=2"]
 TF_RECIPE = ["trainer.lr_schedule=cosine", "trainer.warmup_steps=3", "trainer.grad_clip=5.0", "trainer.grad_accum=2"]
 CONSTANT_LR = ["trainer.lr_schedule=constant", "trainer.warmup_steps=0"]
@@ -43,6 +46,13 @@ BACKENDS = {
     "horovod_torch": ["trainer=horovod", "trainer.grad_accum=2", "model=cnn", "model.channels=[4,8]",
                       "model.hidden=16", *COMMON,
                       "trainer.lr_schedule=cosine", "trainer.warmup_steps=3", "trainer.grad_clip=1.0"],
+    # Lightning's Trainer on the recipe: accumulation (the stop at step 10 on an update boundary), clipping and a
+    # schedule, each applied by Lightning (trainers/torch/lightning/worker.py) from this project's keys
+    "lightning": ["trainer=lightning", "trainer.grad_accum=2", "model.hidden=[32]", *COMMON,
+                  "trainer.lr_schedule=cosine", "trainer.warmup_steps=3", "trainer.grad_clip=1.0"],
+    # a user's own LightningModule (tests/support/user_lightning.py): its training_step and optimizer, not the recipe
+    "lightning_user": [*USER_LIGHTNING, "model.lr=0.1"],
+    "lightning_user_frozen": [*USER_LIGHTNING, "model.lr=0"],
     "horovod_tf": ["trainer=horovod", "trainer.framework=tf", "model.hidden=[32]", *COMMON,
                    "trainer.optimizer=adamw", "trainer.weight_decay=0.01", "trainer.lr_schedule=linear",
                    "trainer.warmup_steps=3", "trainer.grad_clip=1.0", "trainer.grad_accum=2"],
@@ -88,6 +98,7 @@ PARITY = ["model.hidden=[32]", "model.dropout=0", "trainer.optimizer=sgd", "trai
           "trainer.batch_size=16", "trainer.epochs=2", "trainer.num_workers=1", "trainer.log_every_n_steps=1"]
 PARITY_BACKENDS = {
     "ddp": ["trainer=ddp", *PARITY],
+    "lightning": ["trainer=lightning", *PARITY],
     "horovod_torch": ["trainer=horovod", *PARITY],
     "horovod_tf": ["trainer=horovod", "trainer.framework=tf", *PARITY],
     "tf_mwms_custom": ["trainer=tf_mwms", "trainer.tf_loop=custom", *PARITY],
@@ -112,19 +123,18 @@ def runner(cfg):
 
     train, evaluation = data_for(cfg)
     trainer = cfg.trainer
-    if trainer.backend == "ddp" or trainer.get("framework") == "torch":
+    if trainer.backend in ("ddp", "lightning") or trainer.get("framework") == "torch":
         import torch
 
-        from trainers.horovod import torch as horovod_torch
-        from trainers.torch import ddp as torch_ddp
         from trainers.torch.data import ShardBatches
 
         def batches(seed):
             as_torch = lambda cols: {k: torch.from_numpy(v) for k, v in cols.items()}  # noqa: E731
             return (ShardBatches.from_columns(as_torch(train), mnist_schema(), trainer.batch_size, seed),
                     ShardBatches.from_columns(as_torch(evaluation), mnist_schema(), 64, seed))
-        module = torch_ddp if trainer.backend == "ddp" else horovod_torch  # one rank: the plain model
-        return lambda ctx: module.run_worker(cfg, ctx, WorkerData(mnist_schema(), batches))
+        module = importlib.import_module({"ddp": "trainers.torch.ddp", "lightning": "trainers.torch.lightning.worker",
+                                          "horovod": "trainers.horovod.torch"}[trainer.backend])
+        return lambda ctx: module.run_worker(cfg, ctx, WorkerData(mnist_schema(), batches))  # one rank
     from trainers.tf.data import ShardArrays
 
     if trainer.backend == "tf_ps":

@@ -38,8 +38,8 @@ def test_defaults_compose_and_flatten(data_override):
     ("trainer.num_workers=0", r"^trainer\.num_workers: must be > 0"),
     ("trainer.backend=nope", r"^trainer\.backend: unknown backend 'nope'"),
     ("trainer.placement_strategy=ANYWHERE", r"^trainer\.placement_strategy: unknown strategy 'ANYWHERE'"),
-    ("trainer=nope", r"^trainer: unknown choice .nope. \(choices: ddp, fsdp, horovod, tf_dtensor, tf_mwms, tf_ps, "
-                     r"tp\)$"),
+    ("trainer=nope", r"^trainer: unknown choice .nope. \(choices: ddp, fsdp, horovod, lightning, tf_dtensor, tf_mwms, "
+                     r"tf_ps, tp\)$"),
     ("model.name=resnet", r"^model\.name: unknown model 'resnet'"),
     ("data.path=/does/not/exist", r"^data\.path: no prepared dataset at '/does/not/exist'"),
     ("fault.max_failures=-1", r"^fault\.max_failures: must be >= 0"),
@@ -61,6 +61,9 @@ def test_defaults_compose_and_flatten(data_override):
     ("run.patience=0", r"^run\.patience: must be >= 1"),
     ("trainer.profile_steps=-1", r"^trainer\.profile_steps: must be >= 0"),
     ("trainer=tf_mwms trainer.compile=true", r"^trainer\.compile: torch\.compile is for the PyTorch backends"),
+    ("trainer=lightning trainer.strategy=fsdp", r"^trainer\.strategy: Lightning's fsdp strategy runs on GPUs only"),
+    ("trainer=lightning trainer.strategy=deepspeed", r"^trainer\.strategy: unknown 'deepspeed' \(choices: ddp, fsdp\)"),
+    ("trainer=lightning trainer.compile=true", r"^trainer\.compile: not supported with lightning"),
     ("run.resume_from=/no/checkpoint", r"^run\.resume_from: no checkpoint at '/no/checkpoint' \(missing train_state"),
     ("data.bucket_by_length=true", r"^data\.bucket_by_length: only token data has lengths to group by; 'mnist'"),
 ])

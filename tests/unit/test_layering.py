@@ -16,8 +16,10 @@ TF_WORKER_MODULES = ["trainers.tf.mwms", "trainers.horovod.tf", "trainers.horovo
 # A backend's own modules: one per backend, Horovod's two bindings beside its trainer (which picks one of them).
 BACKEND_MODULES = {"trainers.torch.ddp", "trainers.torch.tp", "trainers.torch.fsdp", "trainers.tf.mwms",
                    "trainers.tf.dtensor.trainer", "trainers.tf.ps.trainer", "trainers.horovod.trainer",
-                   "trainers.horovod.torch", "trainers.horovod.tf"}
-OWN = {"trainers.horovod.trainer": {"trainers.horovod.torch", "trainers.horovod.tf"}}
+                   "trainers.horovod.torch", "trainers.horovod.tf", "trainers.torch.lightning.backend",
+                   "trainers.torch.lightning.worker"}
+OWN = {"trainers.horovod.trainer": {"trainers.horovod.torch", "trainers.horovod.tf"},
+       "trainers.torch.lightning.backend": {"trainers.torch.lightning.worker"}}
 
 
 def module_name(path: Path) -> str:

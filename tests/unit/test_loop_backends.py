@@ -1,8 +1,9 @@
-"""Stop/resume parity and the metric set for the Horovod (torch, tf), tf_mwms, tf_dtensor and tf_ps adapters on the
-shared loop, each attempt in a fresh process (tests/support/loop_backends.py), no Ray cluster (tf_ps with real
-TensorFlow servers); and the loss-parity gate: every one of them trains DDP's loss curve from DDP's recipe, seed and
-data. Stop/resume of DDP and TP: tests/unit/test_loop.py and tests/parallel/test_tp_loop.py. Horovod runs as a lone
-process: the 2-rank paths are in tests/integration."""
+"""Stop/resume parity and the metric set for the Lightning (ours and a user's LightningModule), Horovod (torch, tf),
+tf_mwms, tf_dtensor and tf_ps adapters on the shared loop, each attempt in a fresh process
+(tests/support/loop_backends.py), no Ray cluster (tf_ps with real TensorFlow servers); and the loss-parity gate:
+every one of them trains DDP's loss curve from DDP's recipe, seed and data. Stop/resume of DDP and TP:
+tests/unit/test_loop.py and tests/parallel/test_tp_loop.py. Horovod runs as a lone process: the 2-rank paths are in
+tests/integration."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -63,7 +64,8 @@ def straight(request, tmp_path_factory):
 # tests/support/loop_backends.py): the restored optimizer's update count must continue the schedule. The straight run
 # of tf_mwms_custom is also one of the runs compared below.
 @pytest.mark.straight("{backend}")
-@pytest.mark.parametrize("backend", ["horovod_torch", "horovod_tf", "tf_mwms_custom", "tf_dtensor", "tf_ps"])
+@pytest.mark.parametrize("backend", ["lightning", "lightning_user", "horovod_torch", "horovod_tf", "tf_mwms_custom",
+                                     "tf_dtensor", "tf_ps"])
 def test_stop_resume_parity(tmp_path, straight, backend):
     runs = {"straight": straight(backend), "stopped": attempt(backend, tmp_path, "stopped")}
     runs["resumed"] = attempt(backend, tmp_path, "resumed", last_checkpoint(tmp_path / backend / "stopped"))
@@ -71,6 +73,19 @@ def test_stop_resume_parity(tmp_path, straight, backend):
     check_parity(runs, epochs=2, text=False, rtol=1e-5, atol=1e-6)
     rows_per_step = 32 if backend == "tf_mwms_custom" else 16  # 2 devices per worker: 2 x 16; tf_dtensor: 2 x 8
     assert len(runs["straight"].recorder.step_losses) == 320 // rows_per_step * 2
+
+
+def test_a_users_lightning_module_trains_with_its_own_step_and_optimizer(tmp_path):
+    """A model spec's own LightningModule (tests/support/user_lightning.py; its stop/resume parity is above) is
+    trained by its `training_step` and `configure_optimizers`, not the recipe: at its `model.lr=0` the weights never
+    move, so both epochs' mean loss over the same rows is the same (the config's `trainer.lr=0.01` would lower
+    it), while the step losses differ batch to batch. The contract's metric set holds."""
+    frozen = attempt("lightning_user_frozen", tmp_path, "straight")
+    assert frozen.finished
+    check_metric_set(frozen.recorder, 2, text=False)
+    epochs = frozen.recorder.epochs
+    np.testing.assert_allclose(epochs[2]["train_loss"], epochs[1]["train_loss"], rtol=1e-6)
+    assert len(set(frozen.recorder.step_losses.values())) > 10
 
 
 def test_keras_fit_keeps_the_contract(tmp_path):
@@ -157,8 +172,8 @@ def test_bf16_loss_curve_stays_close_to_fp32(straight):
 
 
 @pytest.mark.straight("parity_ddp", "parity_{backend}")
-@pytest.mark.parametrize("backend", ["horovod_torch", "horovod_tf", "tf_mwms_custom", "tf_mwms_fit", "tf_dtensor",
-                                     "tf_ps"])
+@pytest.mark.parametrize("backend", ["lightning", "horovod_torch", "horovod_tf", "tf_mwms_custom", "tf_mwms_fit",
+                                     "tf_dtensor", "tf_ps"])
 def test_loss_parity_with_the_ddp_reference(straight, backend):
     """The loss-parity gate: one seed, data order and recipe (tests/support/loop_backends.py: PARITY, the MNIST MLP with
     SGD and momentum, 40 steps) through each backend's worker give DDP's loss curve step for step: the same
@@ -169,7 +184,8 @@ def test_loss_parity_with_the_ddp_reference(straight, backend):
     reference = straight("parity_ddp").recorder
     other = straight(f"parity_{backend}").recorder
     assert len(reference.curve()) == 40  # 320 rows / 16 x 2 epochs, every step logged
-    tolerance = dict(rtol=0, atol=1e-7) if backend == "horovod_torch" else dict(rtol=1e-3, atol=1e-5)
+    exact = backend in ("lightning", "horovod_torch")
+    tolerance = dict(rtol=0, atol=1e-7) if exact else dict(rtol=1e-3, atol=1e-5)
     np.testing.assert_allclose(other.curve(), reference.curve(), **tolerance)
     for epoch in (1, 2):
         assert other.epochs[epoch]["test_accuracy"] == reference.epochs[epoch]["test_accuracy"]

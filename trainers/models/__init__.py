@@ -28,6 +28,16 @@ def build_model(model_cfg: Any, inputs: DataSchema, seed: int | None = None) -> 
     return _builder(model_cfg, "torch")(model_cfg, inputs, seed)
 
 
+def has_builder(model_cfg: Any, framework: str) -> bool:
+    """Whether the model's spec has a builder for `framework` (torch, keras, dtensor, lightning)."""
+    return getattr(MODELS.get(model_cfg.name), framework) is not None
+
+
+def build_lightning_module(model_cfg: Any, inputs: DataSchema, seed: int | None = None) -> Any:
+    """The spec's own `lightning.pytorch.LightningModule` of `model_cfg` (trainer=lightning)."""
+    return _builder(model_cfg, "lightning")(model_cfg, inputs, seed)
+
+
 def build_keras_model(model_cfg: Any, keras: Any, inputs: DataSchema, seed: int | None = None) -> Any:
     """The (uncompiled) Keras model of `model_cfg`, built with `keras` (tf-keras in the TensorFlow backends)."""
     return _builder(model_cfg, "keras")(keras, model_cfg, inputs, seed)

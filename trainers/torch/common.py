@@ -225,14 +225,8 @@ class TorchAdapter(Adapter):
         return {**rank_memory(self.model, self.optimizer), "peak_memory_bytes": self.peak_memory_bytes()}
 
     def epoch_extras(self) -> dict[str, float]:
-        """Every rank's `own_stats` as `rank<r>.<name>`, gathered over torch.distributed (a collective); this
-        rank's alone without a torch.distributed group (a lone process, Horovod)."""
-        stats = self.own_stats()
-        if not (dist.is_available() and dist.is_initialized()):
-            return {f"rank{self.rank}.{k}": v for k, v in stats.items()}
-        gathered: list[dict[str, float] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, stats)
-        return {f"rank{r}.{k}": v for r, each in enumerate(gathered) for k, v in each.items()}
+        """Every rank's `own_stats` (`gathered_stats`)."""
+        return gathered_stats(self.own_stats(), self.rank)
 
     # State: a checkpoint always holds the dense (unsharded, unwrapped) model, so any layout can load it.
     def dense_model_state(self) -> dict[str, torch.Tensor]:
@@ -270,6 +264,16 @@ class TorchAdapter(Adapter):
         keys = self.train.row_keys()
         if keys is not None:
             torch.save(keys, Path(directory) / f"rank{self.rank}_rows.pt")
+
+
+def gathered_stats(stats: dict[str, float], rank: int) -> dict[str, float]:
+    """Every rank's `stats` as `rank<r>.<name>`, gathered over torch.distributed (a collective); this rank's alone
+    without a torch.distributed group (a lone process, Horovod)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return {f"rank{rank}.{k}": v for k, v in stats.items()}
+    gathered: list[dict[str, float] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, stats)
+    return {f"rank{r}.{k}": v for r, each in enumerate(gathered) for k, v in each.items()}
 
 
 def load_state_file(directory: str) -> dict[str, Any]:

@@ -1,0 +1,53 @@
+"""trainer=lightning on Ray Train, as the driver sees it (Lightning is imported on the workers only): the
+`TorchTrainer` every PyTorch backend uses, whose workers run Lightning's Trainer (trainers/torch/lightning/worker.py),
+and the final model logged from Lightning's checkpoint."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from contract.data import DataSchema
+from trainers.models import build_lightning_module, has_builder
+from trainers.torch import common as tc
+from trainers.torch.lightning import CHECKPOINT_FILE, PLAIN_MODEL
+
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    from trainers.torch.lightning import worker
+
+    tc.run_on_ray(config, worker.run_on_ray)
+
+
+def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, inputs: DataSchema,
+                  callbacks: list | None = None):
+    return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, inputs, callbacks=callbacks)
+
+
+def module_state(directory: str) -> dict[str, torch.Tensor]:
+    """The LightningModule's state dict in a checkpoint folder."""
+    return torch.load(f"{directory}/{CHECKPOINT_FILE}", map_location="cpu", weights_only=False)["state_dict"]
+
+
+def plain_model_state(directory: str) -> dict[str, torch.Tensor]:
+    """The spec's plain model's state dict, out of the `RecipeModule` a checkpoint folder holds."""
+    return {key[len(PLAIN_MODEL):]: value for key, value in module_state(directory).items()
+            if key.startswith(PLAIN_MODEL)}
+
+
+def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, inputs: DataSchema) -> None:
+    """The trained model to the MLflow run (PyTorch flavour): the spec's plain model, as trainer=ddp logs it, or
+    the spec's own LightningModule (its `forward` takes the same inputs)."""
+    if not has_builder(cfg.model, "lightning"):
+        tc.log_final_model(uri, run_id, cfg, checkpoint, inputs, model_state=plain_model_state)
+        return
+    from contract.checkpoint import TrainState
+    from contract.tracking import log_torch_model
+
+    module = build_lightning_module(cfg.model, inputs)
+    with checkpoint.as_directory() as directory:
+        module.load_state_dict(module_state(directory))
+        epoch = TrainState.read(directory).epoch
+    log_torch_model(uri, run_id, module.eval(), tc.example_input(inputs), epoch)
