@@ -76,6 +76,14 @@ class LightningConfig(TrainerConfig):
 
 
 @dataclass
+class DeepSpeedConfig(TrainerConfig):
+    backend: str = "deepspeed"          # DeepSpeed's engine (ZeRO) on the shared loop
+    zero_stage: int = 2                 # ZeRO 1: optimizer states sharded; 2: + gradients; 3: + parameters
+    deepspeed_config: Optional[str] = None  # a DeepSpeed JSON of yours, under the recipe's keys (a conflict is an
+                                            # error); its optimizer and schedule are the recipe's
+
+
+@dataclass
 class TFMWMSConfig(TrainerConfig):
     backend: str = "tf_mwms"            # TensorFlow MultiWorkerMirroredStrategy
     tf_loop: str = "fit"                # fit (tf-keras model.fit) | custom (strategy.run loop)

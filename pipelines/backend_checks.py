@@ -18,6 +18,7 @@ BUILDER_FIELDS = {"torch": "a PyTorch builder (torch=)", "keras": "a Keras build
                   "dtensor": "a DTensor module builder (dtensor=)",
                   "lightning": "a LightningModule builder (lightning=)"}
 LIGHTNING_STRATEGIES = ("ddp", "fsdp")
+ZERO_STAGES = (1, 2, 3)
 TF_LOOPS = ("fit", "custom")
 TF_COMMUNICATIONS = ("auto", "ring", "nccl")
 TF_STRATEGIES = ("mirrored", "central_storage")
@@ -78,9 +79,28 @@ def check_lightning(cfg: DictConfig) -> None:
     if trainer.strategy == "fsdp" and not trainer.use_gpu:
         raise ConfigError("trainer.strategy: Lightning's fsdp strategy runs on GPUs only (use_gpu=true); on CPUs use "
                           "strategy=ddp, or trainer=fsdp")
+    if trainer.strategy == "fsdp" and trainer.grad_clip is not None:
+        raise ConfigError("trainer.grad_clip: Lightning's fsdp strategy does not clip by the global norm "
+                          "(\"gradient_clip_algorithm='norm' is currently not supported for FSDPPrecision\"); "
+                          "use strategy=ddp, or trainer=fsdp")
     if trainer.strategy == "fsdp" and trainer.precision == "fp16":
         raise ConfigError("trainer.precision: fp16 (loss scaling over sharded gradients) is not supported with fsdp; "
                           "use bf16")
+
+
+def check_deepspeed(cfg: DictConfig) -> None:
+    """The ZeRO stage, and the user's DeepSpeed JSON against the recipe (trainers/torch/deepspeed_config.py)."""
+    from trainers.torch.deepspeed_config import DeepSpeedConfigError, engine_config
+
+    trainer = cfg.trainer
+    if trainer.backend != "deepspeed":
+        return
+    if trainer.zero_stage not in ZERO_STAGES:
+        raise ConfigError(f"trainer.zero_stage: must be one of {ZERO_STAGES}, got {trainer.zero_stage}")
+    try:
+        engine_config(trainer)
+    except DeepSpeedConfigError as err:
+        raise ConfigError(str(err)) from err
 
 
 def _check_tp_dp(trainer: DictConfig) -> None:
@@ -241,6 +261,8 @@ def check_compile(trainer: DictConfig) -> None:
                           "training step with tf.function already)")
     if trainer.backend == "fsdp" and trainer.pp > 1:
         raise ConfigError("trainer.compile: not supported with pipeline stages (pp > 1)")
+    if trainer.backend == "deepspeed":
+        raise ConfigError("trainer.compile: not supported with deepspeed (its engine wraps the model)")
     if trainer.backend == "lightning":
         raise ConfigError("trainer.compile: not supported with lightning (its Trainer runs the LightningModule "
                           "it is given); compile inside your LightningModule instead")

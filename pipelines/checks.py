@@ -51,6 +51,7 @@ def check_values(cfg: DictConfig) -> None:
     backend_checks.check_tf_ps(cfg)
     backend_checks.check_horovod(cfg)
     backend_checks.check_lightning(cfg)
+    backend_checks.check_deepspeed(cfg)
     backend_checks.check_compile(cfg.trainer)
     if cfg.run.nan_patience < 1:
         raise ConfigError(f"run.nan_patience: must be >= 1, got {cfg.run.nan_patience}")

@@ -17,8 +17,8 @@ from types import ModuleType
 from typing import Any
 
 import trainers.models  # noqa: F401  (registers the built-in models)
-from contract.config import (DDPConfig, FSDPConfig, HorovodConfig, LightningConfig, TFDTensorConfig, TFMWMSConfig,
-                             TFPSConfig, TPConfig)
+from contract.config import (DDPConfig, DeepSpeedConfig, FSDPConfig, HorovodConfig, LightningConfig, TFDTensorConfig,
+                             TFMWMSConfig, TFPSConfig, TPConfig)
 from contract.registry import BACKENDS, BackendSpec, register_backend
 
 # framework -> (modules it needs, the package extra that installs them)
@@ -37,6 +37,9 @@ for _spec in (
     BackendSpec("lightning", "trainers.torch.lightning.backend", LightningConfig, ("torch",),
                 "PyTorch Lightning's Trainer (ddp, or fsdp on GPUs) through Ray Train's Lightning integration",
                 model_builders=("lightning", "torch"), needs=("lightning",), extra="lightning"),
+    BackendSpec("deepspeed", "trainers.torch.deepspeed", DeepSpeedConfig, ("torch",),
+                "DeepSpeed's engine: ZeRO stage 1, 2 or 3 (gloo on CPU, NCCL on GPU)", needs=("deepspeed",),
+                extra="deepspeed"),
     BackendSpec("tf_mwms", "trainers.tf.mwms", TFMWMSConfig, ("tf",),
                 "TensorFlow MultiWorkerMirroredStrategy: tf-keras fit or a custom loop"),
     BackendSpec("tf_dtensor", "trainers.tf.dtensor.trainer", TFDTensorConfig, ("tf",),

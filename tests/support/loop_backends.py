@@ -53,6 +53,11 @@ BACKENDS = {
     # a user's own LightningModule (tests/support/user_lightning.py): its training_step and optimizer, not the recipe
     "lightning_user": [*USER_LIGHTNING, "model.lr=0.1"],
     "lightning_user_frozen": [*USER_LIGHTNING, "model.lr=0"],
+    # DeepSpeed's engine at each ZeRO stage: accumulation (the stop at step 10 on a boundary), clipping and a
+    # schedule, the recipe's, applied by the engine
+    **{f"deepspeed_zero{stage}": ["trainer=deepspeed", f"trainer.zero_stage={stage}", "trainer.grad_accum=2",
+                                  "model.hidden=[32]", *COMMON, "trainer.lr_schedule=cosine", "trainer.warmup_steps=3",
+                                  "trainer.grad_clip=1.0"] for stage in (1, 2, 3)},
     "horovod_tf": ["trainer=horovod", "trainer.framework=tf", "model.hidden=[32]", *COMMON,
                    "trainer.optimizer=adamw", "trainer.weight_decay=0.01", "trainer.lr_schedule=linear",
                    "trainer.warmup_steps=3", "trainer.grad_clip=1.0", "trainer.grad_accum=2"],
@@ -99,6 +104,7 @@ PARITY = ["model.hidden=[32]", "model.dropout=0", "trainer.optimizer=sgd", "trai
 PARITY_BACKENDS = {
     "ddp": ["trainer=ddp", *PARITY],
     "lightning": ["trainer=lightning", *PARITY],
+    "deepspeed": ["trainer=deepspeed", "trainer.zero_stage=3", *PARITY],
     "horovod_torch": ["trainer=horovod", *PARITY],
     "horovod_tf": ["trainer=horovod", "trainer.framework=tf", *PARITY],
     "tf_mwms_custom": ["trainer=tf_mwms", "trainer.tf_loop=custom", *PARITY],
@@ -123,7 +129,7 @@ def runner(cfg):
 
     train, evaluation = data_for(cfg)
     trainer = cfg.trainer
-    if trainer.backend in ("ddp", "lightning") or trainer.get("framework") == "torch":
+    if trainer.backend in ("ddp", "lightning", "deepspeed") or trainer.get("framework") == "torch":
         import torch
 
         from trainers.torch.data import ShardBatches
@@ -133,7 +139,10 @@ def runner(cfg):
             return (ShardBatches.from_columns(as_torch(train), mnist_schema(), trainer.batch_size, seed),
                     ShardBatches.from_columns(as_torch(evaluation), mnist_schema(), 64, seed))
         module = importlib.import_module({"ddp": "trainers.torch.ddp", "lightning": "trainers.torch.lightning.worker",
+                                          "deepspeed": "trainers.torch.deepspeed",
                                           "horovod": "trainers.horovod.torch"}[trainer.backend])
+        if trainer.backend == "deepspeed":
+            lone_process_group()
         return lambda ctx: module.run_worker(cfg, ctx, WorkerData(mnist_schema(), batches))  # one rank
     from trainers.tf.data import ShardArrays
 
@@ -146,6 +155,17 @@ def runner(cfg):
 
     module = {"horovod": horovod_tf, "tf_dtensor": tf_dtensor}.get(trainer.backend, tf_mwms)
     return lambda ctx: module.run_worker(cfg, ctx, WorkerData(schema_of(cfg), lambda seed: arrays))
+
+
+def lone_process_group() -> None:
+    """A one-rank gloo group and torchrun's variables, as Ray Train sets them up for a worker (DeepSpeed's engine
+    runs on them)."""
+    import torch.distributed as dist
+
+    from tests.conftest import free_ports
+
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_ports(1)[0]}", rank=0, world_size=1)
 
 
 def ps_runner(cfg, train, evaluation):

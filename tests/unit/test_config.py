@@ -38,8 +38,8 @@ def test_defaults_compose_and_flatten(data_override):
     ("trainer.num_workers=0", r"^trainer\.num_workers: must be > 0"),
     ("trainer.backend=nope", r"^trainer\.backend: unknown backend 'nope'"),
     ("trainer.placement_strategy=ANYWHERE", r"^trainer\.placement_strategy: unknown strategy 'ANYWHERE'"),
-    ("trainer=nope", r"^trainer: unknown choice .nope. \(choices: ddp, fsdp, horovod, lightning, tf_dtensor, tf_mwms, "
-                     r"tf_ps, tp\)$"),
+    ("trainer=nope", r"^trainer: unknown choice .nope. \(choices: ddp, deepspeed, fsdp, horovod, lightning, "
+                     r"tf_dtensor, tf_mwms, tf_ps, tp\)$"),
     ("model.name=resnet", r"^model\.name: unknown model 'resnet'"),
     ("data.path=/does/not/exist", r"^data\.path: no prepared dataset at '/does/not/exist'"),
     ("fault.max_failures=-1", r"^fault\.max_failures: must be >= 0"),
@@ -64,12 +64,51 @@ def test_defaults_compose_and_flatten(data_override):
     ("trainer=lightning trainer.strategy=fsdp", r"^trainer\.strategy: Lightning's fsdp strategy runs on GPUs only"),
     ("trainer=lightning trainer.strategy=deepspeed", r"^trainer\.strategy: unknown 'deepspeed' \(choices: ddp, fsdp\)"),
     ("trainer=lightning trainer.compile=true", r"^trainer\.compile: not supported with lightning"),
+    ("trainer=lightning trainer.strategy=fsdp trainer.use_gpu=true trainer.grad_clip=1.0",
+     r"^trainer\.grad_clip: Lightning's fsdp strategy does not clip by the global norm"),
+    ("trainer=deepspeed trainer.zero_stage=4", r"^trainer\.zero_stage: must be one of \(1, 2, 3\), got 4"),
+    ("trainer=deepspeed trainer.deepspeed_config=/no/ds.json",
+     r"^trainer\.deepspeed_config: cannot read '/no/ds\.json'"),
     ("run.resume_from=/no/checkpoint", r"^run\.resume_from: no checkpoint at '/no/checkpoint' \(missing train_state"),
     ("data.bucket_by_length=true", r"^data\.bucket_by_length: only token data has lengths to group by; 'mnist'"),
 ])
 def test_bad_config_names_the_key(data_override, override, message):
     with pytest.raises(ConfigError, match=message):
         load_config([data_override, *override.split()])
+
+
+@pytest.mark.parametrize("theirs, message", [
+    ({"train_micro_batch_size_per_gpu": 64}, r"train_micro_batch_size_per_gpu=64 disagrees with trainer\.batch_size "
+                                             r"\(train_micro_batch_size_per_gpu=128 here\)"),
+    ({"zero_optimization": {"stage": 1}}, r"zero_optimization\.stage=1 disagrees with trainer\.zero_stage"),
+    ({"gradient_clipping": 1.0}, r"gradient_clipping=1\.0 disagrees with trainer\.grad_clip"),
+    ({"train_batch_size": 100}, r"train_batch_size=100 disagrees with trainer\.batch_size x grad_accum x num_workers "
+                                r"\(train_batch_size=256 here\)"),
+    ({"optimizer": {"type": "Adam"}}, r"its 'optimizer' section is the recipe's here"),
+    ({"bf16": {"enabled": True}}, r"'bf16\.enabled' is trainer\.precision here"),
+    ([1, 2], r"must hold a JSON object"),
+])
+def test_a_users_deepspeed_json_that_contradicts_the_recipe_is_one_line(tmp_path, data_override, theirs, message):
+    """A DeepSpeed JSON of the user's own goes under the recipe's keys: what it says of them must agree."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(theirs))
+    with pytest.raises(ConfigError, match=rf"^trainer\.deepspeed_config: .*{message}"):
+        load_config([data_override, "trainer=deepspeed", f"trainer.deepspeed_config={path}"])
+
+
+def test_a_users_deepspeed_json_keeps_its_own_keys_under_the_recipes(tmp_path, data_override):
+    from trainers.torch.deepspeed_config import engine_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                                "wall_clock_breakdown": False, "gradient_clipping": 0.5}))
+    cfg = load_config([data_override, "trainer=deepspeed", "trainer.zero_stage=3", "trainer.grad_clip=0.5",
+                       "trainer.precision=bf16", f"trainer.deepspeed_config={path}"])
+    config = engine_config(cfg.trainer)
+    assert config["zero_optimization"] == {"stage": 3, "stage3_param_persistence_threshold": 0}
+    assert config["wall_clock_breakdown"] is False and config["gradient_clipping"] == 0.5
+    assert config["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
+    assert config["train_micro_batch_size_per_gpu"] == 128 and config["gradient_accumulation_steps"] == 1
 
 
 def test_cli_exits_2_with_one_line_before_touching_ray_or_mlflow(tmp_path, data_override):

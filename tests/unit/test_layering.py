@@ -17,7 +17,7 @@ TF_WORKER_MODULES = ["trainers.tf.mwms", "trainers.horovod.tf", "trainers.horovo
 BACKEND_MODULES = {"trainers.torch.ddp", "trainers.torch.tp", "trainers.torch.fsdp", "trainers.tf.mwms",
                    "trainers.tf.dtensor.trainer", "trainers.tf.ps.trainer", "trainers.horovod.trainer",
                    "trainers.horovod.torch", "trainers.horovod.tf", "trainers.torch.lightning.backend",
-                   "trainers.torch.lightning.worker"}
+                   "trainers.torch.lightning.worker", "trainers.torch.deepspeed"}
 OWN = {"trainers.horovod.trainer": {"trainers.horovod.torch", "trainers.horovod.tf"},
        "trainers.torch.lightning.backend": {"trainers.torch.lightning.worker"}}
 

@@ -1,5 +1,5 @@
-"""Stop/resume parity and the metric set for the Lightning (ours and a user's LightningModule), Horovod (torch, tf),
-tf_mwms, tf_dtensor and tf_ps adapters on the shared loop, each attempt in a fresh process
+"""Stop/resume parity and the metric set for the Lightning (ours and a user's LightningModule), DeepSpeed (ZeRO 1 and
+3), Horovod (torch, tf), tf_mwms, tf_dtensor and tf_ps adapters on the shared loop, each attempt in a fresh process
 (tests/support/loop_backends.py), no Ray cluster (tf_ps with real TensorFlow servers); and the loss-parity gate:
 every one of them trains DDP's loss curve from DDP's recipe, seed and data. Stop/resume of DDP and TP:
 tests/unit/test_loop.py and tests/parallel/test_tp_loop.py. Horovod runs as a lone process: the 2-rank paths are in
@@ -64,8 +64,8 @@ def straight(request, tmp_path_factory):
 # tests/support/loop_backends.py): the restored optimizer's update count must continue the schedule. The straight run
 # of tf_mwms_custom is also one of the runs compared below.
 @pytest.mark.straight("{backend}")
-@pytest.mark.parametrize("backend", ["lightning", "lightning_user", "horovod_torch", "horovod_tf", "tf_mwms_custom",
-                                     "tf_dtensor", "tf_ps"])
+@pytest.mark.parametrize("backend", ["lightning", "lightning_user", "deepspeed_zero1", "deepspeed_zero3",
+                                     "horovod_torch", "horovod_tf", "tf_mwms_custom", "tf_dtensor", "tf_ps"])
 def test_stop_resume_parity(tmp_path, straight, backend):
     runs = {"straight": straight(backend), "stopped": attempt(backend, tmp_path, "stopped")}
     runs["resumed"] = attempt(backend, tmp_path, "resumed", last_checkpoint(tmp_path / backend / "stopped"))
@@ -172,8 +172,8 @@ def test_bf16_loss_curve_stays_close_to_fp32(straight):
 
 
 @pytest.mark.straight("parity_ddp", "parity_{backend}")
-@pytest.mark.parametrize("backend", ["lightning", "horovod_torch", "horovod_tf", "tf_mwms_custom", "tf_mwms_fit",
-                                     "tf_dtensor", "tf_ps"])
+@pytest.mark.parametrize("backend", ["lightning", "deepspeed", "horovod_torch", "horovod_tf", "tf_mwms_custom",
+                                     "tf_mwms_fit", "tf_dtensor", "tf_ps"])
 def test_loss_parity_with_the_ddp_reference(straight, backend):
     """The loss-parity gate: one seed, data order and recipe (tests/support/loop_backends.py: PARITY, the MNIST MLP with
     SGD and momentum, 40 steps) through each backend's worker give DDP's loss curve step for step: the same
@@ -184,7 +184,7 @@ def test_loss_parity_with_the_ddp_reference(straight, backend):
     reference = straight("parity_ddp").recorder
     other = straight(f"parity_{backend}").recorder
     assert len(reference.curve()) == 40  # 320 rows / 16 x 2 epochs, every step logged
-    exact = backend in ("lightning", "horovod_torch")
+    exact = backend in ("lightning", "deepspeed", "horovod_torch")
     tolerance = dict(rtol=0, atol=1e-7) if exact else dict(rtol=1e-3, atol=1e-5)
     np.testing.assert_allclose(other.curve(), reference.curve(), **tolerance)
     for epoch in (1, 2):

@@ -15,16 +15,17 @@ from contract.recipe import lr_factor, no_weight_decay, schedule_steps
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def make_optimizer(model: nn.Module, trainer: Any) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, trainer: Any, fused: bool = True) -> torch.optim.Optimizer:
     """`trainer.optimizer` over two parameter groups: weight-decayed matrices, and biases and norm parameters
-    without decay (only adamw has `trainer.weight_decay` > 0: the config check)."""
+    without decay (only adamw has `trainer.weight_decay` > 0: the config check). `fused`: whether a GPU update may
+    be one fused kernel (Lightning clips no fused optimizer under mixed precision: it unscales inside its step)."""
     decay, plain = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
             (plain if no_weight_decay(name, param.dim()) else decay).append(param)
     groups = [group for group in ({"params": decay, "weight_decay": trainer.weight_decay},
                                   {"params": plain, "weight_decay": 0.0}) if group["params"]]
-    kernels = update_kernels(decay + plain)
+    kernels = update_kernels(decay + plain, fused)
     if trainer.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=trainer.lr, momentum=trainer.momentum, **kernels)
     if trainer.optimizer == "adamw":
@@ -32,7 +33,7 @@ def make_optimizer(model: nn.Module, trainer: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(groups, lr=trainer.lr, **kernels)
 
 
-def update_kernels(params: list[torch.Tensor]) -> dict[str, bool]:
+def update_kernels(params: list[torch.Tensor], fused: bool = True) -> dict[str, bool]:
     """How the optimizer runs its update: on CPUs one multi-tensor (foreach) kernel per update op instead of torch's
     default loop over the parameters (a faster CPU step, the same numbers bit for bit); on a GPU one fused kernel
     per parameter group, where a host-bound step pays for each op it dispatches (benchmarks/README.md,
@@ -44,7 +45,7 @@ def update_kernels(params: list[torch.Tensor]) -> dict[str, bool]:
         return {}
     if any(sharded):
         return {"foreach": False}
-    if params and all(param.is_cuda for param in params):
+    if params and all(param.is_cuda for param in params) and fused:
         return {"fused": True}
     return {"foreach": True}
 
@@ -97,12 +98,12 @@ class TorchRecipe:
 
 
 def build_recipe(model: nn.Module, trainer: Any, steps_per_epoch: int, device: torch.device,
-                 wrap_optimizer: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None
-                 ) -> TorchRecipe:
+                 wrap_optimizer: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None,
+                 fused: bool = True) -> TorchRecipe:
     """The recipe of `trainer` for `model` (plain or sharded parameters); `wrap_optimizer`: e.g. Horovod's
     DistributedOptimizer, which the schedule must then drive. The schedule spans `trainer.epochs` epochs of
-    `steps_per_epoch` batches."""
-    optimizer = make_optimizer(model, trainer)
+    `steps_per_epoch` batches. `fused`: see `make_optimizer`."""
+    optimizer = make_optimizer(model, trainer, fused)
     if wrap_optimizer is not None:
         optimizer = wrap_optimizer(optimizer)
     configured = configured_groups(optimizer)  # before the schedule scales the learning rates

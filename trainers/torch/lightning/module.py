@@ -33,7 +33,10 @@ class RecipeModule(pl.LightningModule):
         return self.loss_fn(self.model(*inputs), targets)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        self.recipe = build_recipe(self.model, self.trainer_cfg, self.steps_per_epoch, self.device)
+        trainer = self.trainer_cfg
+        # Lightning refuses to clip a fused optimizer's gradients under mixed precision (it unscales in its step)
+        fused = trainer.grad_clip is None or trainer.precision == "fp32"
+        self.recipe = build_recipe(self.model, trainer, self.steps_per_epoch, self.device, fused=fused)
         return {"optimizer": self.recipe.optimizer,
                 "lr_scheduler": {"scheduler": self.recipe.scheduler, "interval": "step"}}
 

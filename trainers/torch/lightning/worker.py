@@ -10,6 +10,7 @@ included: the data loader skips the steps the stopped epoch trained (`ShardLoade
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import shutil
 import tempfile
@@ -93,15 +94,27 @@ class LightningAdapter(Adapter):
 
     @torch.no_grad()
     def evaluate(self, epoch: int) -> tuple[float, int]:
+        """The LightningModule's forward over this rank's evaluation shard; under FSDP with its parameters gathered
+        (a collective: every rank evaluates)."""
         was_training = self.module.training
         self.module.eval()
         score, total = 0.0, 0
-        for inputs, labels, _ in self.evaluation.epoch(epoch, shuffle=False):
-            outputs = self.module(*(x.to(self.device) for x in inputs))
-            score += tc.batch_score(outputs, labels.to(self.device), self.regression)
-            total += len(labels)
+        with self._whole_parameters():
+            for inputs, labels, _ in self.evaluation.epoch(epoch, shuffle=False):
+                outputs = self.module(*(x.to(self.device) for x in inputs))
+                score += tc.batch_score(outputs, labels.to(self.device), self.regression)
+                total += len(labels)
         self.module.train(was_training)
         return score, total
+
+    def _whole_parameters(self) -> Any:
+        """FSDP's `summon_full_params` where Lightning's strategy sharded the module, else nothing."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrapped = self.trainer.strategy.model
+        if isinstance(wrapped, FullyShardedDataParallel):
+            return FullyShardedDataParallel.summon_full_params(wrapped, writeback=False)
+        return contextlib.nullcontext()
 
     def reduce_later(self, values: list[float], op: str) -> PendingReduce:
         return tc.dist_reduce_later(values, op)
