@@ -29,6 +29,8 @@ from benchmarks.common import MNIST, ensure_mnist, pipeline_run
 BACKENDS = {  # row name -> pipelines.train overrides
     "ddp": ["trainer=ddp"],
     "fsdp": ["trainer=fsdp"],
+    "lightning": ["trainer=lightning"],
+    "deepspeed_zero3": ["trainer=deepspeed", "trainer.zero_stage=3"],
     "horovod_torch": ["trainer=horovod", "trainer.framework=torch"],
     "horovod_tf": ["trainer=horovod", "trainer.framework=tf"],
     "tf_mwms_custom": ["trainer=tf_mwms", "trainer.tf_loop=custom"],

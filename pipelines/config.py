@@ -148,6 +148,8 @@ def _absolutise_paths(cfg: DictConfig) -> None:
     for key in ("dump_params_dir", "resume_dir", "resume_from"):
         if cfg.run[key]:
             cfg.run[key] = str(Path(cfg.run[key]).expanduser().resolve())
+    if cfg.trainer.get("deepspeed_config"):  # each worker reads it again
+        cfg.trainer.deepspeed_config = str(Path(cfg.trainer.deepspeed_config).expanduser().resolve())
 
 
 def load_config(overrides: list[str]) -> DictConfig:

@@ -43,6 +43,14 @@ def _torchrun_env(rank: int, world_size: int) -> None:
                        "LOCAL_WORLD_SIZE": str(world_size)})
 
 
+def _no_whole_parameters(tmp_path: Path) -> str:
+    """A DeepSpeed JSON that partitions every parameter: by default ZeRO-3 keeps parameters under 1e5 elements whole
+    on every rank (its persistence threshold), which is all of this MLP's."""
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}')
+    return f"trainer.deepspeed_config={path}"
+
+
 def _run(cfg, rank: int, world_size: int):
     from trainers.adapter import WorkerData
     from trainers.torch.deepspeed import run_worker
@@ -55,7 +63,7 @@ def _train_two_ranks(rank: int, world_size: int, tmp: str) -> None:
 
     _torchrun_env(rank, world_size)
     tmp_path = Path(tmp)
-    cfg = config(tmp_path / f"cfg{rank}", [*OVERRIDES, "trainer.num_workers=2"])
+    cfg = config(tmp_path / f"cfg{rank}", [*OVERRIDES, "trainer.num_workers=2", _no_whole_parameters(tmp_path)])
     runs = check_stop_resume_parity(_run(cfg, rank, world_size), tmp_path / "deepspeed", rank, world_size,
                                     rtol=1e-5, atol=1e-6, barrier=dist.barrier)
     if rank == 0:
@@ -86,7 +94,7 @@ def _load_at_one_rank(rank: int, world_size: int, tmp: str) -> None:
     _torchrun_env(0, 1)
     tmp_path = Path(tmp)
     checkpoint = tmp_path / "deepspeed" / "straight" / "checkpoint_1"
-    cfg = config(tmp_path / "cfg-one", [*OVERRIDES, "trainer.num_workers=1"])
+    cfg = config(tmp_path / "cfg-one", [*OVERRIDES, "trainer.num_workers=1", _no_whole_parameters(tmp_path)])
     ctx = make_context(0, 1, 2, tmp_path / "one", None, [], restored=checkpoint)
     adapter = build_adapter(cfg, ctx, WorkerData(mnist_schema(), _data(0, 1)))
     assert adapter.universal
@@ -98,7 +106,7 @@ def _load_at_one_rank(rank: int, world_size: int, tmp: str) -> None:
     model = build_model(cfg.model, mnist_schema())
     model.load_state_dict(consolidated)
     recipe = build_recipe(model, cfg.trainer, 20, torch.device("cpu"))
-    universal = Path(to_universal(str(checkpoint))) / TAG / "zero"
+    universal = Path(to_universal(str(checkpoint), str(tmp_path / "universal"))) / TAG / "zero"
     steps = adapter.recipe.scheduler.last_epoch
     assert steps == 20  # epoch 1's updates
     for name, param in model.named_parameters():

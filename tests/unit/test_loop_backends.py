@@ -1,4 +1,4 @@
-"""Stop/resume parity and the metric set for the Lightning (ours and a user's LightningModule), DeepSpeed (ZeRO 1 and
+"""Stop/resume parity and the metric set for the Lightning (ours and a user's LightningModule), DeepSpeed (ZeRO 2 and
 3), Horovod (torch, tf), tf_mwms, tf_dtensor and tf_ps adapters on the shared loop, each attempt in a fresh process
 (tests/support/loop_backends.py), no Ray cluster (tf_ps with real TensorFlow servers); and the loss-parity gate:
 every one of them trains DDP's loss curve from DDP's recipe, seed and data. Stop/resume of DDP and TP:
@@ -64,7 +64,7 @@ def straight(request, tmp_path_factory):
 # tests/support/loop_backends.py): the restored optimizer's update count must continue the schedule. The straight run
 # of tf_mwms_custom is also one of the runs compared below.
 @pytest.mark.straight("{backend}")
-@pytest.mark.parametrize("backend", ["lightning", "lightning_user", "deepspeed_zero1", "deepspeed_zero3",
+@pytest.mark.parametrize("backend", ["lightning", "lightning_user", "deepspeed_zero2", "deepspeed_zero3",
                                      "horovod_torch", "horovod_tf", "tf_mwms_custom", "tf_dtensor", "tf_ps"])
 def test_stop_resume_parity(tmp_path, straight, backend):
     runs = {"straight": straight(backend), "stopped": attempt(backend, tmp_path, "stopped")}

@@ -104,12 +104,12 @@ class DeepSpeedAdapter(tc.TorchAdapter):
         """Nothing: the epoch's last batch was an update boundary."""
 
     def own_stats(self) -> dict[str, float]:
-        """This rank's parameter bytes (its ZeRO-3 partition) and optimizer-state bytes (its ZeRO partition of the
-        torch optimizer's state), and peak memory."""
-        params = [getattr(p, "ds_tensor", p) for p in self.engine.module.parameters()]
+        """This rank's parameter bytes (under ZeRO-3 its partitions) and optimizer-state bytes (its ZeRO partition of
+        the torch optimizer's state), and peak memory."""
+        param_bytes = sum(held_elements(p) * p.element_size() for p in self.engine.module.parameters())
         states = [value for state in self.recipe.optimizer.state.values() for value in state.values()
                   if isinstance(value, torch.Tensor) and value.dim() > 0]
-        return {"param_bytes": local_bytes(params), "optimizer_state_bytes": local_bytes(states),
+        return {"param_bytes": float(param_bytes), "optimizer_state_bytes": local_bytes(states),
                 "peak_memory_bytes": self.peak_memory_bytes()}
 
     def dense_model_state(self) -> dict[str, torch.Tensor]:
@@ -127,11 +127,20 @@ class DeepSpeedAdapter(tc.TorchAdapter):
         """DeepSpeed's checkpoint (model, ZeRO partitions, schedule); one of another world size through DeepSpeed's
         universal format. The hyperparameters are the config's (a PBT trial with a mutated lr), as every backend's."""
         if self.universal:
-            directory = to_universal(directory)
-        self.engine.load_checkpoint(directory, tag=TAG)
-        if self.universal:
+            with tempfile.TemporaryDirectory(prefix="deepspeed-universal-") as converted:
+                self.engine.load_checkpoint(to_universal(directory, converted), tag=TAG)
             own_step_counters(self.recipe.optimizer)
+        else:
+            self.engine.load_checkpoint(directory, tag=TAG)
         self.recipe.load_state_dict({})
+
+
+def held_elements(param: torch.nn.Parameter) -> int:
+    """Elements of `param` this rank holds: under ZeRO-3 its partition, or the whole of a small parameter DeepSpeed
+    keeps on every rank (`ds_persist`: below stage3_param_persistence_threshold); else the whole parameter."""
+    if hasattr(param, "ds_tensor"):
+        return param.ds_numel if getattr(param, "ds_persist", False) else param.ds_tensor.numel()
+    return param.numel()
 
 
 def own_step_counters(optimizer: torch.optim.Optimizer) -> None:
@@ -143,9 +152,9 @@ def own_step_counters(optimizer: torch.optim.Optimizer) -> None:
             state["step"] = state["step"].clone()
 
 
-def to_universal(directory: str) -> str:
-    """The checkpoint in `directory` converted to DeepSpeed's universal format, in a folder of this worker's."""
-    converted = tempfile.mkdtemp(prefix="deepspeed-universal-")
+def to_universal(directory: str, converted: str) -> str:
+    """The checkpoint in `directory` converted to DeepSpeed's universal format into the folder `converted` (each
+    worker converts its own copy: no folder need be shared between nodes); returns `converted`."""
     subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                     str(Path(directory) / TAG), "--output_folder", str(Path(converted) / TAG),
                     "--num_extract_workers", "1", "--num_merge_workers", "1"],
@@ -174,7 +183,8 @@ def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> Deep
     recipe = build_recipe(model, cfg.trainer, train.steps(), device)
     saved = restored_ranks(ctx)
     universal = saved is not None and saved != ctx.world_size
-    config = {**engine_config(cfg.trainer), "checkpoint": {"load_universal": universal}}
+    config = engine_config(cfg.trainer)
+    config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": universal}
     with unprinted(cfg.run.verbose):
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=recipe.optimizer,
                                                lr_scheduler=recipe.scheduler, config=config, dist_init_required=False)

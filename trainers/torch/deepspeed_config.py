@@ -2,7 +2,8 @@
 the recipe keys mapped into DeepSpeed's JSON, merged over a user's own DeepSpeed JSON (`trainer.deepspeed_config`).
 A key of the user's file that the recipe also sets must say the same, else `DeepSpeedConfigError` names both; the
 optimizer and the schedule are the recipe's (`trainer.optimizer`, `trainer.lr_schedule`), so a file's `optimizer`
-and `scheduler` sections are refused rather than silently overridden."""
+and `scheduler` sections (and `torch_autocast`, `bf16` and `fp16`: `trainer.precision`) are refused rather than
+silently overridden."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,9 @@ from typing import Any
 
 # `trainer.precision` -> DeepSpeed's torch.autocast section (fp32 weights, autocast forward: the recipe's precision)
 AUTOCAST = {"bf16": "bfloat16", "fp16": "float16"}
-OWN_SECTIONS = ("optimizer", "scheduler")  # what the recipe owns outright
+OWN_SECTIONS = {"optimizer": "trainer.optimizer, trainer.lr, trainer.lr_schedule",  # what the recipe owns outright
+                "scheduler": "trainer.optimizer, trainer.lr, trainer.lr_schedule",
+                "torch_autocast": "trainer.precision"}
 
 
 class DeepSpeedConfigError(ValueError):
@@ -51,10 +54,10 @@ def user_config(trainer: Any) -> dict[str, Any]:
 def engine_config(trainer: Any) -> dict[str, Any]:
     """The user's DeepSpeed JSON (if any) with the recipe's keys over it; `DeepSpeedConfigError` on a conflict."""
     user = user_config(trainer)
-    for section in OWN_SECTIONS:
+    for section, keys in OWN_SECTIONS.items():
         if section in user:
             raise DeepSpeedConfigError(f"trainer.deepspeed_config: its '{section}' section is the recipe's here "
-                                       f"(trainer.optimizer, trainer.lr, trainer.lr_schedule); remove it")
+                                       f"({keys}); remove it")
     for section in ("bf16", "fp16"):
         if isinstance(user.get(section), dict) and user[section].get("enabled"):
             raise DeepSpeedConfigError(f"trainer.deepspeed_config: '{section}.enabled' is trainer.precision here "

@@ -270,9 +270,24 @@ class WorkerDDPStrategy(pl.strategies.DDPStrategy):
         return self.device
 
 
+class WorkerFSDPStrategy(pl.strategies.FSDPStrategy):
+    """Lightning's FSDP on the worker's device (what `ray.train.lightning.RayFSDPStrategy` does with Ray Train's)."""
+
+    def __init__(self, device: torch.device, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.device = device
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.device
+
+
 def local_strategy(cfg: DictConfig, ctx: WorkerContext) -> pl.strategies.Strategy:
-    """DDP over the process group a test set up, outside Ray Train."""
-    return WorkerDDPStrategy(tc.worker_device(ctx), cluster_environment=WorkerEnvironment(ctx))
+    """`trainer.strategy` over the process group a test set up, outside Ray Train."""
+    environment = WorkerEnvironment(ctx)
+    if cfg.trainer.strategy == "fsdp":
+        return WorkerFSDPStrategy(tc.worker_device(ctx), cluster_environment=environment, state_dict_type="full")
+    return WorkerDDPStrategy(tc.worker_device(ctx), cluster_environment=environment)
 
 
 def ray_strategy(cfg: DictConfig, ctx: WorkerContext) -> pl.strategies.Strategy:
