@@ -87,7 +87,6 @@ class LightningAdapter(Adapter):
         self.regression = train.schema.target.task == "regression"
         self.trainer: pl.Trainer | None = None
         self.restore_path: str | None = None  # Lightning's checkpoint to resume from, copied out of the restored one
-        self.copies = tempfile.mkdtemp(prefix="lightning-restore-")
 
     def steps_per_epoch(self) -> int:
         return self.train.steps()
@@ -125,7 +124,7 @@ class LightningAdapter(Adapter):
 
     def load(self, directory: str) -> None:
         """Keep the checkpoint for `Trainer.fit`, which restores it: the restored folder may be a temporary copy."""
-        self.restore_path = os.path.join(self.copies, CHECKPOINT_FILE)
+        self.restore_path = os.path.join(tempfile.mkdtemp(prefix="lightning-restore-"), CHECKPOINT_FILE)
         shutil.copyfile(os.path.join(directory, CHECKPOINT_FILE), self.restore_path)
 
     def profiler(self, folder: str, steps: int) -> tc.TorchProfiler:
@@ -344,9 +343,13 @@ def fit(cfg: DictConfig, ctx: WorkerContext, data: WorkerData, strategy: Strateg
     hand = HandToLoop(loop, loader, cfg.trainer.grad_accum)
     adapter.trainer = prepare(build_trainer(cfg, ctx, strategy(cfg, ctx), [hand]))
     with warnings.catch_warnings():
-        if not cfg.run.verbose:
-            warnings.simplefilter("ignore")  # Lightning's advice about its own loggers, workers and Slurm
-        adapter.trainer.fit(module, train_dataloaders=loader, ckpt_path=adapter.restore_path, weights_only=False)
+        if not cfg.run.verbose:  # Lightning's advice about its own loggers, loaders and Slurm; a user's warnings stay
+            warnings.filterwarnings("ignore", module=r"lightning\.")
+        try:
+            adapter.trainer.fit(module, train_dataloaders=loader, ckpt_path=adapter.restore_path, weights_only=False)
+        finally:
+            if adapter.restore_path is not None:  # the copy has been read
+                shutil.rmtree(os.path.dirname(adapter.restore_path), ignore_errors=True)
     if hand.stopped:
         return False
     adapter.dump(cfg.run.dump_params_dir)
