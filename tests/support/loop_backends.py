@@ -269,8 +269,40 @@ def dtensor_dropout_draws(folder: Path) -> list[list[list[float]]]:
     return [shard.numpy().tolist() for shard in dtensor.unpack(logits)]
 
 
+def logged_lightning_module(folder: Path, tracking_uri: str) -> dict[str, float]:
+    """A user's LightningModule (`lightning_user`) trained 2 epochs, its final checkpoint logged as trainer=lightning
+    logs it (`log_final_model`) to a new run on `tracking_uri`, and loaded back from MLflow: how far the loaded
+    model's outputs are from the trained module's on a batch, and whether training moved its weights."""
+    import mlflow
+    import torch
+    from mlflow.tracking import MlflowClient
+    from ray.train import Checkpoint
+
+    from trainers.models import build_lightning_module
+    from trainers.torch.lightning.backend import log_final_model, module_state
+
+    cfg = config(folder / "cfg", BACKENDS["lightning_user"])
+    result = run_attempt(runner(cfg), 0, 1, cfg.trainer.epochs, folder / "run")
+    client = MlflowClient(tracking_uri)
+    run_id = client.create_run(client.create_experiment("logged-lightning-module")).info.run_id
+    log_final_model(tracking_uri, run_id, cfg, Checkpoint.from_directory(str(result.checkpoint)), mnist_schema())
+    mlflow.set_tracking_uri(tracking_uri)
+    [logged] = mlflow.search_logged_models(filter_string=f"source_run_id = '{run_id}'", output_format="list",
+                                           experiment_ids=[client.get_run(run_id).info.experiment_id])
+    trained = build_lightning_module(cfg.model, mnist_schema())
+    initial = trained.net[0].weight.detach().clone()
+    trained.load_state_dict(module_state(str(result.checkpoint)))
+    images = torch.randn(8, 784)
+    with torch.no_grad():
+        gap = (mlflow.pytorch.load_model(logged.model_uri)(images) - trained.eval()(images)).abs().max()
+    return {"max_output_gap": float(gap), "trained": not torch.equal(trained.net[0].weight, initial)}
+
+
 def main(backend: str, folder: str, attempt: str = "", restore: str | None = None) -> None:
     base = Path(folder)
+    if backend == "logged_lightning_module":
+        print(json.dumps(logged_lightning_module(base, attempt)))
+        return
     if backend in ("ps_dropout", "dtensor_dropout"):
         draws = ps_dropout_draws if backend == "ps_dropout" else dtensor_dropout_draws
         print(json.dumps(draws(base)))

@@ -86,7 +86,8 @@ def test_bad_config_names_the_key(data_override, override, message):
                                 r"\(train_batch_size=256 here\)"),
     ({"optimizer": {"type": "Adam"}}, r"its 'optimizer' section is the recipe's here"),
     ({"bf16": {"enabled": True}}, r"'bf16\.enabled' is trainer\.precision here"),
-    ({"torch_autocast": {"enabled": True}}, r"its 'torch_autocast' section is the recipe's here \(trainer\.precision\)"),
+    ({"torch_autocast": {"enabled": True}},
+     r"its 'torch_autocast' section is the recipe's here \(trainer\.precision\)"),
     ([1, 2], r"must hold a JSON object"),
 ])
 def test_a_users_deepspeed_json_that_contradicts_the_recipe_is_one_line(tmp_path, data_override, theirs, message):

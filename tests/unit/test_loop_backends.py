@@ -88,6 +88,14 @@ def test_a_users_lightning_module_trains_with_its_own_step_and_optimizer(tmp_pat
     assert len(set(frozen.recorder.step_losses.values())) > 10
 
 
+def test_a_users_lightning_module_is_the_logged_model(tmp_path, mlflow_server):
+    """trainer=lightning logs a spec's own LightningModule itself (its `forward` takes the batch's inputs): loaded
+    back from MLflow, it gives the trained module's outputs."""
+    logged = fresh_tf_process("tests.support.loop_backends", "logged_lightning_module", str(tmp_path), mlflow_server)
+    assert logged["trained"]
+    assert logged["max_output_gap"] < 1e-5
+
+
 def test_keras_fit_keeps_the_contract(tmp_path):
     """Keras `fit` hands its epochs to the same loop: the text metric set (tokens_per_s) and a checkpoint of
     the same schema, which the custom loop's resume reads. Here in bf16, with 3 batches per update."""
