@@ -124,6 +124,8 @@ def open_run(cfg: DictConfig, manifest: dict, uri: str) -> tuple[str, str | None
     run_id = resume.recorded_run_id(cfg.run.resume_dir)
     if run_id is not None:
         status = tracking.reopen_run(uri, run_id)
+        if status != "FINISHED":
+            tracking.log_attempt_changes(uri, run_id, {**flatten(cfg), **parallel_params(cfg)})
         # what an attempt the server did not hear left behind (its stop point, say) goes first, in order
         tracking.flush_spools(uri, run_id, tracking.spool_dir(cfg.run.storage_path, run_id))
         return run_id, status
@@ -188,6 +190,7 @@ def report_end(summary: list[str], message: str | None, run_id: str) -> None:
 def train_into_run(cfg: DictConfig, manifest: dict, uri: str) -> tuple[int, str, str | None]:
     """Open (or continue) the MLflow run and train into it on the connected Ray; returns (exit code, run id, the
     one line to end stderr with, if any)."""
+    tracking.close_orphaned_runs(uri, cfg.run.experiment)
     run_id, previous_status = open_run(cfg, manifest, uri)
     if previous_status == "FINISHED":
         print(f"MLflow run {run_id} recorded in {cfg.run.resume_dir} has already finished; nothing to do")

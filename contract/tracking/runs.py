@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -13,7 +14,7 @@ from contract.resume import interruption
 from contract.tracking.provenance import git_commit, library_versions, source_tags
 from contract.tracking.check import answers
 from contract.tracking.server import mlflow_client
-from contract.tracking.spool import write_spool_file
+from contract.tracking.spool import spool_dir, write_spool_file
 
 
 def experiment_id(client, name: str, uri: str) -> str:
@@ -34,7 +35,7 @@ def start_run(uri: str, experiment: str, run_name: str, params: Mapping[str, Any
 
     client = mlflow_client(uri)
     tags = {"mlflow.runName": run_name, "mlflow.source.git.commit": git_commit(), **source_tags(),
-            "host": socket.gethostname(), "ray_address": os.environ.get("RAY_ADDRESS", "local"), **(tags or {})}
+            "ray_address": os.environ.get("RAY_ADDRESS", "local"), **driver_tags(), **(tags or {})}
     run = client.create_run(experiment_id(client, experiment, uri), tags=tags, run_name=run_name)
     run_id = run.info.run_id
     all_params = dict(params)
@@ -44,6 +45,69 @@ def start_run(uri: str, experiment: str, run_name: str, params: Mapping[str, Any
         client.log_batch(run_id, params=items[start:start + 100], tags=[RunTag("host.cpus", str(os.cpu_count()))])
     client.log_text(run_id, config_yaml, "config.yaml")
     return run_id
+
+
+def driver_tags() -> dict[str, str]:
+    """The process that drives a run (`host`, `driver.pid`): a later command on this host closes a run whose
+    driver died without closing it (`close_orphaned_runs`)."""
+    return {"host": socket.gethostname(), "driver.pid": str(os.getpid())}
+
+
+def close_orphaned_runs(uri: str, experiment: str) -> list[str]:
+    """RUNNING runs of `experiment` whose driver ran on this host and no longer exists (killed with SIGKILL, by
+    the OOM killer, or its machine's session ended): FAILED, with the `driver_lost` tag. A run driven from another
+    host is left alone: its process cannot be seen from here; so is one whose ending waits in its spool for
+    `rtp replay`. Each closed run is one line on stderr; returns them."""
+    client = mlflow_client(uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return []
+    host = socket.gethostname()
+    runs = client.search_runs([found.experiment_id], max_results=1000,
+                              filter_string=f"attributes.status = 'RUNNING' and tags.host = '{host}'")
+    closed = []
+    for run in runs:
+        pid = run.data.tags.get("driver.pid", "")
+        if pid.isdigit() and not process_exists(int(pid)) and not awaits_replay(run):
+            client.set_tag(run.info.run_id, "driver_lost", f"its driver, process {pid} on {host}, ended without "
+                                                           f"closing the run")
+            client.set_terminated(run.info.run_id, status="FAILED")
+            closed.append(run.info.run_id)
+            print(f"MLflow run {run.info.run_id} was left RUNNING by a driver that no longer exists: marked FAILED "
+                  f"(tag driver_lost)", file=sys.stderr)
+    return closed
+
+
+def awaits_replay(run: Any) -> bool:
+    """The run's driver ended while the tracking server was away, its ending kept in the run's spool folder for
+    `rtp replay` (which closes it as it ended)."""
+    storage = run.data.params.get("run.storage_path")
+    folder = spool_dir(storage, run.info.run_id) if storage else None
+    return folder is not None and folder.is_dir() and any(folder.glob("*.json"))
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def log_attempt_changes(uri: str, run_id: str, params: Mapping[str, Any]) -> dict[str, str]:
+    """A continued run whose config differs from the params it was started with (another `trainer.num_workers`
+    after a requeue, a longer `trainer.epochs`): MLflow keeps a param's first value, so each value this attempt
+    changes is a tag `attempt<k>.<key>`. Returns those tags."""
+    client = mlflow_client(uri)
+    run = client.get_run(run_id)
+    attempt = run.data.tags.get("attempts", "1")
+    changed = {f"attempt{attempt}.{key}": str(value)[:5000] for key, value in params.items()
+               if key in run.data.params and run.data.params[key] != str(value)[:6000]}
+    for key, value in changed.items():
+        client.set_tag(run_id, key, value)
+    return changed
 
 
 def log_params(uri: str, run_id: str, params: Mapping[str, Any]) -> None:
@@ -97,6 +161,8 @@ def reopen_run(uri: str, run_id: str) -> str:
     if status != "FINISHED":
         attempts = int(run.data.tags.get("attempts", "1")) + 1
         client.set_tag(run_id, "attempts", str(attempts))
+        for key, value in driver_tags().items():  # this attempt's driver
+            client.set_tag(run_id, key, value)
         client.update_run(run_id, status="RUNNING")
     return status
 

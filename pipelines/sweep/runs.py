@@ -26,6 +26,7 @@ def start_parent(uri: str, spec: DictConfig, trials: list[Trial], cluster: dict[
     base = next(t.cfg for t in trials if t.cfg is not None)
     params = {f"sweep.{k}": v for k, v in flatten(spec).items()}
     params.update({f"cluster.{k}": v for k, v in cluster.items()})
+    params["run.storage_path"] = base.run.storage_path  # where its ending waits if the server is away at the end
     run_id = tracking.start_run(uri, base.run.experiment, f"sweep-{spec.name}", params, OmegaConf.to_yaml(spec))
     rejected = [{"index": t.index, "combo": t.combo, "reason": t.reason} for t in trials if t.cfg is None]
     client = tracking.mlflow_client(uri)
@@ -199,6 +200,7 @@ def open_sweep(uri: str, spec: DictConfig, trials: list[Trial], cluster: dict[st
     there, reopened. Returns (parent id, {trial index: child id}, indices of the trials to run: all of a new
     sweep; a continued sweep's trials whose child run has not finished)."""
     valid = [t for t in trials if t.cfg is not None]
+    tracking.close_orphaned_runs(uri, valid[0].cfg.run.experiment)
     recorded = resume.recorded_sweep(resume_dir)
     if recorded is None:
         parent_id = start_parent(uri, spec, trials, cluster)
