@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import tempfile
 
-    from contract.tracking import tracking_uri
+    from contract.tracking import run_exists, tracking_uri
 
     parser = argparse.ArgumentParser(prog="rtp report", description="Rebuild the scaling report of a sweep from its "
                                                                     "MLflow runs")
@@ -255,9 +255,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metric", default="test_accuracy")
     parser.add_argument("--mode", default="max", choices=("min", "max"))
     args = parser.parse_args(argv)
+    uri = tracking_uri()
+    if not run_exists(uri, args.parent_run_id):
+        print(f"error: parent_run_id: {uri} holds no MLflow run {args.parent_run_id} (a sweep's run id: its "
+              f"`mlflow_parent_run_id=` line)", file=sys.stderr)
+        return 2
+    trials = read_trials(uri, args.parent_run_id)
+    if not trials:
+        print(f"error: parent_run_id: MLflow run {args.parent_run_id} has no trial runs under it: not a sweep's run",
+              file=sys.stderr)
+        return 2
     out = args.out or Path(tempfile.mkdtemp(prefix="scaling-report-"))
-    report = build_report(read_trials(tracking_uri(), args.parent_run_id), out, args.target_accuracy,
-                          args.metric, args.mode)
+    report = build_report(trials, out, args.target_accuracy, args.metric, args.mode)
     print(report.markdown)
     print(f"files in {out}")
     return 0

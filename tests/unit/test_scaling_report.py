@@ -70,3 +70,19 @@ def test_build_report_writes_consistent_csv_markdown_and_plots(tmp_path):
     for key in ("throughput", "efficiency", "losses"):
         data = report.files[key].read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, key
+
+
+def test_rtp_report_of_a_run_that_is_not_a_sweep_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    from contract import tracking
+    from pipelines.sweep.report import main
+
+    monkeypatch.chdir(tmp_path)  # the local store keeps its artifacts under the working directory
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    lone = tracking.start_run(store, "reports", "not-a-sweep", {}, "")
+    assert main(["0123456789abcdef0123456789abcdef"]) == 2
+    assert main([lone]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: parent_run_id: {store} holds no MLflow run 0123456789abcdef0123456789abcdef (a "
+                      f"sweep's run id: its `mlflow_parent_run_id=` line)",
+                      f"error: parent_run_id: MLflow run {lone} has no trial runs under it: not a sweep's run"]
