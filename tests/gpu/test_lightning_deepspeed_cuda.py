@@ -47,9 +47,10 @@ def test_deepspeed_zero3_on_the_gpu_matches_ddp_and_stops_and_resumes(nccl, tmp_
     tolerance, and the stop/resume contract step for step."""
     from tests.gpu.test_cuda import ddp_run
 
+    # DDP first: DeepSpeed's ZeRO-3 replaces torch.nn.functional.linear in this process once it has run
+    ddp = run_attempt(ddp_run(config(tmp_path / "ddp-cfg", MNIST)), 0, 1, 2, tmp_path / "ddp").recorder.curve()
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
     cfg = config(tmp_path / "cfg", ["trainer=deepspeed", "trainer.zero_stage=3", *MNIST])
     runs = check_stop_resume_parity(run_on_gpu("trainers.torch.deepspeed", cfg), tmp_path / "ds", rtol=1e-5,
                                     atol=1e-6)
-    ddp = run_attempt(ddp_run(config(tmp_path / "ddp-cfg", MNIST)), 0, 1, 2, tmp_path / "ddp").recorder.curve()
     np.testing.assert_allclose(runs["straight"].recorder.curve(), ddp, rtol=1e-4, atol=1e-5)
