@@ -45,11 +45,14 @@ PARTITION_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
 
 
 def import_deepspeed(use_gpu: bool) -> Any:
-    """DeepSpeed on the CPU accelerator (gloo where oneCCL is absent) or CUDA, its INFO lines off, and its ZeRO's
-    use of a collective torch deprecates (one FutureWarning per worker) unsaid."""
+    """DeepSpeed on the CPU accelerator (gloo where oneCCL is absent) or CUDA, without its inference-only CPU op,
+    its INFO lines off, and its ZeRO's use of a collective torch deprecates (one FutureWarning per worker) unsaid."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if use_gpu else "cpu")
     import deepspeed
 
+    # Its CPU shared-memory all-reduce serves inference only (`inference_all_reduce`); DeepSpeed would JIT-compile it
+    # at every process's start on a CPU machine (a C++ compiler, ~30 s per new machine or environment).
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated", category=FutureWarning)
     return deepspeed
