@@ -93,7 +93,7 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
-def _answers(url: str) -> bool:
+def answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2):
             return True
@@ -116,7 +116,7 @@ def mlflow_server(extra_args: tuple[str, ...] = (), env: dict[str, str] | None =
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 120
-            while not _answers(f"{url}/health"):
+            while not answers(f"{url}/health"):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"mlflow server on port {port} did not start")
                 time.sleep(0.5)
