@@ -257,8 +257,8 @@ class WorkerEnvironment(LightningEnvironment):
         pass
 
 
-class WorkerDDPStrategy(pl.strategies.DDPStrategy):
-    """Lightning's DDP on the worker's device (what `ray.train.lightning.RayDDPStrategy` does with Ray Train's)."""
+class OnWorkerDevice:
+    """A Lightning strategy on the worker's device (what `ray.train.lightning`'s strategies do with Ray Train's)."""
 
     def __init__(self, device: torch.device, **kwargs: Any):
         super().__init__(**kwargs)
@@ -269,16 +269,12 @@ class WorkerDDPStrategy(pl.strategies.DDPStrategy):
         return self.device
 
 
-class WorkerFSDPStrategy(pl.strategies.FSDPStrategy):
-    """Lightning's FSDP on the worker's device (what `ray.train.lightning.RayFSDPStrategy` does with Ray Train's)."""
+class WorkerDDPStrategy(OnWorkerDevice, pl.strategies.DDPStrategy):
+    """Lightning's DDP on the worker's device."""
 
-    def __init__(self, device: torch.device, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.device = device
 
-    @property
-    def root_device(self) -> torch.device:
-        return self.device
+class WorkerFSDPStrategy(OnWorkerDevice, pl.strategies.FSDPStrategy):
+    """Lightning's FSDP on the worker's device."""
 
 
 def local_strategy(cfg: DictConfig, ctx: WorkerContext) -> pl.strategies.Strategy:
