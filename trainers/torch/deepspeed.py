@@ -60,8 +60,8 @@ def import_deepspeed(use_gpu: bool) -> Any:
 
 @contextlib.contextmanager
 def unprinted(verbose: bool) -> Iterator[None]:
-    """DeepSpeed's own prints (its CPU op build, a checkpoint's consolidation and its progress bar) off the console
-    unless `verbose`; errors still raise."""
+    """DeepSpeed's own prints (its engine's set-up, a checkpoint's consolidation and its progress bar) off the
+    console unless `verbose`; errors still raise."""
     if verbose:
         yield
         return
