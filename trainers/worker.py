@@ -134,8 +134,17 @@ def ray_report(metrics: dict[str, float], directory: str | None) -> None:
 
 
 def maybe_inject_failure(fault: Any, epoch: int, rank: int, world_size: int) -> None:
-    """Testing hook: fail once, in the last rank, at `fault.inject_at_epoch`."""
-    if fault.inject_at_epoch != epoch or rank != world_size - 1 or not fault.inject_marker:
+    """Testing hook: fail once, in the last rank, at `fault.inject_at_epoch`. Every rank first waits for the
+    others at Ray Train's barrier: a rank's `ray.train.report` of the last epoch returns when its own report is
+    queued, and rank 0's (which uploads the checkpoint) may still be on its way. Were the failure seen first, Ray
+    Train would restart from the checkpoint before, not from the last epoch's."""
+    if fault.inject_at_epoch != epoch or not fault.inject_marker:
+        return
+    if world_size > 1:
+        import ray.train.collective
+
+        ray.train.collective.barrier()
+    if rank != world_size - 1:
         return
     marker = Path(fault.inject_marker)
     if marker.exists():
