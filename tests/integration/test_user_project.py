@@ -1,13 +1,14 @@
-"""The example user project (examples/wine) end to end, as a user runs it from its own folder with `rtp`: its
-plugin module registers a model (PyTorch and Keras builders) and a dataset, which the Ray workers import too.
-Through ddp on its wine table (3 cultivars named by strings): selected on the validation split, scored once on
+"""The example user projects (examples/wine, examples/shapes) end to end, as a user runs them from their own
+folder with `rtp`: a plugin module registers a model and a dataset, which the Ray workers import too.
+Through ddp on the wine table (3 cultivars named by strings): selected on the validation split, scored once on
 the test split, evaluated and used to predict; through tf_mwms on a 5-class table prepared by `rtp prepare table`,
-whose predictions carry the class names."""
+whose predictions carry the class names; the shapes project's pictures and CNN through `ray job submit`."""
 from __future__ import annotations
 
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -32,8 +33,12 @@ def rtp(args: list[str], cwd, env: dict[str, str]) -> subprocess.CompletedProces
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     """The example project copied where a user keeps theirs: outside the package."""
-    folder = tmp_path_factory.mktemp("user") / "wine"
-    shutil.copytree(ROOT / "examples" / "wine", folder, ignore=shutil.ignore_patterns("data", "__pycache__"))
+    return copied_example("wine", tmp_path_factory)
+
+
+def copied_example(name: str, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("user") / name
+    shutil.copytree(ROOT / "examples" / name, folder, ignore=shutil.ignore_patterns("data", "images", "__pycache__"))
     return folder
 
 
@@ -100,3 +105,32 @@ def test_a_five_class_table_trains_with_tf_mwms_and_predicts_names(project, tmp_
     assert list(species[predictions["prediction"]]) == predictions["label"]
     truth = [line.rsplit(",", 1)[1] for line in (project / "trees.csv").read_text().splitlines()[1:]]
     assert np.mean(np.array(predictions["label"]) == np.array(truth)) > 0.4
+
+
+def test_an_image_project_submitted_as_a_ray_job_trains_and_predicts_names(tmp_path_factory, tmp_path,
+                                                                          mlflow_server, ray_head):
+    """examples/shapes: its plugin draws PNG pictures and prepares them through `prepare_table`'s image column; the
+    job is submitted from the project's folder (`ray job submit --working-dir .`), so the driver and every Ray
+    worker import the plugin from the uploaded copy, which holds the prepared data too."""
+    project, env = copied_example("shapes", tmp_path_factory), pipeline_env(mlflow_server, ray_head)
+    rtp(["prepare", "--plugin", "shapes_project", "shapes", "--per-shape", "60"], project, env)
+    runtime_env = {"env_vars": {k: env[k] for k in ("MLFLOW_TRACKING_URI", "OMP_NUM_THREADS",
+                                                    "RAY_DATA_DISABLE_PROGRESS_BARS")}}
+    cmd = ["ray", "job", "submit", "--address", ray_head["RAY_DASHBOARD_ADDRESS"], "--working-dir", ".",
+           "--runtime-env-json", json.dumps(runtime_env), "--", "rtp", "train", "plugins=[shapes_project]",
+           "data=shapes", "model=shape_net", "trainer=ddp", "trainer.epochs=4", "trainer.batch_size=16",
+           "trainer.lr=0.01", "run.system_metrics=false", f"run.storage_path={tmp_path / 'ray'}"]
+    proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, error_lines(proc.stdout + proc.stderr) + "\n---\n" + proc.stdout[-3000:]
+    run_id = run_id_from(proc.stdout)
+    client = MlflowClient(mlflow_server)
+    check_finished_run(client, run_id, "ddp", 4)
+    run = client.get_run(run_id)
+    assert run.data.params["data.name"] == "shapes" and run.data.params["model.name"] == "shape_net"
+    assert run.data.metrics["test_accuracy"] > 0.6  # 3 shapes: a third by chance
+
+    output = tmp_path / "discs.parquet"
+    rtp(["predict", f"model={run_id}", "input=images/disc", f"output={output}"], project, env)
+    labels = pq.read_table(output).to_pydict()["label"]
+    assert len(labels) == 60 and set(labels) <= {"box", "cross", "disc"}
+    assert labels.count("disc") > 30
