@@ -246,11 +246,11 @@ def sweep_help(argv: list[str]) -> str:
     except ConfigError as err:
         keys = f"  ({err})"
     return "\n\n".join([
-        "usage: rtp sweep [sweep=PRESET] [sweep.KEY=VALUE ...] [training KEY=VALUE ...]",
+        "usage: rtp sweep [sweep=PRESET|sweep=FILE.yaml] [sweep.KEY=VALUE ...] [training KEY=VALUE ...]",
         "Run a grid (or search space) of training runs as Ray Tune trials, each an MLflow child run of the sweep's "
         "run,\nthen log a scaling report. Every valid point is validated like `rtp train` before anything starts; "
         "impossible\nones are rejected and logged. Training overrides (`rtp train --help`) apply to every trial.",
-        f"sweep presets (sweep=PRESET, default parallelism):\n{presets}",
+        f"sweep presets (sweep=PRESET, default parallelism; or sweep=FILE.yaml, a file of these keys):\n{presets}",
         f"keys of sweep={name} (sweep.KEY=VALUE overrides one):\n{keys}",
         exit_codes_text(EXIT_CODES),
         "examples:\n  rtp sweep sweep=smoke data.path=data/imdb/parquet\n"

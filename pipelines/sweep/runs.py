@@ -8,6 +8,7 @@ import io
 import json
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -48,14 +49,19 @@ def rejected_csv(rejected: list[dict[str, Any]]) -> str:
 
 
 def start_children(uri: str, parent_id: str, valid: list[Trial]) -> dict[int, str]:
-    """One child run per valid trial, created before Tune starts: a trial that Tune restarts after a failure
-    gets the same run id again and continues that run (and its Ray Train checkpoints, named after it)."""
-    children = {}
+    """One child run per valid trial (named by `trial_name`), created before Tune starts: a trial that Tune
+    restarts after a failure gets the same run id again and continues that run (and its Ray Train checkpoints,
+    named after it)."""
+    children: dict[int, str] = {}
+    names = Counter(trial_name(trial) for trial in valid)
     for trial in valid:
+        name = trial_name(trial)
+        if names[name] > 1:  # equal grid points (`sweep.num_samples` without distributions): told apart by index
+            name = f"{name}-#{trial.index}"
         tags = {"mlflow.parentRunId": parent_id, "sweep.trial_index": str(trial.index),
                 "sweep.overrides": " ".join(trial.overrides)}
         params = {**flatten(trial.cfg), **parallel_params(trial.cfg)}
-        children[trial.index] = tracking.start_run(uri, trial.cfg.run.experiment, trial_name(trial.cfg), params,
+        children[trial.index] = tracking.start_run(uri, trial.cfg.run.experiment, name, params,
                                                    OmegaConf.to_yaml(trial.cfg), tags=tags)
         data = trial.cfg.data
         tracking.log_dataset_inputs(uri, children[trial.index], dataset_refs(

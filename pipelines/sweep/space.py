@@ -17,6 +17,7 @@ import difflib
 import itertools
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
@@ -39,7 +40,7 @@ SIGNIFICANT_DIGITS = 4  # of a drawn float: what the trial runs with, its overri
 
 @dataclass
 class SweepConfig:
-    name: str = "parallelism"           # the preset's name (conf/sweep/<name>.yaml)
+    name: str = "parallelism"           # the preset's name (conf/sweep/<name>.yaml; a file's: its stem)
     overrides: list[str] = field(default_factory=list)  # training overrides every trial starts from
     grid: Any = None                    # the search space: {override key: [values] | {distribution: args}} or a
                                         # list of such mappings (their union)
@@ -85,8 +86,12 @@ def split_argv(argv: list[str]) -> tuple[str, list[str], list[str]]:
 
 
 def load_sweep(name: str, overrides: list[str]) -> DictConfig:
-    """Compose `conf/sweep/<name>.yaml` (the config group `sweep`) with `sweep.*` overrides, and validate."""
+    """Compose `conf/sweep/<name>.yaml` (the config group `sweep`), or a sweep file of the user's
+    (`sweep=path/to/mine.yaml`), with `sweep.*` overrides, and validate."""
     from pipelines.config import compose
+
+    if name.endswith((".yaml", ".yml")):
+        name = store_sweep_file(Path(name))
 
     keys = list(SweepConfig.__dataclass_fields__)
     for override in overrides:
@@ -104,6 +109,24 @@ def load_sweep(name: str, overrides: list[str]) -> DictConfig:
         raise ConfigError(f"sweep.{getattr(err, 'full_key', '') or 'config'}: {str(err).splitlines()[0]}") from err
     _check_sweep(spec)
     return spec
+
+
+def store_sweep_file(path: Path) -> str:
+    """A user's sweep file as the `sweep` group's choice `_file` (its `name`: the file's, else its stem), so that
+    it composes and takes overrides as the presets do. ConfigError in one line when it cannot be read."""
+    from hydra.core.config_store import ConfigStore
+    from yaml import YAMLError
+
+    if not path.is_file():
+        raise ConfigError(f"sweep: {path}: no such file")
+    try:
+        loaded = OmegaConf.load(path)
+    except (OSError, YAMLError, OmegaConfBaseException) as err:
+        raise ConfigError(f"sweep: {path}: not a readable YAML file ({str(err).splitlines()[0]})") from err
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"sweep: {path}: holds a {type(loaded).__name__}, not a mapping of sweep keys")
+    ConfigStore.instance().store(group="sweep", name="_file", node=OmegaConf.merge({"name": path.stem}, loaded))
+    return "_file"
 
 
 def _check_sweep(spec: DictConfig) -> None:
@@ -294,7 +317,15 @@ def max_concurrent(valid: list[Trial], cluster_cpus: float, cluster_gpus: float,
     return min(fit, requested) if requested else fit
 
 
-def trial_name(cfg: DictConfig) -> str:
-    t = cfg.trainer
+# Grid keys the start of a trial's name already shows.
+NAMED_KEYS = {"trainer", "trainer.num_workers", "trainer.tp", "trainer.dp", "trainer.batch_size", "trainer.lr"}
+
+
+def trial_name(trial: Trial) -> str:
+    """The trial's MLflow run name: its backend and layout, batch and learning rate, then each other key of its grid
+    point (`model.hidden=8`). Trials of equal points (`sweep.num_samples` without distributions) share it."""
+    t = trial.cfg.trainer
     dp, tp = parallel_degrees(t)
-    return f"{t.backend}-w{t.num_workers}-tp{tp}-dp{dp}-bs{t.batch_size}-lr{t.lr:g}"
+    parts = [f"{t.backend}-w{t.num_workers}-tp{tp}-dp{dp}-bs{t.batch_size}-lr{t.lr:g}"]
+    parts += [f"{key}={value}" for key, value in trial.combo.items() if key.lstrip("+") not in NAMED_KEYS]
+    return "-".join(parts)

@@ -10,7 +10,7 @@ from contract.config import parallel_degrees
 from contract.registry import BACKENDS
 from pipelines.config import ConfigError
 from pipelines.sweep.space import (expand_grid, load_sweep, max_concurrent, merge_overrides, plan_trials,
-                                   reject_unfit, split_argv, stop_thresholds)
+                                   reject_unfit, split_argv, stop_thresholds, trial_name)
 
 
 @pytest.fixture()
@@ -163,6 +163,28 @@ def test_unknown_sweep_is_a_config_error():
     with pytest.raises(ConfigError, match=r"^sweep: unknown choice 'nope' \(choices: mnist_backends, parallelism, "
                                           r"pbt_mnist, smoke\)$"):
         load_sweep("nope", [])
+
+
+def test_a_sweep_file_of_the_users_composes_and_takes_overrides_like_a_preset(tmp_path, fake_imdb):
+    mine = tmp_path / "hidden_sizes.yaml"
+    mine.write_text("overrides: [model=mlp, trainer.epochs=1]\n"
+                    "grid:\n  trainer: [ddp]\n  trainer.lr: [0.01]\n  model.hidden: [[8], [16]]\n")
+    spec = load_sweep(str(mine), ["sweep.max_concurrent_trials=1"])
+    assert (spec.name, spec.max_concurrent_trials, spec.scheduler) == ("hidden_sizes", 1, "fifo")
+    trials = plan_trials(spec, [fake_imdb])
+    assert [t.cfg.model.hidden for t in trials] == [[8], [16]]
+    # The run names tell the trials apart by the grid key the layout part leaves out.
+    assert [trial_name(t) for t in trials] == ["ddp-w2-tp1-dp2-bs128-lr0.01-model.hidden=[8]",
+                                               "ddp-w2-tp1-dp2-bs128-lr0.01-model.hidden=[16]"]
+
+    with pytest.raises(ConfigError, match=r"^sweep: .*/nope\.yaml: no such file$"):
+        load_sweep(str(tmp_path / "nope.yaml"), [])
+    mine.write_text("grid: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"^sweep: .*hidden_sizes\.yaml: not a readable YAML file \(while parsing"):
+        load_sweep(str(mine), [])
+    mine.write_text("- trainer.lr\n")
+    with pytest.raises(ConfigError, match=r"^sweep: .*hidden_sizes\.yaml: holds a ListConfig, not a mapping"):
+        load_sweep(str(mine), [])
 
 
 def test_cli_with_no_valid_trial_exits_2_before_ray(fake_imdb, capsys):
