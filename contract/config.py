@@ -64,7 +64,7 @@ class FSDPConfig(TrainerConfig):
     tp: int = 1                         # FSDP x TP: tensor parallelism (DTensor plans) inside, FSDP over the rest
     reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3); false: keep (ZeRO-2)
     activation_checkpointing: bool = False  # recompute each block's activations in backward instead of keeping them
-    pp: int = 1                         # pipeline stages (bert): layers split over pp consecutive groups of tp workers
+    pp: int = 1                         # pipeline stages (models with a pipeline_split): over pp groups of tp workers
     pp_schedule: str = "1f1b"           # gpipe | 1f1b | interleaved_1f1b (two stages per worker)
     microbatches: int = 4               # per batch, under pp > 1: >= pp, divides batch_size
 

@@ -58,10 +58,8 @@ def check_builders(cfg: DictConfig, spec: ModelSpec, inputs: DataSchema) -> None
                           f"'{spec.name}' has none (data parallelism alone: trainer=ddp or trainer=fsdp)")
     if trainer.get("pp", 1) > 1 and spec.pipeline_split is None:
         raise ConfigError(f"trainer.pp: pp={trainer.pp} splits the model into stages by its spec's pipeline_split; "
-                          f"model '{spec.name}' has none")
-    if trainer.get("pp", 1) > 1 and inputs.features.kind != "tokens":
-        raise ConfigError(f"trainer.pp: pipeline stages take token ids and their mask (trainers/torch/parallel/"
-                          f"pipeline.py); '{inputs.dataset}' has {inputs.features.kind} features")
+                          f"model '{spec.name}' has none (pipeline_split=, e.g. "
+                          f"trainers.torch.parallel.pipeline.sequential_split)")
     if builder == "dtensor" and inputs.target.task != "classification":
         raise ConfigError(f"trainer.backend: tf_dtensor trains classifiers only; '{inputs.dataset}' is a "
                           f"{inputs.target.task} dataset")

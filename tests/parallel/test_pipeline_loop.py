@@ -8,6 +8,8 @@
   ranks without pipeline or TP (plain FSDP on the same 2 data shards), the second epoch follows the dense curve
   and ends with the dense model's weights.
 - bf16: FSDP's mixed-precision policy, with and without a pipeline, stays close to float32.
+- The MLP on images, split by `sequential_split` (its spec's): features, not token ids, enter the first stage, and
+  the 2 stages train the dense model.
 
 Tolerance: float64; micro-batching changes only the order of sums (the mean of 4 equal micro-batch means is the
 batch mean), so steps agree to ~1e-13; rtol 1e-9 is far below what a wrong stage boundary, a lost micro-batch or
@@ -22,9 +24,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from contract.data import imdb_schema
-from tests.support.loop_harness import (check_stop_resume_parity, config, imdb_columns, last_checkpoint, run_attempt,
-                                        shard)
+from contract.data import imdb_schema, mnist_schema
+from tests.support.loop_harness import (check_stop_resume_parity, config, imdb_columns, last_checkpoint,
+                                        mnist_columns, run_attempt, shard)
 from tests.support.parallel_checks import dense_training
 from tests.support.dist_utils import RankPools
 
@@ -175,3 +177,42 @@ def _resume_at_two_ranks(rank: int, world_size: int, tmp: str) -> None:
 def test_pp_x_tp_x_fsdp_trains_the_dense_model_and_resumes_at_another_layout(run_ranks: RankPools, tmp_path):
     run_ranks(_three_d, 8, str(tmp_path))
     run_ranks(_resume_at_two_ranks, 2, str(tmp_path))
+
+
+def _mlp_stages(rank: int, world_size: int, tmp: str) -> None:
+    """In float32, as image batches are: micro-batches reorder sums (~1e-7), a wrong split is off by > 1e-3."""
+    from trainers.adapter import WorkerData
+    from trainers.torch.data import ShardBatches
+    from trainers.torch.fsdp import run_worker
+
+    cfg = config(Path(tmp) / f"cfg{rank}", ["trainer=fsdp", "model=mlp", "model.hidden=[32,16]", "model.dropout=0",
+                                            "trainer.num_workers=2", "trainer.pp=2", "trainer.pp_schedule=1f1b",
+                                            f"trainer.batch_size={BATCH}", "trainer.microbatches=4",
+                                            "trainer.lr=0.01", "trainer.epochs=1"])
+    train = {k: torch.from_numpy(v) for k, v in mnist_columns(96).items()}
+    evaluation = {k: torch.from_numpy(v) for k, v in mnist_columns(40, seed=1).items()}
+
+    def data(seed: int):
+        return (ShardBatches.from_columns(train, mnist_schema(), BATCH, seed, drop_last=True),
+                ShardBatches.from_columns(evaluation, mnist_schema(), BATCH, seed))
+
+    attempt = run_attempt(lambda ctx: run_worker(cfg, ctx, WorkerData(mnist_schema(), data)), rank, world_size, 1,
+                          Path(tmp) / "run")
+    if rank == 0:
+        from trainers.torch.fsdp import dense_model_state
+
+        losses, model = dense_training(cfg, mnist_schema(), [data(cfg.run.seed)[0]])
+        np.testing.assert_allclose(attempt.recorder.curve(), losses, rtol=1e-5, atol=1e-6)
+        with torch.no_grad():
+            correct = sum(int((model(*inputs).argmax(dim=1) == labels).sum())
+                          for inputs, labels, _ in data(0)[1].epoch(1, shuffle=False))
+        assert attempt.recorder.epochs[1]["test_accuracy"] == pytest.approx(correct / 40, abs=1e-12)
+        exported = dense_model_state(str(last_checkpoint(Path(tmp) / "run")))
+        assert exported.keys() == model.state_dict().keys()  # net.0 from stage 0, net.3 and net.6 from stage 1
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(exported[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_an_mlp_on_images_is_split_by_its_sequential_layers_and_trains_the_dense_model(run_ranks: RankPools,
+                                                                                     tmp_path):
+    run_ranks(_mlp_stages, 2, str(tmp_path))

@@ -208,8 +208,10 @@ def test_imdb_groups_batches_by_length_only_from_memory(fake_imdb):
     (["trainer.num_workers=4", "trainer.tp=2", "trainer.dp_replicate=4"], r"num_workers / \(pp x tp\) = 2, got 4"),
     (["trainer.tp=3"], r"^trainer\.tp: must be >= 1 and divide num_workers / pp = 2, got 3"),
     (["trainer.pp=3"], r"^trainer\.pp: must be >= 1 and divide num_workers=2, got 3"),
-    (["trainer.pp=2"], r"^trainer\.pp: pp=2 splits the model into stages by its spec's pipeline_split; model 'mlp' "
-                       r"has none$"),
+    (["model=cnn", "trainer.pp=2"], r"^trainer\.pp: pp=2 splits the model into stages by its spec's "
+                                    r"pipeline_split; model 'cnn' has none \(pipeline_split=, e\.g\. "),
+    (["model.hidden=[16]", "trainer.pp=2", "trainer.pp_schedule=interleaved_1f1b"],
+     r"^trainer\.pp: the MLP's 2 linear layers do not split into 4 pipeline stages"),
     (["trainer.dp_shard=4"], r"^trainer\.dp_shard: dp_replicate x dp_shard x pp x tp = 1 x 4 x 1 x 1 != num_workers=2"),
     (["trainer.tp=2"], r"^trainer\.tp: tp=2 shards the model by its spec's tensor-parallel plan; model 'mlp' has "
                        r"none \(tensor_parallel=, e\.g\. trainers\.torch\.parallel\.plans\.styles_plan\)$"),

@@ -74,9 +74,17 @@ def _dtensor_split(widths: list[int], trainer: Any) -> None:
 
 
 def check_mlp(cfg: Any, inputs: DataSchema | None, trainer: Any = None) -> None:
+    """The sizes, the DTensor layout, and a pipeline of at most one stage per linear layer."""
     _positive(hidden=list(cfg.hidden))
     if inputs is not None:
         _dtensor_split([inputs.features.width, *cfg.hidden, inputs.target.outputs], trainer)
+    if trainer is not None and trainer.get("pp", 1) > 1:
+        from trainers.torch.parallel.schedules import stages_per_rank
+
+        stages = trainer.pp * stages_per_rank(trainer.pp_schedule)
+        if len(cfg.hidden) + 1 < stages:
+            raise ValueError(f"trainer.pp: the MLP's {len(cfg.hidden) + 1} linear layers do not split into {stages} "
+                             f"pipeline stages (pp={trainer.pp}, schedule {trainer.pp_schedule}; model.hidden)")
 
 
 def check_cnn(cfg: Any, inputs: DataSchema | None, trainer: Any = None) -> None:
@@ -132,7 +140,8 @@ def bert_blocks() -> tuple[type, ...]:
 for _spec in (
     ModelSpec("mlp", MLPConfig, "multi-layer perceptron on the flattened features", ("image", "numeric"),
               torch="trainers.models.mlp_cnn:build_mlp", keras="trainers.models.keras_models:build_mlp",
-              dtensor="trainers.models.tf_modules:build_mlp", check=check_mlp),
+              dtensor="trainers.models.tf_modules:build_mlp", check=check_mlp,
+              pipeline_split="trainers.torch.parallel.pipeline:sequential_split"),
     ModelSpec("cnn", CNNConfig, "two conv blocks and a dense layer", ("image",),
               torch="trainers.models.mlp_cnn:build_cnn", keras="trainers.models.keras_models:build_cnn",
               check=check_cnn),

@@ -132,11 +132,12 @@ class PipelineAdapter(FSDPAdapter):
         self.trained_memory: dict[str, float] = {}
 
     def train_step(self, batch: Batch) -> tuple[float, int, int]:
-        (ids, mask), labels = (x.to(self.device) for x in batch[0]), batch[1].to(self.device)
+        inputs, labels = [x.to(self.device) for x in batch[0]], batch[1].to(self.device)
         self.optimizer.zero_grad()
         losses: list[torch.Tensor] = []
-        self.schedule.step(*((ids,) if self.first else ()), attention_mask=mask, target=labels if self.last else None,
-                           losses=losses, return_outputs=False)  # bf16: FSDP's policy casts, not autocast
+        self.schedule.step(*self._stage_args(inputs), **self._stage_kwargs(inputs),
+                           target=labels if self.last else None, losses=losses,
+                           return_outputs=False)  # bf16: FSDP's policy casts, not autocast
         loss = torch.stack(losses).mean().detach().double() if self.last else torch.zeros((), dtype=torch.float64)
         self._optimizer_step()
         return float(self._from_last_stage(loss)), len(labels), batch[2]
@@ -156,15 +157,25 @@ class PipelineAdapter(FSDPAdapter):
         its first row, whose predictions are dropped."""
         self.model.eval()
         score, total = torch.zeros((), dtype=torch.float64), 0
-        for (ids, mask), labels, _ in self.evaluation.epoch(epoch, shuffle=False):
+        for inputs, labels, _ in self.evaluation.epoch(epoch, shuffle=False):
             rows = len(labels)
-            ids, mask, labels = (_pad_rows(x, self.batch_size).to(self.device) for x in (ids, mask, labels))
-            logits = self.schedule.eval(*((ids,) if self.first else ()), attention_mask=mask,
+            inputs = [_pad_rows(x, self.batch_size).to(self.device) for x in inputs]
+            labels = _pad_rows(labels, self.batch_size).to(self.device)
+            logits = self.schedule.eval(*self._stage_args(inputs), **self._stage_kwargs(inputs),
                                         target=labels if self.last else None)
             if self.last:
                 score += tc.batch_score(logits[:rows], labels[:rows], self.regression)
             total += rows
         return float(self._from_last_stage(score)), total
+
+    def _stage_args(self, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The features (or token ids) enter on the first stage; the others receive activations."""
+        return (inputs[0],) if self.first else ()
+
+    @staticmethod
+    def _stage_kwargs(inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A token model's padding mask, which every stage gets."""
+        return {"attention_mask": inputs[1]} if len(inputs) > 1 else {}
 
     def _from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
         value = value.to(collective_device(self.pp_group))
