@@ -53,10 +53,12 @@ def submit(dashboard: str, cwd: str, env: dict[str, str], command: list[str]) ->
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     client = JobSubmissionClient(dashboard)
-    # A shared filesystem: the job runs in the checkout itself (no upload) and its workers import from it.
+    # A shared filesystem: the job runs in `cwd` itself (no upload), and its workers import from it and from the
+    # checkout (RAY_SLURM_REPO, set by the batch script).
     entrypoint = f"cd {shlex.quote(cwd)} && {shlex.join(command)}"
+    paths = list(dict.fromkeys([cwd, os.environ.get("RAY_SLURM_REPO", cwd)]))
     job_id = client.submit_job(entrypoint=entrypoint,
-                               runtime_env={"env_vars": {"PYTHONPATH": cwd, **env}})
+                               runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(paths), **env}})
     print(f"ray-cluster: submitted job {job_id}: {shlex.join(command)}", flush=True)
 
     async def stream() -> None:

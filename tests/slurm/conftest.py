@@ -28,13 +28,14 @@ def slurm(tmp_path_factory) -> dict[str, str]:
 
 
 def sbatch(env: dict[str, str], out_dir: Path, command: list[str], sbatch_args: list[str] = (),
-           extra_env: dict[str, str] | None = None) -> str:
-    """Submit cluster/slurm/ray-cluster.sbatch from the repository root; returns the job id."""
+           extra_env: dict[str, str] | None = None, cwd: Path = REPO) -> str:
+    """Submit cluster/slurm/ray-cluster.sbatch from the repository root (or from a user's folder `cwd`, naming
+    the repository in RAY_SLURM_REPO); returns the job id."""
     out_dir.mkdir(parents=True, exist_ok=True)
     job_env = {key: value for key, value in env.items() if key != "MLFLOW_TRACKING_URI"}
-    job_env.update({"RAY_SLURM_DIR": str(out_dir), **(extra_env or {})})
+    job_env.update({"RAY_SLURM_DIR": str(out_dir), "RAY_SLURM_REPO": str(REPO), **(extra_env or {})})
     proc = subprocess.run(["sbatch", "--parsable", "-o", str(out_dir / "out-%j.txt"), *sbatch_args,
-                           str(SLURM_SCRIPT), *command], cwd=REPO, env=job_env, capture_output=True, text=True)
+                           str(SLURM_SCRIPT), *command], cwd=cwd, env=job_env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().split(";")[0]
 

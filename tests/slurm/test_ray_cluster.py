@@ -32,6 +32,25 @@ NODE_ADDRS = {"127.0.0.2", "127.0.0.3"}
 EPOCH_METRICS = ("train_loss", "test_accuracy", "samples_per_s")
 
 
+# A user's plugin module: a model of its own (the built-in MLP's builders under another name and config).
+SITE_MODELS = """
+from dataclasses import dataclass, field
+
+from contract.registry import ModelSpec, register_model
+
+
+@dataclass
+class SiteMLPConfig:
+    name: str = "site_mlp"
+    hidden: list = field(default_factory=lambda: [64])
+    dropout: float = 0.0
+
+
+register_model(ModelSpec("site_mlp", SiteMLPConfig, "a site's MLP", inputs=("image",),
+                         torch="trainers.models.mlp_cnn:build_mlp", keras="trainers.models.keras_models:build_mlp"))
+"""
+
+
 def ddp_command(data: Path, *overrides: str, backend: str = "ddp") -> list[str]:
     # One worker per node (STRICT_SPREAD), one thread each: both Slurm nodes really take part.
     return ["python", "-m", "pipelines.train", f"trainer={backend}", "trainer.num_workers=2",
@@ -155,8 +174,14 @@ def test_two_concurrent_jobs_do_not_interfere(slurm, tiny_mnist, tmp_path, mlflo
     The horovod job uses fp16 compression and 2 backward passes per step, and its rank 1 fails at epoch 2: Ray
     Train restarts the worker group from epoch 1's checkpoint, and the new processes do a new Gloo rendezvous
     across the nodes and train on. Identical replicas, each epoch once in MLflow, the optimizer stepped once per
-    2 batches (its counter restored across the restart)."""
+    2 batches (its counter restored across the restart). It is submitted from a user's project folder on the
+    shared filesystem, and trains that project's model: its plugin module is imported by the driver from the
+    working directory, and by the workers on both nodes (the restarted ones too) from the folder the driver
+    found it in."""
     out, marker, params = tmp_path / "slurm", tmp_path / "failed-once", tmp_path / "params"
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "site_models.py").write_text(SITE_MODELS)
     site = {"MLFLOW_TRACKING_URI": mlflow_server}
     experiment = f"concurrent-{tmp_path.name}"
     named = (f"run.experiment={experiment}", "model.hidden=[32]")
@@ -164,8 +189,10 @@ def test_two_concurrent_jobs_do_not_interfere(slurm, tiny_mnist, tmp_path, mlflo
                             "trainer.tf_communication=ring", "trainer.log_every_n_steps=1", backend="tf_mwms"),
                 ddp_command(tiny_mnist, *named, "trainer.epochs=2", "run.name=job1", "trainer.compression=fp16",
                             "trainer.grad_accum=2", "fault.max_failures=1", "fault.inject_at_epoch=2",
-                            f"fault.inject_marker={marker}", f"run.dump_params_dir={params}", backend="horovod")]
-    jobs = [sbatch(slurm, out, command, sbatch_args=["--hold"], extra_env=site) for command in commands]
+                            f"fault.inject_marker={marker}", f"run.dump_params_dir={params}",
+                            "plugins=[site_models]", "model=site_mlp", backend="horovod")]
+    jobs = [sbatch(slurm, out, command, sbatch_args=["--hold"], extra_env=site, cwd=folder)
+            for command, folder in zip(commands, (REPO, project))]
     preferred = free_block_base(int(jobs[0]))
     holder = hold_a_port(preferred)
     try:
@@ -194,6 +221,7 @@ def test_two_concurrent_jobs_do_not_interfere(slurm, tiny_mnist, tmp_path, mlflo
     assert_spread_run(client, horovod.info.run_id, 2)
     assert marker.read_text().startswith("failed at epoch 2 in rank 1")
     assert horovod.data.params["cluster.nodes"] == "2" and horovod.data.tags["resumed_from_epoch"] == "1"
+    assert horovod.data.params["model.name"] == "site_mlp"  # the project's own model
     assert [m.value > 0 for m in client.get_metric_history(horovod.info.run_id, "cluster_startup_s")] == [True]
     check_replicas_identical(params, "torch")
     steps = optimizer_steps(out / "ray-results", "torch", run_id=horovod.info.run_id)
