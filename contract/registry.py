@@ -46,7 +46,8 @@ class ModelSpec:
     stage's parts (fsdp with pp > 1); `fsdp_blocks() -> classes`: the module classes FSDP shards one by one
     (default: each entry of the model's `nn.ModuleList`s). `check(cfg, inputs, trainer)` raises
     ValueError("model.<key>: why") for a config it cannot build, or a layout of `trainer` it does not split into
-    (`inputs` is None when no data is known yet)."""
+    (`inputs` is None when no data is known yet). `flops_per_sample(cfg, inputs)`: the training FLOPs of one
+    sample (contract/flops.py), when torch's FLOP counter on the `torch` model would miss some (trainers/flops.py)."""
     name: str
     config: type
     description: str = ""
@@ -61,6 +62,7 @@ class ModelSpec:
     pipeline_split: Ref | None = None
     fsdp_blocks: Ref | None = None
     check: Ref | None = None
+    flops_per_sample: Ref | None = None
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import threading
 from pathlib import Path
@@ -14,8 +15,9 @@ from omegaconf import DictConfig, OmegaConf
 from contract import tracking
 from contract.checkpoint import TrainState
 from contract.config import typed_config, worker_resources
-from contract.console import quiet_ray_env, quiet_ray_logs, ray_init_logging
+from contract.console import quiet_ray_env, quiet_ray_logs, ray_init_logging, say
 from contract.data import DataSchema
+from contract.hang import HANG_DIR, PROGRESS_DIR, read_verdicts
 from contract.metrics import DIVERGED_FILE, DIVERGED_METRICS, STOP_METRICS
 from contract.registry import plugin_roots
 from pipelines.data.shards import read_manifest
@@ -81,21 +83,26 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
     # little more of the controller's CPU (benchmarks/README.md "Run end"). A slow answer is no
     # failure (Ray Train gives a worker 10 min). Ray Train hands the variable on to its controller.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-    diverged = tracking.run_dir(cfg.run.storage_path, run_id) / DIVERGED_FILE
-    diverged.unlink(missing_ok=True)  # an earlier attempt's, continued with a gentler recipe
+    run_folder = tracking.run_dir(cfg.run.storage_path, run_id)
+    (run_folder / DIVERGED_FILE).unlink(missing_ok=True)  # an earlier attempt's, continued with a gentler recipe
+    for earlier in (HANG_DIR, PROGRESS_DIR):  # the hang watchdog's, of an earlier job (already logged)
+        shutil.rmtree(run_folder / earlier, ignore_errors=True)
     trainer = backend.build_trainer(cfg, datasets, run_id, uri, inputs, callbacks=callbacks)
     system = tracking.SystemMetrics(uri, run_id, "driver", cfg.run.system_metrics_interval_s) \
         if cfg.run.system_metrics else None
     try:
         result = fit_in_thread(trainer)
     except Exception as err:
-        waited = resource_wait(err, cfg)
-        if waited:
-            raise RuntimeError(waited) from None
+        waited, hung = resource_wait(err, cfg), log_hangs(uri, run_id, run_folder)
+        if waited or hung:
+            raise RuntimeError(waited or hung) from None
         raise
     finally:
         if system is not None:
             system.stop()
+    if (hung := log_hangs(uri, run_id, run_folder)) is not None:
+        say(f"{hung}; Ray Train restarted the workers from the last checkpoint")
+    diverged = run_folder / DIVERGED_FILE
     if (where := diverged_at(json.loads(diverged.read_text()) if diverged.is_file() else None)) is not None:
         last = result.checkpoint.path if result.checkpoint is not None else "none (the first epoch diverged)"
         raise TrainingDiverged(f"the loss is not a finite number from {where} on (run.nan_patience="
@@ -221,6 +228,16 @@ def replay_run(folder: Path, uri: str | None = None) -> str:
         tracking.end_run(uri, run_id)
         final.unlink()
     return run_id
+
+
+def log_hangs(uri: str, run_id: str, run_folder: Path) -> str | None:
+    """The hang watchdog's verdicts and stacks of this fit's attempts (contract/hang.py) into the MLflow run; the
+    last verdict's line, or None when no attempt hung."""
+    verdicts = read_verdicts(run_folder)
+    if not verdicts:
+        return None
+    tracking.log_hangs(uri, run_id, run_folder / HANG_DIR, [v["line"] for v in verdicts])
+    return verdicts[-1]["line"]
 
 
 def resource_wait(err: Exception, cfg: DictConfig) -> str | None:

@@ -14,11 +14,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from contract import resume, tracking
 from contract.config import monitor_of, ray_train_workers, worker_resources
-from contract.console import one_line
+from contract.console import one_line, say
 from pipelines.config import ConfigError, check_fits_this_machine, flatten, load_config, parallel_params
 from pipelines.data.idx import DataError
 from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
 from pipelines.fit import fit_backend, fit_still_running, init_ray
+from pipelines.goodput import log_goodput
 from pipelines.help import training_help, wants_help
 from pipelines.ray_session import shutdown_ray
 from pipelines.summary import run_summary
@@ -81,6 +82,10 @@ def run_training(cfg: DictConfig, uri: str, run_id: str, first_attempt: bool = T
     stopped = fit_backend(cfg, run_id, uri)
     if stopped is None:
         score_held_out_test(cfg, uri, run_id)
+        figures = log_goodput(uri, run_id)
+        say(f"goodput {figures['goodput']:.2f}: training {figures['goodput.training_s']:.0f} s of "
+            f"{figures['goodput.wall_s']:.0f} s (epoch ends {figures['goodput.epoch_end_s']:.0f} s, start-up "
+            f"{figures['goodput.startup_s']:.0f} s, the rest {figures['goodput.other_s']:.0f} s)")
         return None
     folder = tracking.spool_dir(cfg.run.storage_path, run_id)
     away = "" if tracking.mark_preempted(uri, run_id, stopped, folder) else (

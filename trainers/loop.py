@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from contract.checkpoint import EpochTotals, TrainState, partial_over_ranks
-from contract.metrics import (DIVERGED_FILE, DIVERGED_METRICS, REPORTED_EPOCH, PendingReduce, Reducer, epoch_line,
-                              epoch_metrics, stop_metrics)
+from contract.flops import utilisation
+from contract.hang import NoProgress, Progress
+from contract.metrics import (DIVERGED_FILE, DIVERGED_METRICS, EPOCH_END, REPORTED_EPOCH, PendingReduce, Reducer,
+                              epoch_line, epoch_metrics, stop_metrics)
 from contract.progress import NoBar, StepBar
 from contract.recipe import Monitor
 from contract.resume import STOP_CHECK_EVERY
@@ -66,6 +68,10 @@ class WorkerContext:
     device: Any = None                    # what the worker computes on (PyTorch: its torch.device; None: the CPU)
     mid_epoch: Callable[[int], None] | None = None  # testing hook (fault injection), halfway through an epoch,
                                                      # where a backend calls it (tf_ps)
+    before_step: Callable[[int, int], None] | None = None  # testing hook (a hang): (epoch, global step)
+    flops_per_sample: float | None = None  # the model's training FLOPs per sample (contract/flops.py) ...
+    peak_flops: float | None = None       # ... and one device's peak FLOP/s at the run's precision, if known
+    progress: Progress = NoProgress()     # this rank's position, for the hang watcher (contract/hang.py)
 
 
 def train(adapter: Adapter, ctx: WorkerContext, dump_dir: str | None) -> bool:
@@ -111,6 +117,7 @@ class TrainLoop:
     def _restore(self) -> TrainState:
         if self.ctx.restored is None:
             return TrainState()
+        self.ctx.progress.at(0, 0, "restore")
         with self.ctx.restored.as_directory() as directory:
             self.adapter.load(directory)
             state = TrainState.read(directory)
@@ -146,18 +153,22 @@ class TrainLoop:
     def train_epoch(self, epoch: int, totals: EpochTotals) -> bool:
         """One pass, continuing `totals`; the wait for each batch is timed apart from the whole step. Returns
         False when the ranks agreed to stop (only at an update boundary: no accumulated gradient is lost)."""
-        adapter = self.adapter
+        adapter, progress, before_step = self.adapter, self.ctx.progress, self.ctx.before_step
         batches = adapter.batches(epoch, skip=totals.steps)
         bar = self.open_step_bar(epoch, totals.steps)
         self.start_profile(epoch)
         start = time.perf_counter()
         stopped = False
         while True:
+            progress.at(epoch, totals.steps + 1, "data")
             wait_start = time.perf_counter()
             batch = next(batches, None)
             totals.data_wait_s += time.perf_counter() - wait_start
             if batch is None:
                 break
+            if before_step is not None:
+                before_step(epoch, (epoch - 1) * adapter.steps_per_epoch() + totals.steps + 1)
+            progress.at(epoch, totals.steps + 1, "step")
             loss, samples, tokens = adapter.train_step(batch)
             totals.loss_sum += loss * samples
             totals.samples += samples
@@ -256,8 +267,11 @@ class TrainLoop:
         """Evaluate, reduce the metrics over the ranks, checkpoint, report, and log (rank 0). Collective. True when
         `run.patience` epochs have passed without a better monitored metric (the same on every rank: the metrics
         are reduced over all of them)."""
-        adapter = self.adapter
+        adapter, progress = self.adapter, self.ctx.progress
+        progress.at(epoch, totals.steps, "evaluate")
+        began = time.perf_counter()
         score, total = adapter.evaluate(epoch)
+        progress.at(epoch, totals.steps, "metrics")
         metrics = epoch_metrics(totals, score, total, adapter.reduce, adapter.peak_memory_bytes(),
                                 adapter.ranks_per_sample, self.ctx.evaluated)
         if not math.isfinite(metrics["train_loss"]):  # reduced over the ranks: every rank sees it
@@ -266,20 +280,25 @@ class TrainLoop:
             return True
         if epoch == self.first_epoch:
             metrics["data_load_s"] = adapter.load_s
-        extras = adapter.epoch_extras()
+        extras = dict(adapter.epoch_extras())
+        if self.ctx.flops_per_sample:  # `tflops_per_rank`, and `mfu` where the device's peak is known
+            extras = {**extras, **utilisation(self.ctx.flops_per_sample, metrics["samples_per_s"],
+                                              self.ctx.world_size, self.ctx.peak_flops)}
         self.state = self.state.after_epoch(epoch, metrics, self.ctx.monitor)
+        progress.at(epoch, totals.steps, "checkpoint")
         self._checkpoint_and_report({**metrics, REPORTED_EPOCH: epoch}, self.state)
+        extras[EPOCH_END] = time.perf_counter() - began  # evaluation, metrics, checkpoint: the run's goodput counts it
         if self.ctx.rank == 0:
             say(epoch_line(epoch, self.ctx.epochs, metrics))
         if self.ctx.logger is not None:
             self.ctx.logger.log(epoch, metrics)
-            if extras:
-                self.ctx.logger.log_extra(epoch, extras)
+            self.ctx.logger.log_extra(epoch, extras)
         return self.ctx.monitor.exhausted(epoch, self.state.best_epoch)
 
     def report_stop(self, epoch: int, totals: EpochTotals) -> None:
         """Checkpoint the half-done epoch; the driver sees STOP_METRICS and marks the run as stopped. The report
         scores the monitored metric worst, so Ray Train never keeps this checkpoint as a best one."""
+        self.ctx.progress.at(epoch, totals.steps, "checkpoint")
         state = replace(self.state, partial=partial_over_ranks(totals, self.adapter.reduce))
         monitor = self.ctx.monitor
         self._checkpoint_and_report({**stop_metrics(epoch, totals.steps), monitor.metric: monitor.worst()}, state)

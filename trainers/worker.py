@@ -6,7 +6,9 @@ import importlib
 import os
 import random
 import socket
+import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +18,14 @@ from contract.checkpoint import checkpoint_origin
 from contract.config import monitor_of, typed_config
 from contract.console import quiet_ray_logs
 from contract.data import DataSchema
+from contract.hang import NoProgress, Progress
 from contract.metrics import eval_metric
 from contract.progress import StepBar, progress_wanted
 from contract.registry import plugin_roots
 from contract.resume import stop_file
 from contract.startup import StartupMarks, started_at
+from trainers.flops import run_flops_per_sample
+from trainers.hang_watch import HangWatch
 from trainers.loop import WorkerContext
 
 
@@ -32,7 +37,8 @@ def loop_config(cfg: DictConfig, run_id: str, tracking_uri: str, inputs: DataSch
     now = time.time()
     return {"cfg": OmegaConf.to_container(cfg, resolve=True), "run_id": run_id, "tracking_uri": tracking_uri,
             "inputs": inputs.to_dict(), "plugin_roots": plugin_roots(cfg.plugins),
-            "progress": progress_wanted(cfg.run.progress), "startup": {"asked": started_at(), "trainer_built": now}}
+            "progress": progress_wanted(cfg.run.progress), "startup": {"asked": started_at(), "trainer_built": now},
+            "flops_per_sample": run_flops_per_sample(cfg, inputs)}
 
 
 def worker_config(config: dict[str, Any]) -> DictConfig:
@@ -46,10 +52,10 @@ def worker_inputs(config: dict[str, Any]) -> DataSchema:
     return DataSchema.from_dict(config["inputs"])
 
 
-def ray_context(config: dict[str, Any], cfg: DictConfig, device: Any = None) -> WorkerContext:
+def ray_context(config: dict[str, Any], cfg: DictConfig, device: Any = None, watch: bool = True) -> WorkerContext:
     """This Ray Train worker's context: rank, report, checkpoint to restore, rank 0's MLflow logger, STOP file,
-    fault injection, the `device` it computes on. Tags `rank<r>.node` with the IP of the Ray node the worker landed
-    on; rank 0 starts its system metrics."""
+    fault injection, the `device` it computes on, and its hang watcher (`watch`: every rank runs the loop). Tags
+    `rank<r>.node` with the IP of the Ray node the worker landed on; rank 0 starts its system metrics."""
     worker_began = time.time()
     import ray.train
     import ray.util
@@ -67,6 +73,8 @@ def ray_context(config: dict[str, Any], cfg: DictConfig, device: Any = None) -> 
     spool = TrackingSpool(config["tracking_uri"], config["run_id"], spool_dir(cfg.run.storage_path, config["run_id"]),
                           f"rank{rank}")
     spool.write({"op": "tag", "key": f"rank{rank}.node", "value": ray.util.get_node_ip_address()})
+    if rank == 0 and config.get("flops_per_sample"):
+        spool.write({"op": "tag", "key": "model.flops_per_sample", "value": f"{config['flops_per_sample']:.6g}"})
     if rank == 0 and cfg.run.system_metrics:  # its thread lives as long as this worker process
         SystemMetrics(config["tracking_uri"], config["run_id"], "rank0", cfg.run.system_metrics_interval_s)
     logger = None
@@ -88,8 +96,27 @@ def ray_context(config: dict[str, Any], cfg: DictConfig, device: Any = None) -> 
         profile_steps=cfg.trainer.profile_steps,
         profile_dir=run_folder / "profile" if rank == 0 else None, run_folder=run_folder if rank == 0 else None,
         step_bar=ray_step_bar if rank == 0 and config.get("progress") else None,
-        device=device,
-        before_epoch=lambda epoch: maybe_inject_failure(cfg.fault, epoch, rank, world_size))
+        device=device, flops_per_sample=config.get("flops_per_sample"),
+        before_epoch=lambda epoch: maybe_inject_failure(cfg.fault, epoch, rank, world_size),
+        before_step=(lambda epoch, step: maybe_inject_hang(cfg.fault, step, rank, world_size))
+        if cfg.fault.inject_hang_at_step is not None else None,
+        progress=watch_for_hangs(cfg.fault, run_folder, rank, world_size) if watch else NoProgress())
+
+
+def watch_for_hangs(fault: DictConfig, run_folder: Path, rank: int, world_size: int) -> Progress:
+    """This rank's position, watched by its hang watcher (trainers/hang_watch.py) unless `fault.hang_timeout_s`
+    is 0. The ranks agree on an attempt id (Ray Train's barrier, once per attempt), so a restarted attempt's
+    watchers skip the positions its predecessor left in the run's folder."""
+    if fault.hang_timeout_s <= 0:
+        return NoProgress()
+    attempt = uuid.uuid4().hex[:12]
+    if world_size > 1:
+        import ray.train.collective
+
+        attempt = ray.train.collective.broadcast_from_rank_zero(attempt)
+    progress = Progress()
+    HangWatch(progress, run_folder, rank, world_size, fault.hang_timeout_s, attempt).start()
+    return progress
 
 
 def restored_checkpoint(cfg: DictConfig) -> Any:
@@ -151,6 +178,23 @@ def maybe_inject_failure(fault: Any, epoch: int, rank: int, world_size: int) -> 
         return
     marker.write_text(f"failed at epoch {epoch} in rank {rank}\n")
     raise RuntimeError(f"injected failure at epoch {epoch} (rank {rank})")
+
+
+def maybe_inject_hang(fault: Any, step: int, rank: int, world_size: int) -> None:
+    """Testing hook: once, the last rank enters a collective no other rank joins (Ray Train's barrier) before the
+    run's global step `fault.inject_hang_at_step`; the others then wait in that step's collectives. Only the hang
+    watcher ends it."""
+    if fault.inject_hang_at_step != step or rank != world_size - 1:
+        return
+    marker = Path(fault.inject_marker)
+    if marker.exists():
+        return
+    marker.write_text(f"hung at step {step} in rank {rank}\n")
+    if world_size == 1:
+        threading.Event().wait()
+    import ray.train.collective
+
+    ray.train.collective.barrier()
 
 
 def scaling_config(cfg: DictConfig, resources: dict[str, float] | None = None, use_gpu: bool | None = None) -> Any:

@@ -122,6 +122,14 @@ def set_tags(uri: str, run_id: str, tags: Mapping[str, str]) -> None:
         client.set_tag(run_id, key, value)
 
 
+def log_hangs(uri: str, run_id: str, folder: Path, lines: list[str]) -> None:
+    """The hang watchdog's stacks (`folder`: the run's hang/) as the run's `hang/` artifacts, and each verdict's
+    line in the `hang` tag."""
+    client = mlflow_client(uri)
+    client.log_artifacts(run_id, str(folder), "hang")
+    client.set_tag(run_id, "hang", " | ".join(lines)[:5000])
+
+
 def end_run(uri: str, run_id: str, error: str | None = None) -> None:
     """FINISHED, or FAILED with the error recorded as a tag and a text artifact."""
     client = mlflow_client(uri)

@@ -24,13 +24,16 @@ from typing import Any, Optional
 from contract.tracking import epoch_values
 
 HISTORY_METRICS = ("train_loss", "test_accuracy", "test_mse", "samples_per_s", "tokens_per_s", "epoch_time_s",
-                   "peak_memory_bytes")
+                   "peak_memory_bytes", "tflops_per_rank", "mfu")
 COLUMNS = ("trial", "backend", "workers", "tp", "dp", "batch_size", "lr", "status", "epochs", "samples_per_s",
-           "samples_per_s_per_worker", "tokens_per_s", "speedup", "efficiency", "time_to_target_s",
-           "peak_memory_mib", "test_accuracy", "test_mse", "train_loss", "run_id")
-NUMERIC = ("samples_per_s", "samples_per_s_per_worker", "tokens_per_s", "speedup", "efficiency", "time_to_target_s",
-           "peak_memory_mib", "test_accuracy", "test_mse", "train_loss")
+           "samples_per_s_per_worker", "tokens_per_s", "speedup", "efficiency", "tflops_per_rank", "mfu",
+           "time_to_target_s", "peak_memory_mib", "test_accuracy", "test_mse", "train_loss", "run_id")
+NUMERIC = ("samples_per_s", "samples_per_s_per_worker", "tokens_per_s", "speedup", "efficiency", "tflops_per_rank",
+           "mfu", "time_to_target_s", "peak_memory_mib", "test_accuracy", "test_mse", "train_loss")
 EVALUATED = ("test_accuracy", "test_mse")  # a task's evaluation metric: a column only where a trial logged it
+# Columns only where a trial logged them: the evaluation metrics, and the FLOP figures (a model with a FLOP count;
+# `mfu` on a device of known peak: contract/flops.py).
+OPTIONAL = (*EVALUATED, "tflops_per_rank", "mfu")
 
 
 @dataclass
@@ -81,6 +84,7 @@ def summarise(trial: TrialRecord, target_accuracy: float) -> dict[str, Any]:
             "epochs": len(h.get("train_loss", [])), "samples_per_s": throughput,
             "samples_per_s_per_worker": throughput / trial.workers if throughput is not None else None,
             "tokens_per_s": steady(h.get("tokens_per_s")), "speedup": None, "efficiency": None,
+            "tflops_per_rank": steady(h.get("tflops_per_rank")), "mfu": steady(h.get("mfu")),
             "time_to_target_s": time_to_target(h.get("test_accuracy", []), h.get("epoch_time_s", []),
                                                target_accuracy),
             "peak_memory_mib": max(peak) / 2**20 if peak else None,
@@ -118,9 +122,9 @@ def _cell(value: Any) -> str:
 
 
 def shown_columns(rows: list[dict[str, Any]]) -> list[str]:
-    """The report's columns: every one, but an evaluation metric no trial logged (a classifier's sweep has no
-    test_mse)."""
-    return [c for c in COLUMNS if c not in EVALUATED or any(row.get(c) is not None for row in rows)]
+    """The report's columns: every one, but an optional one no trial logged (a classifier's sweep has no
+    test_mse, a sweep on CPUs no mfu)."""
+    return [c for c in COLUMNS if c not in OPTIONAL or any(row.get(c) is not None for row in rows)]
 
 
 def to_markdown(rows: list[dict[str, Any]], best: dict | None, metric: str, mode: str, target: float) -> str:
@@ -131,7 +135,8 @@ def to_markdown(rows: list[dict[str, Any]], best: dict | None, metric: str, mode
                  if best else f"Best by {metric} ({mode}): none (no trial reported it)")
     notes = ("throughput = mean `samples_per_s` over epochs after the first; speedup and efficiency against the "
              "1-worker trial of the same backend and batch size; time_to_target_s = training time until "
-             f"test_accuracy >= {target}; peak_memory_mib = the largest worker's peak.")
+             f"test_accuracy >= {target}; peak_memory_mib = the largest worker's peak; tflops_per_rank and mfu "
+             "(model FLOPs utilisation, where the device's peak is known): means over epochs after the first.")
     return "\n".join(["## Scaling report", "", *lines, "", best_line, "", notes, ""])
 
 

@@ -26,11 +26,13 @@ TINY = ["trainer.batch_size=32", "model.hidden=[64]", "trainer.threads_per_worke
 
 
 def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny_mnist, mlflow_server, ray_head):
-    """`ray job submit --working-dir . -- rtp train ...` against the test's own Ray head; rank 1 fails at
-    epoch 2 and Ray Train restarts the workers from epoch 1's checkpoint (not from scratch). Rank 0 profiles 2
-    steps into the run's artifacts; the driver and rank 0 log system metrics; TensorBoard event files too. The
-    final model is registered, and evaluated through the registry."""
-    marker, registered = tmp_path / "failed-once", f"mnist-ddp-{tmp_path.name}"
+    """`ray job submit --working-dir . -- rtp train ...` against the test's own Ray head; rank 1 hangs in a
+    collective at epoch 2's 4th step (global step 20) while rank 0 waits in that step's gradient all-reduce: the
+    hang watchdog ends both after `fault.hang_timeout_s`, naming rank 1 and keeping every rank's stacks, and Ray
+    Train restarts the workers from epoch 1's checkpoint (not from scratch). Rank 0 profiles 2 steps into the
+    run's artifacts; the driver and rank 0 log system metrics; TensorBoard event files too. The final model is
+    registered, and evaluated through the registry."""
+    marker, registered = tmp_path / "hung-once", f"mnist-ddp-{tmp_path.name}"
     env = pipeline_env(mlflow_server, ray_head)
     runtime_env = {"excludes": ["/.venv", "/.git", "/data", "/outputs", "/mlflow.db", "/mlartifacts"],
                    "env_vars": {k: env[k] for k in ("MLFLOW_TRACKING_URI", "OMP_NUM_THREADS",
@@ -39,7 +41,8 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
            "--runtime-env-json", json.dumps(runtime_env), "--",
            "rtp", "train", f"data.path={tiny_mnist}", "trainer.epochs=3",
            f"run.storage_path={tmp_path / 'ray'}", f"run.dump_params_dir={tmp_path / 'params'}", *TINY,
-           "fault.max_failures=1", "fault.inject_at_epoch=2", f"fault.inject_marker={marker}",
+           "fault.max_failures=1", "fault.hang_timeout_s=10", "fault.inject_hang_at_step=20",
+           f"fault.inject_marker={marker}",
            f"run.register_model={registered}", "trainer.profile_steps=2", "run.system_metrics_interval_s=1",
            "run.tensorboard=true"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -63,8 +66,23 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
     assert datasets["training"].digest != datasets["eval"].digest
     assert datasets["training"].source == json.dumps({"uri": tiny_mnist.resolve().as_uri()})
     assert [c["name"] for c in json.loads(datasets["eval"].schema)["mlflow_colspec"]] == ["image", "label"]
-    assert marker.read_text().startswith("failed at epoch 2 in rank 1")
+    assert marker.read_text().startswith("hung at step 20 in rank 1")
     assert run.data.tags["resumed_from_epoch"] == "1"  # restarted from epoch 1's checkpoint, not from scratch
+    assert run.data.tags["hang"].startswith("hang: no rank advanced for 1")  # 10 s, and at most an interval more
+    assert "stuck: rank 1 (rank 0 at epoch 2 step 4 (step); rank 1 at epoch 2 step 4 (data))" in run.data.tags["hang"]
+    assert "hang: no rank advanced" in proc.stdout  # the driver says what happened
+    stacks = {a.path: a for a in client.list_artifacts(run_id, "hang")}
+    assert {"hang/rank0.txt", "hang/rank1.txt"} <= set(stacks)
+    stuck = open(client.download_artifacts(run_id, "hang/rank1.txt", str(tmp_path))).read()
+    assert "in maybe_inject_hang" in stuck and "in barrier" in stuck  # the frame it blocks in
+    # Goodput: the hang's 10 s (and the restart) are in the rest; the parts add up to the wall time.
+    metrics = client.get_run(run_id).data.metrics
+    parts = [metrics[f"goodput.{part}_s"] for part in ("training", "epoch_end", "startup", "other")]
+    assert sum(parts) == pytest.approx(metrics["goodput.wall_s"])
+    assert metrics["goodput.other_s"] >= 10 and min(parts) > 0
+    assert metrics["goodput"] == pytest.approx(metrics["goodput.training_s"] / metrics["goodput.wall_s"])
+    assert "goodput " in proc.stdout and metrics["tflops_per_rank"] > 0 and "mfu" not in metrics  # CPUs: no peak
+    assert float(run.data.tags["model.flops_per_sample"]) == 2 * 2 * 784 * 64 + 3 * 2 * 64 * 10  # the MLP, counted
     for name in EPOCH_METRICS:
         assert metric_steps(client, run_id, name) == [1, 2, 3], name  # every epoch exactly once
     losses = [m.value for m in sorted(client.get_metric_history(run_id, "train_loss"), key=lambda m: m.step)]

@@ -167,6 +167,19 @@ def test_rank0_logs_where_the_startup_went_once_after_its_first_step(tmp_path):
     assert not [name for name in plain[1] if name.startswith("startup.")]
 
 
+def test_rank0_logs_the_achieved_flops_and_mfu_each_epoch(tmp_path):
+    """`tflops_per_rank` from the model's FLOPs per sample and the epoch's samples/s; `mfu` only with a peak."""
+    run = lambda ctx: TrainLoop(LineAdapter(), replace(ctx, flops_per_sample=3e9, peak_flops=1e12)).run()  # noqa
+    attempt = run_attempt(run, 0, 1, 2, tmp_path / "a")
+    for epoch in (1, 2):
+        achieved = 3e9 * attempt.recorder.epochs[epoch]["samples_per_s"]
+        assert attempt.recorder.extras[epoch]["tflops_per_rank"] == pytest.approx(achieved / 1e12)
+        assert attempt.recorder.extras[epoch]["mfu"] == pytest.approx(achieved / 1e12)
+    run = lambda ctx: TrainLoop(LineAdapter(), replace(ctx, flops_per_sample=3e9)).run()  # noqa: E731
+    extras = run_attempt(run, 0, 1, 1, tmp_path / "b").recorder.extras[1]
+    assert "tflops_per_rank" in extras and "mfu" not in extras  # a CPU: no peak to divide by
+
+
 def test_checkpoint_schema_of_a_stopped_epoch(tmp_path):
     """train_state.json: the last finished epoch, its metrics, and the stopped epoch's totals."""
     run = lambda ctx: TrainLoop(LineAdapter(), ctx).run()  # noqa: E731

@@ -48,6 +48,21 @@ def test_speedup_and_efficiency_against_the_one_worker_trial_of_the_same_backend
     assert by_name["d2"]["test_accuracy"] == 0.8 and by_name["d2"]["train_loss"] == 0.5
 
 
+def test_flop_columns_only_where_trials_logged_them():
+    """A CPU sweep's trials log `tflops_per_rank` and no `mfu` (no peak to divide by): the report shows the
+    first, its mean after the first epoch, and leaves the other out."""
+    from pipelines.sweep.report import shown_columns
+
+    trials = [record("d1", "ddp", 1, [1.0, 100.0], [0.5, 0.6]), record("d2", "ddp", 2, [1.0, 150.0], [0.5, 0.8])]
+    trials[1].history["tflops_per_rank"] = [0.1, 0.3, 0.5]
+    rows = [summarise(t, target_accuracy=0.75) for t in trials]
+    assert rows[1]["tflops_per_rank"] == pytest.approx(0.4) and rows[0]["tflops_per_rank"] is None
+    columns = shown_columns(rows)
+    assert "tflops_per_rank" in columns and "mfu" not in columns
+    trials[0].history["mfu"] = [0.2, 0.4]
+    assert "mfu" in shown_columns([summarise(t, target_accuracy=0.75) for t in trials])
+
+
 def test_best_row_by_metric_and_mode_skips_missing_values():
     rows = [{"trial": "a", "speedup": None, "train_loss": 0.3}, {"trial": "b", "speedup": 1.5, "train_loss": 0.2},
             {"trial": "c", "speedup": 1.2, "train_loss": float("nan")}]

@@ -63,6 +63,7 @@ def report_each_epoch(keras: Any, loop: TrainLoop, adapter: FitAdapter) -> Any:
         def on_epoch_begin(self, epoch, logs=None):  # Keras counts epochs from 0
             if ctx.before_epoch is not None:
                 ctx.before_epoch(epoch + 1)
+            ctx.progress.at(epoch + 1, 0, "fit")  # no step marks inside `fit`: the hang watcher waits it out
             self.start = time.perf_counter()
 
         def on_epoch_end(self, epoch, logs=None):

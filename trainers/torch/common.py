@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from contract.checkpoint import TrainState
 from contract.data import DataSchema
+from contract.flops import peak_flops
 from contract.metrics import AsyncReducer, PendingReduce, peak_rss_bytes
 from trainers.adapter import Adapter, WorkerData
 from trainers.loop import WorkerContext, train
@@ -316,7 +318,10 @@ def run_on_ray(config: dict[str, Any], run_worker: RunWorker) -> None:
 
     cfg = worker_config(config)
     torch.set_num_threads(cfg.trainer.threads_per_worker)
-    ctx = ray_context(config, cfg, device=ray.train.torch.get_device())
+    device = ray.train.torch.get_device()
+    ctx = ray_context(config, cfg, device=device)
+    if device.type == "cuda":  # the device's peak, for `mfu`
+        ctx = replace(ctx, peak_flops=peak_flops(torch.cuda.get_device_name(device), cfg.trainer.precision))
     inputs = worker_inputs(config)
     run_worker(cfg, ctx, WorkerData(inputs, lambda seed: worker_shards(cfg, inputs, seed)))
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -344,10 +345,11 @@ def run_worker(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """The chief runs the loop; every other role serves (trainers/tf/ps/backend.py)."""
-    from trainers.worker import dataset_shards, ray_context, worker_config, worker_inputs
+    from contract.tracking import run_dir
+    from trainers.worker import dataset_shards, ray_context, watch_for_hangs, worker_config, worker_inputs
 
     cfg = worker_config(config)
-    ctx = ray_context(config, cfg)
+    ctx = ray_context(config, cfg, watch=False)  # the servers run no loop: the chief watches itself alone
     inputs = worker_inputs(config)
     kind, index = task_of_this_worker()
     if kind != CHIEF:
@@ -362,6 +364,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         evaluation.load_s += waited_s
         return chief.shards(cfg.trainer.num_workers), evaluation
     try:
+        # The chief alone runs the loop: its own hang watcher, as the one rank of the run.
+        ctx = replace(ctx, progress=watch_for_hangs(cfg.fault, run_dir(cfg.run.storage_path, config["run_id"]), 0, 1))
         run_worker(cfg, chief.context(ctx, cfg.fault), WorkerData(inputs, shards))
     finally:
         chief.post("done")

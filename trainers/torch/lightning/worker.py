@@ -171,6 +171,7 @@ class HandToLoop(pl.Callback):
         if loop.ctx.before_epoch is not None:
             loop.ctx.before_epoch(self.epoch)
         self.totals = loop.state.totals_for(self.epoch, loop.ctx.rank)
+        loop.ctx.progress.at(self.epoch, self.totals.steps + 1, "step")
         self.loader.wait_s = 0.0
         self.bar = loop.open_step_bar(self.epoch, self.totals.steps)
         loop.start_profile(self.epoch)
@@ -184,6 +185,7 @@ class HandToLoop(pl.Callback):
         totals.samples += len(batch[1])
         totals.steps += 1
         totals.tokens += self.loader.tokens.popleft()
+        loop.ctx.progress.at(self.epoch, totals.steps + 1, "step")
         loop.log_step_loss(self.epoch, totals.steps, loss)
         if loop.diverged_at is not None:  # every rank at once: each settled the same all-reduced losses
             self._end(trainer)

@@ -1,0 +1,37 @@
+"""A run's training FLOPs per sample (contract/flops.py says what they are for), framework-free until it counts."""
+from __future__ import annotations
+
+from typing import Any
+
+from contract.data import DataSchema
+from contract.registry import BACKENDS, MODELS, resolve
+
+
+def flops_per_sample(model_cfg: Any, inputs: DataSchema) -> float | None:
+    """The model spec's own count (`ModelSpec.flops_per_sample`), else one counted on its PyTorch model
+    (trainers/torch/flops.py); None for a model with neither (a Keras-only spec) or where PyTorch is not installed."""
+    spec = MODELS.get(model_cfg.name)
+    if spec.flops_per_sample is not None:
+        return float(resolve(spec.flops_per_sample)(model_cfg, inputs))
+    if spec.torch is None:
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    from trainers.models import build_model
+    from trainers.torch.flops import training_flops_per_sample
+
+    with torch.random.fork_rng():  # the run's own draws stay as they were
+        torch.manual_seed(0)
+        return training_flops_per_sample(build_model(model_cfg, inputs, seed=0), inputs)
+
+
+def run_flops_per_sample(cfg: Any, inputs: DataSchema) -> float | None:
+    """A run's: counted only where the backend trains with PyTorch (its driver has PyTorch loaded already), else
+    the spec's own figure if it gives one."""
+    spec = MODELS.get(cfg.model.name)
+    framework = cfg.trainer.get("framework") or BACKENDS.get(cfg.trainer.backend).frameworks[0]
+    if framework != "torch" and spec.flops_per_sample is None:
+        return None
+    return flops_per_sample(cfg.model, inputs)

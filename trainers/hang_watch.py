@@ -1,0 +1,79 @@
+"""Each Ray Train worker's hang watcher (contract/hang.py says what it decides): a daemon thread that publishes this
+rank's position, reads the others', and, once no rank has moved for `fault.hang_timeout_s`, dumps this process's
+stacks into the run's `hang/rank<r>.txt` (Python's `faulthandler` for every thread, then py-spy's native frames
+where py-spy can attach), writes the verdict and ends the process, which fails the attempt. Framework-free: a
+thread stuck in a collective releases the GIL, so the watcher runs beside it."""
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from contract.hang import (HANG_DIR, HANG_EXIT_CODE, UNWATCHED, HangVerdict, Position, Progress, publish,
+                           read_positions, write_atomically)
+
+PY_SPY_TIMEOUT_S = 30.0
+
+
+class HangWatch:
+    """Watches `progress` (this rank's) with the other ranks' positions under `folder` (the run's, shared)."""
+
+    def __init__(self, progress: Progress, folder: Path, rank: int, world_size: int, timeout_s: float, attempt: str):
+        self.progress, self.folder, self.rank, self.world_size = progress, folder, rank, world_size
+        self.timeout_s, self.attempt = timeout_s, attempt
+        self.interval_s = min(max(timeout_s / 10, 0.5), 5.0)
+        self.thread = threading.Thread(target=self._watch, name="hang-watch", daemon=True)
+
+    def start(self) -> "HangWatch":
+        self.thread.start()
+        return self
+
+    def _watch(self) -> None:
+        published: Position | None = None
+        seen: dict[int, Position] = {}
+        changed = time.monotonic()
+        while True:
+            time.sleep(self.interval_s)
+            where = self.progress.position()
+            if where != published:
+                publish(self.folder, self.rank, self.attempt, where)
+                published = where
+            positions = {**read_positions(self.folder, self.attempt, self.world_size), self.rank: where}
+            now = time.monotonic()
+            if positions != seen or any(p.phase in UNWATCHED for p in positions.values()):
+                seen, changed = positions, now
+            elif now - changed >= self.timeout_s:
+                self._fire(HangVerdict(now - changed, self.world_size, positions))
+
+    def _fire(self, verdict: HangVerdict) -> None:
+        """Stacks, verdict, then end this process (Ray Train sees the worker die and restarts the attempt)."""
+        hang = self.folder / HANG_DIR
+        hang.mkdir(parents=True, exist_ok=True)
+        stacks = hang / f"rank{self.rank}.txt"
+        with open(stacks, "w") as out:
+            out.write(f"rank {self.rank}, pid {os.getpid()}: {verdict.line()}\n\nPython stacks (faulthandler):\n")
+            out.flush()
+            faulthandler.dump_traceback(out, all_threads=True)
+            out.write(native_stacks())
+        write_atomically(hang / f"verdict-{self.attempt}.json", json.dumps(verdict.to_dict()))
+        print(verdict.line(), flush=True)
+        os._exit(HANG_EXIT_CODE)
+
+
+def native_stacks() -> str:
+    """py-spy's dump of this process with native frames, when py-spy is installed and may attach (ptrace)."""
+    py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if py_spy is None:
+        return "\n(py-spy is not installed: no native frames)\n"
+    try:
+        done = subprocess.run([py_spy, "dump", "--native", "--pid", str(os.getpid())], capture_output=True,
+                              text=True, timeout=PY_SPY_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"\n(py-spy failed: {err})\n"
+    return f"\npy-spy dump --native:\n{done.stdout}{done.stderr}"

@@ -1,0 +1,42 @@
+"""FLOPs of one training sample, counted by running it: torch's `FlopCounterMode` over a forward pass, the loss
+and the backward pass of a small batch of the model's own input shape (a token model at its full `max_len`: the
+padded length, what a batch of full rows costs). Matrix products and convolutions count, as 2 FLOPs per
+multiply-add; element-wise work (activations, norms, the optimizer) does not, as in the usual MFU accounting."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from contract.data import DataSchema
+
+EXAMPLE_ROWS = 2
+
+
+def example_batch(inputs: DataSchema, rows: int = EXAMPLE_ROWS) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """(model inputs, targets) of `rows` rows as the workers feed them (contract/data.py `Features`)."""
+    features = inputs.features
+    if features.kind == "tokens":
+        ids = torch.ones(rows, features.width, dtype=torch.int64)  # every position a real token
+        model_inputs: tuple[torch.Tensor, ...] = (ids, torch.ones(rows, features.width, dtype=torch.bool))
+    else:
+        model_inputs = (torch.zeros(rows, features.width),)
+    regression = inputs.target.task == "regression"
+    targets = torch.zeros(rows) if regression else torch.zeros(rows, dtype=torch.int64)
+    return model_inputs, targets
+
+
+def training_flops_per_sample(model: nn.Module, inputs: DataSchema) -> float:
+    """Forward and backward FLOPs of one sample of `model` (in training mode; its gradients are left zeroed)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model_inputs, targets = example_batch(inputs)
+    model.train()
+    with FlopCounterMode(display=False) as counter:
+        outputs = model(*model_inputs)
+        if inputs.target.task == "regression":  # as trainers/torch/common.py task_loss
+            loss = nn.functional.mse_loss(outputs.reshape(targets.shape).float(), targets)
+        else:
+            loss = nn.functional.cross_entropy(outputs, targets)
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops() / len(targets)
