@@ -169,6 +169,7 @@ class FaultConfig:
     max_failures: int = 1             # Ray Train restarts the workers from the last checkpoint this often
     resource_timeout_s: float = 600.0  # fail a run whose workers wait longer for the cluster's CPUs/GPUs; 0: wait
     hang_timeout_s: float = 600.0     # no rank advancing this long fails the attempt, stacks in hang/; 0: off
+    collective_timeout_s: float = 1800.0  # PyTorch backends: the process group's own timeout of a collective
     inject_at_epoch: Optional[int] = None  # testing: the last rank raises once at this epoch ...
     inject_marker: Optional[str] = None    # ... unless this file exists (created when the failure fires)
     inject_hang_at_step: Optional[int] = None  # testing: the last rank blocks in a collective at this global

@@ -16,11 +16,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 # Phases in the order a step, then an epoch's end, goes through them.
 PHASES = ("start", "restore", "data", "step", "evaluate", "metrics", "checkpoint")
-# A phase with no progress marks inside it (Keras `fit` runs its epoch in one call): the watcher waits it out.
-UNWATCHED = ("fit",)
+# Phases the watcher waits out: a worker's start before its loop (pulling its data shard, building the model: as
+# long as the data is large), and Keras `fit`, which runs an epoch in one call with no marks inside.
+UNWATCHED = ("start", "fit")
 PROGRESS_DIR, HANG_DIR = "progress", "hang"
 HANG_EXIT_CODE = 75  # a worker that ended itself on a hang verdict
 
@@ -40,10 +42,13 @@ class Position:
 
 class Progress:
     """This rank's position, set by the loop, read by its watcher thread: one tuple assignment (atomic, and about
-    0.1 us: twice a step costs a step nothing measurable)."""
+    0.1 us: twice a step costs a step nothing measurable). `on_hang`: what a backend adds to the stacks when the
+    watcher fires, each called with (the run's hang/ folder, rank), e.g. NCCL's Flight Recorder."""
+    watched = True
 
     def __init__(self) -> None:
         self.where = (0, 0, "start")
+        self.on_hang: list[Callable[[Path, int], None]] = []
 
     def at(self, epoch: int, step: int, phase: str) -> None:
         self.where = (epoch, step, phase)
@@ -54,6 +59,7 @@ class Progress:
 
 class NoProgress(Progress):
     """Where nothing watches (in-process tests, hang_timeout_s=0)."""
+    watched = False
 
     def at(self, epoch: int, step: int, phase: str) -> None:
         pass

@@ -62,6 +62,8 @@ def check_values(cfg: DictConfig) -> None:
                           f"got {cfg.fault.resource_timeout_s}")
     if cfg.fault.hang_timeout_s < 0:
         raise ConfigError(f"fault.hang_timeout_s: must be >= 0 (0: off), got {cfg.fault.hang_timeout_s}")
+    if cfg.fault.collective_timeout_s < 1:
+        raise ConfigError(f"fault.collective_timeout_s: must be >= 1, got {cfg.fault.collective_timeout_s}")
     if cfg.fault.inject_hang_at_step is not None and not cfg.fault.inject_marker:
         raise ConfigError("fault.inject_hang_at_step: needs fault.inject_marker (the hang fires once)")
     if cfg.run.system_metrics_interval_s < 1:  # a request per sample per process: more would flood the server

@@ -70,7 +70,7 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
     backend = get_backend(cfg.trainer.backend)
     inputs = DataSchema.from_manifest(read_manifest(cfg.data.path))
     if materialized is not None:
-        datasets = materialized.result()
+        datasets = materialized.result(cfg.fault.resource_timeout_s or None)
     if cfg.fault.resource_timeout_s > 0:  # read by Ray Train's controller (trainers/worker.py: run_config)
         os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.fault.resource_timeout_s)
     # Ray Train's preemption watcher (an actor per run, a second of CPU to start) polls Ray for nodes being drained
@@ -231,13 +231,12 @@ def replay_run(folder: Path, uri: str | None = None) -> str:
 
 
 def log_hangs(uri: str, run_id: str, run_folder: Path) -> str | None:
-    """The hang watchdog's verdicts and stacks of this fit's attempts (contract/hang.py) into the MLflow run; the
-    last verdict's line, or None when no attempt hung."""
-    verdicts = read_verdicts(run_folder)
-    if not verdicts:
-        return None
-    tracking.log_hangs(uri, run_id, run_folder / HANG_DIR, [v["line"] for v in verdicts])
-    return verdicts[-1]["line"]
+    """The hang watchdog's verdicts and stacks of this fit's attempts (contract/hang.py), and NCCL's Flight
+    Recorder dumps, into the MLflow run; the last verdict's line, or None when no attempt hung."""
+    verdicts, folder = read_verdicts(run_folder), run_folder / HANG_DIR
+    if folder.is_dir() and any(folder.iterdir()):  # stacks, verdicts, NCCL Flight Recorder dumps
+        tracking.log_hangs(uri, run_id, folder, [v["line"] for v in verdicts])
+    return verdicts[-1]["line"] if verdicts else None
 
 
 def resource_wait(err: Exception, cfg: DictConfig) -> str | None:

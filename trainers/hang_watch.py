@@ -61,6 +61,11 @@ class HangWatch:
             out.flush()
             faulthandler.dump_traceback(out, all_threads=True)
             out.write(native_stacks())
+            for dump in self.progress.on_hang:
+                try:
+                    dump(hang, self.rank)
+                except Exception as err:  # the stacks are written; a backend's extra is best effort
+                    out.write(f"\n({getattr(dump, '__name__', dump)} failed: {type(err).__name__}: {err})\n")
         write_atomically(hang / f"verdict-{self.attempt}.json", json.dumps(verdict.to_dict()))
         print(verdict.line(), flush=True)
         os._exit(HANG_EXIT_CODE)

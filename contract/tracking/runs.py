@@ -127,7 +127,8 @@ def log_hangs(uri: str, run_id: str, folder: Path, lines: list[str]) -> None:
     line in the `hang` tag."""
     client = mlflow_client(uri)
     client.log_artifacts(run_id, str(folder), "hang")
-    client.set_tag(run_id, "hang", " | ".join(lines)[:5000])
+    if lines:
+        client.set_tag(run_id, "hang", " | ".join(lines)[:5000])
 
 
 def end_run(uri: str, run_id: str, error: str | None = None) -> None:

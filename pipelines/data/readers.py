@@ -3,6 +3,7 @@ data its workers cache (`Materializing`)."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,17 @@ def parquet_datasets(data_dir: str | Path, splits: dict[str, str], progress: str
     return {name: read_parquet(shard_paths(data_dir, manifest, split), progress) for name, split in splits.items()}
 
 
+class ResourceWait(RuntimeError):
+    """The cluster had no room for the work within `fault.resource_timeout_s`."""
+
+
+def free_cpus() -> str:
+    import ray
+
+    return f"{ray.available_resources().get('CPU', 0):g} of the cluster's {ray.cluster_resources().get('CPU', 0):g} " \
+           f"CPUs free now"
+
+
 class Materializing:
     """`datasets` being read whole into Ray's object store, in file order, by helper threads of the driver (one per
     dataset, so that their reads overlap too); `result()` waits and gives {name: `MaterializedDataset`}. The ordered
@@ -58,9 +70,17 @@ class Materializing:
         except BaseException as err:  # raised again in the caller's thread
             self.outcome[name] = err
 
-    def result(self) -> dict:
+    def result(self, timeout_s: float | None = None) -> dict:
+        """Waits at most `timeout_s` (None: as long as it takes); ResourceWait when a read is still under way then:
+        Ray Data's read tasks wait for free CPUs as Ray Train's workers do (`fault.resource_timeout_s`)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for thread in self.threads:
-            thread.join()
+            thread.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+        unread = [thread.name.removeprefix("materialize-") for thread in self.threads if thread.is_alive()]
+        if unread:
+            raise ResourceWait(f"Ray Data did not read the {' and '.join(unread)} shards within "
+                               f"fault.resource_timeout_s={timeout_s:g} s: its read tasks wait for free CPUs "
+                               f"({free_cpus()}); other jobs hold the rest (0: wait)")
         for outcome in self.outcome.values():
             if isinstance(outcome, BaseException):
                 raise outcome

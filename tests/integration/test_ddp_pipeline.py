@@ -17,6 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from contract.metrics import EPOCH_METRICS
 from contract.tracking import FINAL_FILE, spooled
+from pipelines.data.readers import Materializing, ResourceWait, parquet_datasets
 from tests.conftest import (ROOT, check_finished_run, ctrl_c, evaluate_ok, free_port, interruptible, metric_steps,
                             pipeline_env, ray_init_on, read_split, run_id_from, run_pipeline, start_mlflow_server,
                             stop_mlflow_server, wait_until)
@@ -278,7 +279,8 @@ def test_a_run_waiting_for_a_busy_cluster_ctrl_c_kills_it_and_the_timeout_fails_
     """Another job holds 5 of the session cluster's 6 CPUs, so a run's 2 workers cannot start. Ctrl-C while Ray
     Train waits for them: it aborts the run within seconds, the driver exits 1 with one line, and the MLflow run is
     KILLED with an `interrupted` tag (not FAILED, not left RUNNING). `fault.resource_timeout_s`: the run fails
-    (FAILED, exit 1) with one line naming what it needed and what is free."""
+    (FAILED, exit 1) with one line naming what it needed and what is free; with every CPU held, the driver's read
+    of the shards (Ray Data's tasks) gives up after the timeout too."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -297,8 +299,18 @@ def test_a_run_waiting_for_a_busy_cluster_ctrl_c_kills_it_and_the_timeout_fails_
             _, err = ctrl_c(waiting, 120)
         timed_out = run_pipeline([*args, "fault.resource_timeout_s=5"], env)
         remove_placement_group(other_job)
+        # Every CPU held: the driver's own Ray Data read of the shards waits too, as long as the timeout says.
+        all_cpus = placement_group([{"CPU": ray.cluster_resources()["CPU"]}])
+        ray.get(all_cpus.ready(), timeout=120)
+        reading = Materializing(parquet_datasets(str(tiny_mnist), {"train": "train", "eval": "test"}, "off"))
+        with pytest.raises(ResourceWait) as unread:
+            reading.result(timeout_s=3)
+        remove_placement_group(all_cpus)
     finally:
         ray.shutdown()
+    assert re.fullmatch(r"Ray Data did not read the train and eval shards within fault.resource_timeout_s=3 s: its "
+                        r"read tasks wait for free CPUs \(0 of the cluster's \d+ CPUs free now\); other jobs hold the "
+                        r"rest \(0: wait\)", str(unread.value)), str(unread.value)
     assert waiting.returncode == 1, err[-3000:]
     assert "error: interrupted (SIGINT); the MLflow run is KILLED" in err.splitlines()
     run = client.get_run(interrupted)

@@ -1,8 +1,9 @@
 """The example user projects (examples/wine, examples/shapes) end to end, as a user runs them from their own
 folder with `rtp`: a plugin module registers a model and a dataset, which the Ray workers import too.
-Through ddp on the wine table (3 cultivars named by strings): selected on the validation split, scored once on
-the test split, evaluated and used to predict; through tf_mwms on a 5-class table prepared by `rtp prepare table`,
-whose predictions carry the class names; the shapes project's pictures and CNN through `ray job submit`."""
+The shapes project's pictures and CNN through ddp, submitted with `ray job submit`: selected on the validation
+split, scored once on the test split, evaluated and used to predict; the wine project's dataset prepared by its
+plugin, and its model through tf_mwms on a 5-class table prepared by `rtp prepare table`, whose predictions
+carry the class names."""
 from __future__ import annotations
 
 import json
@@ -52,38 +53,15 @@ def five_classes(folder) -> None:
     (folder / "trees.csv").write_text("\n".join(["girth,height,bark,leaf,species", *rows]) + "\n")
 
 
-def test_the_example_project_trains_evaluates_and_predicts_with_ddp(project, tmp_path, mlflow_server, ray_head):
+def test_a_five_class_table_trains_with_tf_mwms_and_predicts_names(project, tmp_path, mlflow_server, ray_head):
+    """The wine project's own dataset prepared by its plugin (3 cultivars named by strings, validation and test
+    carved); then its model through tf_mwms on a 5-class table prepared by `rtp prepare table`."""
     env = pipeline_env(mlflow_server, ray_head)
     rtp(["prepare", "--plugin", "wine_project", "wine"], project, env)
-    proc = rtp(["train", PLUGIN, "data=wine", "model=wine_net", "trainer=ddp", *SMALL,
-                f"run.storage_path={tmp_path / 'ray'}"], project, env)
-    run_id = run_id_from(proc.stdout)
-    client = MlflowClient(mlflow_server)
-    check_finished_run(client, run_id, "ddp", 4)
-    run = client.get_run(run_id)
-    assert run.data.params["data.name"] == "wine" and run.data.params["model.name"] == "wine_net"
-    assert run.data.metrics["test_accuracy"] > 0.5  # 3 cultivars: a third by chance
-
-    assert run.data.params["data.eval_split"] == "validation"  # model selection never saw the test split ...
-    assert run.data.metrics["final_test_rows"] == 36  # ... which scored the chosen model once, at the end
-    evaluation = client.get_run(run_id_from(rtp(["evaluate", f"model={run_id}", "data.split=test"], project,
-                                                env).stdout))
-    assert evaluation.data.metrics["test_rows"] == 36
-    assert evaluation.data.metrics["test_accuracy"] == pytest.approx(run.data.metrics["final_test_accuracy"])
-    header = client.download_artifacts(evaluation.info.run_id, "confusion_matrix.csv", str(tmp_path))
-    assert open(header).readline().strip() == "# barbera,barolo,grignolino"  # the manifest's class names, sorted
-
-    output = tmp_path / "wine.parquet"
-    rtp(["predict", f"model={run_id}", "input=wine.csv", f"output={output}"], project, env)
-    predictions = pq.read_table(output).to_pydict()
-    assert len(predictions["label"]) == 178
-    assert set(predictions["label"]) <= {"barolo", "barbera", "grignolino"}
-    names = ["barbera", "barolo", "grignolino"]
-    assert [names[i] for i in predictions["prediction"]] == predictions["label"]
-
-
-def test_a_five_class_table_trains_with_tf_mwms_and_predicts_names(project, tmp_path, mlflow_server, ray_head):
-    env = pipeline_env(mlflow_server, ray_head)
+    wine = json.loads((project / "data" / "wine" / "manifest.json").read_text())
+    assert {split: info["rows"] for split, info in wine["splits"].items()} == {"train": 106, "validation": 36,
+                                                                               "test": 36}
+    assert wine["target"]["classes"] == ["barbera", "barolo", "grignolino"]  # the label strings, sorted
     five_classes(project)
     out = project / "data" / "trees"
     rtp(["prepare", "table", "--source", "trees.csv", "--features", "girth", "height", "bark", "leaf", "--label",
@@ -128,6 +106,15 @@ def test_an_image_project_submitted_as_a_ray_job_trains_and_predicts_names(tmp_p
     run = client.get_run(run_id)
     assert run.data.params["data.name"] == "shapes" and run.data.params["model.name"] == "shape_net"
     assert run.data.metrics["test_accuracy"] > 0.6  # 3 shapes: a third by chance
+
+    assert run.data.params["data.eval_split"] == "validation"  # model selection never saw the test split ...
+    assert run.data.metrics["final_test_rows"] == 36  # ... which scored the chosen model once, at the end
+    evaluation = client.get_run(run_id_from(rtp(["evaluate", f"model={run_id}", "data.split=test"], project,
+                                                env).stdout))
+    assert evaluation.data.metrics["test_rows"] == 36
+    assert evaluation.data.metrics["test_accuracy"] == pytest.approx(run.data.metrics["final_test_accuracy"])
+    header = client.download_artifacts(evaluation.info.run_id, "confusion_matrix.csv", str(tmp_path))
+    assert open(header).readline().strip() == "# box,cross,disc"  # the manifest's class names, sorted
 
     output = tmp_path / "discs.parquet"
     rtp(["predict", f"model={run_id}", "input=images/disc", f"output={output}"], project, env)

@@ -57,7 +57,14 @@ from trainers.hang_watch import HangWatch
 def stuck_in_a_collective(event):
     event.wait()  # nobody sets it
 
+def flight_recorder(folder, rank):  # what a backend adds to the stacks (NCCL's record, on GPUs)
+    (folder / f"extra_rank_{rank}").write_text("collectives")
+
+def broken(folder, rank):
+    raise RuntimeError("no record here")
+
 progress = Progress()
+progress.on_hang += [broken, flight_recorder]
 progress.at(1, 3, "step")
 HangWatch(progress, Path(sys.argv[1]), 0, 1, 1.0, "attempt").start()
 stuck_in_a_collective(threading.Event())
@@ -71,6 +78,8 @@ def test_the_watcher_dumps_the_stacks_and_ends_a_process_that_hangs(tmp_path):
     assert proc.stdout.startswith("hang: no rank advanced for 1 s; stuck: rank 0 (rank 0 at epoch 1 step 3 (step))")
     stacks = (tmp_path / "hang" / "rank0.txt").read_text()
     assert "in stuck_in_a_collective" in stacks  # the main thread's frame where it blocks
+    assert "(broken failed: RuntimeError: no record here)" in stacks  # a backend's extra is best effort ...
+    assert (tmp_path / "hang" / "extra_rank_0").read_text() == "collectives"  # ... and the next one still runs
     [verdict] = read_verdicts(tmp_path)
     assert verdict["stuck"] == [0] and verdict["positions"] == {"0": [1, 3, "step"]}
     assert json.loads((tmp_path / "progress" / "rank0.json").read_text())["where"] == [1, 3, "step"]

@@ -7,7 +7,7 @@ them."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -39,10 +39,12 @@ class CudaDeviceContext:
 @dataclass
 class TorchGroupConfig(BackendConfig):
     """What `TorchConfig` sets up: a torch process group (gloo on CPU, NCCL on GPU, `env://` rendezvous at rank
-    0). `backend`: "gloo" or "nccl"; `timeout_s`: the process group's collective timeout."""
+    0). `backend`: "gloo" or "nccl"; `timeout_s`: the process group's collective timeout (`fault.collective_timeout_s`);
+    `env`: set in every worker before the group is made (NCCL's Flight Recorder: `flight_recorder_env`)."""
 
     backend: str = "gloo"
     timeout_s: int = 1800
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def backend_cls(self) -> type:
@@ -57,6 +59,13 @@ class TorchGroupConfig(BackendConfig):
         return TrainingFramework.TORCH
 
 
+def flight_recorder_env(hang_folder: str) -> dict[str, str]:
+    """NCCL's Flight Recorder on (PyTorch's record of each rank's last collectives), its dump on a collective's
+    timeout written into the run's hang/ folder (`nccl_trace_rank_<r>`), which the driver logs to MLflow."""
+    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_FR_DUMP_TEMP_FILE": f"{hang_folder}/nccl_trace_rank_"}
+
+
 class TorchGroupBackend(Backend):
     """`ray.train.torch.config._TorchBackend`'s steps for a CPU or GPU worker group (no TPU slices)."""
 
@@ -66,6 +75,8 @@ class TorchGroupBackend(Backend):
         addr, port = worker_group.execute_single(0, get_address_and_port)
         worker_group.execute(set_env, {"MASTER_ADDR": addr, "MASTER_PORT": str(port)})  # where `env://` finds rank 0
         worker_group.execute(on_worker, TORCH, "_set_torch_distributed_env_vars")  # RANK, LOCAL_RANK, ... as torchrun's
+        if backend_config.env:
+            worker_group.execute(set_env, backend_config.env)
         size = len(worker_group)
         ray.get([worker_group.execute_single_async(rank, on_worker, TORCH, "_setup_torch_process_group",
                                                    backend=backend_config.backend, world_rank=rank, world_size=size,

@@ -294,13 +294,18 @@ def torch_trainer(loop: Callable[[dict], None], cfg: Any, datasets: dict, run_id
     trainers/torch/backend.py (the process group `TorchConfig` sets up, without torch in Ray Train's controller)."""
     from ray.train.torch import TorchTrainer
 
+    from contract.hang import HANG_DIR
+    from contract.tracking import run_dir
     from trainers.shard_data import shard_config
-    from trainers.torch.backend import TorchGroupConfig
+    from trainers.torch.backend import TorchGroupConfig, flight_recorder_env
 
+    nccl = cfg.trainer.use_gpu
+    env = flight_recorder_env(str(run_dir(cfg.run.storage_path, run_id) / HANG_DIR)) if nccl else {}
     return TorchTrainer(
         loop,
         train_loop_config=loop_config(cfg, run_id, tracking_uri, inputs),
-        torch_config=TorchGroupConfig(backend="nccl" if cfg.trainer.use_gpu else "gloo"),
+        torch_config=TorchGroupConfig(backend="nccl" if nccl else "gloo",
+                                      timeout_s=int(cfg.fault.collective_timeout_s), env=env),
         scaling_config=scaling_config(cfg),
         run_config=run_config(cfg, run_id, callbacks),
         datasets=datasets,
@@ -320,10 +325,20 @@ def run_on_ray(config: dict[str, Any], run_worker: RunWorker) -> None:
     torch.set_num_threads(cfg.trainer.threads_per_worker)
     device = ray.train.torch.get_device()
     ctx = ray_context(config, cfg, device=device)
-    if device.type == "cuda":  # the device's peak, for `mfu`
+    if device.type == "cuda":  # the device's peak, for `mfu`; NCCL's record of collectives, on a hang
         ctx = replace(ctx, peak_flops=peak_flops(torch.cuda.get_device_name(device), cfg.trainer.precision))
+        if ctx.progress.watched:
+            ctx.progress.on_hang.append(dump_flight_recorder)
     inputs = worker_inputs(config)
     run_worker(cfg, ctx, WorkerData(inputs, lambda seed: worker_shards(cfg, inputs, seed)))
+
+
+def dump_flight_recorder(hang_folder: Path, rank: int) -> None:
+    """NCCL's Flight Recorder of this rank (TORCH_NCCL_TRACE_BUFFER_SIZE, `flight_recorder_env`), written when the
+    hang watcher fires, before any collective's own timeout would dump it: the file `fr_trace` reads."""
+    from torch._C._distributed_c10d import _dump_nccl_trace
+
+    (hang_folder / f"nccl_trace_rank_{rank}").write_bytes(_dump_nccl_trace())
 
 
 def train_adapter(cfg: DictConfig, ctx: WorkerContext, adapter: TorchAdapter) -> bool:
