@@ -235,3 +235,45 @@ def test_compiled_cnn_on_the_gpu_trains_the_eager_step_losses(nccl, tmp_path):
     np.testing.assert_allclose(curves[True][:15], curves[False][:15], rtol=1e-4, atol=0)
     np.testing.assert_allclose(curves[True], curves[False], rtol=1e-2, atol=0)
     assert curves[True][-5:].mean() < curves[True][:5].mean()
+
+
+def test_flight_recorder_dumps_the_ranks_collectives_when_the_hang_watcher_fires(tmp_path, monkeypatch):
+    """NCCL's Flight Recorder, on as `trainers.torch.backend.flight_recorder_env` turns it on, records this rank's
+    collectives; `dump_flight_recorder` (what the hang watcher calls on a GPU rank) writes them where
+    `torch.distributed.flight_recorder.fr_trace` reads them, with the all-reduces made."""
+    import pickle
+
+    from trainers.torch.backend import flight_recorder_env
+    from trainers.torch.common import dump_flight_recorder
+
+    for key, value in flight_recorder_env(str(tmp_path)).items():
+        monkeypatch.setenv(key, value)  # before the group exists: NCCL reads them when it is made
+    torch.cuda.set_device(CUDA)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1,
+                            device_id=CUDA)
+    try:
+        for _ in range(3):
+            dist.all_reduce(torch.ones(4, device=CUDA))
+        torch.cuda.synchronize()
+        dump_flight_recorder(tmp_path, 0)
+    finally:
+        dist.destroy_process_group()
+    trace = pickle.loads((tmp_path / "nccl_trace_rank_0").read_bytes())
+    assert sum("all_reduce" in entry["profiling_name"] for entry in trace["entries"]) >= 3  # "nccl:all_reduce"
+
+
+def test_mfu_is_logged_against_the_gpus_peak(tmp_path, nccl):
+    """The loop's `tflops_per_rank` over the device's dense peak at the run's precision (contract/flops.py)."""
+    from contract.flops import peak_flops
+    from trainers.flops import flops_per_sample
+
+    peak = peak_flops(torch.cuda.get_device_name(CUDA), "fp32")
+    if peak is None:
+        pytest.skip(f"{torch.cuda.get_device_name(CUDA)} is not in contract/flops.py's table")
+    cfg = config(tmp_path / "cfg", MNIST)
+    flops = flops_per_sample(cfg.model, mnist_schema())
+    run = ddp_run(cfg)
+    attempt = run_attempt(lambda ctx: run(replace(ctx, device=CUDA, flops_per_sample=flops, peak_flops=peak)), 0, 1,
+                          1, tmp_path / "run")
+    extras = attempt.recorder.extras[1]
+    assert extras["mfu"] == pytest.approx(extras["tflops_per_rank"] * 1e12 / peak) and 0 < extras["mfu"] < 1
