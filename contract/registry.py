@@ -47,7 +47,7 @@ class ModelSpec:
     (default: each entry of the model's `nn.ModuleList`s). `check(cfg, inputs, trainer)` raises
     ValueError("model.<key>: why") for a config it cannot build, or a layout of `trainer` it does not split into
     (`inputs` is None when no data is known yet). `flops_per_sample(cfg, inputs)`: the training FLOPs of one
-    sample (contract/flops.py), when torch's FLOP counter on the `torch` model would miss some (trainers/flops.py)."""
+    sample (contract/flops.py), where the `torch` model cannot be counted on the meta device (trainers/flops.py)."""
     name: str
     config: type
     description: str = ""

@@ -9,7 +9,8 @@ from contract.registry import BACKENDS, MODELS, resolve
 
 def flops_per_sample(model_cfg: Any, inputs: DataSchema) -> float | None:
     """The model spec's own count (`ModelSpec.flops_per_sample`), else one counted on its PyTorch model
-    (trainers/torch/flops.py); None for a model with neither (a Keras-only spec) or where PyTorch is not installed."""
+    (trainers/torch/flops.py); None for a model with neither (a Keras-only spec), where PyTorch is not installed,
+    or where the model does not run on the meta device (an operator without a meta kernel: then give the count)."""
     spec = MODELS.get(model_cfg.name)
     if spec.flops_per_sample is not None:
         return float(resolve(spec.flops_per_sample)(model_cfg, inputs))
@@ -23,8 +24,10 @@ def flops_per_sample(model_cfg: Any, inputs: DataSchema) -> float | None:
     from trainers.torch.flops import training_flops_per_sample
 
     with torch.random.fork_rng():  # the run's own draws stay as they were
-        torch.manual_seed(0)
-        return training_flops_per_sample(build_model(model_cfg, inputs, seed=0), inputs)
+        try:
+            return training_flops_per_sample(lambda: build_model(model_cfg, inputs, seed=0), inputs)
+        except Exception:  # the user's model: any operator may lack a meta kernel; the run goes on without MFU
+            return None
 
 
 def run_flops_per_sample(cfg: Any, inputs: DataSchema) -> float | None:

@@ -124,17 +124,6 @@ def bert_sizes(cfg: Any) -> tuple[int, int, int]:
     return cfg.layers or layers, cfg.hidden or hidden, cfg.heads or heads
 
 
-def bert_flops(cfg: Any, inputs: DataSchema) -> float:
-    """Training FLOPs of one sample at the full length T: 3x the forward's matrix products (the backward computes
-    the gradients of both operands), which per block are the Q, K, V and output projections (8 T h^2), the MLP
-    (16 T h^2, 4h wide) and attention's two products (4 T^2 h), then the classifier (2 h C). Given here, not
-    counted: torch's FLOP counter does not see the fused attention kernel on CPUs."""
-    layers, hidden, _ = bert_sizes(cfg)
-    tokens = inputs.features.width
-    forward = layers * (24 * tokens * hidden ** 2 + 4 * tokens ** 2 * hidden) + 2 * hidden * inputs.target.outputs
-    return 3.0 * forward
-
-
 def check_embed_pool(cfg: Any, inputs: DataSchema | None, trainer: Any = None) -> None:
     _positive(embed_dim=cfg.embed_dim, hidden=cfg.hidden)
 
@@ -164,8 +153,7 @@ for _spec in (
     ModelSpec("bert", BertModelConfig, "BERT-style encoder classifier, tensor- and pipeline-parallel", ("tokens",),
               torch="trainers.models.bert:build_bert",
               tensor_parallel="trainers.models.bert_parallel:parallelize_bert",
-              pipeline_split="trainers.models.bert_parallel:split_stage", fsdp_blocks=bert_blocks, check=check_bert,
-              flops_per_sample=bert_flops),
+              pipeline_split="trainers.models.bert_parallel:split_stage", fsdp_blocks=bert_blocks, check=check_bert),
     ModelSpec("embed_pool", EmbedPoolConfig, "mean of the token embeddings, then an MLP", ("tokens",),
               torch="trainers.models.text:build_embed_pool", keras="trainers.models.keras_models:build_embed_pool",
               check=check_embed_pool),

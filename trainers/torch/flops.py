@@ -1,8 +1,13 @@
-"""FLOPs of one training sample, counted by running it: torch's `FlopCounterMode` over a forward pass, the loss
-and the backward pass of a small batch of the model's own input shape (a token model at its full `max_len`: the
-padded length, what a batch of full rows costs). Matrix products and convolutions count, as 2 FLOPs per
-multiply-add; element-wise work (activations, norms, the optimizer) does not, as in the usual MFU accounting."""
+"""FLOPs of one training sample, counted by running it on the meta device: torch's `FlopCounterMode` over a
+forward pass, the loss and the backward pass of a small batch of the model's own input shape (a token model at its
+full `max_len`: the padded length, what a batch of full rows costs). Meta tensors have shapes and no storage, so a
+model of any size is counted without its memory, and every operator runs through its reference decomposition
+(attention included, which the fused CPU kernel would hide from the counter). Matrix products and convolutions
+count, as 2 FLOPs per multiply-add; element-wise work (activations, norms, the optimizer) does not, as in the usual
+MFU accounting."""
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
@@ -13,7 +18,8 @@ EXAMPLE_ROWS = 2
 
 
 def example_batch(inputs: DataSchema, rows: int = EXAMPLE_ROWS) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """(model inputs, targets) of `rows` rows as the workers feed them (contract/data.py `Features`)."""
+    """(model inputs, targets) of `rows` rows as the workers feed them (contract/data.py `Features`), on the
+    current default device."""
     features = inputs.features
     if features.kind == "tokens":
         ids = torch.ones(rows, features.width, dtype=torch.int64)  # every position a real token
@@ -25,18 +31,19 @@ def example_batch(inputs: DataSchema, rows: int = EXAMPLE_ROWS) -> tuple[tuple[t
     return model_inputs, targets
 
 
-def training_flops_per_sample(model: nn.Module, inputs: DataSchema) -> float:
-    """Forward and backward FLOPs of one sample of `model` (in training mode; its gradients are left zeroed)."""
+def training_flops_per_sample(build: Callable[[], nn.Module], inputs: DataSchema) -> float:
+    """Forward and backward FLOPs of one sample of the model `build()` makes (in training mode), built and run on
+    the meta device; an operator without a meta kernel raises (NotImplementedError and the like)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    model_inputs, targets = example_batch(inputs)
-    model.train()
-    with FlopCounterMode(display=False) as counter:
-        outputs = model(*model_inputs)
-        if inputs.target.task == "regression":  # as trainers/torch/common.py task_loss
-            loss = nn.functional.mse_loss(outputs.reshape(targets.shape).float(), targets)
-        else:
-            loss = nn.functional.cross_entropy(outputs, targets)
-        loss.backward()
-    model.zero_grad(set_to_none=True)
+    with torch.device("meta"):
+        model = build().train()
+        model_inputs, targets = example_batch(inputs)
+        with FlopCounterMode(display=False) as counter:
+            outputs = model(*model_inputs)
+            if inputs.target.task == "regression":  # as trainers/torch/common.py task_loss
+                loss = nn.functional.mse_loss(outputs.reshape(targets.shape).float(), targets)
+            else:
+                loss = nn.functional.cross_entropy(outputs, targets)
+            loss.backward()
     return counter.get_total_flops() / len(targets)
