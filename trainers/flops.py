@@ -17,17 +17,15 @@ def flops_per_sample(model_cfg: Any, inputs: DataSchema) -> float | None:
     if spec.torch is None:
         return None
     try:
-        import torch
-    except ImportError:
+        from trainers.torch.flops import training_flops_per_sample
+    except ImportError:  # no PyTorch here
         return None
     from trainers.models import build_model
-    from trainers.torch.flops import training_flops_per_sample
 
-    with torch.random.fork_rng():  # the run's own draws stay as they were
-        try:
-            return training_flops_per_sample(lambda: build_model(model_cfg, inputs, seed=0), inputs)
-        except Exception:  # the user's model: any operator may lack a meta kernel; the run goes on without MFU
-            return None
+    try:
+        return training_flops_per_sample(lambda: build_model(model_cfg, inputs, seed=0), inputs)
+    except Exception:  # the user's model: any operator may lack a meta kernel; the run goes on without MFU
+        return None
 
 
 def run_flops_per_sample(cfg: Any, inputs: DataSchema) -> float | None:
