@@ -42,8 +42,11 @@ class HangWatch:
             time.sleep(self.interval_s)
             where = self.progress.position()
             if where != published:
-                publish(self.folder, self.rank, self.attempt, where)
-                published = where
+                try:
+                    publish(self.folder, self.rank, self.attempt, where)
+                    published = where
+                except OSError:  # shared storage away a moment: the next round publishes it
+                    pass
             positions = {**read_positions(self.folder, self.attempt, self.world_size), self.rank: where}
             now = time.monotonic()
             if positions != seen or any(p.phase in UNWATCHED for p in positions.values()):
