@@ -1,7 +1,8 @@
 """Each Ray Train worker's hang watcher (contract/hang.py says what it decides): a daemon thread that publishes this
-rank's position, reads the others', and, once no rank has moved for `fault.hang_timeout_s`, dumps this process's
-stacks into the run's `hang/rank<r>.txt` (Python's `faulthandler` for every thread, then py-spy's native frames
-where py-spy can attach), writes the verdict and ends the process, which fails the attempt. Framework-free: a
+rank's position, reads the others', and, once no rank has moved for `fault.hang_timeout_s`, writes the verdict,
+dumps this process's stacks into the run's `hang/rank<r>.txt` (Python's `faulthandler` for every thread, then
+py-spy's native frames where py-spy can attach) and ends the process, which fails the attempt. A watcher that sees
+another rank's verdict dumps its own stacks too, and each waits for the others' before ending. Framework-free: a
 thread stuck in a collective releases the GIL, so the watcher runs beside it."""
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import threading
 import time
 from pathlib import Path
 
-from contract.hang import (HANG_DIR, HANG_EXIT_CODE, UNWATCHED, HangVerdict, Position, Progress, publish,
-                           read_positions, write_atomically)
+from contract.hang import (HANG_DIR, HANG_EXIT_CODE, PROGRESS_DIR, UNWATCHED, HangVerdict, Position, Progress,
+                           publish, read_positions, write_atomically)
 
 PY_SPY_TIMEOUT_S = 30.0
 
@@ -40,6 +41,8 @@ class HangWatch:
         changed = time.monotonic()
         while True:
             time.sleep(self.interval_s)
+            if self.verdict_file.exists():  # another rank's watcher fired first: dump beside it
+                self._fire(None)
             where = self.progress.position()
             if where != published:
                 try:
@@ -54,13 +57,26 @@ class HangWatch:
             elif now - changed >= self.timeout_s:
                 self._fire(HangVerdict(now - changed, self.world_size, positions))
 
-    def _fire(self, verdict: HangVerdict) -> None:
-        """Stacks, verdict, then end this process (Ray Train sees the worker die and restarts the attempt)."""
+    @property
+    def verdict_file(self) -> Path:
+        return self.folder / HANG_DIR / f"verdict-{self.attempt}.json"
+
+    def dumped_marker(self, rank: int) -> Path:
+        return self.folder / PROGRESS_DIR / f"dumped-{self.attempt}-rank{rank}"
+
+    def _fire(self, verdict: HangVerdict | None) -> None:
+        """The verdict first (`None`: another rank's, already written), so that every rank's watcher dumps its
+        stacks at once; then this rank's stacks; then, once every rank has dumped (or a bound has passed: a
+        rank frozen whole never will), the end of this process. Ray Train sees the workers die and restarts the
+        attempt; had this process ended at once, the others' would have been killed before their dumps."""
         hang = self.folder / HANG_DIR
         hang.mkdir(parents=True, exist_ok=True)
-        stacks = hang / f"rank{self.rank}.txt"
-        with open(stacks, "w") as out:
-            out.write(f"rank {self.rank}, pid {os.getpid()}: {verdict.line()}\n\nPython stacks (faulthandler):\n")
+        if verdict is not None:
+            write_atomically(self.verdict_file, json.dumps(verdict.to_dict()))
+            print(verdict.line(), flush=True)
+        line = json.loads(self.verdict_file.read_text())["line"]
+        with open(hang / f"rank{self.rank}.txt", "w") as out:
+            out.write(f"rank {self.rank}, pid {os.getpid()}: {line}\n\nPython stacks (faulthandler):\n")
             out.flush()
             faulthandler.dump_traceback(out, all_threads=True)
             out.write(native_stacks())
@@ -69,8 +85,10 @@ class HangWatch:
                     dump(hang, self.rank)
                 except Exception as err:  # the stacks are written; a backend's extra is best effort
                     out.write(f"\n({getattr(dump, '__name__', dump)} failed: {type(err).__name__}: {err})\n")
-        write_atomically(hang / f"verdict-{self.attempt}.json", json.dumps(verdict.to_dict()))
-        print(verdict.line(), flush=True)
+        write_atomically(self.dumped_marker(self.rank), "")
+        deadline = time.monotonic() + 2 * self.interval_s + PY_SPY_TIMEOUT_S
+        while time.monotonic() < deadline and not all(self.dumped_marker(r).exists() for r in range(self.world_size)):
+            time.sleep(0.2)
         os._exit(HANG_EXIT_CODE)
 
 
