@@ -59,9 +59,12 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
     """Build the backend's Ray Train trainer over the Parquet shards, fit it, and log the final model to the MLflow
     run. Returns where the run stopped ("epoch E step S") when it stopped on request (no model is logged then:
     the checkpoint holds a half-done epoch), else None. `callbacks`: e.g. a sweep trial's TrialReporter."""
-    from pipelines.data.readers import Materializing, parquet_datasets
+    from pipelines.data.readers import Materializing, parquet_datasets, within
 
-    datasets = parquet_datasets(cfg.data.path, {"train": "train", "eval": cfg.data.eval_split}, cfg.run.progress)
+    # Each step of the driver's Ray Data work waits for free CPUs at most `fault.resource_timeout_s`, as the workers do.
+    patience = cfg.fault.resource_timeout_s or None
+    datasets = within(patience, "list the shards", lambda: parquet_datasets(
+        cfg.data.path, {"train": "train", "eval": cfg.data.eval_split}, cfg.run.progress))
     # Workers that cache their shard get it by an ordered split, which materialises the datasets anyway: start
     # that now (data too large to cache streams instead, and stays lazy).
     materialized = Materializing(datasets) if cfg.data.cache_in_worker else None
@@ -70,7 +73,7 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
     backend = get_backend(cfg.trainer.backend)
     inputs = DataSchema.from_manifest(read_manifest(cfg.data.path))
     if materialized is not None:
-        datasets = materialized.result(cfg.fault.resource_timeout_s or None)
+        datasets = materialized.result(patience)
     if cfg.fault.resource_timeout_s > 0:  # read by Ray Train's controller (trainers/worker.py: run_config)
         os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.fault.resource_timeout_s)
     # Ray Train's preemption watcher (an actor per run, a second of CPU to start) polls Ray for nodes being drained

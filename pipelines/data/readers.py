@@ -5,10 +5,12 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from contract.progress import progress_wanted
 from pipelines.data.shards import read_manifest, shard_paths
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     import ray.data
@@ -46,6 +48,29 @@ def free_cpus() -> str:
 
     return f"{ray.available_resources().get('CPU', 0):g} of the cluster's {ray.cluster_resources().get('CPU', 0):g} " \
            f"CPUs free now"
+
+
+def within(timeout_s: float | None, what: str, work: Callable[[], T]) -> T:
+    """`work()` in a helper thread (a daemon: an interrupted driver does not wait for it), waited for at most
+    `timeout_s` (None: as long as it takes); ResourceWait naming `what` when it still runs then: the Ray tasks it
+    waits for (Ray Data's listing of the Parquet files) need CPUs that other jobs hold."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as err:  # raised again in the caller's thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True, name=f"within-{what}")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise ResourceWait(f"Ray Data did not {what} within fault.resource_timeout_s={timeout_s:g} s: its tasks "
+                           f"wait for free CPUs ({free_cpus()}); other jobs hold the rest (0: wait)")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 class Materializing:

@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from contract.metrics import EPOCH_METRICS
 from contract.tracking import FINAL_FILE, spooled
-from pipelines.data.readers import Materializing, ResourceWait, parquet_datasets
+from pipelines.data.readers import Materializing, ResourceWait, parquet_datasets, within
 from tests.conftest import (ROOT, check_finished_run, ctrl_c, evaluate_ok, free_port, interruptible, metric_steps,
                             pipeline_env, ray_init_on, read_split, run_id_from, run_pipeline, start_mlflow_server,
                             stop_mlflow_server, wait_until)
@@ -299,18 +299,28 @@ def test_a_run_waiting_for_a_busy_cluster_ctrl_c_kills_it_and_the_timeout_fails_
             _, err = ctrl_c(waiting, 120)
         timed_out = run_pipeline([*args, "fault.resource_timeout_s=5"], env)
         remove_placement_group(other_job)
-        # Every CPU held: the driver's own Ray Data read of the shards waits too, as long as the timeout says.
+        # Every CPU held: each step of the driver's own Ray Data work waits as long as the timeout says: listing
+        # the files, and reading them.
         all_cpus = placement_group([{"CPU": ray.cluster_resources()["CPU"]}])
         ray.get(all_cpus.ready(), timeout=120)
-        reading = Materializing(parquet_datasets(str(tiny_mnist), {"train": "train", "eval": "test"}, "off"))
+        splits = {"train": "train", "eval": "test"}
+        with pytest.raises(ResourceWait) as unlisted:
+            within(3, "list the shards", lambda: parquet_datasets(str(tiny_mnist), splits, "off"))
+        remove_placement_group(all_cpus)
+        datasets = parquet_datasets(str(tiny_mnist), splits, "off")
+        all_cpus = placement_group([{"CPU": ray.cluster_resources()["CPU"]}])
+        ray.get(all_cpus.ready(), timeout=120)
+        reading = Materializing(datasets)
         with pytest.raises(ResourceWait) as unread:
             reading.result(timeout_s=3)
         remove_placement_group(all_cpus)
+        assert set(reading.result()) == {"train", "eval"}  # with the CPUs free, the reads go on to the end
     finally:
         ray.shutdown()
-    assert re.fullmatch(r"Ray Data did not read the train and eval shards within fault.resource_timeout_s=3 s: its "
-                        r"read tasks wait for free CPUs \(0 of the cluster's \d+ CPUs free now\); other jobs hold the "
-                        r"rest \(0: wait\)", str(unread.value)), str(unread.value)
+    for error, what in ((unlisted, "list the shards"), (unread, "read the train and eval shards")):
+        assert re.fullmatch(rf"Ray Data did not {what} within fault.resource_timeout_s=3 s: its (read )?tasks wait "
+                            r"for free CPUs \(0 of the cluster's \d+ CPUs free now\); other jobs hold the rest "
+                            r"\(0: wait\)", str(error.value)), str(error.value)
     assert waiting.returncode == 1, err[-3000:]
     assert "error: interrupted (SIGINT); the MLflow run is KILLED" in err.splitlines()
     run = client.get_run(interrupted)
