@@ -282,8 +282,8 @@ class TrainLoop:
             metrics["data_load_s"] = adapter.load_s
         extras = dict(adapter.epoch_extras())
         if self.ctx.flops_per_sample:  # `tflops_per_rank`, and `mfu` where the device's peak is known
-            extras = {**extras, **utilisation(self.ctx.flops_per_sample, metrics["samples_per_s"],
-                                              self.ctx.world_size, self.ctx.peak_flops)}
+            extras.update(utilisation(self.ctx.flops_per_sample, metrics["samples_per_s"], self.ctx.world_size,
+                                      self.ctx.peak_flops))
         self.state = self.state.after_epoch(epoch, metrics, self.ctx.monitor)
         progress.at(epoch, totals.steps, "checkpoint")
         self._checkpoint_and_report({**metrics, REPORTED_EPOCH: epoch}, self.state)

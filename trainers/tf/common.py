@@ -71,7 +71,7 @@ def input_example(inputs: DataSchema) -> np.ndarray:
 
 
 def keras_loss(keras: Any, task: str, **kwargs: Any) -> Any:
-    """The training loss of a task (PyTorch's: trainers/torch/common.py `task_loss`): cross-entropy of the logits
+    """The training loss of a task (PyTorch's: trainers/torch/recipe.py `task_loss`): cross-entropy of the logits
     and class ids, or the mean squared error of the predictions [B, 1] and the targets."""
     if task == "regression":
         return keras.losses.MeanSquaredError(**kwargs)

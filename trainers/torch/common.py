@@ -27,18 +27,10 @@ from trainers.torch.data import Batch, ShardBatches, worker_shards
 from trainers.torch.parallel.comm import collective_device
 from trainers.torch.parallel.data_parallel import average_gradients
 from trainers.torch.parallel.memory import rank_memory
-from trainers.torch.recipe import TorchRecipe, clip_dense_grad_norm, with_kernels_of
+from trainers.torch.recipe import TorchRecipe, clip_dense_grad_norm, task_loss, with_kernels_of
 from trainers.worker import loop_config, ray_context, run_config, scaling_config, worker_config, worker_inputs
 
 STATE_FILE = "state.pt"  # {"model": dense state dict, "optimizer": dense optimizer state, "scheduler": ...}
-
-
-def task_loss(task: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The training loss of a task: cross-entropy of the logits [B, classes] and class ids, or the mean squared
-    error of the predictions ([B] or [B, 1]) and the targets."""
-    if task == "regression":
-        return lambda outputs, targets: nn.functional.mse_loss(outputs.reshape(targets.shape).float(), targets)
-    return nn.CrossEntropyLoss()
 
 
 def batch_score(outputs: torch.Tensor, labels: torch.Tensor, regression: bool) -> float:

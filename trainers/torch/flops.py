@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from contract.data import DataSchema
+from trainers.torch.recipe import task_loss
 
 EXAMPLE_ROWS = 2
 
@@ -40,10 +41,5 @@ def training_flops_per_sample(build: Callable[[], nn.Module], inputs: DataSchema
         model = build().train()
         model_inputs, targets = example_batch(inputs)
         with FlopCounterMode(display=False) as counter:
-            outputs = model(*model_inputs)
-            if inputs.target.task == "regression":  # as trainers/torch/common.py task_loss
-                loss = nn.functional.mse_loss(outputs.reshape(targets.shape).float(), targets)
-            else:
-                loss = nn.functional.cross_entropy(outputs, targets)
-            loss.backward()
+            task_loss(inputs.target.task)(model(*model_inputs), targets).backward()
     return counter.get_total_flops() / len(targets)

@@ -38,7 +38,7 @@ from trainers.torch.parallel.grad_norm import clip_dtensor_grad_norm
 from trainers.torch.parallel.memory import rank_memory
 from trainers.torch.parallel.mesh import ParallelDims, build_nd_mesh
 from trainers.torch.data import Batch, ShardBatches
-from trainers.torch.recipe import AUTOCAST_DTYPES, TorchRecipe, build_recipe
+from trainers.torch.recipe import AUTOCAST_DTYPES, TorchRecipe, build_recipe, task_loss
 
 RECIPE_FILE = "recipe.pt"  # the schedule's (and scaler's) state, from rank 0, beside DCP's files
 STATE_OPTIONS_FLAT = {"flatten_optimizer_state_dict": True}  # optimizer state keyed by parameter name
@@ -213,7 +213,7 @@ def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> FSDP
         return FSDPAdapter(split.parts, recipe, train, evaluation, device, rank, ranks_per_sample=dims.batch_group)
     pp_group = mesh.get_group("pp")
     schedule = build_schedule(split.parts, split.stages, split.n_stages, trainer.pp_schedule, trainer.microbatches,
-                              tc.task_loss(data.inputs.target.task), pp_group, device)
+                              task_loss(data.inputs.target.task), pp_group, device)
     return PipelineAdapter(split.parts, schedule, split.stages, split.n_stages, pp_group, recipe, train, evaluation,
                            device, rank, ranks_per_sample=dims.batch_group, batch_size=trainer.batch_size)
 

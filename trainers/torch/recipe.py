@@ -1,6 +1,7 @@
 """The training recipe (contract/recipe.py) as PyTorch objects: the optimizer with its weight-decay groups, the
 learning-rate schedule as a `LambdaLR` (checkpointed beside the optimizer), autocast for bf16/fp16 with a
-`GradScaler` for fp16, and the gradient clipping every PyTorch backend applies after its gradient sync."""
+`GradScaler` for fp16, the gradient clipping every PyTorch backend applies after its gradient sync, and each
+task's loss."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,6 +14,14 @@ from torch.distributed.tensor import DTensor
 from contract.recipe import lr_factor, no_weight_decay, schedule_steps
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def task_loss(task: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The training loss of a task: cross-entropy of the logits [B, classes] and class ids, or the mean squared
+    error of the predictions ([B] or [B, 1]) and the targets."""
+    if task == "regression":
+        return lambda outputs, targets: nn.functional.mse_loss(outputs.reshape(targets.shape).float(), targets)
+    return nn.CrossEntropyLoss()
 
 
 def make_optimizer(model: nn.Module, trainer: Any, fused: bool = True) -> torch.optim.Optimizer:

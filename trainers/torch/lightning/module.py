@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from trainers.torch.common import task_loss
+from trainers.torch.recipe import task_loss
 from trainers.torch.recipe import TorchRecipe, build_recipe
 
 
