@@ -43,34 +43,49 @@ class ResourceWait(RuntimeError):
     """The cluster had no room for the work within `fault.resource_timeout_s`."""
 
 
-def free_cpus() -> str:
+def waited_too_long(what: str, timeout_s: float) -> ResourceWait:
+    """Its one line: what Ray Data did not do, and the CPUs free now (a plain message, so that the error pickles
+    the way out of a sweep's trial)."""
     import ray
 
-    return f"{ray.available_resources().get('CPU', 0):g} of the cluster's {ray.cluster_resources().get('CPU', 0):g} " \
-           f"CPUs free now"
+    free = f"{ray.available_resources().get('CPU', 0):g} of the cluster's {ray.cluster_resources().get('CPU', 0):g}"
+    return ResourceWait(f"Ray Data did not {what} within fault.resource_timeout_s={timeout_s:g} s: its tasks wait "
+                        f"for free CPUs ({free} CPUs free now); other jobs hold the rest (0: wait)")
+
+
+class InThread:
+    """`work()` in a helper thread of the driver (a daemon: an interrupted driver does not wait for it); the
+    caller waits for it with a bound (`done_within`), then takes its value or its error (`value`)."""
+
+    def __init__(self, work: Callable[[], T], name: str):
+        self.outcome: dict[str, Any] = {}
+        self.thread = threading.Thread(target=self._run, args=(work,), daemon=True, name=name)
+        self.thread.start()
+
+    def _run(self, work: Callable[[], T]) -> None:
+        try:
+            self.outcome["value"] = work()
+        except BaseException as err:  # raised again in the caller's thread
+            self.outcome["error"] = err
+
+    def done_within(self, timeout_s: float | None) -> bool:
+        self.thread.join(None if timeout_s is None else max(timeout_s, 0.0))
+        return not self.thread.is_alive()
+
+    def value(self) -> T:
+        if "error" in self.outcome:
+            raise self.outcome["error"]
+        return self.outcome["value"]
 
 
 def within(timeout_s: float | None, what: str, work: Callable[[], T]) -> T:
-    """`work()` in a helper thread (a daemon: an interrupted driver does not wait for it), waited for at most
-    `timeout_s` (None: as long as it takes); ResourceWait naming `what` when it still runs then: the Ray tasks it
-    waits for (Ray Data's listing of the Parquet files) need CPUs that other jobs hold."""
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = work()
-        except BaseException as err:  # raised again in the caller's thread
-            outcome["error"] = err
-
-    thread = threading.Thread(target=run, daemon=True, name=f"within-{what}")
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise ResourceWait(f"Ray Data did not {what} within fault.resource_timeout_s={timeout_s:g} s: its tasks "
-                           f"wait for free CPUs ({free_cpus()}); other jobs hold the rest (0: wait)")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+    """`work()` waited for at most `timeout_s` (None: as long as it takes); ResourceWait naming `what` when it
+    still runs then: the Ray tasks it waits for (Ray Data's listing of the Parquet files) need CPUs that other jobs
+    hold."""
+    job = InThread(work, f"within-{what}")
+    if not job.done_within(timeout_s):
+        raise waited_too_long(what, timeout_s)
+    return job.value()
 
 
 class Materializing:
@@ -82,31 +97,20 @@ class Materializing:
     workers; the threads only drive them. Daemons: an interrupted driver does not wait for them."""
 
     def __init__(self, datasets: dict):
-        self.outcome: dict[str, Any] = {}
-        self.threads = [threading.Thread(target=self._materialize, args=(name, dataset), daemon=True,
-                                         name=f"materialize-{name}") for name, dataset in datasets.items()]
-        for thread in self.threads:
-            thread.start()
+        self.jobs = {name: InThread(lambda dataset=dataset: self._materialize(dataset), f"materialize-{name}")
+                     for name, dataset in datasets.items()}
 
-    def _materialize(self, name: str, dataset: "ray.data.Dataset") -> None:
-        try:
-            dataset.context.execution_options.preserve_order = True  # block order = file order
-            self.outcome[name] = dataset.materialize()
-        except BaseException as err:  # raised again in the caller's thread
-            self.outcome[name] = err
+    @staticmethod
+    def _materialize(dataset: "ray.data.Dataset") -> "ray.data.MaterializedDataset":
+        dataset.context.execution_options.preserve_order = True  # block order = file order
+        return dataset.materialize()
 
     def result(self, timeout_s: float | None = None) -> dict:
         """Waits at most `timeout_s` (None: as long as it takes); ResourceWait when a read is still under way then:
         Ray Data's read tasks wait for free CPUs as Ray Train's workers do (`fault.resource_timeout_s`)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        for thread in self.threads:
-            thread.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
-        unread = [thread.name.removeprefix("materialize-") for thread in self.threads if thread.is_alive()]
+        unread = [name for name, job in self.jobs.items()
+                  if not job.done_within(None if deadline is None else deadline - time.monotonic())]
         if unread:
-            raise ResourceWait(f"Ray Data did not read the {' and '.join(unread)} shards within "
-                               f"fault.resource_timeout_s={timeout_s:g} s: its read tasks wait for free CPUs "
-                               f"({free_cpus()}); other jobs hold the rest (0: wait)")
-        for outcome in self.outcome.values():
-            if isinstance(outcome, BaseException):
-                raise outcome
-        return dict(self.outcome)
+            raise waited_too_long(f"read the {' and '.join(unread)} shards", timeout_s)
+        return {name: job.value() for name, job in self.jobs.items()}
