@@ -1,5 +1,6 @@
-"""What the hang watchdog costs a training step: the same run with the watcher on (`fault.hang_timeout_s`, its
-default) and off (0), in pairs, on the MNIST MLP (the cheapest step, where a per-step cost shows most).
+"""What the hang watchdog and the straggler clock cost a training step: the same run with the watcher on
+(`fault.hang_timeout_s`, its default) and off (0), in pairs, on the MNIST MLP (the cheapest step, where a per-step
+cost shows most).
 
     python -m benchmarks.hang_watch [--repeats 5] [--epochs 3] [--set trainer=tf_mwms ...]
 
@@ -7,11 +8,14 @@ The loop marks each rank's position twice a step (a tuple assignment, counted he
 thread publishes it every few seconds; neither adds a collective or a device sync. Pairs alternate (on, off, ...)
 so drifting machine load hits both; each run's figure is its steady step time (epochs 2..N). Printed: each pair's
 ratio, their median with a distribution-free interval (benchmarks/tracking_overhead.py's method), and the marks'
-own cost against the step. Last line: `overhead=<median over pairs of on/off - 1>`.
+own cost against the step, with the straggler clock's (contract/stragglers.py: a clock read and three sums a step
+in the loop, a clock read and a sum in the forward; always on, counted). Last line: `overhead=<median over pairs
+of on/off - 1>`.
 """
 from __future__ import annotations
 
 import argparse
+import time
 import timeit
 
 import numpy as np
@@ -19,6 +23,7 @@ import numpy as np
 from benchmarks.common import MNIST, ensure_mnist, pipeline_run, steady_rate
 from benchmarks.tracking_overhead import median_interval
 from contract.hang import Progress
+from trainers.loop import StepClock
 
 
 def step_time_ms(args: argparse.Namespace, watched: bool) -> float:
@@ -32,6 +37,18 @@ def mark_ns() -> float:
     """One position mark, as the loop makes it (twice a step)."""
     progress, calls = Progress(), 1_000_000
     return timeit.timeit(lambda: progress.at(2, 17, "step"), number=calls) / calls * 1e9
+
+
+def clock_ns() -> float:
+    """The straggler clock's work in one step: as the loop and the PyTorch adapter do it."""
+    clock, calls = StepClock(0.0), 1_000_000
+
+    def step() -> None:
+        waited = time.perf_counter() - 1.0
+        clock.data_wait_s += waited
+        clock.steps += 1
+        clock.forward_s += time.perf_counter() - 1.0
+    return timeit.timeit(step, number=calls) / calls * 1e9
 
 
 def main() -> None:
@@ -52,6 +69,8 @@ def main() -> None:
     print(f"median overhead {np.median(ratios):+.1%}, {confidence:.0%} interval for it [{low:+.1%}, {high:+.1%}]")
     marks = 2 * mark_ns() / 1e6
     print(f"marks: {marks * 1e3:.2f} us a step, {marks / np.median(off):.4%} of the unwatched step")
+    clock = clock_ns() / 1e6
+    print(f"straggler clock: {clock * 1e3:.2f} us a step, {clock / np.median(off):.4%} of the unwatched step")
     print(f"overhead={np.median(ratios):.4f}")
 
 

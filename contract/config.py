@@ -156,6 +156,11 @@ class RunSection:
     nan_patience: int = 3             # fail the run once this many step losses in a row (those logged every
                                       # trainer.log_every_n_steps), or an epoch's train_loss, are not finite; no
                                       # model is logged, the last finite checkpoint stays
+    straggler_ratio: float = 2.0      # warn (and tag the run) when a rank's own time a step, its data wait and
+                                      # forward, exceeds the other ranks' median this many times; 0: never
+    preflight: Optional[bool] = None  # before the first step: workers reach each other, links measured (preflight.*
+                                      # metrics), a node far slower than the rest fails the run; null: on under Slurm
+    preflight_timeout_s: float = 30.0  # a worker not reached in this long fails the run at once, naming it
     register_model: Optional[str] = None  # register the logged model as a new version of this registered model
     system_metrics: bool = True       # MLflow system metrics of the driver and rank 0 (contract/tracking/system.py)
     tensorboard: bool = False         # rank 0 also writes TensorBoard event files: the run's tensorboard/ artifacts
@@ -174,6 +179,8 @@ class FaultConfig:
     inject_marker: Optional[str] = None    # ... unless this file exists (created when the failure fires)
     inject_hang_at_step: Optional[int] = None  # testing: the last rank blocks in a collective at this global
                                                # step, once (inject_marker): the hang watchdog's case
+    inject_unreachable_rank: Optional[int] = None  # testing: the preflight gives the others an address of this
+                                                   # rank that routes nowhere
     kill_servers: list[str] = field(default_factory=list)  # tf_ps: "<worker|ps|chief>:<i>@<epoch>": kill that
                                             # server (fail the chief) halfway through that epoch, once (inject_marker)
 

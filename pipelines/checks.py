@@ -55,6 +55,10 @@ def check_values(cfg: DictConfig) -> None:
     backend_checks.check_compile(cfg.trainer)
     if cfg.run.nan_patience < 1:
         raise ConfigError(f"run.nan_patience: must be >= 1, got {cfg.run.nan_patience}")
+    if cfg.run.straggler_ratio != 0 and cfg.run.straggler_ratio <= 1:
+        raise ConfigError(f"run.straggler_ratio: must be above 1 (or 0: off), got {cfg.run.straggler_ratio}")
+    if cfg.run.preflight_timeout_s <= 0:
+        raise ConfigError(f"run.preflight_timeout_s: must be > 0, got {cfg.run.preflight_timeout_s}")
     if cfg.fault.max_failures < 0:
         raise ConfigError(f"fault.max_failures: must be >= 0, got {cfg.fault.max_failures}")
     if cfg.fault.resource_timeout_s < 0:

@@ -22,6 +22,7 @@ from contract.metrics import DIVERGED_FILE, DIVERGED_METRICS, STOP_METRICS
 from contract.registry import plugin_roots
 from pipelines.data.shards import read_manifest
 from pipelines.ray_session import start_local_ray
+from trainers.preflight import PREFLIGHT_FILE, PreflightFailed
 
 
 def init_ray(num_cpus: int, verbose: bool = False) -> None:
@@ -90,19 +91,21 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
     (run_folder / DIVERGED_FILE).unlink(missing_ok=True)  # an earlier attempt's, continued with a gentler recipe
     for earlier in (HANG_DIR, PROGRESS_DIR):  # the hang watchdog's, of an earlier job (already logged)
         shutil.rmtree(run_folder / earlier, ignore_errors=True)
+    (run_folder / PREFLIGHT_FILE).unlink(missing_ok=True)
     trainer = backend.build_trainer(cfg, datasets, run_id, uri, inputs, callbacks=callbacks)
     system = tracking.SystemMetrics(uri, run_id, "driver", cfg.run.system_metrics_interval_s) \
         if cfg.run.system_metrics else None
     try:
         result = fit_in_thread(trainer)
     except Exception as err:
-        waited, hung = resource_wait(err, cfg), log_hangs(uri, run_id, run_folder)
-        if waited or hung:
-            raise RuntimeError(waited or hung) from None
+        waited, hung, preflight = resource_wait(err, cfg), log_hangs(uri, run_id, run_folder), preflight_failed(err)
+        if waited or hung or preflight:
+            raise RuntimeError(waited or hung or preflight) from None
         raise
     finally:
         if system is not None:
             system.stop()
+        log_preflight(uri, run_id, run_folder)
     if (hung := log_hangs(uri, run_id, run_folder)) is not None:
         say(f"{hung}; Ray Train restarted the workers from the last checkpoint")
     diverged = run_folder / DIVERGED_FILE
@@ -240,6 +243,23 @@ def log_hangs(uri: str, run_id: str, run_folder: Path) -> str | None:
     if folder.is_dir() and any(folder.iterdir()):  # stacks, verdicts, NCCL Flight Recorder dumps
         tracking.log_hangs(uri, run_id, folder, [v["line"] for v in verdicts])
     return verdicts[-1]["line"] if verdicts else None
+
+
+def log_preflight(uri: str, run_id: str, run_folder: Path) -> None:
+    """The preflight's measurements (trainers/preflight.py), if it ran, as the run's `preflight.*` metrics."""
+    measured = run_folder / PREFLIGHT_FILE
+    if measured.is_file():
+        tracking.log_metrics(uri, run_id, json.loads(measured.read_text())["metrics"])
+
+
+def preflight_failed(err: Exception) -> str | None:
+    """The preflight's one line when it failed the run (raised in Ray Train's controller), else None."""
+    failure = getattr(err, "controller_failure", None)
+    while failure is not None:
+        if isinstance(failure, PreflightFailed):
+            return str(failure)
+        failure = failure.__cause__ or failure.__context__
+    return None
 
 
 def resource_wait(err: Exception, cfg: DictConfig) -> str | None:

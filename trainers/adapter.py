@@ -40,6 +40,7 @@ class Adapter:
     loss_is_global: bool = False   # `train_step`'s loss is already the global batch's mean (its step reduced it)
     sharded_checkpoint: bool = False  # every rank's checkpoint folder holds a part (Ray Train merges); else rank 0's
     load_s: float = 0.0            # seconds this worker took to pull its data shards
+    forward_s: float = 0.0         # seconds of forward passes so far (contract/stragglers.py; 0: not timed)
 
     # What every backend gives.
     def steps_per_epoch(self) -> int:

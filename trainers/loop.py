@@ -27,6 +27,7 @@ from contract.progress import NoBar, StepBar
 from contract.recipe import Monitor
 from contract.resume import STOP_CHECK_EVERY
 from contract.startup import StartupMarks
+from contract.stragglers import STRAGGLER_TAG, RankTimes, gathered, per_step, rank_metrics, straggler_line, stragglers
 from contract.console import say
 from trainers.adapter import Adapter, StepProfiler
 
@@ -40,6 +41,7 @@ class MetricsSink(Protocol):
     def flush(self) -> None: ...
     def resumed_from(self, epoch: int) -> None: ...
     def log_artifacts(self, folder: str, path: str) -> None: ...
+    def tag(self, key: str, value: str) -> None: ...
 
 
 @dataclass
@@ -72,6 +74,7 @@ class WorkerContext:
     flops_per_sample: float | None = None  # the model's training FLOPs per sample (contract/flops.py) ...
     peak_flops: float | None = None       # ... and one device's peak FLOP/s at the run's precision, if known
     progress: Progress = NoProgress()     # this rank's position, for the hang watcher (contract/hang.py)
+    straggler_ratio: float = 2.0          # `run.straggler_ratio` (contract/stragglers.py); 0: name none
 
 
 def train(adapter: Adapter, ctx: WorkerContext, dump_dir: str | None) -> bool:
@@ -98,6 +101,24 @@ class StopAgreement:
         return flag > 0
 
 
+@dataclass
+class StepClock:
+    """This attempt's part of an epoch, timed on this rank: steps, the seconds they took (waiting for batches
+    included), the part spent waiting for batches and the part in the adapter's forward passes."""
+    forward_at_start: float
+    steps: int = 0
+    step_s: float = 0.0
+    data_wait_s: float = 0.0
+    forward_s: float = 0.0
+
+    def stop(self, started: float, forward_now: float) -> None:
+        self.step_s = time.perf_counter() - started
+        self.forward_s = forward_now - self.forward_at_start
+
+    def means(self) -> RankTimes:
+        return per_step(self.step_s, self.data_wait_s, self.forward_s, self.steps)
+
+
 class TrainLoop:
     """Epochs of `adapter` under `ctx`. Construction restores the checkpoint (if any) into the adapter."""
 
@@ -113,6 +134,7 @@ class TrainLoop:
         self.step_loss_in_flight: tuple[int, PendingReduce] | None = None  # a logged step and its all-reduce
         self.non_finite_losses = 0  # logged step losses in a row that are not finite (the same count on every rank)
         self.diverged_at: int | None = None  # the global step where they reached `nan_patience` (0: an epoch's mean)
+        self.clock: StepClock | None = None  # this attempt's step times of the epoch (None: Keras `fit` ran it)
 
     def _restore(self) -> TrainState:
         if self.ctx.restored is None:
@@ -157,15 +179,19 @@ class TrainLoop:
         batches = adapter.batches(epoch, skip=totals.steps)
         bar = self.open_step_bar(epoch, totals.steps)
         self.start_profile(epoch)
+        clock = self.clock = StepClock(adapter.forward_s)
         start = time.perf_counter()
         stopped = False
         while True:
             progress.at(epoch, totals.steps + 1, "data")
             wait_start = time.perf_counter()
             batch = next(batches, None)
-            totals.data_wait_s += time.perf_counter() - wait_start
+            waited = time.perf_counter() - wait_start
+            totals.data_wait_s += waited
+            clock.data_wait_s += waited
             if batch is None:
                 break
+            clock.steps += 1
             if before_step is not None:
                 before_step(epoch, (epoch - 1) * adapter.steps_per_epoch() + totals.steps + 1)
             progress.at(epoch, totals.steps + 1, "step")
@@ -187,6 +213,7 @@ class TrainLoop:
         if not stopped and self.diverged_at is None:
             adapter.finish_epoch()
         totals.train_s += time.perf_counter() - start
+        clock.stop(start, adapter.forward_s)
         bar.close()
         self.stop_profile()  # a short epoch: fewer steps than asked
         return not stopped
@@ -280,7 +307,7 @@ class TrainLoop:
             return True
         if epoch == self.first_epoch:
             metrics["data_load_s"] = adapter.load_s
-        extras = dict(adapter.epoch_extras())
+        extras = {**adapter.epoch_extras(), **self.rank_times(epoch)}
         if self.ctx.flops_per_sample:  # `tflops_per_rank`, and `mfu` where the device's peak is known
             extras.update(utilisation(self.ctx.flops_per_sample, metrics["samples_per_s"], self.ctx.world_size,
                                       self.ctx.peak_flops))
@@ -294,6 +321,23 @@ class TrainLoop:
             self.ctx.logger.log(epoch, metrics)
             self.ctx.logger.log_extra(epoch, extras)
         return self.ctx.monitor.exhausted(epoch, self.state.best_epoch)
+
+    def rank_times(self, epoch: int) -> dict[str, float]:
+        """Every rank's step time, data wait and forward per step in this attempt's part of the epoch, gathered
+        (collective; none after Keras `fit`, which times no steps); rank 0 names a straggler in a warning line and
+        the run's `straggler` tag (contract/stragglers.py)."""
+        if self.clock is None:
+            return {}
+        ctx = self.ctx
+        times = gathered(self.clock.means(), ctx.rank, ctx.world_size,
+                         lambda values: self.adapter.reduce(values, "sum"))
+        found = stragglers(times, ctx.straggler_ratio)
+        if found and ctx.rank == 0:
+            line = straggler_line(epoch, times, found, ctx.straggler_ratio)
+            say(f"warning: {line}")
+            if ctx.logger is not None:
+                ctx.logger.tag(STRAGGLER_TAG, line)
+        return rank_metrics(times)
 
     def report_stop(self, epoch: int, totals: EpochTotals) -> None:
         """Checkpoint the half-done epoch; the driver sees STOP_METRICS and marks the run as stopped. The report

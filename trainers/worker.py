@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,8 @@ def ray_context(config: dict[str, Any], cfg: DictConfig, device: Any = None, wat
         before_epoch=lambda epoch: maybe_inject_failure(cfg.fault, epoch, rank, world_size),
         before_step=(lambda epoch, step: maybe_inject_hang(cfg.fault, step, rank, world_size))
         if cfg.fault.inject_hang_at_step is not None else None,
-        progress=watch_for_hangs(cfg.fault, run_folder, rank, world_size) if watch else NoProgress())
+        progress=watch_for_hangs(cfg.fault, run_folder, rank, world_size) if watch else NoProgress(),
+        straggler_ratio=cfg.run.straggler_ratio)
 
 
 def watch_for_hangs(fault: DictConfig, run_folder: Path, rank: int, world_size: int) -> Progress:
@@ -229,6 +231,23 @@ def run_config(cfg: DictConfig, run_id: str, callbacks: list | None, env: dict[s
                      checkpoint_config=checkpoints, callbacks=list(callbacks or []),
                      logging_config=LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING"),
                      worker_runtime_env={"env_vars": env} if env else None)
+
+
+@dataclass(frozen=True)
+class WorkerPlace:
+    """Where one worker runs (reported by the worker itself)."""
+
+    node_id: str
+    node_ip: str
+    pid: int
+
+
+def worker_place() -> WorkerPlace:
+    """Runs on a worker: its Ray node and process."""
+    import ray
+
+    context = ray.get_runtime_context()
+    return WorkerPlace(context.get_node_id(), ray.util.get_node_ip_address(), os.getpid())
 
 
 def free_addresses(worker_group: Any) -> list[str]:

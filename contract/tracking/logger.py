@@ -93,6 +93,9 @@ class EpochLogger:
         now = now_ms()
         self.spool.write({"op": "metrics", "metrics": [[k, float(v), now, epoch] for k, v in metrics.items()]})
 
+    def tag(self, key: str, value: str) -> None:
+        self.spool.write({"op": "tag", "key": key, "value": value})
+
     def log_artifacts(self, folder: str, path: str) -> None:
         """The files in `folder` (on this worker's node) as the run's artifacts under `path`."""
         self.flush()

@@ -116,6 +116,17 @@ def log_params(uri: str, run_id: str, params: Mapping[str, Any]) -> None:
     mlflow_client(uri).log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
 
 
+def log_metrics(uri: str, run_id: str, metrics: Mapping[str, float]) -> None:
+    """Metrics the driver logs once (step 0), e.g. the preflight's."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    items = [Metric(k, float(v), now, 0) for k, v in metrics.items()]
+    client = mlflow_client(uri)
+    for start in range(0, len(items), 1000):  # MLflow takes at most 1000 metrics a batch
+        client.log_batch(run_id, metrics=items[start:start + 1000])
+
+
 def set_tags(uri: str, run_id: str, tags: Mapping[str, str]) -> None:
     client = mlflow_client(uri)
     for key, value in tags.items():

@@ -32,7 +32,8 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
     hang watchdog ends both after `fault.hang_timeout_s`, naming rank 1 and keeping every rank's stacks, and Ray
     Train restarts the workers from epoch 1's checkpoint (not from scratch). Rank 0 profiles 2 steps into the
     run's artifacts; the driver and rank 0 log system metrics; TensorBoard event files too. The final model is
-    registered, and evaluated through the registry."""
+    registered, and evaluated through the registry. Its preflight measures the process group's links. The same run
+    without the hang has a higher goodput."""
     marker, registered = tmp_path / "hung-once", f"mnist-ddp-{tmp_path.name}"
     env = pipeline_env(mlflow_server, ray_head)
     runtime_env = {"excludes": ["/.venv", "/.git", "/data", "/outputs", "/mlflow.db", "/mlartifacts"],
@@ -45,7 +46,7 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
            "fault.max_failures=1", "fault.hang_timeout_s=10", "fault.inject_hang_at_step=20",
            f"fault.inject_marker={marker}",
            f"run.register_model={registered}", "trainer.profile_steps=2", "run.system_metrics_interval_s=1",
-           "run.tensorboard=true"]
+           "run.tensorboard=true", "run.preflight=true"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     run_id = run_id_from(proc.stdout)
@@ -82,8 +83,21 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
     assert sum(parts) == pytest.approx(metrics["goodput.wall_s"])
     assert metrics["goodput.other_s"] >= 10 and min(parts) > 0
     assert metrics["goodput"] == pytest.approx(metrics["goodput.training_s"] / metrics["goodput.wall_s"])
+    # The same run without the hang and its restart: a higher goodput, its parts adding up too
+    clean = run_pipeline([f"data.path={tiny_mnist}", "trainer.epochs=3", f"run.storage_path={tmp_path / 'clean'}",
+                          *TINY], env)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    steady = client.get_run(run_id_from(clean.stdout)).data.metrics
+    assert sum(steady[f"goodput.{part}_s"] for part in ("training", "epoch_end", "startup", "other")) == \
+        pytest.approx(steady["goodput.wall_s"])
+    assert steady["goodput"] > metrics["goodput"] and steady["goodput.other_s"] < metrics["goodput.other_s"]
     assert "goodput " in proc.stdout and metrics["tflops_per_rank"] > 0 and "mfu" not in metrics  # CPUs: no peak
     assert float(run.data.tags["model.flops_per_sample"]) == 2 * 2 * 784 * 64 + 3 * 2 * 64 * 10  # the MLP, counted
+    # The preflight over the process group (one node here: no node pairs), measured again at the restart
+    assert metrics["preflight.allreduce_latency_ms"] > 0 and metrics["preflight.allreduce_bus_gb_per_s"] > 0
+    for rank in (0, 1):  # every rank's times per step (contract/stragglers.py)
+        assert metrics[f"rank{rank}.step_time_ms"] > metrics[f"rank{rank}.forward_ms"] > 0
+        assert metrics[f"rank{rank}.data_wait_ms"] >= 0
     for name in EPOCH_METRICS:
         assert metric_steps(client, run_id, name) == [1, 2, 3], name  # every epoch exactly once
     losses = [m.value for m in sorted(client.get_metric_history(run_id, "train_loss"), key=lambda m: m.step)]
@@ -197,6 +211,21 @@ def test_a_run_the_cluster_can_never_hold_exits_2_before_opening_a_run(tmp_path,
     assert spread.stderr.strip().splitlines()[-1] == ("error: trainer.placement_strategy: STRICT_SPREAD puts each "
                                                       "of the 2 workers on its own node, the Ray cluster has 1")
     assert MlflowClient(mlflow_server).get_experiment_by_name(experiment) is None
+
+
+def test_a_worker_the_others_cannot_reach_fails_the_run_at_once(tmp_path, tiny_mnist, mlflow_server, ray_head):
+    """The preflight gives rank 0 an address of rank 1 that routes nowhere (TEST-NET-1): before the process group
+    is made (which would wait `fault.collective_timeout_s` for it), the run fails with one line naming rank 1 and
+    its address, FAILED in MLflow."""
+    proc = run_pipeline([f"data.path={tiny_mnist}", "trainer.epochs=1", f"run.storage_path={tmp_path / 'ray'}",
+                         "run.preflight=true", "run.preflight_timeout_s=5", "fault.inject_unreachable_rank=1", *TINY],
+                        pipeline_env(mlflow_server, ray_head))
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    error = proc.stderr.strip().splitlines()[-1]
+    assert re.match(r"error: training failed: RuntimeError: preflight: workers cannot reach each other: "
+                    r"rank 1 at 192\.0\.2\.1:\d+ from rank 0 \(", error), error
+    run = MlflowClient(mlflow_server).get_run(run_id_from(proc.stdout))
+    assert run.info.status == "FAILED" and "train_loss" not in run.data.metrics
 
 
 def test_a_run_whose_loss_is_no_number_fails_without_a_model(tmp_path, tiny_mnist, mlflow_server, ray_head):

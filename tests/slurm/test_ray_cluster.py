@@ -132,6 +132,10 @@ def test_preempted_sweep_requeues_and_continues_into_the_same_runs(slurm, tmp_pa
     [child] = [client.get_run(run_id) for run_id in recorded["children"].values()]
     assert_spread_run(client, child.info.run_id, 4)
     assert child.data.tags["attempts"] == "2"  # continued, not restarted
+    # The preflight, on by default under Slurm: the link between the two nodes measured
+    links = [key.split(".", 1)[1].rsplit(".", 1)[0] for key in child.data.metrics
+             if key.startswith("preflight.") and key.endswith(".latency_ms") and "-" in key]
+    assert [sorted(link.split("-")) for link in links] == [sorted(NODE_ADDRS)], links
     stop = re.fullmatch(r"epoch ([234]) step (\d+)", child.data.tags["preempted_at"])  # mid-trial, as recorded
     assert stop, child.data.tags["preempted_at"]
     assert child.data.tags["resumed_from_epoch"] == str(int(stop[1]) - 1)  # from the checkpoint of the stop

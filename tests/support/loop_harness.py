@@ -30,6 +30,7 @@ class Recorder:
     step_losses: dict[int, float] = field(default_factory=dict)
     resumed: list[int] = field(default_factory=list)
     artifacts: list[tuple[str, str]] = field(default_factory=list)
+    tags: dict[str, str] = field(default_factory=dict)
 
     def log(self, epoch: int, metrics: dict[str, float]) -> None:
         self.epochs.setdefault(epoch, dict(metrics))  # idempotent per epoch, as contract.tracking.EpochLogger
@@ -49,6 +50,9 @@ class Recorder:
 
     def log_artifacts(self, folder: str, path: str) -> None:
         self.artifacts.append((folder, path))
+
+    def tag(self, key: str, value: str) -> None:
+        self.tags[key] = value
 
     def curve(self) -> np.ndarray:
         steps = sorted(self.step_losses)

@@ -370,3 +370,21 @@ def test_rank0_profiles_its_first_steps_into_the_run(tmp_path):
     assert sum(name.startswith("Optimizer.step#SGD") for name in names) == 3
     assert recorder.artifacts == [(str(tmp_path / "profile"), "profile")]
     assert len(recorder.step_losses) == 8  # all 128 / 16 steps trained
+
+
+def test_stragglers_are_ranks_whose_own_time_exceeds_the_others_median():
+    from contract.stragglers import RankTimes, gathered, stragglers
+
+    def times(*own_ms, step_ms=20.0):
+        return [RankTimes(step_ms, data_wait_ms=own * 0.75, forward_ms=own * 0.25) for own in own_ms]
+    assert [r for r, _, _ in stragglers(times(1.0, 1.2, 9.0, 1.1), ratio=2.0)] == [2]
+    assert stragglers(times(1.0, 1.2, 3.0, 1.1), ratio=3.0) == []  # under the ratio
+    assert stragglers(times(0.1, 0.1, 0.9, 0.1), ratio=2.0) == []  # 9x, but 4% of a 20 ms step
+    assert stragglers(times(1.0, 9.0), ratio=0) == []  # off
+    assert stragglers(times(9.0), ratio=2.0) == []  # one rank
+    # Gathering: each rank fills its slots of one summed vector.
+    each, contributed = times(1.0, 2.0, 3.0), []
+    for rank, own in enumerate(each):
+        gathered(own, rank, 3, lambda vector: contributed.append(vector) or vector)
+    summed = [sum(column) for column in zip(*contributed)]
+    assert gathered(each[0], 0, 3, lambda vector: summed) == each

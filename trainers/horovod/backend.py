@@ -22,6 +22,9 @@ from typing import Any, Optional
 
 from ray.train.backend import Backend, BackendConfig
 
+from trainers.preflight import PreflightConfig, check_workers_reachable
+from trainers.worker import worker_place
+
 
 @dataclass
 class HorovodConfig(BackendConfig):
@@ -32,26 +35,11 @@ class HorovodConfig(BackendConfig):
     nics: Optional[tuple[str, ...]] = None
     timeout_s: int = 120
     verbose: int = 0
+    preflight: Optional[PreflightConfig] = None  # the workers' reachability, checked first (trainers/preflight.py)
 
     @property
     def backend_cls(self) -> type:
         return HorovodBackend
-
-
-@dataclass(frozen=True)
-class WorkerPlace:
-    """Where one worker runs (reported by the worker itself)."""
-
-    node_id: str
-    node_ip: str
-    pid: int
-
-
-def worker_place() -> WorkerPlace:
-    import ray
-
-    context = ray.get_runtime_context()
-    return WorkerPlace(context.get_node_id(), ray.util.get_node_ip_address(), os.getpid())
 
 
 def slot_plan(node_ids: list[str]) -> list[Any]:
@@ -150,6 +138,8 @@ class HorovodBackend(Backend):
         from horovod.runner.http.http_server import RendezvousServer
 
         self._stop_server()  # a previous group's server, if its shutdown never ran (e.g. the controller retried)
+        if backend_config.preflight is not None:
+            check_workers_reachable(worker_group, backend_config.preflight)
         places = worker_group.execute(worker_place)
         plan = slot_plan([p.node_id for p in places])
         self.server = RendezvousServer(verbose=backend_config.verbose)

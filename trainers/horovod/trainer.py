@@ -38,6 +38,7 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
     """`DataParallelTrainer` with Horovod's rendezvous as its backend (each restart redoes the rendezvous)."""
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
+    from trainers.preflight import preflight_config
     from trainers.shard_data import shard_config
     from trainers.worker import loop_config, run_config, scaling_config
 
@@ -49,7 +50,7 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
     return DataParallelTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config(cfg, run_id, tracking_uri, inputs),
-        backend_config=HorovodConfig(),
+        backend_config=HorovodConfig(preflight=preflight_config(cfg, run_id)),
         scaling_config=scaling_config(cfg, use_gpu=False),
         run_config=run_config(cfg, run_id, callbacks, env),
         datasets=datasets,

@@ -5,12 +5,13 @@ every controller: benchmarks/README.md, startup). Each step is one of Ray's own 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import ray
 from ray.train.backend import Backend, BackendConfig
 from ray.train.v2._internal.util import TrainingFramework
 
+from trainers.preflight import PreflightConfig, check_workers_reachable
 from trainers.worker import free_addresses, on_worker
 
 TENSORFLOW = "ray.train.tensorflow.config"
@@ -19,7 +20,10 @@ TENSORFLOW = "ray.train.tensorflow.config"
 @dataclass
 class MirroredConfig(BackendConfig):
     """What `TensorflowConfig` sets up for `MultiWorkerMirroredStrategy`: each worker's TF_CONFIG naming every
-    worker's address (and tf-keras as `tf.keras`, as Ray sets it)."""
+    worker's address (and tf-keras as `tf.keras`, as Ray sets it). `preflight`: the workers' reachability, checked
+    first (trainers/preflight.py)."""
+
+    preflight: Optional[PreflightConfig] = None
 
     @property
     def backend_cls(self) -> type:
@@ -36,6 +40,8 @@ class MirroredBackend(Backend):
     connections)."""
 
     def on_start(self, worker_group: Any, backend_config: MirroredConfig) -> None:
+        if backend_config.preflight is not None:
+            check_workers_reachable(worker_group, backend_config.preflight)
         urls = free_addresses(worker_group)  # each worker's TensorFlow server, as tf_ps' and DTensor's
         ray.get([worker_group.execute_single_async(index, on_worker, TENSORFLOW, "_setup_tensorflow_environment",
                                                    worker_addresses=urls, index=index)

@@ -264,6 +264,7 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
                   callbacks: list | None = None):
     from ray.train.tensorflow import TensorflowTrainer
 
+    from trainers.preflight import preflight_config
     from trainers.tf.backend import MirroredConfig
     from trainers.shard_data import OrderedShards
     from trainers.worker import loop_config, run_config, scaling_config
@@ -271,7 +272,8 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
     return TensorflowTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config(cfg, run_id, tracking_uri, inputs),
-        tensorflow_config=MirroredConfig(),  # TensorflowConfig's TF_CONFIG, without TensorFlow in the controller
+        # TensorflowConfig's TF_CONFIG, without TensorFlow in the controller
+        tensorflow_config=MirroredConfig(preflight=preflight_config(cfg, run_id)),
         scaling_config=scaling_config(cfg, resources=worker_resources(cfg.trainer)),
         # tf-keras must own `tf.keras` from process start (trainers/tf/common.py); Ray starts the worker
         # processes with these env vars (merged with the job's).

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import ray
 from ray._private.ray_constants import env_integer
@@ -17,7 +17,8 @@ from ray.train.backend import Backend, BackendConfig
 from ray.train.constants import DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
 from ray.train.v2._internal.util import TrainingFramework
 
-from trainers.worker import on_worker, set_env
+from trainers.preflight import PreflightConfig, PreflightFailed, check_workers_reachable
+from trainers.worker import on_worker, set_env, worker_place
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +41,14 @@ class CudaDeviceContext:
 class TorchGroupConfig(BackendConfig):
     """What `TorchConfig` sets up: a torch process group (gloo on CPU, NCCL on GPU, `env://` rendezvous at rank
     0). `backend`: "gloo" or "nccl"; `timeout_s`: the process group's collective timeout (`fault.collective_timeout_s`);
-    `env`: set in every worker before the group is made (NCCL's Flight Recorder: `flight_recorder_env`)."""
+    `env`: set in every worker before the group is made (NCCL's Flight Recorder: `flight_recorder_env`);
+    `preflight`: the workers' reachability checked before the group is made, its links measured after
+    (trainers/preflight.py)."""
 
     backend: str = "gloo"
     timeout_s: int = 1800
     env: dict[str, str] = field(default_factory=dict)
+    preflight: Optional[PreflightConfig] = None
 
     @property
     def backend_cls(self) -> type:
@@ -72,6 +76,20 @@ class TorchGroupBackend(Backend):
     share_cuda_visible_devices = True
 
     def on_start(self, worker_group: Any, backend_config: TorchGroupConfig) -> None:
+        preflight = backend_config.preflight
+        if preflight is not None:
+            check_workers_reachable(worker_group, preflight)
+        self.make_group(worker_group, backend_config)
+        if preflight is not None and len(worker_group) > 1:
+            places = worker_group.execute(worker_place)
+            slow = ray.get([worker_group.execute_single_async(
+                rank, on_worker, "trainers.torch.preflight", "measure_links", world_rank=rank,
+                node_ids=[p.node_id for p in places], node_ips=[p.node_ip for p in places],
+                run_folder=preflight.run_folder) for rank in range(len(places))])[0]
+            if slow:
+                raise PreflightFailed(slow)
+
+    def make_group(self, worker_group: Any, backend_config: TorchGroupConfig) -> None:
         addr, port = worker_group.execute_single(0, get_address_and_port)
         worker_group.execute(set_env, {"MASTER_ADDR": addr, "MASTER_PORT": str(port)})  # where `env://` finds rank 0
         worker_group.execute(on_worker, TORCH, "_set_torch_distributed_env_vars")  # RANK, LOCAL_RANK, ... as torchrun's

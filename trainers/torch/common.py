@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -141,6 +142,7 @@ class TorchAdapter(Adapter):
         return self.train.epoch(epoch, skip=skip)
 
     def train_step(self, batch: Batch) -> tuple[float, int, int]:
+        began = time.perf_counter()
         inputs, labels = tuple(x.to(self.device) for x in batch[0]), batch[1].to(self.device)
         recipe = self.recipe
         if self.pending == 0:
@@ -149,6 +151,8 @@ class TorchAdapter(Adapter):
             with torch.autocast(self.device.type, dtype=recipe.autocast_dtype,
                                 enabled=recipe.autocast_dtype is not None):
                 loss = self.loss_fn(self.forward(*inputs), labels)
+            # On a GPU the host's time: kernels run asynchronously, so a slow host (the usual straggler) shows.
+            self.forward_s += time.perf_counter() - began
             scaled = loss / self.passes if self.passes > 1 else loss
             (recipe.scaler.scale(scaled) if recipe.scaler is not None else scaled).backward()
         self.pending += 1
@@ -288,6 +292,7 @@ def torch_trainer(loop: Callable[[dict], None], cfg: Any, datasets: dict, run_id
 
     from contract.hang import HANG_DIR
     from contract.tracking import run_dir
+    from trainers.preflight import preflight_config
     from trainers.shard_data import shard_config
     from trainers.torch.backend import TorchGroupConfig, flight_recorder_env
 
@@ -297,7 +302,8 @@ def torch_trainer(loop: Callable[[dict], None], cfg: Any, datasets: dict, run_id
         loop,
         train_loop_config=loop_config(cfg, run_id, tracking_uri, inputs),
         torch_config=TorchGroupConfig(backend="nccl" if nccl else "gloo",
-                                      timeout_s=int(cfg.fault.collective_timeout_s), env=env),
+                                      timeout_s=int(cfg.fault.collective_timeout_s), env=env,
+                                      preflight=preflight_config(cfg, run_id)),
         scaling_config=scaling_config(cfg),
         run_config=run_config(cfg, run_id, callbacks),
         datasets=datasets,

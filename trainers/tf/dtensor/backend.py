@@ -11,9 +11,11 @@ a worker failure Ray Train starts a new worker group and calls `on_start` again:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from ray.train.backend import Backend, BackendConfig
 
+from trainers.preflight import PreflightConfig, check_workers_reachable
 from trainers.worker import free_addresses, set_worker_envs
 
 JOB_NAME = "worker"
@@ -21,6 +23,8 @@ JOB_NAME = "worker"
 
 @dataclass
 class DTensorConfig(BackendConfig):
+    preflight: Optional[PreflightConfig] = None  # the workers' reachability, checked first (trainers/preflight.py)
+
     @property
     def backend_cls(self) -> type:
         return DTensorBackend
@@ -35,5 +39,7 @@ class DTensorBackend(Backend):
     def on_start(self, worker_group, backend_config: DTensorConfig) -> None:
         if len(worker_group) == 1:
             return
+        if backend_config.preflight is not None:
+            check_workers_reachable(worker_group, backend_config.preflight)
         addresses = free_addresses(worker_group)
         set_worker_envs(worker_group, [client_env(rank, addresses) for rank in range(len(addresses))])

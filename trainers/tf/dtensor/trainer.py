@@ -212,6 +212,7 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
     from trainers.tf.dtensor.backend import DTensorConfig
+    from trainers.preflight import preflight_config
     from trainers.shard_data import OrderedShards
     from trainers.worker import loop_config, run_config, scaling_config
 
@@ -222,7 +223,7 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
     return DataParallelTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config(cfg, run_id, tracking_uri, inputs),
-        backend_config=DTensorConfig(),
+        backend_config=DTensorConfig(preflight=preflight_config(cfg, run_id)),
         scaling_config=scaling_config(cfg, resources=resources),
         run_config=run_config(cfg, run_id, callbacks, {**tfc.LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}),
         datasets=datasets,

@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, replace
 from itertools import count
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import ray
@@ -36,6 +36,7 @@ from ray.train.backend import Backend, BackendConfig
 from contract.data import DataSchema
 from trainers.tf.data import ShardArrays
 from trainers.loop import WorkerContext
+from trainers.preflight import PreflightConfig, check_workers_reachable
 from trainers.worker import dataset_shards, free_addresses, maybe_inject_failure, set_worker_envs
 
 BOARD_NAMESPACE = "tf_ps"
@@ -47,6 +48,7 @@ FEATURES, LABELS = "features", "labels"  # a worker's shard files (`write_shard`
 @dataclass
 class TFPSConfig(BackendConfig):
     num_ps: int = 1
+    preflight: Optional[PreflightConfig] = None  # the servers' reachability, checked first (trainers/preflight.py)
 
     @property
     def backend_cls(self) -> type:
@@ -95,6 +97,8 @@ def board() -> Any:
 
 class TFPSBackend(Backend):
     def on_start(self, worker_group: Any, backend_config: TFPSConfig) -> None:
+        if backend_config.preflight is not None:
+            check_workers_reachable(worker_group, backend_config.preflight)
         name = f"board-{uuid.uuid4().hex}"
         self.board = Board.options(name=name, namespace=BOARD_NAMESPACE).remote()
         addresses = free_addresses(worker_group)
