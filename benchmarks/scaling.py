@@ -6,7 +6,9 @@ compute-bound model (the MNIST CNN by default).
 
 Each row trains `--steps` steps of `--batch` samples per worker per epoch, one thread per worker. Throughput is
 global samples/s, the mean of epochs 2..N (median over `--repeats` runs); efficiency = T(2 workers) / (2 x T(1
-worker)). The bare frameworks are plain processes on this machine: torch.distributed (gloo, DDP), tf-keras `fit`
+worker)). A row and its bare counterpart run in alternation (bare, ours, bare, ours, ...), so drifting machine
+load hits both, and "vs bare" is the median of the paired ratios; a bare row serving two rows runs with each.
+The bare frameworks are plain processes on this machine: torch.distributed (gloo, DDP), tf-keras `fit`
 under MultiWorkerMirroredStrategy (1 process: TF's default strategy, as our backend does), and Horovod's own recipes
 for PyTorch and TF2 started by `horovodrun --gloo`, each Horovod row's counterpart. TP, FSDP and pipelines
 are not here: they do not apply to the CNN (benchmarks/layouts.py compares them on BERT).
@@ -249,16 +251,28 @@ def pipeline_rates(overrides: list[str], args: argparse.Namespace, world: int) -
     return history["samples_per_s"]
 
 
-def measure(name: str, args: argparse.Namespace, world: int) -> tuple[float, float]:
-    """(steady global samples/s, median over `--repeats` runs; the machine's 1-minute load average at the end) of
-    one row at one world size."""
-    rates = []
+def run_once(name: str, args: argparse.Namespace, world: int) -> float:
+    """One run of a row at one world size: its steady global samples/s."""
+    if name in BARE:
+        return steady_rate(bare_run(name.removeprefix("bare_"), args, world))
+    return steady_rate(pipeline_rates(PIPELINES[name], args, world))
+
+
+def measure(group: list[str], args: argparse.Namespace, world: int) -> dict[str, list[float]]:
+    """`--repeats` runs of each row of `group` (a row, or a bare row and ours) at one world size, alternating."""
+    runs: dict[str, list[float]] = {name: [] for name in group}
     for _ in range(args.repeats):
-        if name in BARE:
-            rates.append(steady_rate(bare_run(name.removeprefix("bare_"), args, world)))
-        else:
-            rates.append(steady_rate(pipeline_rates(PIPELINES[name], args, world)))
-    return float(np.median(rates)), os.getloadavg()[0]
+        for name in group:
+            runs[name].append(run_once(name, args, world))
+    return runs
+
+
+def groups(rows: list[str]) -> list[list[str]]:
+    """The rows in the order asked, each of ours with its bare counterpart first when that was asked for too; a
+    bare row alone only when no row of ours pairs with it."""
+    paired = {COUNTERPART[name] for name in rows if COUNTERPART.get(name) in rows}
+    return [[COUNTERPART[name], name] if COUNTERPART.get(name) in rows else [name]
+            for name in rows if name not in paired]
 
 
 def main() -> int:
@@ -295,13 +309,18 @@ def main() -> int:
     print(f"{'row':18s} {'1 worker':>10s} {'2 workers':>10s} {'efficiency':>10s} {'vs bare (1/2)':>14s} "
           f"{'load (1/2)':>11s}", flush=True)
     results: dict[str, tuple[float, float]] = {}
-    for name in rows:
-        (one, load1), (two, load2) = measure(name, args, 1), measure(name, args, 2)
-        results[name] = (one, two)
-        bare = results.get(COUNTERPART.get(name, ""))
-        versus = f"{one / bare[0]:.2f}/{two / bare[1]:.2f}" if bare else "-"
-        print(f"{name:18s} {one:10.0f} {two:10.0f} {two / (2 * one):10.3f} {versus:>14s} "
-              f"{load1:5.1f}/{load2:<5.1f}", flush=True)
+    for group in groups(rows):
+        worlds, loads = {}, []
+        for world in (1, 2):
+            worlds[world] = measure(group, args, world)
+            loads.append(os.getloadavg()[0])
+        for name in group:
+            one, two = (float(np.median(worlds[world][name])) for world in (1, 2))
+            results[name] = (one, two)
+            versus = "/".join(f"{np.median(np.array(worlds[w][name]) / np.array(worlds[w][group[0]])):.2f}"
+                              for w in (1, 2)) if name != group[0] else "-"
+            print(f"{name:18s} {one:10.0f} {two:10.0f} {two / (2 * one):10.3f} {versus:>14s} "
+                  f"{loads[0]:5.1f}/{loads[1]:<5.1f}", flush=True)
     gated = [two / (2 * one) for name, (one, two) in results.items() if name in GATED]
     print(f"min_efficiency={min(gated):.3f}" if gated else "min_efficiency=nan (no gated row ran)")
     return 0

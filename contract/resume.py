@@ -7,7 +7,7 @@ EXIT_PREEMPTED. A later run with the same folder (the requeued job) continues th
 Ray Train restores the checkpoint because the Ray Train run is named after the MLflow run. Whoever created
 STOP removes it before continuing (the Slurm script does at job start): a run that finds STOP stops at once.
 
-A sweep (`pipelines.sweep`) records its parent run and one child run per trial instead (SWEEP_FILE); a rerun
+A sweep (`pipelines.sweep`) records its parent run and its trials' child runs instead (SWEEP_FILE); a rerun
 continues that parent and re-runs the trials whose child run has not finished, each resuming its own checkpoint.
 
 Stopped without a checkpoint from outside (Ctrl-C, SIGTERM: `ray job stop`, `kill`), a driver marks its run

@@ -142,15 +142,15 @@ def log_hangs(uri: str, run_id: str, folder: Path, lines: list[str]) -> None:
         client.set_tag(run_id, "hang", " | ".join(lines)[:5000])
 
 
-def end_run(uri: str, run_id: str, error: str | None = None) -> None:
-    """FINISHED, or FAILED with the error recorded as a tag and a text artifact."""
+def end_run(uri: str, run_id: str, error: str | None = None, end_ms: int | None = None) -> None:
+    """FINISHED, or FAILED with the error recorded as a tag and a text artifact; ended at `end_ms` (else now)."""
     client = mlflow_client(uri)
     if error is None:
-        client.set_terminated(run_id, status="FINISHED")
+        client.set_terminated(run_id, status="FINISHED", end_time=end_ms)
         return
     client.set_tag(run_id, "error", error[:5000])
     client.log_text(run_id, error, "error.txt")
-    client.set_terminated(run_id, status="FAILED")
+    client.set_terminated(run_id, status="FAILED", end_time=end_ms)
 
 
 def run_exists(uri: str, run_id: str) -> bool:
@@ -187,7 +187,8 @@ def reopen_run(uri: str, run_id: str) -> str:
     return status
 
 
-def mark_preempted(uri: str, run_id: str, stopped_at: str, folder: Path | None = None) -> bool:
+def mark_preempted(uri: str, run_id: str, stopped_at: str, folder: Path | None = None,
+                   end_ms: int | None = None) -> bool:
     """The run stopped on request with a checkpoint and will be continued: KILLED until then (MLflow has no
     'suspended' state), with the stop point recorded. With a spool `folder`, a server that does not answer is not
     an error: the stop point waits there for the continued run (`flush_spools`), the run stays RUNNING, and the
@@ -199,7 +200,7 @@ def mark_preempted(uri: str, run_id: str, stopped_at: str, folder: Path | None =
     client = mlflow_client(uri)
     previous = client.get_run(run_id).data.tags.get("preempted_at")
     client.set_tag(run_id, "preempted_at", f"{previous},{stopped_at}" if previous else stopped_at)
-    client.set_terminated(run_id, status="KILLED")
+    client.set_terminated(run_id, status="KILLED", end_time=end_ms)
     return True
 
 

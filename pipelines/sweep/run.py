@@ -36,7 +36,8 @@ from pipelines.help import exit_codes_text, first_comment, format_rows, key_tabl
 from pipelines.ray_session import shutdown_ray
 from pipelines.summary import sweep_summary
 from pipelines.sweep.pbt import PBT_CHECKPOINTS_KEPT, check_mutated_trials, make_pbt, mutations, param_space
-from pipelines.sweep.runs import Outcome, SweepEnding, SweepTrackingDown, close_children, finish_sweep, open_sweep
+from pipelines.sweep.runs import (Outcome, SweepEnding, SweepTrackingDown, child_specs, children_of, close_children,
+                                  finish_sweep, open_sweep, recorded_children, trials_folder)
 from pipelines.sweep.space import (SweepConfig, Trial, cpus_needed, load_sweep, max_concurrent, plan_trials,
                                    reject_unfit, split_argv, stop_thresholds)
 
@@ -64,7 +65,10 @@ def validate(argv: list[str]) -> tuple[DictConfig, list[Trial], str, str | None]
             shard_paths(data_path, manifest, each)
     resume_dir = valid[0].cfg.run.resume_dir  # a `run` key: the same for every trial
     recorded = resume.recorded_sweep(resume_dir)
-    missing = sorted(set(recorded[1]) - {t.index for t in valid}) if recorded else []
+    # Its trials: those that opened a child run (a sweep ended by SIGKILL recorded none in `resume_dir` yet)
+    started = set(recorded[1]) | set(recorded_children(trials_folder(valid[0].cfg.run.storage_path, recorded[0]))) \
+        if recorded else set()
+    missing = sorted(started - {t.index for t in valid})
     untold = tracking.spool_dir(valid[0].cfg.run.storage_path, recorded[0]) if recorded else None
     if untold is not None and (untold / tracking.SWEEP_FILE).is_file():
         raise ConfigError(f"run.resume_dir: MLflow has not heard how the last attempt of the sweep recorded in "
@@ -128,16 +132,17 @@ def trial_config(cfg: DictConfig) -> dict[str, Any]:
     return plain
 
 
-def run_tune(spec: DictConfig, valid: list[Trial], children: dict[int, str], uri: str, parent_id: str,
-             concurrency: int) -> dict[int, Outcome]:
+def run_tune(spec: DictConfig, valid: list[Trial], uri: str, parent_id: str, concurrency: int) -> dict[int, Outcome]:
     """Run every valid trial; returns {trial index: how it ended}."""
     from ray import tune
 
     from pipelines.sweep.trial import run_trial  # imports Ray Train: not before the config is checked
 
     mutable = mutations(spec)
-    specs = {t.index: {"cfg": trial_config(t.cfg), "run_id": children[t.index], "tracking_uri": uri,
-                       "plugin_roots": plugin_roots(t.cfg.plugins), "mutable": list(mutable),
+    children = child_specs(parent_id, valid)
+    folder = str(trials_folder(valid[0].cfg.run.storage_path, parent_id))
+    specs = {t.index: {"cfg": trial_config(t.cfg), "child": children[t.index], "trials_folder": folder,
+                       "tracking_uri": uri, "plugin_roots": plugin_roots(t.cfg.plugins), "mutable": list(mutable),
                        "tune_checkpoints": spec.scheduler == "pbt"} for t in valid}
     # Only the Tune function's own CPU here: the trainer reserves its workers itself, outside Tune.
     trainable = tune.with_resources(tune.with_parameters(run_trial, specs=specs), {"cpu": 1})
@@ -186,27 +191,27 @@ def run_sweep(spec: DictConfig, trials: list[Trial], uri: str, resume_dir: str |
 
     cpus, gpus = start_ray(trials)
     parent_id = None
-    pending: dict[int, str] = {}  # the child runs this attempt runs
+    to_run: list[int] = []  # the trials this attempt runs
     outcomes: dict[int, Outcome] = {}
     try:
         reject_unfit(trials, cpus, gpus)
         valid = [t for t in trials if t.cfg is not None]
         concurrency = max_concurrent(valid, cpus, gpus, spec.max_concurrent_trials) if valid else 0
         cluster = {"cpus": cpus, "gpus": gpus, "nodes": len(ray.nodes()), "max_concurrent_trials": concurrency}
-        parent_id, children, to_run = open_sweep(uri, spec, trials, cluster, resume_dir)
+        parent_id, to_run = open_sweep(uri, spec, trials, cluster, resume_dir)
         print(f"MLflow parent run {parent_id} ({uri}); {len(valid)} trials, {len(trials) - len(valid)} rejected, "
-              f"{concurrency} at a time{f', {len(to_run)} left to run' if len(to_run) < len(children) else ''}",
+              f"{concurrency} at a time{f', {len(to_run)} left to run' if len(to_run) < len(valid) else ''}",
               flush=True)
         print(rejected_text(trials), flush=True)
         if not valid:
             raise RuntimeError("no trial fits the cluster")
-        pending = {i: children[i] for i in to_run}
-        runnable = [t for t in valid if t.index in pending]
-        outcomes = run_tune(spec, runnable, children, uri, parent_id, concurrency) if runnable else {}
-        outcomes.update({i: Outcome("KILLED", "does not fit this cluster") for i in pending if i not in outcomes})
+        runnable = [t for t in valid if t.index in to_run]
+        outcomes = run_tune(spec, runnable, uri, parent_id, concurrency) if runnable else {}
+        outcomes.update({i: Outcome("KILLED", "does not fit this cluster") for i in to_run if i not in outcomes})
+        pending, ends = children_of(uri, parent_id, valid, to_run, resume_dir)
         ending = SweepEnding(parent_id, uri, OmegaConf.to_container(spec, resolve=True), pending, outcomes,
-                             len(children), resume.stop_requested(resume_dir), valid[0].cfg.run.register_model,
-                             valid[0].cfg.run.storage_path)
+                             len(valid), resume.stop_requested(resume_dir), valid[0].cfg.run.register_model,
+                             valid[0].cfg.run.storage_path, ends)
         failed, stopped = finish_sweep(ending)
         return parent_id, failed, stopped
     except SweepTrackingDown:
@@ -214,7 +219,9 @@ def run_sweep(spec: DictConfig, trials: list[Trial], uri: str, resume_dir: str |
     except BaseException as err:  # KeyboardInterrupt too: no run may stay RUNNING
         if parent_id is None:
             raise
-        close_children(uri, {i: r for i, r in pending.items() if i not in outcomes}, outcomes)
+        if to_run:
+            pending, ends = children_of(uri, parent_id, valid, to_run, resume_dir)
+            close_children(uri, {i: r for i, r in pending.items() if i not in outcomes}, outcomes, ends)
         tracking.end_unfinished_run(uri, parent_id, err)
         raise SweepFailed(parent_id, err) from err
     finally:

@@ -1,6 +1,7 @@
 """A sweep's MLflow runs: the parent run (the sweep config, the rejected points, the report) and a child run per
-trial, opened before Tune starts and closed with how each trial ended; and the end of a sweep whose tracking
-server is away then, kept in the parent's spool folder for `rtp replay`."""
+trial, opened by the trial when it first starts (so each child's start and end are its trial's) and closed by the
+sweep with how each trial ended; and the end of a sweep whose tracking server is away then, kept in the parent's
+spool folder for `rtp replay`."""
 from __future__ import annotations
 
 import csv
@@ -9,7 +10,7 @@ import json
 import sys
 import tempfile
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,25 +49,59 @@ def rejected_csv(rejected: list[dict[str, Any]]) -> str:
     return out.getvalue()
 
 
-def start_children(uri: str, parent_id: str, valid: list[Trial]) -> dict[int, str]:
-    """One child run per valid trial (named by `trial_name`), created before Tune starts: a trial that Tune
-    restarts after a failure gets the same run id again and continues that run (and its Ray Train checkpoints,
-    named after it)."""
-    children: dict[int, str] = {}
+def child_specs(parent_id: str, valid: list[Trial]) -> dict[int, dict[str, Any]]:
+    """What each valid trial's child run is created with (by the trial when it first starts, `child_run`): its
+    name (`trial_name`), params, config and tags, the sweep driver's among them (the run is the sweep's to close)."""
     names = Counter(trial_name(trial) for trial in valid)
+    specs = {}
     for trial in valid:
         name = trial_name(trial)
         if names[name] > 1:  # equal grid points (`sweep.num_samples` without distributions): told apart by index
             name = f"{name}-#{trial.index}"
         tags = {"mlflow.parentRunId": parent_id, "sweep.trial_index": str(trial.index),
-                "sweep.overrides": " ".join(trial.overrides)}
+                "sweep.overrides": " ".join(trial.overrides), **tracking.driver_tags()}
         params = {**flatten(trial.cfg), **parallel_params(trial.cfg)}
-        children[trial.index] = tracking.start_run(uri, trial.cfg.run.experiment, name, params,
-                                                   OmegaConf.to_yaml(trial.cfg), tags=tags)
-        data = trial.cfg.data
-        tracking.log_dataset_inputs(uri, children[trial.index], dataset_refs(
-            data.path, read_manifest(data.path), {"training": "train", "eval": data.eval_split}))
-    return children
+        specs[trial.index] = {"name": name, "tags": tags, "params": params, "config_yaml": OmegaConf.to_yaml(trial.cfg)}
+    return specs
+
+
+def trials_folder(storage_path: str, parent_id: str) -> Path:
+    """Where each trial records its child run (`<index>.json`: its run id, when it ended), on shared storage."""
+    return tracking.run_dir(storage_path, parent_id) / "trials"
+
+
+def child_run(uri: str, folder: Path, index: int, spec: dict[str, Any], cfg: Any) -> str:
+    """Trial `index`'s child run: the one it recorded in `folder` (a restart by Tune, a continued sweep), else a
+    new one, created now, so that its start in MLflow is the trial's. Only this trial writes its record."""
+    record = folder / f"{index}.json"
+    if record.is_file():
+        return json.loads(record.read_text())["run_id"]
+    run_id = tracking.start_run(uri, cfg["run"]["experiment"], spec["name"], spec["params"], spec["config_yaml"],
+                                tags=spec["tags"])
+    data = cfg["data"]
+    tracking.log_dataset_inputs(uri, run_id, dataset_refs(
+        data["path"], read_manifest(data["path"]), {"training": "train", "eval": data["eval_split"]}))
+    write_record(record, {"run_id": run_id})
+    return run_id
+
+
+def note_trial_time(folder: Path, index: int) -> None:
+    """The trial's latest moment (a report; its function's return or exception): its child run's end time, once
+    it has ended."""
+    record = folder / f"{index}.json"
+    write_record(record, {**json.loads(record.read_text()), "ended_ms": tracking.now_ms()})
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record))
+    tmp.replace(path)  # a reader never sees half a record
+
+
+def recorded_children(folder: Path) -> dict[int, dict[str, Any]]:
+    """{trial index: its record} of every trial that has started."""
+    return {int(p.stem): json.loads(p.read_text()) for p in folder.glob("*.json")} if folder.is_dir() else {}
 
 
 @dataclass
@@ -82,19 +117,23 @@ class Outcome:
         return self.status != "FINISHED" and not self.out_of_time
 
 
-def close_children(uri: str, children: dict[int, str], outcomes: dict[int, Outcome]) -> None:
+def close_children(uri: str, children: dict[int, str], outcomes: dict[int, Outcome],
+                   ends: dict[int, int] | None = None) -> None:
+    """End each child run with its trial's outcome, at the time its trial ended (`ends`, ms; else now)."""
     for index, run_id in children.items():
         outcome = outcomes.get(index, Outcome("KILLED", "the sweep stopped before this trial ended"))
+        end_ms = (ends or {}).get(index)
         if outcome.status == "KILLED":
             tracking.mlflow_client(uri).set_tag(run_id, "sweep.not_finished", outcome.message)
             if outcome.stopped_at is not None:  # KILLED with tag `preempted_at`, kept when the rerun continues it
-                tracking.mark_preempted(uri, run_id, outcome.stopped_at)
+                tracking.mark_preempted(uri, run_id, outcome.stopped_at, end_ms=end_ms)
             else:
-                tracking.mlflow_client(uri).set_terminated(run_id, status="KILLED")
+                tracking.mlflow_client(uri).set_terminated(run_id, status="KILLED", end_time=end_ms)
         else:
             if outcome.early_stop is not None:  # why it has fewer epochs and, usually, no final model
                 tracking.mlflow_client(uri).set_tag(run_id, "sweep.stopped_early_after_epoch", str(outcome.early_stop))
-            tracking.end_run(uri, run_id, error=outcome.message if outcome.status == "FAILED" else None)
+            tracking.end_run(uri, run_id, error=outcome.message if outcome.status == "FAILED" else None,
+                             end_ms=end_ms)
 
 
 def report(uri: str, spec: DictConfig, parent_id: str, register_model: str | None) -> str:
@@ -133,6 +172,7 @@ class SweepEnding:
     stopping: bool                   # `run.resume_dir` holds STOP
     register_model: str | None
     storage_path: str
+    ends: dict[int, int] = field(default_factory=dict)  # when each trial of `pending` ended (ms), where recorded
 
     def save(self) -> Path:
         folder = tracking.spool_dir(self.storage_path, self.parent_id)
@@ -146,6 +186,7 @@ class SweepEnding:
         record = json.loads((folder / tracking.SWEEP_FILE).read_text())
         record["pending"] = {int(i): run_id for i, run_id in record["pending"].items()}
         record["outcomes"] = {int(i): Outcome(**o) for i, o in record["outcomes"].items()}
+        record["ends"] = {int(i): end for i, end in record.get("ends", {}).items()}
         return cls(**record)
 
 
@@ -170,7 +211,7 @@ def finish_sweep(ending: SweepEnding) -> tuple[int, bool]:
         folder = tracking.spool_dir(ending.storage_path, run_id)
         if tracking.spool_files(folder) or (folder / tracking.FINAL_FILE).is_file():
             replay_run(folder, uri)
-    close_children(uri, ending.pending, ending.outcomes)
+    close_children(uri, ending.pending, ending.outcomes, ending.ends)
     failed = sum(o.failed for o in ending.outcomes.values())
     if failed and ending.stopping:
         tracking.mark_preempted(uri, parent_id, f"{failed} of {ending.trials} trials unfinished")
@@ -201,10 +242,10 @@ def finish_recorded_sweep(folder: Path, uri: str | None = None) -> tuple[str, st
 
 
 def open_sweep(uri: str, spec: DictConfig, trials: list[Trial], cluster: dict[str, Any],
-               resume_dir: str | None) -> tuple[str, dict[int, str], list[int]]:
-    """The parent and child runs: new ones (recorded in `run.resume_dir` when set), or those of the sweep recorded
-    there, reopened. Returns (parent id, {trial index: child id}, indices of the trials to run: all of a new
-    sweep; a continued sweep's trials whose child run has not finished)."""
+               resume_dir: str | None) -> tuple[str, list[int]]:
+    """The parent run: a new one (recorded in `run.resume_dir` when set), or the one of the sweep recorded there,
+    reopened with its unfinished child runs. Returns (parent id, indices of the trials to run: all of a new sweep;
+    a continued sweep's trials that never started or whose child run has not finished)."""
     valid = [t for t in trials if t.cfg is not None]
     tracking.close_orphaned_runs(uri, valid[0].cfg.run.experiment)
     recorded = resume.recorded_sweep(resume_dir)
@@ -212,16 +253,31 @@ def open_sweep(uri: str, spec: DictConfig, trials: list[Trial], cluster: dict[st
         parent_id = start_parent(uri, spec, trials, cluster)
         for data_path in {t.cfg.data.path for t in valid}:  # lineage, as a training run logs it
             tracking.log_data_files(uri, parent_id, data_path, read_manifest(data_path))
-        children = start_children(uri, parent_id, valid)
-        resume.record_sweep(resume_dir, parent_id, children)
-        return parent_id, children, [t.index for t in valid]
-    parent_id, children = recorded
+        resume.record_sweep(resume_dir, parent_id, {})
+        return parent_id, [t.index for t in valid]
+    parent_id, _ = recorded
     tracking.reopen_run(uri, parent_id)
+    started = recorded_children(trials_folder(valid[0].cfg.run.storage_path, parent_id))
     to_run = []
-    for index, run_id in children.items():
-        if tracking.reopen_run(uri, run_id) != "FINISHED":
-            to_run.append(index)
+    for trial in valid:
+        run_id = started.get(trial.index, {}).get("run_id")
+        if run_id is None or tracking.reopen_run(uri, run_id) != "FINISHED":
+            to_run.append(trial.index)
             client = tracking.mlflow_client(uri)
-            if "sweep.not_finished" in client.get_run(run_id).data.tags:  # said by the stopped attempt
-                client.delete_tag(run_id, "sweep.not_finished")
-    return parent_id, children, to_run
+            if run_id is not None and "sweep.not_finished" in client.get_run(run_id).data.tags:  # said by the
+                client.delete_tag(run_id, "sweep.not_finished")                                   # stopped attempt
+    return parent_id, to_run
+
+
+def children_of(uri: str, parent_id: str, valid: list[Trial], indices: list[int],
+                resume_dir: str | None) -> tuple[dict[int, str], dict[int, int]]:
+    """After the trials of `indices` ran (or were interrupted): ({index: child run id}, {index: when it ended,
+    ms}). A trial that never started gets its child run now, to be closed as not run. Recorded in
+    `run.resume_dir` too, for whoever reads the sweep's runs from there."""
+    folder = trials_folder(valid[0].cfg.run.storage_path, parent_id)
+    started, specs = recorded_children(folder), child_specs(parent_id, valid)
+    configs = {t.index: OmegaConf.to_container(t.cfg, resolve=True) for t in valid}
+    children = {i: started[i]["run_id"] if i in started else child_run(uri, folder, i, specs[i], configs[i])
+                for i in indices}
+    resume.record_sweep(resume_dir, parent_id, {i: r["run_id"] for i, r in recorded_children(folder).items()})
+    return children, {i: started[i]["ended_ms"] for i in indices if "ended_ms" in started.get(i, {})}

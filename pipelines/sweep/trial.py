@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 from ray.train import UserCallback
 
@@ -23,6 +24,7 @@ from contract.checkpoint import TrainState
 from contract.console import say
 from contract.config import typed_config
 from pipelines.fit import fit_backend
+from pipelines.sweep.runs import child_run, note_trial_time
 import trainers  # noqa: F401  (registers the built-in backends and models: a trial types its config)
 
 DONE = "done"  # the last item on a trial's report queue: its Ray Train run has ended
@@ -40,15 +42,27 @@ class TrialReporter(UserCallback):
 
 def run_trial(config: dict[str, Any], specs: dict[int, dict[str, Any]]) -> None:
     """One Tune trial. `config`: the trial index and the current values of the mutated keys (PBT's); `specs`: each
-    trial's config, child run and tracking URI. Rank 0 logs to the trial's child run; the final model is logged to
-    it (a trial Tune stops early ends without one, and so does a trial stopped on request)."""
-    from ray import tune
-    from ray.util.queue import Queue
-
+    trial's config, child run (`runs.child_specs`) and tracking URI. The trial's child run is created when it
+    first starts (`runs.child_run`); rank 0 logs to it, the final model is logged to it (a trial Tune stops early
+    ends without one, and so does a trial stopped on request), and its end is recorded for the sweep to close it."""
     index = config["trial_index"]
     spec = specs[index]
     if resume.stop_requested(spec["cfg"]["run"]["resume_dir"]):  # the sweep is stopping: leave this trial for the rerun
         return
+    folder = Path(spec["trials_folder"])
+    run_id = child_run(spec["tracking_uri"], folder, index, spec["child"], spec["cfg"])
+    try:
+        train_trial(config, {**spec, "run_id": run_id}, index, lambda: note_trial_time(folder, index))
+    finally:
+        note_trial_time(folder, index)
+
+
+def train_trial(config: dict[str, Any], spec: dict[str, Any], index: int, note_time: Callable[[], None]) -> None:
+    """The trial's Ray Train run, each of its reports passed on to Tune. `note_time` before each: a trial that Tune
+    stops at a report (ASHA, `sweep.stop`) ends there."""
+    from ray import tune
+    from ray.util.queue import Queue
+
     plain = copy.deepcopy(spec["cfg"])
     for key in spec["mutable"]:
         section, name = key.split(".")
@@ -75,6 +89,7 @@ def run_trial(config: dict[str, Any], specs: dict[int, dict[str, Any]]) -> None:
     thread.start()
     while (item := reports.get()) != DONE:
         metrics, path = item
+        note_time()
         tune.report(metrics, checkpoint=tune_checkpoint(path, index, spec["run_id"])
                     if path and spec["tune_checkpoints"] else None)
     thread.join()

@@ -95,6 +95,10 @@ def test_smoke_sweep_nests_runs_rejects_points_and_reports(tmp_path, tiny_imdb, 
     assert marker.exists()
     resumed = [c for c in children if c.data.tags.get("resumed_from_epoch")]
     assert len(resumed) == 1 and resumed[0].data.tags["resumed_from_epoch"] == "1"
+    # One trial at a time: each child run starts and ends with its own trial, within the sweep, one after the other
+    first, second = sorted(children, key=lambda c: c.info.start_time)
+    assert parent.info.start_time < first.info.start_time < first.info.end_time <= second.info.start_time
+    assert second.info.start_time < second.info.end_time <= parent.info.end_time
 
     check_report(client, download(mlflow_server, parent_id, "report", tmp_path), parent_id, children)
     check_ui_screenshots(mlflow_server, parent_id, children, tmp_path / "ui")

@@ -110,8 +110,12 @@ def test_preempted_sweep_requeues_and_continues_into_the_same_runs(slurm, tmp_pa
     for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
         monkeypatch.setenv(name, exported[name])
     live = mlflow.MlflowClient(uri)
-    recorded = json.loads(sweep_file.read_text())
-    wait_until(lambda: any(live.get_metric_history(run_id, "train_loss") for run_id in recorded["children"].values()),
+    parent_id = json.loads(sweep_file.read_text())["parent"]
+    experiment = live.get_run(parent_id).info.experiment_id
+
+    def trial_runs() -> list:  # each trial opens its child run when it starts
+        return live.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    wait_until(lambda: any(live.get_metric_history(r.info.run_id, "train_loss") for r in trial_runs()),
                600, "a trial's first epoch to be logged")
 
     # What `#SBATCH --signal=B:TERM@...` does before the time limit: TERM to the batch shell only.
@@ -124,6 +128,8 @@ def test_preempted_sweep_requeues_and_continues_into_the_same_runs(slurm, tmp_pa
 
     client = local_store(out)
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    recorded = json.loads(sweep_file.read_text())  # the sweep's runs, as the requeued sweep recorded them
+    assert recorded["parent"] == parent_id and len(recorded["children"]) == 1
     assert {r.info.run_id for r in runs} == {recorded["parent"], *recorded["children"].values()}  # no new runs
     parent = client.get_run(recorded["parent"])
     assert parent.info.status == "FINISHED" and parent.data.tags["attempts"] == "2"

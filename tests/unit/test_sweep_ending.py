@@ -13,7 +13,8 @@ from contract import resume, tracking
 from pipelines.config import ConfigError
 from pipelines.replay import main as replay_main
 from pipelines.sweep.run import validate
-from pipelines.sweep.runs import Outcome, SweepEnding, SweepTrackingDown, finish_sweep, start_children, start_parent
+from pipelines.sweep.runs import (Outcome, SweepEnding, SweepTrackingDown, child_run, child_specs, children_of,
+                                  finish_sweep, note_trial_time, recorded_children, start_parent, trials_folder)
 from pipelines.sweep.space import load_sweep, plan_trials
 from tests.conftest import free_port
 
@@ -31,8 +32,16 @@ def test_a_sweep_ending_while_the_server_is_away_is_kept_and_replayed(tmp_path, 
     spec = load_sweep("mnist_backends", [GRID, "sweep.scheduler=fifo"])
     trials = plan_trials(spec, overrides)
     parent_id = start_parent(store, spec, trials, {"cpus": 2, "gpus": 0})
-    children = start_children(store, parent_id, trials)
-    resume.record_sweep(str(resume_dir), parent_id, children)
+    # Trial 0 starts (its child run is created then; a restart by Tune finds it again) and ends; trial 1 never
+    # starts: the sweep creates its run at the end.
+    folder, configs = trials_folder(str(storage), parent_id), [OmegaConf.to_container(t.cfg) for t in trials]
+    first_id = child_run(store, folder, 0, child_specs(parent_id, trials)[0], configs[0])
+    assert child_run(store, folder, 0, child_specs(parent_id, trials)[0], configs[0]) == first_id
+    note_trial_time(folder, 0)
+    ended = recorded_children(folder)[0]["ended_ms"]
+    children, ends = children_of(store, parent_id, trials, [0, 1], str(resume_dir))
+    assert children[0] == first_id and ends == {0: ended}
+    assert resume.recorded_sweep(str(resume_dir)) == (parent_id, children)
     # trial 0 trained 2 epochs that its rank 0 spooled, the server being away; trial 1 failed after one epoch
     logger = tracking.EpochLogger(tracking.TrackingSpool(away, children[0], tracking.spool_dir(str(storage),
                                                                                                children[0]), "rank0"))
@@ -42,7 +51,7 @@ def test_a_sweep_ending_while_the_server_is_away_is_kept_and_replayed(tmp_path, 
     mlflow.MlflowClient(store).log_metric(children[1], "train_loss", 1.1, step=1)
     ending = SweepEnding(parent_id, away, OmegaConf.to_container(spec, resolve=True), children,
                          {0: Outcome("FINISHED"), 1: Outcome("FAILED", "RuntimeError: worker died")}, len(children),
-                         False, None, str(storage))
+                         False, None, str(storage), ends)
 
     with pytest.raises(SweepTrackingDown) as down:
         finish_sweep(ending)
@@ -58,7 +67,8 @@ def test_a_sweep_ending_while_the_server_is_away_is_kept_and_replayed(tmp_path, 
     assert replay_main([str(folder)]) == 0
     assert f"mlflow_parent_run_id={parent_id}" in capsys.readouterr().out.splitlines()
     first, second, parent = (client.get_run(r) for r in (children[0], children[1], parent_id))
-    assert first.info.status == "FINISHED"
+    assert first.info.status == "FINISHED" and first.info.end_time == ended  # when the trial ended, not the replay
+    assert second.data.tags["mlflow.parentRunId"] == parent_id and second.info.end_time > ended
     assert sorted(m.step for m in client.get_metric_history(children[0], "train_loss")) == [1, 2]
     assert second.info.status == "FAILED" and second.data.tags["error"].startswith("RuntimeError: worker died")
     assert parent.info.status == "FAILED" and parent.data.metrics["trials_failed"] == 1
