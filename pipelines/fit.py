@@ -246,10 +246,15 @@ def log_hangs(uri: str, run_id: str, run_folder: Path) -> str | None:
 
 
 def log_preflight(uri: str, run_id: str, run_folder: Path) -> None:
-    """The preflight's measurements (trainers/preflight.py), if it ran, as the run's `preflight.*` metrics."""
+    """The preflight's measurements (trainers/preflight.py) of the fit's last attempt, if it ran, as the run's
+    `preflight.*` metrics. Best effort: it runs while a failure may be on its way out, which it must not hide."""
     measured = run_folder / PREFLIGHT_FILE
-    if measured.is_file():
+    if not measured.is_file():
+        return
+    try:
         tracking.log_metrics(uri, run_id, json.loads(measured.read_text())["metrics"])
+    except Exception as err:  # the server away: the measurements stay in the run's folder
+        say(f"warning: the preflight's measurements were not logged ({type(err).__name__}); they are in {measured}")
 
 
 def preflight_failed(err: Exception) -> str | None:

@@ -4,10 +4,11 @@ A backend supplies an `Adapter` (trainers/adapter.py: model, optimizer, data sha
 files, an all-reduce) and a `WorkerContext` (rank, how to report, the checkpoint to resume from; trainers/worker.py
 builds it from Ray Train). The loop owns everything the contract promises: epochs and the resume point, skipping the
 steps a stopped epoch already trained on, the STOP agreement between ranks, `step_loss`, the epoch metrics
-(contract/metrics.py), the best epoch and early stopping (`run.monitor`, `run.patience`), the checkpoint schema
-(contract/checkpoint.py) and what rank 0 logs. The optimizer-step recipe (schedule, clipping, accumulation, precision)
-is the adapter's, from contract/recipe.py. Keras `fit` keeps its own loop and calls `end_epoch` from a callback
-(trainers/tf/keras_fit.py)."""
+(contract/metrics.py), each rank's step times and the straggler check (contract/stragglers.py), the best epoch and
+early stopping (`run.monitor`, `run.patience`), the checkpoint schema (contract/checkpoint.py) and what rank 0
+logs. The optimizer-step recipe (schedule, clipping, accumulation, precision) is the adapter's, from
+contract/recipe.py. Keras `fit` keeps its own loop and calls `end_epoch` from a callback (trainers/tf/keras_fit.py).
+"""
 from __future__ import annotations
 
 import json

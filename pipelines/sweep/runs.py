@@ -272,12 +272,14 @@ def open_sweep(uri: str, spec: DictConfig, trials: list[Trial], cluster: dict[st
 def children_of(uri: str, parent_id: str, valid: list[Trial], indices: list[int],
                 resume_dir: str | None) -> tuple[dict[int, str], dict[int, int]]:
     """After the trials of `indices` ran (or were interrupted): ({index: child run id}, {index: when it ended,
-    ms}). A trial that never started gets its child run now, to be closed as not run. Recorded in
-    `run.resume_dir` too, for whoever reads the sweep's runs from there."""
+    ms}). A trial that never started gets its child run now, to be closed as not run (unless the tracking server
+    is away: the sweep's ending then waits for `rtp replay` without it). Recorded in `run.resume_dir` too, for
+    whoever reads the sweep's runs from there."""
     folder = trials_folder(valid[0].cfg.run.storage_path, parent_id)
     started, specs = recorded_children(folder), child_specs(parent_id, valid)
     configs = {t.index: OmegaConf.to_container(t.cfg, resolve=True) for t in valid}
-    children = {i: started[i]["run_id"] if i in started else child_run(uri, folder, i, specs[i], configs[i])
-                for i in indices}
+    unstarted = [i for i in indices if i not in started] if tracking.answers(uri) else []
+    children = {**{i: started[i]["run_id"] for i in indices if i in started},
+                **{i: child_run(uri, folder, i, specs[i], configs[i]) for i in unstarted}}
     resume.record_sweep(resume_dir, parent_id, {i: r["run_id"] for i, r in recorded_children(folder).items()})
     return children, {i: started[i]["ended_ms"] for i in indices if "ended_ms" in started.get(i, {})}
