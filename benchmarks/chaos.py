@@ -2,16 +2,18 @@
 
     python -m benchmarks.chaos [--backend ddp|tf_mwms] [--seed 0] [--events 4] [--epochs 6]
 
-A reference `rtp train` run, then the same run (same seed, data and layout: 2 workers) with `run.resume_dir`, on a real
-MLflow server, while an injector drawn from `--seed` fires `--events` faults, one at a time, each a little after an
-epoch line of the run: it kills a Ray Train worker (SIGKILL; Ray Train restarts the workers from the last checkpoint),
-freezes the tracking server (SIGSTOP, then SIGCONT a few seconds later; the workers' spools hold what it missed),
-kills the tracking server and starts it again on the same store, or touches STOP (the run checkpoints mid-epoch and
-exits 3; the injector deletes STOP and runs the same command again, which continues the run). At the end the run must
-be FINISHED, with every epoch's metrics logged exactly once, and its final weights (`run.dump_params_dir`) equal to
-the reference's: bit for bit for ddp, within float32 rounding (1e-6) for tf_mwms (its custom loop: Keras `fit` does not
-watch STOP). A benchmark run on demand, a few minutes long; the suite checks each fault on its own. Last line:
-`chaos=passed` or `chaos=failed (<why>)`.
+A reference `rtp train` run, then the same run (same seed, data and layout: 2 workers) with `run.resume_dir`, on a
+real MLflow server, while an injector drawn from `--seed` fires `--events` faults, one at a time, each a little after
+an epoch line of the run: it kills a Ray Train worker (SIGKILL; Ray Train restarts the workers from the last
+checkpoint), freezes the tracking server (SIGSTOP, then SIGCONT a few seconds later; the workers' spools hold what it
+missed), kills the tracking server and starts it again on the same store, or touches STOP (the run checkpoints
+mid-epoch and exits 3; the injector deletes STOP and runs the same command again, which continues the run). A run
+that ends while the server is away exits 1 with its records spooled; once the server is back, `rtp replay` of the
+spool folder it names finishes it, as its user would. At the end the run must be FINISHED, with every epoch's metrics
+logged exactly once, and its final weights (`run.dump_params_dir`) equal to the reference's: bit for bit for ddp,
+within float32 rounding (1e-6) for tf_mwms (its custom loop: Keras `fit` does not watch STOP). A benchmark run on
+demand, a few minutes long; the suite checks each fault on its own. Last line: `chaos=passed` or `chaos=failed
+(<why>)`.
 """
 from __future__ import annotations
 
@@ -128,6 +130,23 @@ class Injector:
         self.stopping = True
 
 
+def replay_folder(lines: list[str]) -> str | None:
+    """The spool folder a run that ended while the server was away names in its error line, or None."""
+    found = [re.search(r"replay them with `rtp replay (\S+)`", line) for line in lines]
+    return next((f[1] for f in reversed(found) if f), None)
+
+
+def replay(folder: str, server: Server, injector: Injector) -> int:
+    """`rtp replay` of `folder` once the fault under way has ended and the server answers again."""
+    with injector.lock:  # the fault that fired last has run its course (a restart: the server is up)
+        pass
+    deadline = time.monotonic() + 120
+    while not answers(f"{server.url}/health") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    env = {**os.environ, **QUIET_ENV, "MLFLOW_TRACKING_URI": server.url}
+    return subprocess.run([sys.executable, "-m", "pipelines.replay", folder], cwd=ROOT, env=env).returncode
+
+
 def final_weights(folder: Path) -> list[np.ndarray]:
     """Rank 0's final parameters as `run.dump_params_dir` holds them (PyTorch state dict, or TF's arrays)."""
     if (folder / "rank0.pt").is_file():
@@ -183,7 +202,7 @@ def main() -> int:
             resume_dir.mkdir()
             injector = Injector(list(plan), rng, server, resume_dir, last=args.epochs - 2)
             overrides = [*common, f"run.dump_params_dir={base / 'chaos'}", f"run.resume_dir={resume_dir}"]
-            attempts, stops, run_id = 0, 0, None
+            attempts, stops, replays, run_id = 0, 0, 0, None
             while True:
                 proc = train(overrides, server, injector.on_line)
                 code = proc.wait()
@@ -196,6 +215,10 @@ def main() -> int:
                     (resume_dir / "STOP").unlink(missing_ok=True)
                     injector.new_attempt()
                     continue
+                spooled = replay_folder(proc.lines) if code == 1 else None
+                if spooled is not None and replay(spooled, server, injector) == 0:  # the server was away at its end
+                    replays += 1
+                    break
                 if code != 0:
                     print("".join(proc.lines[-30:]))
                     print(f"chaos=failed (attempt {attempts} exited {code})")
@@ -205,7 +228,7 @@ def main() -> int:
         finally:
             server.stop()
     print(f"backend={args.backend} seed={args.seed} planned={plan} fired={injector.fired} attempts={attempts} "
-          f"stops={stops}")
+          f"stops={stops} replays={replays}")
     print("chaos=passed" if why is None else f"chaos=failed ({why})")
     return 0 if why is None else 1
 

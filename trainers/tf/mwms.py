@@ -119,21 +119,27 @@ class MirroredAdapter(tfc.KerasAdapter):
             return loss
 
         @tf.function
-        def step(images, labels):  # the global batch's mean loss
+        def step(iterator):  # the next batch, taken inside the graph; the global batch's mean loss
+            images, labels = next(iterator)
             return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica_step, args=(images, labels)),
                                    axis=None)
         return step
 
     def batches(self, epoch: int, skip: int) -> Iterator[Any]:
-        return self.streamed_batches(epoch, skip)
+        """The epoch's steps after its first `skip`: each the stream's iterator (the step takes its batch from it
+        inside its graph: a batch handed in from Python cost a tenth of a small step, benchmarks/README.md) and
+        the batch's real tokens."""
+        tokens = self.epoch_tokens(epoch)[skip:]
+        for iterator, count in zip(self.stream.turns(epoch, skip, len(tokens)), tokens):
+            yield iterator, int(count)
 
     def train_step(self, batch: Any) -> tuple[float, int, int]:
-        (images, labels), tokens = batch
+        iterator, tokens = batch
         self.pending += 1
         if self.pending == self.passes:
-            loss, self.pending = self.update_step(images, labels), 0
+            loss, self.pending = self.update_step(iterator), 0
         else:
-            loss = self.accumulate_step(images, labels)
+            loss = self.accumulate_step(iterator)
         return float(loss), self.rows_per_step, tokens
 
     def at_update_boundary(self) -> bool:
