@@ -41,7 +41,8 @@ def measure_links(world_rank: int, node_ids: list[str], node_ips: list[str], run
                 results[2 * i], results[2 * i + 1] = latency * 1e3, bandwidth
         dist.barrier()  # one pair at a time: no two share the links while measured
     dist.all_reduce(results)
-    links = {(labels[a], labels[b]): (float(results[2 * i]), float(results[2 * i + 1]))
+    # Named in sorted order: the same pair of nodes has the same metrics whichever holds the lower rank
+    links = {tuple(sorted((labels[a], labels[b]))): (float(results[2 * i]), float(results[2 * i + 1]))
              for i, (a, b) in enumerate(pairs)}
     for (x, y), (latency_ms, gb_per_s) in links.items():
         metrics[f"preflight.{x}-{y}.latency_ms"], metrics[f"preflight.{x}-{y}.gb_per_s"] = latency_ms, gb_per_s
