@@ -255,9 +255,13 @@ def open_sweep(uri: str, spec: DictConfig, trials: list[Trial], cluster: dict[st
             tracking.log_data_files(uri, parent_id, data_path, read_manifest(data_path))
         resume.record_sweep(resume_dir, parent_id, {})
         return parent_id, [t.index for t in valid]
-    parent_id, _ = recorded
+    parent_id, in_resume_dir = recorded
     tracking.reopen_run(uri, parent_id)
-    started = recorded_children(trials_folder(valid[0].cfg.run.storage_path, parent_id))
+    folder = trials_folder(valid[0].cfg.run.storage_path, parent_id)
+    for index, run_id in in_resume_dir.items():  # a sweep recorded before trials kept their own records
+        if not (folder / f"{index}.json").is_file():
+            write_record(folder / f"{index}.json", {"run_id": run_id})
+    started = recorded_children(folder)
     to_run = []
     for trial in valid:
         run_id = started.get(trial.index, {}).get("run_id")
