@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import time
 
-from mlflow.entities import Metric
-
 from contract import tracking
 from contract.metrics import EPOCH_END
 
@@ -39,6 +37,5 @@ def log_goodput(uri: str, run_id: str) -> dict[str, float]:
 
     figures = goodput(time.time() - run.info.start_time / 1000, total("epoch_time_s"), total(EPOCH_END),
                       sum(total(part) for part in STARTUP_PARTS))
-    now_ms = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric(name, value, now_ms, 0) for name, value in figures.items()])
+    tracking.log_metrics(uri, run_id, figures)
     return figures

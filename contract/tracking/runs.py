@@ -13,6 +13,7 @@ from typing import Any, Mapping
 from contract.resume import interruption
 from contract.tracking.provenance import git_commit, library_versions, source_tags
 from contract.tracking.check import answers
+from contract.tracking.logger import now_ms
 from contract.tracking.server import mlflow_client
 from contract.tracking.spool import spool_dir, write_spool_file
 
@@ -120,7 +121,7 @@ def log_metrics(uri: str, run_id: str, metrics: Mapping[str, float]) -> None:
     """Metrics the driver logs once (step 0), e.g. the preflight's."""
     from mlflow.entities import Metric
 
-    now = int(time.time() * 1000)
+    now = now_ms()
     items = [Metric(k, float(v), now, 0) for k, v in metrics.items()]
     client = mlflow_client(uri)
     for start in range(0, len(items), 1000):  # MLflow takes at most 1000 metrics a batch

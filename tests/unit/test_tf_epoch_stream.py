@@ -19,6 +19,12 @@ def epoch_dataset(epoch: int, skip: int = 0) -> Batches:
     return Batches((epoch, step) for step in range(skip, STEPS))
 
 
+def batches(epochs: EpochStream, epoch: int, skip: int, count: int):
+    """The batches of `epochs.turns`, each taken in Python as a custom loop's step takes it."""
+    for iterator in epochs.turns(epoch, skip, count):
+        yield next(iterator)
+
+
 def stream(last_epoch: int) -> tuple[EpochStream, list]:
     opened = []
 
@@ -31,22 +37,22 @@ def stream(last_epoch: int) -> tuple[EpochStream, list]:
 def test_an_attempt_reads_all_its_epochs_through_one_iterator():
     epochs, opened = stream(last_epoch=3)
     for epoch in (1, 2, 3):
-        assert list(epochs.batches(epoch, 0, STEPS)) == epoch_dataset(epoch)
+        assert list(batches(epochs, epoch, 0, STEPS)) == epoch_dataset(epoch)
     assert opened == [epoch_dataset(1) + epoch_dataset(2) + epoch_dataset(3)]
 
 
 def test_a_resumed_epoch_starts_after_its_done_steps_and_the_next_ones_follow_on():
     epochs, opened = stream(last_epoch=3)
-    assert list(epochs.batches(2, 3, STEPS - 3)) == [(2, 3)]
-    assert list(epochs.batches(3, 0, STEPS)) == epoch_dataset(3)
+    assert list(batches(epochs, 2, 3, STEPS - 3)) == [(2, 3)]
+    assert list(batches(epochs, 3, 0, STEPS)) == epoch_dataset(3)
     assert opened == [[(2, 3), *epoch_dataset(3)]]
 
 
 def test_an_epoch_left_unfinished_or_out_of_turn_opens_a_new_iterator():
     epochs, opened = stream(last_epoch=2)
-    unfinished = epochs.batches(1, 0, STEPS)
+    unfinished = batches(epochs, 1, 0, STEPS)
     assert [next(unfinished), next(unfinished)] == [(1, 0), (1, 1)]  # the loop stopped here
-    assert list(epochs.batches(1, 2, STEPS - 2)) == [(1, 2), (1, 3)]  # its restart
-    assert list(epochs.batches(2, 0, STEPS)) == epoch_dataset(2)
-    assert list(epochs.batches(3, 0, STEPS)) == epoch_dataset(3)  # past last_epoch: on its own
+    assert list(batches(epochs, 1, 2, STEPS - 2)) == [(1, 2), (1, 3)]  # its restart
+    assert list(batches(epochs, 2, 0, STEPS)) == epoch_dataset(2)
+    assert list(batches(epochs, 3, 0, STEPS)) == epoch_dataset(3)  # past last_epoch: on its own
     assert len(opened) == 3 and opened[2] == epoch_dataset(3)

@@ -196,12 +196,18 @@ class KerasAdapter(Adapter):
     def epoch_tokens(self, epoch: int) -> np.ndarray:
         return self.train.step_tokens(self.rows_per_step, self.seed + epoch, self.steps)
 
-    def streamed_batches(self, epoch: int, skip: int) -> Iterator[tuple[Any, int]]:
-        """The custom loops' (tf_mwms custom, horovod tf): the epoch's batches after its first `skip`, each with its
-        real tokens, from their `EpochStream` (`self.stream`)."""
+    def streamed_turns(self, epoch: int, skip: int) -> Iterator[tuple[Iterator[Any], int]]:
+        """The custom loops' (tf_mwms custom, horovod tf): the epoch's steps after its first `skip`, each the
+        iterator of their `EpochStream` (`self.stream`) to take that step's batch from, and the batch's real
+        tokens."""
         tokens = self.epoch_tokens(epoch)[skip:]
-        for batch, count in zip(self.stream.batches(epoch, skip, len(tokens)), tokens):
-            yield batch, int(count)
+        for iterator, count in zip(self.stream.turns(epoch, skip, len(tokens)), tokens):
+            yield iterator, int(count)
+
+    def streamed_batches(self, epoch: int, skip: int) -> Iterator[tuple[Any, int]]:
+        """`streamed_turns` with each step's batch taken in Python."""
+        for iterator, count in self.streamed_turns(epoch, skip):
+            yield next(iterator), count
 
     def evaluate(self, epoch: int) -> tuple[float, int]:
         """One pass over the evaluation set, from one iterator over it repeated, kept for the attempt: an iterator

@@ -139,17 +139,11 @@ class EpochStream:
         self.iterator: Iterator[Any] | None = None
         self.next_epoch = 0  # the epoch the open iterator is at, once the previous one was read to its end
 
-    def batches(self, epoch: int, skip: int, count: int) -> Iterator[Any]:
-        """The epoch's `count` batches after its first `skip`: from the open iterator when it is at this epoch,
-        else (an attempt's first epoch, a resumed one, or one past `last_epoch`, which only a caller with its
-        own epoch count asks for) from a new one over epochs `epoch`..`last_epoch`."""
-        for iterator in self.turns(epoch, skip, count):
-            yield next(iterator)
-
     def turns(self, epoch: int, skip: int, count: int) -> Iterator[Iterator[Any]]:
-        """`batches`, one turn at a time: the iterator to take the turn's batch from, `count` times. The caller
-        takes exactly one batch at each turn, e.g. inside a compiled step (no Python between the iterator and
-        the step)."""
+        """The epoch's `count` steps after its first `skip`, each the iterator to take that step's batch from
+        (exactly one, in Python or inside a compiled step): the open iterator when it is at this epoch, else (an
+        attempt's first epoch, a resumed one, or one past `last_epoch`, which only a caller with its own epoch
+        count asks for) a new one over epochs `epoch`..`last_epoch`."""
         if skip or self.iterator is None or self.next_epoch != epoch or epoch > self.last_epoch:
             def remaining(e: int) -> Any:  # the first without its `skip` done steps
                 return self.epoch_dataset(e, skip if e == epoch else 0)

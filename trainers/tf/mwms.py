@@ -126,12 +126,9 @@ class MirroredAdapter(tfc.KerasAdapter):
         return step
 
     def batches(self, epoch: int, skip: int) -> Iterator[Any]:
-        """The epoch's steps after its first `skip`: each the stream's iterator (the step takes its batch from it
-        inside its graph: a batch handed in from Python cost a tenth of a small step, benchmarks/README.md) and
-        the batch's real tokens."""
-        tokens = self.epoch_tokens(epoch)[skip:]
-        for iterator, count in zip(self.stream.turns(epoch, skip, len(tokens)), tokens):
-            yield iterator, int(count)
+        """The epoch's turns (`streamed_turns`): the step takes its batch from the stream's iterator inside its
+        graph (a batch handed in from Python is Python work on every step: benchmarks/README.md, scaling.py)."""
+        return self.streamed_turns(epoch, skip)
 
     def train_step(self, batch: Any) -> tuple[float, int, int]:
         iterator, tokens = batch
