@@ -47,7 +47,9 @@ class ModelSpec:
     (default: each entry of the model's `nn.ModuleList`s). `check(cfg, inputs, trainer)` raises
     ValueError("model.<key>: why") for a config it cannot build, or a layout of `trainer` it does not split into
     (`inputs` is None when no data is known yet). `flops_per_sample(cfg, inputs)`: the training FLOPs of one
-    sample (contract/flops.py), where the `torch` model cannot be counted on the meta device (trainers/flops.py)."""
+    sample (contract/flops.py), where the `torch` model cannot be counted on the meta device (trainers/flops.py).
+    `mutable`: keys of its config that change only how training continues from a checkpoint, never what the
+    checkpoint holds (a `lightning` module's own learning rate), which a PBT sweep may mutate (`model.<key>`)."""
     name: str
     config: type
     description: str = ""
@@ -63,6 +65,7 @@ class ModelSpec:
     fsdp_blocks: Ref | None = None
     check: Ref | None = None
     flops_per_sample: Ref | None = None
+    mutable: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

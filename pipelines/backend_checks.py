@@ -68,6 +68,21 @@ def check_builders(cfg: DictConfig, spec: ModelSpec, inputs: DataSchema) -> None
                           "step's tokens); use tf_loop=custom")
 
 
+# The recipe's optimizer keys (contract/recipe.py): a model spec's own LightningModule builds its optimizer and
+# schedule in its `configure_optimizers`, so under trainer=lightning these change nothing.
+OPTIMIZER_KEYS = ("trainer.optimizer", "trainer.lr", "trainer.weight_decay", "trainer.momentum", "trainer.lr_schedule",
+                  "trainer.warmup_steps", "trainer.warmup_fraction")
+
+
+def ignored_keys(cfg: DictConfig, spec: ModelSpec) -> tuple[tuple[str, ...], str]:
+    """The training keys this backend and model do not read, and why: a sweep over one would train the same
+    trial several times (pipelines/sweep/space.py `reject_ignored`)."""
+    if cfg.trainer.backend == "lightning" and spec.lightning is not None:
+        return OPTIMIZER_KEYS, (f"model '{spec.name}' is its own LightningModule, whose configure_optimizers picks "
+                                f"its optimizer and schedule; sweep the keys of its model config that it reads")
+    return (), ""
+
+
 def check_lightning(cfg: DictConfig) -> None:
     """Lightning's strategies: its FSDP refuses CPUs ("The strategy `fsdp` requires a GPU accelerator")."""
     trainer = cfg.trainer

@@ -100,6 +100,29 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture()
+def forget_plugins() -> Iterator[None]:
+    """What the test's plugins register is forgotten afterwards: the registries, Hydra's config store and the
+    plugin modules themselves (a model registered in one test would otherwise appear in another's choices, e.g. the
+    generated config reference; a module left imported would not register again in the next test)."""
+    from hydra.core.config_store import ConfigStore
+
+    from contract.registry import DATASETS, MODELS
+
+    registered = [(registry, dict(registry.specs)) for registry in (MODELS, DATASETS)]
+    stored = {group: dict(ConfigStore.instance().repo.get(group, {})) for group in ("model", "data")}
+    yield
+    for registry, specs in registered:
+        added = [spec for name, spec in registry.specs.items() if name not in specs]
+        for spec in added:
+            source = getattr(spec, "config", None) or getattr(spec, "prepare", None)
+            sys.modules.pop(getattr(source, "__module__", ""), None)
+        registry.specs.clear()
+        registry.specs.update(specs)
+    for group, entries in stored.items():
+        ConfigStore.instance().repo[group] = entries
+
+
 def wait_until(predicate, timeout_s: float, what: str) -> None:
     """Poll a condition (bounded); used to wait for servers to answer, never as a fixed sleep."""
     deadline = time.monotonic() + timeout_s

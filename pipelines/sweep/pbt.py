@@ -4,10 +4,12 @@ from the checkpoint of a trial in the top quantile, with its recipe perturbed: e
 takes a neighbouring value of its list, or its number times 0.8 or 1.2 (kept inside its range), or a fresh draw
 (Tune's resample probability, 0.25).
 
-Mutations are recipe keys only (MUTABLE): a checkpoint holds weights, optimizer moments and the schedule's
-position, and a trial that loads another's takes these keys from its own config (trainers/torch/recipe.py), so a
-mutation changes how training continues, never what a checkpoint means. Every trial's config is validated with
-each mutation at the ends of its range before launch, like a grid point.
+Mutations are recipe keys only (MUTABLE), and the keys a model spec declares `mutable` (`model.<key>`, e.g. a
+user's LightningModule's own learning rate): a checkpoint holds weights, optimizer moments and the schedule's
+position, and a trial that loads another's takes these keys from its own config (trainers/torch/recipe.py,
+trainers/torch/lightning/hyperparameters.py), so a mutation changes how training continues, never what a
+checkpoint means. Every trial's config is validated with each mutation at the ends of its range before launch,
+like a grid point.
 """
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from contract.metrics import REPORTED_EPOCH
+from contract.registry import MODELS
 from pipelines.config import ConfigError, load_config
 from pipelines.sweep.space import SIGNIFICANT_DIGITS, Trial, check_axis, format_override
 
 PBT_CHECKPOINTS_KEPT = 4  # per trial, by Tune: Tune warns that 2 or fewer can be deleted before a trial exploits one
 MUTABLE = ("trainer.lr", "trainer.weight_decay", "trainer.momentum", "trainer.grad_clip", "trainer.batch_size",
            "model.dropout")
+MODEL_PREFIX = "model."
 
 
 def mutations(spec: DictConfig) -> dict[str, Any]:
@@ -35,9 +39,9 @@ def mutations(spec: DictConfig) -> dict[str, Any]:
     if not isinstance(raw, dict) or not raw:
         raise ConfigError(f"sweep.mutations: pbt needs {{recipe key: [values] | {{distribution: args}}}}, got {raw}")
     for key, axis in raw.items():
-        if key not in MUTABLE:
+        if key not in MUTABLE and not key.startswith(MODEL_PREFIX):  # a model's own: checked per trial
             raise ConfigError(f"sweep.mutations: '{key}' cannot change between checkpoints (choices: "
-                              f"{', '.join(MUTABLE)})")
+                              f"{', '.join(MUTABLE)}, or a key its model spec declares mutable)")
         check_axis(key, axis, "sweep.mutations")
     if spec.pbt_interval < 1:
         raise ConfigError(f"sweep.pbt_interval: must be >= 1 epoch, got {spec.pbt_interval}")
@@ -48,7 +52,8 @@ def mutations(spec: DictConfig) -> dict[str, Any]:
 
 def check_mutated_trials(spec: DictConfig, trials: list[Trial], mutable: dict[str, Any]) -> None:
     """Under PBT: reject the trials that some mutation would make invalid (each key's values, or its range's ends,
-    on top of the trial's overrides), and a perturbation interval no trial reaches before its last epoch. Other
+    on top of the trial's overrides), or whose model does not declare a mutated `model.<key>` mutable, and a
+    perturbation interval no trial reaches before its last epoch. Other
     schedulers mutate nothing: nothing to check."""
     if spec.scheduler != "pbt":
         return
@@ -60,7 +65,13 @@ def check_mutated_trials(spec: DictConfig, trials: list[Trial], mutable: dict[st
             trial.cfg, trial.reason = None, (f"sweep.pbt_interval: {spec.pbt_interval} epoch(s) leaves no "
                                              f"perturbation before the last of trainer.epochs={epochs}")
             continue
+        own = MODELS.get(trial.cfg.model.name).mutable
         for key, axis in mutable.items():
+            if key not in MUTABLE and key[len(MODEL_PREFIX):] not in own:
+                trial.cfg, trial.reason = None, (f"sweep.mutations: '{key}' cannot change between checkpoints of model "
+                                                 f"'{trial.cfg.model.name}' (its spec's mutable keys: "
+                                                 f"{', '.join(own) or 'none'})")
+                break
             for value in extremes(axis):
                 try:
                     load_config([*trial.overrides, format_override(key, value)])

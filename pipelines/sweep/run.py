@@ -39,7 +39,7 @@ from pipelines.sweep.pbt import PBT_CHECKPOINTS_KEPT, check_mutated_trials, make
 from pipelines.sweep.runs import (Outcome, SweepEnding, SweepTrackingDown, child_specs, children_of, close_children,
                                   finish_sweep, open_sweep, recorded_children, trials_folder)
 from pipelines.sweep.space import (SweepConfig, Trial, cpus_needed, load_sweep, max_concurrent, plan_trials,
-                                   reject_unfit, split_argv, stop_thresholds)
+                                   reject_ignored, reject_unfit, split_argv, stop_thresholds)
 
 
 def validate(argv: list[str]) -> tuple[DictConfig, list[Trial], str, str | None]:
@@ -50,6 +50,7 @@ def validate(argv: list[str]) -> tuple[DictConfig, list[Trial], str, str | None]
     mutable = mutations(spec)
     trials = plan_trials(spec, train_overrides)
     check_mutated_trials(spec, trials, mutable)
+    reject_ignored(trials, list(mutable))
     for trial in trials:
         try:
             if trial.cfg is not None:

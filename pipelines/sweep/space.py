@@ -26,6 +26,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from contract.config import parallel_degrees, worker_resources
 from contract.metrics import ALL_EPOCH_METRICS
+from contract.registry import MODELS
+from pipelines.backend_checks import ignored_keys
 from pipelines.config import ConfigError, load_config
 
 # CPUs a trial takes besides its workers: its Tune function (the Ray Train driver) and one for Ray Data's
@@ -284,6 +286,19 @@ def cpus_needed(cfg: DictConfig) -> float:
 
 def gpus_needed(cfg: DictConfig) -> float:
     return worker_resources(cfg.trainer)[1]
+
+
+def reject_ignored(trials: list[Trial], mutated: list[str]) -> None:
+    """Reject valid trials whose grid point or mutations (`mutated`, PBT's keys) set a key their backend and model
+    do not read (`backend_checks.ignored_keys`): the trial would train what another trial trains."""
+    for trial in trials:
+        if trial.cfg is None:
+            continue
+        ignored, why = ignored_keys(trial.cfg, MODELS.get(trial.cfg.model.name))
+        swept = sorted({key.lstrip("+") for key in [*trial.combo, *mutated]} & set(ignored))
+        if swept:
+            verb = "changes" if len(swept) == 1 else "change"
+            trial.cfg, trial.reason = None, f"sweep: {', '.join(swept)} {verb} nothing here: {why}"
 
 
 def reject_unfit(trials: list[Trial], cluster_cpus: float, cluster_gpus: float) -> None:

@@ -1,6 +1,6 @@
 """A user's own LightningModule, registered as a model spec (`lightning=`) as a user's plugin would register it:
 its own `training_step` (cross-entropy with label smoothing) and `configure_optimizers` (plain SGD at `model.lr`),
-which trainer=lightning trains instead of this project's recipe."""
+which trainer=lightning trains instead of this project's recipe, and whose `lr` PBT may mutate."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,4 +40,5 @@ def build_module(cfg, inputs, seed):
 
 
 register_model(ModelSpec("smoothed_mlp", SmoothedMLPConfig, "a user's LightningModule", inputs=("image", "numeric"),
-                         tasks=("classification",), lightning=build_module))
+                         tasks=("classification",), lightning=build_module,
+                         mutable=("lr",)))  # PBT may change its rate: a resumed module takes its config's

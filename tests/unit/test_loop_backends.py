@@ -90,6 +90,26 @@ def test_a_users_lightning_module_trains_with_its_own_step_and_optimizer(tmp_pat
     assert len(set(frozen.recorder.step_losses.values())) > 10
 
 
+def test_a_users_lightning_module_resumes_with_its_configs_learning_rate(tmp_path):
+    """A user's LightningModule stopped at `model.lr=0.1` and resumed with `model.lr=0` (a user lowering the rate,
+    a PBT trial taking another's checkpoint) trains with 0, not the checkpoint's 0.1: the weights it finishes with
+    are the stopped checkpoint's, bit for bit, while the resumed steps' losses still vary."""
+    import torch
+
+    from trainers.torch.lightning.backend import module_state
+
+    stopped = attempt("lightning_user", tmp_path, "stopped")
+    assert not stopped.finished
+    checkpoint = last_checkpoint(tmp_path / "lightning_user" / "stopped")
+    resumed = attempt("lightning_user_frozen", tmp_path, "resumed", checkpoint)
+    assert resumed.finished and resumed.recorder.resumed == [0]
+    assert len(set(resumed.recorder.step_losses.values())) > 10
+    before, after = module_state(str(checkpoint)), module_state(str(resumed.checkpoint))
+    assert before.keys() == after.keys()
+    for name in before:
+        torch.testing.assert_close(after[name], before[name], rtol=0, atol=0)
+
+
 def test_a_users_lightning_module_is_the_logged_model(tmp_path, mlflow_server):
     """trainer=lightning logs a spec's own LightningModule itself (its `forward` takes the batch's inputs): loaded
     back from MLflow, it gives the trained module's outputs."""

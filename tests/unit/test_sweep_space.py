@@ -242,8 +242,8 @@ def test_trial_outcomes_from_tune_results():
 
 @pytest.mark.parametrize("overrides, message", [
     (["sweep.mutations=null"], r"^sweep\.mutations: pbt needs \{recipe key"),
-    (["sweep.mutations={model.hidden: [[64]]}"],
-     r"^sweep\.mutations: 'model.hidden' cannot change between checkpoints"),
+    (["sweep.mutations={trainer.optimizer: [adam]}"],
+     r"^sweep\.mutations: 'trainer.optimizer' cannot change between checkpoints"),
     (["sweep.mutations={trainer.momentum: {uniform: [0.9, 0.1]}}"],
      r"^sweep\.mutations: 'trainer.momentum': uniform needs \[low, "),
     (["sweep.pbt_quantile=0.6"], r"^sweep\.pbt_quantile: must be in \(0, 0\.5\]"),
@@ -287,3 +287,53 @@ def test_pbt_rejects_trials_a_mutation_would_make_invalid_and_keeps_perturbation
     assert keep_in({"trainer.lr": 0.012, "trainer.batch_size": 32, "trainer.grad_clip": 0.8}) == \
         {"trainer.lr": 0.01, "trainer.batch_size": 32, "trainer.grad_clip": 1}
     assert keep_in({"trainer.lr": 0.0024, "trainer.batch_size": 64, "trainer.grad_clip": 4.8})["trainer.grad_clip"] == 4
+
+
+USER_LIGHTNING = ["trainer=lightning", "plugins=[tests.support.user_lightning]", "model=smoothed_mlp"]
+
+
+def test_trials_sweeping_a_key_their_model_does_not_read_are_rejected(tmp_path, forget_plugins):
+    """A user's own LightningModule picks its optimizer itself: a grid or PBT mutation over the recipe's learning
+    rate would train the same trial again, so those trials are rejected, saying why; a key the module reads
+    (its `model.lr`) and the same grid on the recipe's own module are kept."""
+    from pipelines.sweep.space import reject_ignored
+
+    (tmp_path / "manifest.json").write_text("{}")
+    user = [f"data.path={tmp_path}", *USER_LIGHTNING]
+    spec = load_sweep("mnist_backends", ["sweep.overrides=[]",
+                                         "sweep.grid=[{trainer.lr: [0.01, 0.1]}, {model.lr: [0.01, 0.1]}]"])
+    trials = plan_trials(spec, user)
+    reject_ignored(trials, [])
+    assert [t.cfg is None for t in trials] == [True, True, False, False]
+    assert trials[0].reason == ("sweep: trainer.lr changes nothing here: model 'smoothed_mlp' is its own "
+                                "LightningModule, whose configure_optimizers picks its optimizer and schedule; "
+                                "sweep the keys of its model config that it reads")
+    mutated = plan_trials(load_sweep("mnist_backends", ["sweep.overrides=[]", "sweep.grid=[{model.lr: [0.1]}]"]), user)
+    reject_ignored(mutated, ["trainer.weight_decay", "trainer.batch_size"])
+    assert mutated[0].reason.startswith("sweep: trainer.weight_decay changes nothing here")
+    plain = plan_trials(spec, [f"data.path={tmp_path}", "trainer=lightning", "model=mlp"])[:2]
+    reject_ignored(plain, ["trainer.weight_decay"])
+    assert all(t.cfg is not None for t in plain)
+
+
+def test_pbt_mutates_a_models_own_keys_only_where_its_spec_declares_them(tmp_path, forget_plugins):
+    """`model.<key>` mutations: a key the model spec declares mutable (the user's LightningModule's `lr`) is kept, a
+    key of a model that declares none is rejected per trial, naming the model, and the recipe's learning rate, which
+    that module does not read, is rejected as a sweep of an ignored key."""
+    from pipelines.sweep.pbt import check_mutated_trials, mutations
+    from pipelines.sweep.space import reject_ignored
+
+    (tmp_path / "manifest.json").write_text("{}")
+    user = [f"data.path={tmp_path}", *USER_LIGHTNING, "trainer.epochs=3"]
+    for overrides, mutated, reason in [
+            (user, "{model.lr: [0.01, 0.1]}", ""),
+            (user, "{trainer.lr: [0.01, 0.1]}", "sweep: trainer.lr changes nothing here: model 'smoothed_mlp'"),
+            ([f"data.path={tmp_path}", "trainer.epochs=3"], "{model.hidden: [[32], [64]]}",
+             "sweep.mutations: 'model.hidden' cannot change between checkpoints of model 'mlp' (its spec's mutable "
+             "keys: none)")]:
+        spec = load_sweep("mnist_backends", ["sweep.scheduler=pbt", "sweep.grid=[{trainer.batch_size: [64]}]",
+                                             f"sweep.mutations={mutated}"])
+        [trial] = plan_trials(spec, overrides)
+        check_mutated_trials(spec, [trial], mutations(spec))
+        reject_ignored([trial], list(mutations(spec)))
+        assert trial.reason.startswith(reason) and (trial.cfg is None) == bool(reason), trial.reason

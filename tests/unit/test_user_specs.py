@@ -16,7 +16,7 @@ import torch
 from contract.config import monitor_of
 from contract.data import DataSchema
 from contract.metrics import eval_metric, metric_names
-from contract.registry import DATASETS, MODELS, entry_point_plugins
+from contract.registry import MODELS, entry_point_plugins
 from pipelines.config import ConfigError, load_config
 from pipelines.data.table import prepare_table
 from tests.support.loop_harness import run_attempt
@@ -70,23 +70,14 @@ def table(folder: Path, task: str = "classification", rows: int = 120) -> Path:
 
 
 @pytest.fixture()
-def user_folder(tmp_path, monkeypatch) -> Iterator[Path]:
+def user_folder(tmp_path, monkeypatch, forget_plugins) -> Iterator[Path]:
     """The user's project folder, the working directory (where `rtp` finds plugin modules, as `python -m` does).
-    What its plugins register is forgotten afterwards: the registries, Hydra's config store, the search path."""
-    from hydra.core.config_store import ConfigStore
-
+    What its plugins register is forgotten afterwards (`forget_plugins`), and so is the search path."""
     folder = tmp_path / "project"
     folder.mkdir()
     monkeypatch.chdir(folder)
     monkeypatch.setattr(sys, "path", list(sys.path))
-    registered = [(registry, dict(registry.specs)) for registry in (MODELS, DATASETS)]
-    stored = {group: dict(ConfigStore.instance().repo.get(group, {})) for group in ("model", "data")}
     yield folder
-    for registry, specs in registered:
-        registry.specs.clear()
-        registry.specs.update(specs)
-    for group, entries in stored.items():
-        ConfigStore.instance().repo[group] = entries
 
 
 def test_a_plugin_model_trains_with_the_built_in_keys(user_folder):

@@ -31,6 +31,7 @@ from trainers.models import build_lightning_module, build_model, has_builder
 from trainers.torch import common as tc
 from trainers.torch.data import ShardBatches
 from trainers.torch.lightning import CHECKPOINT_FILE
+from trainers.torch.lightning.hyperparameters import ConfiguredHyperparameters
 from trainers.torch.lightning.module import RecipeModule
 from trainers.torch.parallel.memory import rank_memory
 
@@ -339,7 +340,8 @@ def fit(cfg: DictConfig, ctx: WorkerContext, data: WorkerData, strategy: Strateg
     loader = ShardLoader(train, lambda: adapter.trainer.current_epoch + 1,
                          skip=loop.state.totals_for(loop.first_epoch, ctx.rank).steps)
     hand = HandToLoop(loop, loader, cfg.trainer.grad_accum)
-    adapter.trainer = prepare(build_trainer(cfg, ctx, strategy(cfg, ctx), [hand]))
+    # A resumed run trains with its config's hyperparameters, not the checkpoint's (hyperparameters.py)
+    adapter.trainer = prepare(build_trainer(cfg, ctx, strategy(cfg, ctx), [ConfiguredHyperparameters(), hand]))
     with warnings.catch_warnings():
         if not cfg.run.verbose:  # Lightning's advice about its own loggers, loaders and Slurm; a user's warnings stay
             warnings.filterwarnings("ignore", module=r"lightning\.")
