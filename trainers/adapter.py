@@ -39,6 +39,7 @@ class Adapter:
     ranks_per_sample: int = 1      # ranks that process each sample (a tensor- or pipeline-parallel group's size)
     loss_is_global: bool = False   # `train_step`'s loss is already the global batch's mean (its step reduced it)
     sharded_checkpoint: bool = False  # every rank's checkpoint folder holds a part (Ray Train merges); else rank 0's
+    steps_per_call: int = 1        # steps `train_steps` trains per call (several: less host work per step)
     load_s: float = 0.0            # seconds this worker took to pull its data shards
     forward_s: float = 0.0         # seconds of forward passes so far (contract/stragglers.py; 0: not timed)
 
@@ -76,7 +77,11 @@ class Adapter:
         """A profiler recording `steps` training steps into `folder` (`trainer.profile_steps`)."""
         raise NotImplementedError
 
-    # Defaults: one optimizer step per batch, nothing more to report.
+    # Defaults: one optimizer step per batch, one step per call, nothing more to report.
+    def train_steps(self, batches: list[Any]) -> list[tuple[float, int, int]]:
+        """`train_step` of each of up to `steps_per_call` consecutive batches, in order."""
+        return [self.train_step(batch) for batch in batches]
+
     def reduce(self, values: list[float], op: str) -> list[float]:
         """`reduce_later`, waited for at once (collective)."""
         return self.reduce_later(values, op)()

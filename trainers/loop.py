@@ -11,6 +11,7 @@ contract/recipe.py. Keras `fit` keeps its own loop and calls `end_epoch` from a 
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import tempfile
@@ -175,7 +176,10 @@ class TrainLoop:
 
     def train_epoch(self, epoch: int, totals: EpochTotals) -> bool:
         """One pass, continuing `totals`; the wait for each batch is timed apart from the whole step. Returns
-        False when the ranks agreed to stop (only at an update boundary: no accumulated gradient is lost)."""
+        False when the ranks agreed to stop (only at an update boundary: no accumulated gradient is lost).
+
+        An adapter that trains several steps per call (`Adapter.steps_per_call`) gets them together; a call never
+        crosses a step where the ranks check for STOP, so they stop where one step per call would stop."""
         adapter, progress, before_step = self.adapter, self.ctx.progress, self.ctx.before_step
         batches = adapter.batches(epoch, skip=totals.steps)
         bar = self.open_step_bar(epoch, totals.steps)
@@ -186,27 +190,19 @@ class TrainLoop:
         while True:
             progress.at(epoch, totals.steps + 1, "data")
             wait_start = time.perf_counter()
-            batch = next(batches, None)
+            turns = list(itertools.islice(batches, self.steps_in_call(totals.steps)))
             waited = time.perf_counter() - wait_start
             totals.data_wait_s += waited
             clock.data_wait_s += waited
-            if batch is None:
+            if not turns:
                 break
-            clock.steps += 1
+            clock.steps += len(turns)
             if before_step is not None:
                 before_step(epoch, (epoch - 1) * adapter.steps_per_epoch() + totals.steps + 1)
             progress.at(epoch, totals.steps + 1, "step")
-            loss, samples, tokens = adapter.train_step(batch)
-            totals.loss_sum += loss * samples
-            totals.samples += samples
-            totals.steps += 1
-            totals.tokens += tokens
-            self.log_step_loss(epoch, totals.steps, loss, global_mean=adapter.loss_is_global)
+            self.count_steps(epoch, totals, adapter.train_steps(turns), bar)
             if self.diverged_at is not None:
                 break  # every rank at once: each settled the same all-reduced losses
-            self.log_startup(epoch)
-            bar.update(1)
-            self.profile_step()
             if adapter.at_update_boundary() and self.should_stop(totals.steps):
                 stopped = True
                 break
@@ -218,6 +214,29 @@ class TrainLoop:
         bar.close()
         self.stop_profile()  # a short epoch: fewer steps than asked
         return not stopped
+
+    def count_steps(self, epoch: int, totals: EpochTotals, results: list[tuple[float, int, int]], bar: StepBar) -> None:
+        """The (loss, samples, tokens) of each step trained into the epoch's totals, step losses, start-up metrics,
+        progress bar and profile, up to a step whose loss shows the run diverged."""
+        for loss, samples, tokens in results:
+            totals.loss_sum += loss * samples
+            totals.samples += samples
+            totals.steps += 1
+            totals.tokens += tokens
+            self.log_step_loss(epoch, totals.steps, loss, global_mean=self.adapter.loss_is_global)
+            if self.diverged_at is not None:
+                return
+            self.log_startup(epoch)
+            bar.update(1)
+            self.profile_step()
+
+    def steps_in_call(self, done: int) -> int:
+        """How many steps the adapter's next call trains: its `steps_per_call`, ending at the next STOP check."""
+        per_call = self.adapter.steps_per_call
+        if per_call == 1 or self.ctx.stop_file is None:
+            return per_call
+        every = self.ctx.stop_check_every
+        return min(per_call, every - done % every)
 
     def log_startup(self, epoch: int) -> None:
         """After the attempt's first step: rank 0 logs where the run's start-up went (`startup.*`), once."""

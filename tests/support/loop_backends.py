@@ -64,6 +64,10 @@ BACKENDS = {
     # two logical CPU devices under MirroredStrategy: the strategy's gather and per-replica batches
     "tf_mwms_custom": ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.devices_per_worker=2", "model.hidden=[32]",
                        *COMMON, *TF_RECIPE],
+    # without accumulation: 4 steps per call of the compiled step loop (trainer.tf_steps_per_execution), a call ending
+    # at each STOP check (every 10 steps: calls of 4, 4 and 2 steps)
+    "tf_mwms_steps_per_call": ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.tf_steps_per_execution=4",
+                               "model.hidden=[32]", *COMMON, *TF_RECIPE, "trainer.grad_accum=1"],
     # one device with 32 rows vs two with 16 each (and fit over the same two, and the other ways of summing over
     # them): the same steps
     "tf_one_device": [*ONE_DEVICE, "trainer.batch_size=32"],

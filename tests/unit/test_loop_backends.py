@@ -59,15 +59,15 @@ def straight(request, tmp_path_factory):
     lane.shutdown(cancel_futures=True)
 
 
-# 2 batches per optimizer step everywhere: the stop at step 10 lands on an update boundary (mid-epoch for Horovod,
-# 20 steps per epoch). The TF runs also schedule the LR and clip (horovod_tf: AdamW with decay; see
-# tests/support/loop_backends.py): the restored optimizer's update count must continue the schedule. The straight run
-# of tf_mwms_custom is also one of the runs compared below.
+# 2 batches per optimizer step everywhere but tf_mwms_steps_per_call (4 steps per call of its compiled loop): the stop
+# at step 10 lands on an update boundary (mid-epoch for Horovod, 20 steps per epoch). The TF runs also schedule the
+# LR and clip (horovod_tf: AdamW with decay; see tests/support/loop_backends.py): the restored optimizer's update count
+# must continue the schedule. The straight run of tf_mwms_custom is also one of the runs compared below.
 @pytest.mark.straight("{backend}")
 # lightning_user and ZeRO-3 stop and resume the same way (a user's module through the same callback; ZeRO-3 at 2 ranks:
 # tests/parallel/test_deepspeed_loop.py)
 @pytest.mark.parametrize("backend", ["lightning", "deepspeed_zero2", "horovod_torch", "horovod_tf", "tf_mwms_custom",
-                                     "tf_dtensor", "tf_ps"])
+                                     "tf_mwms_steps_per_call", "tf_dtensor", "tf_ps"])
 def test_stop_resume_parity(tmp_path, straight, backend):
     runs = {"straight": straight(backend), "stopped": attempt(backend, tmp_path, "stopped")}
     runs["resumed"] = attempt(backend, tmp_path, "resumed", last_checkpoint(tmp_path / backend / "stopped"))

@@ -70,7 +70,8 @@ class MirroredAdapter(tfc.KerasAdapter):
     # eager all-gather per logged step cost a fifth of a small model's training: benchmarks/README.md, tracking).
     loss_is_global = True
 
-    def __init__(self, keras: Any, world_size: int, last_epoch: int, *args: Any, **kwargs: Any):
+    def __init__(self, keras: Any, world_size: int, last_epoch: int, *args: Any, steps_per_call: int = 1,
+                 **kwargs: Any):
         super().__init__(*args, save_on_every_rank=True, **kwargs)
         self.keras, self.world_size = keras, world_size
         # From a function: its batches are per replica (not re-batched by the strategy).
@@ -81,6 +82,10 @@ class MirroredAdapter(tfc.KerasAdapter):
         self.update_step = self._make_step(keras, apply=True)
         self.accumulate_step = self._make_step(keras, apply=False) if self.sums else None
         self.finish_step = self.tf.function(lambda: self.strategy.run(self._apply_sums))
+        # Several steps per call (`trainer.tf_steps_per_execution`, as `fit` runs them), without accumulation: Python
+        # picks each accumulated batch's step (see above)
+        self.steps_per_call = 1 if self.sums else steps_per_call
+        self.several_steps = None if self.sums else self._make_steps(keras)
 
     def _accumulators(self) -> list:
         tf = self.tf
@@ -97,7 +102,9 @@ class MirroredAdapter(tfc.KerasAdapter):
         for total in self.sums:
             total.assign(self.tf.zeros_like(total))
 
-    def _make_step(self, keras: Any, apply: bool) -> Any:
+    def _replica_step(self, keras: Any, apply: bool) -> Any:
+        """One replica's step on its batch: its share of the global batch's mean loss, backward, and the optimizer
+        step (with accumulation: the batch's share added to the sums, the step only when `apply`)."""
         tf, strategy, model, optimizer = self.tf, self.strategy, self.model, self.model.optimizer
         variables = model.trainable_variables
         global_batch = self.batch_size * strategy.num_replicas_in_sync
@@ -117,6 +124,10 @@ class MirroredAdapter(tfc.KerasAdapter):
             if apply:
                 self._apply_sums()
             return loss
+        return replica_step
+
+    def _make_step(self, keras: Any, apply: bool) -> Any:
+        tf, strategy, replica_step = self.tf, self.strategy, self._replica_step(keras, apply)
 
         @tf.function
         def step(iterator):  # the next batch, taken inside the graph; the global batch's mean loss
@@ -124,6 +135,22 @@ class MirroredAdapter(tfc.KerasAdapter):
             return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica_step, args=(images, labels)),
                                    axis=None)
         return step
+
+    def _make_steps(self, keras: Any) -> Any:
+        """`count` steps in one call, each on the iterator's next batch (a graph loop, as Keras `fit` runs its
+        `steps_per_execution`): their global batches' mean losses, in order."""
+        tf, strategy, replica_step = self.tf, self.strategy, self._replica_step(keras, apply=True)
+
+        @tf.function
+        def steps(iterator, count):
+            losses = tf.TensorArray(tf.float32, size=count)
+            for i in tf.range(count):
+                images, labels = next(iterator)
+                loss = strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica_step, args=(images, labels)),
+                                       axis=None)
+                losses = losses.write(i, tf.cast(loss, tf.float32))
+            return losses.stack()
+        return steps
 
     def batches(self, epoch: int, skip: int) -> Iterator[Any]:
         """The epoch's turns (`streamed_turns`): the step takes its batch from the stream's iterator inside its
@@ -138,6 +165,14 @@ class MirroredAdapter(tfc.KerasAdapter):
         else:
             loss = self.accumulate_step(iterator)
         return float(loss), self.rows_per_step, tokens
+
+    def train_steps(self, batches: list[Any]) -> list[tuple[float, int, int]]:
+        """Consecutive turns of the epoch's stream (`batches`) in one call of the step loop, where there is one."""
+        if self.several_steps is None:
+            return super().train_steps(batches)
+        iterator = batches[0][0]  # each turn names the same iterator
+        losses = self.several_steps(iterator, self.tf.constant(len(batches))).numpy()
+        return [(float(loss), self.rows_per_step, tokens) for loss, (_, tokens) in zip(losses, batches)]
 
     def at_update_boundary(self) -> bool:
         return self.pending == 0
@@ -242,7 +277,8 @@ def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData, strateg
     tfc.seed_dropout(tf, cfg.run.seed, rank)  # before the training step is traced
     return MirroredAdapter(keras, world_size, trainer.epochs, tf, strategy, model, train, evaluation,
                            trainer.batch_size, rank, cfg.run.seed + 1000 * rank, trainer.max_steps_per_epoch,
-                           local_replicas, grad_accum=trainer.grad_accum, bucket_by_length=cfg.data.bucket_by_length)
+                           local_replicas, grad_accum=trainer.grad_accum, bucket_by_length=cfg.data.bucket_by_length,
+                           steps_per_call=trainer.tf_steps_per_execution)
 
 
 def run_worker(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
