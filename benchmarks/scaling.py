@@ -2,7 +2,7 @@
 compute-bound model (the MNIST CNN by default).
 
     python -m benchmarks.scaling [--model cnn] [--epochs 3] [--steps 60] [--batch 128] [--only ddp,bare_torch]
-                                 [--pin] [--repeats 1] [--set trainer.compile=true ...]
+                                 [--pin] [--repeats 1] [--beside-ray] [--set trainer.compile=true ...]
 
 Each row trains `--steps` steps of `--batch` samples per worker per epoch, one thread per worker. Throughput is
 global samples/s, the mean of epochs 2..N (median over `--repeats` runs); efficiency = T(2 workers) / (2 x T(1
@@ -11,19 +11,24 @@ load hits both, and "vs bare" is the median of the paired ratios; a bare row ser
 The bare frameworks are plain processes on this machine: torch.distributed (gloo, DDP), tf-keras `fit`
 under MultiWorkerMirroredStrategy (1 process: TF's default strategy, as our backend does), and Horovod's own recipes
 for PyTorch and TF2 started by `horovodrun --gloo`, each Horovod row's counterpart. TP, FSDP and pipelines
-are not here: they do not apply to the CNN (benchmarks/layouts.py compares them on BERT).
+are not here: they do not apply to the CNN (benchmarks/layouts.py compares them on BERT). `--beside-ray`: each
+bare run has an idle local Ray head (`ray start --head`) beside it, so that both sides of a ratio share the cores
+with Ray's own processes and the ratio is what our code costs.
 Last line: `min_efficiency=<lowest efficiency among ddp, horovod_torch and tf_mwms_fit>`.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -253,9 +258,29 @@ def pipeline_rates(overrides: list[str], args: argparse.Namespace, world: int) -
 
 def run_once(name: str, args: argparse.Namespace, world: int) -> float:
     """One run of a row at one world size: its steady global samples/s."""
-    if name in BARE:
+    if name not in BARE:
+        return steady_rate(pipeline_rates(PIPELINES[name], args, world))
+    with idle_ray() if args.beside_ray else contextlib.nullcontext():
         return steady_rate(bare_run(name.removeprefix("bare_"), args, world))
-    return steady_rate(pipeline_rates(PIPELINES[name], args, world))
+
+
+@contextlib.contextmanager
+def idle_ray() -> Iterator[None]:
+    """An idle local Ray head (`ray start --head --block`, its own ports) while the body runs; Ctrl-C to the
+    blocking `ray start` stops the processes it started, and only those."""
+    port, dashboard, client = free_ports(3)
+    ray = os.path.join(os.path.dirname(sys.executable), "ray")
+    head = subprocess.Popen([ray, "start", "--head", "--block", f"--port={port}", f"--dashboard-port={dashboard}",
+                             f"--ray-client-server-port={client}", "--disable-usage-stats"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in head.stdout:  # up once it says it blocks
+            if "will now block" in line:
+                break
+        yield
+    finally:
+        head.send_signal(signal.SIGINT)
+        head.communicate(timeout=60)
 
 
 def measure(group: list[str], args: argparse.Namespace, world: int) -> dict[str, list[float]]:
@@ -285,6 +310,7 @@ def main() -> int:
     parser.add_argument("--pin", action="store_true", help="bare rows only: pin rank r's process to CPU r, so one "
                         "worker has exactly one core (TF otherwise runs its input pipeline on a second one)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per row and world size (median)")
+    parser.add_argument("--beside-ray", action="store_true", help="bare rows run beside an idle local Ray head")
     parser.add_argument("--set", nargs="*", default=[], help="more overrides for every pipeline row")
     parser.add_argument("--bare-worker", choices=list(BARE_WORKERS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)  # where a horovodrun rank 0 writes its rates
@@ -304,7 +330,8 @@ def main() -> int:
     ensure_mnist()
     rows = args.only.split(",")
     print(f"model={args.model} batch={args.batch}/worker steps={args.steps}/worker/epoch epochs={args.epochs} "
-          f"(mean of epochs 2..{args.epochs}); pipeline overrides {args.set}; load at start {os.getloadavg()[0]:.1f}",
+          f"(mean of epochs 2..{args.epochs}); pipeline overrides {args.set}; load at start {os.getloadavg()[0]:.1f}"
+          f"{'; bare rows beside an idle Ray head' if args.beside_ray else ''}",
           flush=True)
     print(f"{'row':18s} {'1 worker':>10s} {'2 workers':>10s} {'efficiency':>10s} {'vs bare (1/2)':>14s} "
           f"{'load (1/2)':>11s}", flush=True)

@@ -99,6 +99,7 @@ class HorovodConfig(TrainerConfig):
     backend: str = "horovod"            # Horovod over Gloo
     framework: str = "torch"            # torch (hvd.DistributedOptimizer) | tf (DistributedGradientTape)
     compression: str = "none"           # gradient compression on the wire: none | fp16
+    tf_steps_per_execution: int = 8     # framework=tf: training steps per compiled call (without grad_accum)
 
 
 @dataclass

@@ -82,3 +82,18 @@ def test_tf_trains_with_fp16_and_accumulation_and_resumes_after_failure(tmp_path
         assert sorted(line["rank"] for line in attempt) == ["0", "1"]
         assert len({line["rendezvous"] for line in attempt}) == 1  # both ranks met at the same server
     assert not {line["pid"] for line in first} & {line["pid"] for line in second}  # new processes
+
+
+def test_tf_runs_several_steps_per_compiled_call_across_ranks(tmp_path, tiny_mnist, mlflow_server, ray_head):
+    """Without accumulation the TF step loop runs 4 steps per compiled call (`trainer.tf_steps_per_execution`), each
+    step's allreduce inside the graph loop, on 2 ranks: identical replicas, each step's loss the global batch's mean,
+    the optimizer stepped once per batch."""
+    params = tmp_path / "params"
+    run_id = train(["trainer.framework=tf", f"data.path={tiny_mnist}", "trainer.tf_steps_per_execution=4",
+                    "trainer.log_every_n_steps=1", f"run.storage_path={tmp_path / 'ray'}",
+                    f"run.dump_params_dir={params}"], pipeline_env(mlflow_server, ray_head))
+    client = MlflowClient(mlflow_server)
+    check_run(client, run_id)
+    check_step_losses_are_global(client, run_id, epochs=2)
+    check_replicas_identical(params, "tf")
+    assert optimizer_steps(tmp_path / "ray", "tf") == 2 * BATCHES_PER_EPOCH

@@ -55,17 +55,8 @@ def make_train_step(hvd: Any, tf: Any, keras: Any, model: Any, cfg: DictConfig, 
     variables, optimizer = model.trainable_variables, model.optimizer
     passes = cfg.trainer.grad_accum
 
-    @tf.function
-    def synced_step(images, labels):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(labels, model(images, training=True))
-            scaled = tfr.scaled_loss(optimizer, loss)  # fp16: loss scaling
-        tape = hvd.DistributedGradientTape(tape, compression=compression)
-        optimizer.apply_gradients(zip(tfr.unscaled(optimizer, tape.gradient(scaled, variables)), variables))
-        return loss
-
     if passes == 1:
-        return synced_step, lambda: None
+        return tf.function(synced_step_of(hvd, tf, keras, model, cfg, task)), lambda: None
     sums = [tf.Variable(tf.zeros_like(v), trainable=False) for v in variables]
     pending = tf.Variable(0, dtype=tf.int64, trainable=False)  # batches accumulated since the last step
 
@@ -97,6 +88,37 @@ def make_train_step(hvd: Any, tf: Any, keras: Any, model: Any, cfg: DictConfig, 
     return accumulating_step, finish
 
 
+def synced_step_of(hvd: Any, tf: Any, keras: Any, model: Any, cfg: DictConfig, task: str) -> Any:
+    """`step(images, labels) -> loss` (to be traced): forward, backward, gradients averaged over the ranks by
+    `DistributedGradientTape`, the optimizer step."""
+    loss_fn = tfc.keras_loss(keras, task)
+    compression = hvd.Compression.fp16 if cfg.trainer.compression == "fp16" else hvd.Compression.none
+    variables, optimizer = model.trainable_variables, model.optimizer
+
+    def synced_step(images, labels):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(images, training=True))
+            scaled = tfr.scaled_loss(optimizer, loss)  # fp16: loss scaling
+        tape = hvd.DistributedGradientTape(tape, compression=compression)
+        optimizer.apply_gradients(zip(tfr.unscaled(optimizer, tape.gradient(scaled, variables)), variables))
+        return loss
+    return synced_step
+
+
+def make_several_steps(tf: Any, synced_step: Any) -> Any:
+    """`steps(iterator, count) -> losses`: `count` synced steps in one call, each on the iterator's next batch (a
+    graph loop, as Keras `fit` runs its `steps_per_execution`), their losses in order. Each step's allreduce ends
+    before the next step reads the weights, so the ranks issue Horovod's named ops in the same order."""
+    @tf.function
+    def steps(iterator, count):
+        losses = tf.TensorArray(tf.float32, size=count)
+        for i in tf.range(count):
+            images, labels = next(iterator)
+            losses = losses.write(i, tf.cast(synced_step(images, labels), tf.float32))
+        return losses.stack()
+    return steps
+
+
 class HorovodTFAdapter(tfc.KerasAdapter):
     """Rank 0's weights and optimizer variables become everyone's at the start (ranks draw different initial
     weights on purpose, so the broadcast is what aligns them) and again after a restore."""
@@ -105,7 +127,12 @@ class HorovodTFAdapter(tfc.KerasAdapter):
         super().__init__(*args, **kwargs)
         self.hvd = hvd
         self.stream = EpochStream(self.epoch_dataset, cfg.trainer.epochs, lambda make: iter(make()))
-        self.step_fn, self.finish = make_train_step(hvd, self.tf, keras, self.model, cfg, self.train.schema.target.task)
+        task = self.train.schema.target.task
+        self.step_fn, self.finish = make_train_step(hvd, self.tf, keras, self.model, cfg, task)
+        # Without accumulation, several steps per call (`trainer.tf_steps_per_execution`)
+        self.steps_per_call = cfg.trainer.tf_steps_per_execution if self.passes == 1 else 1
+        self.several_steps = make_several_steps(self.tf, synced_step_of(hvd, self.tf, keras, self.model, cfg, task)) \
+            if self.passes == 1 else None
         self._reduce_later = tf_reduce_later(hvd, self.tf)
         self.calls = 0  # steps since the epoch's (re)start: a stop lands on a multiple of `passes`
         self.model.optimizer.build(self.model.trainable_variables)
@@ -120,14 +147,23 @@ class HorovodTFAdapter(tfc.KerasAdapter):
         self._broadcast()  # identical already when every rank restored the same file
 
     def batches(self, epoch: int, skip: int) -> Iterator[Any]:
+        """The epoch's turns (`streamed_turns`): a step takes its batch from the stream's iterator, in Python (one
+        step per call) or inside the graph loop of `several_steps`."""
         self.calls = 0
-        for (images, labels), tokens in self.streamed_batches(epoch, skip):
-            yield images, labels, tokens
+        return self.streamed_turns(epoch, skip)
 
     def train_step(self, batch: Any) -> tuple[float, int, int]:
-        images, labels, tokens = batch
+        iterator, tokens = batch
+        images, labels = next(iterator)
         self.calls += 1
         return float(self.step_fn(images, labels)), int(labels.shape[0]), tokens
+
+    def train_steps(self, batches: list[Any]) -> list[tuple[float, int, int]]:
+        if self.several_steps is None:
+            return super().train_steps(batches)
+        self.calls += len(batches)
+        losses = self.several_steps(batches[0][0], self.tf.constant(len(batches))).numpy()
+        return [(float(loss), self.rows_per_step, tokens) for loss, (_, tokens) in zip(losses, batches)]
 
     def at_update_boundary(self) -> bool:
         return self.calls % self.passes == 0

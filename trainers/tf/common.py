@@ -204,11 +204,6 @@ class KerasAdapter(Adapter):
         for iterator, count in zip(self.stream.turns(epoch, skip, len(tokens)), tokens):
             yield iterator, int(count)
 
-    def streamed_batches(self, epoch: int, skip: int) -> Iterator[tuple[Any, int]]:
-        """`streamed_turns` with each step's batch taken in Python."""
-        for iterator, count in self.streamed_turns(epoch, skip):
-            yield next(iterator), count
-
     def evaluate(self, epoch: int) -> tuple[float, int]:
         """One pass over the evaluation set, from one iterator over it repeated, kept for the attempt: an iterator
         made and dropped at every evaluation cost each of 2 workers 0.5-0.6 s more at each epoch's end, its
