@@ -13,7 +13,8 @@ under MultiWorkerMirroredStrategy (1 process: TF's default strategy, as our back
 for PyTorch and TF2 started by `horovodrun --gloo`, each Horovod row's counterpart. TP, FSDP and pipelines
 are not here: they do not apply to the CNN (benchmarks/layouts.py compares them on BERT). `--beside-ray`: each
 bare run has an idle local Ray head (`ray start --head`) beside it, so that both sides of a ratio share the cores
-with Ray's own processes and the ratio is what our code costs.
+with Ray's own processes and the ratio is what our code costs; the rows `bare_<x>_beside_ray` (`--only
+bare_tf,bare_tf_beside_ray`) pair a bare row with itself beside the idle head: what Ray's processes alone cost.
 Last line: `min_efficiency=<lowest efficiency among ddp, horovod_torch and tf_mwms_fit>`.
 """
 from __future__ import annotations
@@ -44,8 +45,10 @@ PIPELINES = {  # row name -> pipelines.train overrides
     "tf_mwms_custom": ["trainer=tf_mwms", "trainer.tf_loop=custom"],
 }
 BARE = ("bare_torch", "bare_tf", "bare_horovod_torch", "bare_horovod_tf")
+BESIDE_RAY = {f"{name}_beside_ray": name for name in BARE}  # a bare row beside an idle Ray head: what Ray's own
+                                                            # processes cost it (not in the default rows)
 COUNTERPART = {"ddp": "bare_torch", "horovod_torch": "bare_horovod_torch", "horovod_tf": "bare_horovod_tf",
-               "tf_mwms_fit": "bare_tf", "tf_mwms_custom": "bare_tf"}
+               "tf_mwms_fit": "bare_tf", "tf_mwms_custom": "bare_tf", **BESIDE_RAY}
 GATED = ("ddp", "horovod_torch", "tf_mwms_fit")
 
 
@@ -258,10 +261,10 @@ def pipeline_rates(overrides: list[str], args: argparse.Namespace, world: int) -
 
 def run_once(name: str, args: argparse.Namespace, world: int) -> float:
     """One run of a row at one world size: its steady global samples/s."""
-    if name not in BARE:
+    if name in PIPELINES:
         return steady_rate(pipeline_rates(PIPELINES[name], args, world))
-    with idle_ray() if args.beside_ray else contextlib.nullcontext():
-        return steady_rate(bare_run(name.removeprefix("bare_"), args, world))
+    with idle_ray() if args.beside_ray or name in BESIDE_RAY else contextlib.nullcontext():
+        return steady_rate(bare_run(BESIDE_RAY.get(name, name).removeprefix("bare_"), args, world))
 
 
 @contextlib.contextmanager

@@ -86,6 +86,10 @@ class MirroredAdapter(tfc.KerasAdapter):
         # picks each accumulated batch's step (see above)
         self.steps_per_call = 1 if self.sums else steps_per_call
         self.several_steps = None if self.sums else self._make_steps(keras)
+        # Compiled once per length of what it gathers: called eagerly, the strategy's all-gather traces a function
+        # of its own at every call (TF's retracing warning, every epoch's end)
+        self.gather_rows = self.tf.function(
+            lambda rows: self.strategy.gather(self.strategy.run(lambda: rows), axis=0))
 
     def _accumulators(self) -> list:
         tf = self.tf
@@ -220,8 +224,7 @@ class MirroredAdapter(tfc.KerasAdapter):
         """[world_size, len(values)]: every worker's values (an all-gather across workers)."""
         if self.world_size == 1 and self.local_replicas == 1:
             return np.array([values])
-        local = self.tf.constant([values], dtype=self.tf.float32)
-        rows = self.strategy.gather(self.strategy.run(lambda: local), axis=0).numpy()
+        rows = self.gather_rows(self.tf.constant([values], dtype=self.tf.float32)).numpy()
         return rows[::self.local_replicas]  # one row per replica, replicas grouped by worker
 
 
