@@ -43,20 +43,18 @@ def tf_reduce_later(hvd: Any, tf: Any) -> AsyncReducer:
     return reduce_later
 
 
-def make_train_step(hvd: Any, tf: Any, keras: Any, model: Any, cfg: DictConfig, task: str) -> tuple[Any, Any]:
-    """(`step(images, labels) -> loss`, `finish()`), both collective. passes == 1: `DistributedGradientTape`
-    averages the gradients over ranks every step. passes = k > 1: gradients are accumulated locally (as the mean
-    over k batches) and averaged over ranks with Horovod's grouped allreduce every k-th step, when the optimizer
-    steps; `finish()` applies what is left at the end of an epoch (as the PyTorch side does).
-    `DistributedGradientTape` has no `backward_passes_per_step`; Horovod's wrappers that do are for TF1 graph
-    mode or Keras. The optimizer gets averaged gradients: its `global_clipnorm` clips the averaged norm."""
+def make_accumulating_step(hvd: Any, tf: Any, keras: Any, model: Any, cfg: DictConfig,
+                           task: str) -> tuple[Any, Any]:
+    """(`step(images, labels) -> loss`, `finish()`), both collective, for passes = k > 1 (`trainer.grad_accum`):
+    gradients are accumulated locally (as the mean over k batches) and averaged over ranks with Horovod's grouped
+    allreduce every k-th step, when the optimizer steps; `finish()` applies what is left at the end of an epoch
+    (as the PyTorch side does). `DistributedGradientTape` has no `backward_passes_per_step`; Horovod's wrappers
+    that do are for TF1 graph mode or Keras. The optimizer gets averaged gradients: its `global_clipnorm` clips the
+    averaged norm. Without accumulation: `synced_step_of`."""
     loss_fn = tfc.keras_loss(keras, task)
     compression = hvd.Compression.fp16 if cfg.trainer.compression == "fp16" else hvd.Compression.none
     variables, optimizer = model.trainable_variables, model.optimizer
     passes = cfg.trainer.grad_accum
-
-    if passes == 1:
-        return tf.function(synced_step_of(hvd, tf, keras, model, cfg, task)), lambda: None
     sums = [tf.Variable(tf.zeros_like(v), trainable=False) for v in variables]
     pending = tf.Variable(0, dtype=tf.int64, trainable=False)  # batches accumulated since the last step
 
@@ -89,8 +87,8 @@ def make_train_step(hvd: Any, tf: Any, keras: Any, model: Any, cfg: DictConfig, 
 
 
 def synced_step_of(hvd: Any, tf: Any, keras: Any, model: Any, cfg: DictConfig, task: str) -> Any:
-    """`step(images, labels) -> loss` (to be traced): forward, backward, gradients averaged over the ranks by
-    `DistributedGradientTape`, the optimizer step."""
+    """`step(images, labels) -> loss` (to be traced) without accumulation: forward, backward, gradients averaged
+    over the ranks every step by `DistributedGradientTape`, the optimizer step."""
     loss_fn = tfc.keras_loss(keras, task)
     compression = hvd.Compression.fp16 if cfg.trainer.compression == "fp16" else hvd.Compression.none
     variables, optimizer = model.trainable_variables, model.optimizer
@@ -128,11 +126,13 @@ class HorovodTFAdapter(tfc.KerasAdapter):
         self.hvd = hvd
         self.stream = EpochStream(self.epoch_dataset, cfg.trainer.epochs, lambda make: iter(make()))
         task = self.train.schema.target.task
-        self.step_fn, self.finish = make_train_step(hvd, self.tf, keras, self.model, cfg, task)
-        # Without accumulation, several steps per call (`trainer.tf_steps_per_execution`)
-        self.steps_per_call = cfg.trainer.tf_steps_per_execution if self.passes == 1 else 1
-        self.several_steps = make_several_steps(self.tf, synced_step_of(hvd, self.tf, keras, self.model, cfg, task)) \
-            if self.passes == 1 else None
+        if self.passes == 1:  # several steps per call (`trainer.tf_steps_per_execution`)
+            synced = synced_step_of(hvd, self.tf, keras, self.model, cfg, task)
+            self.several_steps, self.finish = make_several_steps(self.tf, synced), lambda: None
+            self.steps_per_call = cfg.trainer.tf_steps_per_execution
+        else:  # one accumulating step per call, its batch taken in Python
+            self.several_steps = None
+            self.step_fn, self.finish = make_accumulating_step(hvd, self.tf, keras, self.model, cfg, task)
         self._reduce_later = tf_reduce_later(hvd, self.tf)
         self.calls = 0  # steps since the epoch's (re)start: a stop lands on a multiple of `passes`
         self.model.optimizer.build(self.model.trainable_variables)
@@ -153,6 +153,7 @@ class HorovodTFAdapter(tfc.KerasAdapter):
         return self.streamed_turns(epoch, skip)
 
     def train_step(self, batch: Any) -> tuple[float, int, int]:
+        """One accumulating step (`trainer.grad_accum` > 1)."""
         iterator, tokens = batch
         images, labels = next(iterator)
         self.calls += 1
