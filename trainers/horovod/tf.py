@@ -103,20 +103,6 @@ def synced_step_of(hvd: Any, tf: Any, keras: Any, model: Any, cfg: DictConfig, t
     return synced_step
 
 
-def make_several_steps(tf: Any, synced_step: Any) -> Any:
-    """`steps(iterator, count) -> losses`: `count` synced steps in one call, each on the iterator's next batch (a
-    graph loop, as Keras `fit` runs its `steps_per_execution`), their losses in order. Each step's allreduce ends
-    before the next step reads the weights, so the ranks issue Horovod's named ops in the same order."""
-    @tf.function
-    def steps(iterator, count):
-        losses = tf.TensorArray(tf.float32, size=count)
-        for i in tf.range(count):
-            images, labels = next(iterator)
-            losses = losses.write(i, tf.cast(synced_step(images, labels), tf.float32))
-        return losses.stack()
-    return steps
-
-
 class HorovodTFAdapter(tfc.KerasAdapter):
     """Rank 0's weights and optimizer variables become everyone's at the start (ranks draw different initial
     weights on purpose, so the broadcast is what aligns them) and again after a restore."""
@@ -126,12 +112,13 @@ class HorovodTFAdapter(tfc.KerasAdapter):
         self.hvd = hvd
         self.stream = EpochStream(self.epoch_dataset, cfg.trainer.epochs, lambda make: iter(make()))
         task = self.train.schema.target.task
-        if self.passes == 1:  # several steps per call (`trainer.tf_steps_per_execution`)
+        if self.passes == 1:  # several steps per call (`trainer.tf_steps_per_execution`) in one graph loop: each
+            # step's allreduce ends before the next step reads the weights, so the ranks issue Horovod's named ops
+            # in the same order
             synced = synced_step_of(hvd, self.tf, keras, self.model, cfg, task)
-            self.several_steps, self.finish = make_several_steps(self.tf, synced), lambda: None
+            self.several_steps, self.finish = tfc.compiled_steps(self.tf, synced), lambda: None
             self.steps_per_call = cfg.trainer.tf_steps_per_execution
         else:  # one accumulating step per call, its batch taken in Python
-            self.several_steps = None
             self.step_fn, self.finish = make_accumulating_step(hvd, self.tf, keras, self.model, cfg, task)
         self._reduce_later = tf_reduce_later(hvd, self.tf)
         self.calls = 0  # steps since the epoch's (re)start: a stop lands on a multiple of `passes`
@@ -153,18 +140,13 @@ class HorovodTFAdapter(tfc.KerasAdapter):
         return self.streamed_turns(epoch, skip)
 
     def train_step(self, batch: Any) -> tuple[float, int, int]:
-        """One accumulating step (`trainer.grad_accum` > 1)."""
+        """One step: without accumulation, a call of one step of `several_steps`."""
+        if self.several_steps is not None:
+            return self.train_steps([batch])[0]
         iterator, tokens = batch
         images, labels = next(iterator)
         self.calls += 1
         return float(self.step_fn(images, labels)), int(labels.shape[0]), tokens
-
-    def train_steps(self, batches: list[Any]) -> list[tuple[float, int, int]]:
-        if self.several_steps is None:
-            return super().train_steps(batches)
-        self.calls += len(batches)
-        losses = self.several_steps(batches[0][0], self.tf.constant(len(batches))).numpy()
-        return [(float(loss), self.rows_per_step, tokens) for loss, (_, tokens) in zip(losses, batches)]
 
     def at_update_boundary(self) -> bool:
         return self.calls % self.passes == 0

@@ -138,6 +138,20 @@ def load_keras_state(directory: str, model: Any, strategy: Any) -> None:
             variable.assign(store[f"loss_scale_{i}"])
 
 
+def compiled_steps(tf: Any, step: Callable[[Any, Any], Any]) -> Any:
+    """`steps(iterator, count) -> losses`: `count` calls of `step(images, labels) -> loss` (traced) in one compiled
+    call, each on the iterator's next batch (a graph loop, as Keras `fit` runs its `steps_per_execution`), their
+    losses in order: the custom loops without accumulation (tf_mwms, horovod tf)."""
+    @tf.function
+    def steps(iterator, count):
+        losses = tf.TensorArray(tf.float32, size=count)
+        for i in tf.range(count):
+            images, labels = next(iterator)
+            losses = losses.write(i, tf.cast(step(images, labels), tf.float32))
+        return losses.stack()
+    return steps
+
+
 class TFProfiler:
     """TensorFlow's profiler over `steps` training steps after one warmup step (the first pays tracing and
     compilation): an XPlane trace in `<folder>/plugins/profile/<time>/<host>.xplane.pb`, for TensorBoard's Profile
@@ -168,6 +182,7 @@ class KerasAdapter(Adapter):
     `passes` batches, the rest of an epoch applied by `finish_epoch`)."""
 
     batch_hooks = True  # Keras fit may call batch-level callbacks (trainers/tf/keras_fit.py)
+    several_steps: Any = None  # a custom loop's `compiled_steps` (up to `steps_per_call` a call), where it has them
 
     def __init__(self, tf: Any, strategy: Any, model: Any, train: ShardArrays, evaluation: ShardArrays,
                  batch_size: int, rank: int, seed: int, max_steps: int | None, local_replicas: int = 1,
@@ -203,6 +218,15 @@ class KerasAdapter(Adapter):
         tokens = self.epoch_tokens(epoch)[skip:]
         for iterator, count in zip(self.stream.turns(epoch, skip, len(tokens)), tokens):
             yield iterator, int(count)
+
+    def train_steps(self, batches: list[Any]) -> list[tuple[float, int, int]]:
+        """Consecutive turns of the epoch's stream (`streamed_turns`) in one call of `several_steps`, where the
+        adapter has them; else `train_step` of each."""
+        if self.several_steps is None:
+            return super().train_steps(batches)
+        iterator = batches[0][0]  # each turn names the same iterator
+        losses = self.several_steps(iterator, self.tf.constant(len(batches))).numpy()
+        return [(float(loss), self.rows_per_step, tokens) for loss, (_, tokens) in zip(losses, batches)]
 
     def evaluate(self, epoch: int) -> tuple[float, int]:
         """One pass over the evaluation set, from one iterator over it repeated, kept for the attempt: an iterator

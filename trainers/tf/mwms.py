@@ -79,13 +79,13 @@ class MirroredAdapter(tfc.KerasAdapter):
             self.strategy.distribute_datasets_from_function(lambda _: make())))
         self.pending = 0  # batches accumulated since the last optimizer step
         self.sums = self._accumulators()
-        self.update_step = self._make_step(keras, apply=True)
-        self.accumulate_step = self._make_step(keras, apply=False) if self.sums else None
+        if self.sums:  # one step per call: Python picks each accumulated batch's step (see above)
+            self.update_step = self._make_step(keras, apply=True)
+            self.accumulate_step = self._make_step(keras, apply=False)
+        else:  # several steps per call (`trainer.tf_steps_per_execution`, as `fit` runs them)
+            self.several_steps = tfc.compiled_steps(self.tf, self._global_step(keras, apply=True))
+            self.steps_per_call = steps_per_call
         self.finish_step = self.tf.function(lambda: self.strategy.run(self._apply_sums))
-        # Several steps per call (`trainer.tf_steps_per_execution`, as `fit` runs them), without accumulation: Python
-        # picks each accumulated batch's step (see above)
-        self.steps_per_call = 1 if self.sums else steps_per_call
-        self.several_steps = None if self.sums else self._make_steps(keras)
         # Compiled once per length of what it gathers: called eagerly, the strategy's all-gather traces a function
         # of its own at every call (TF's retracing warning, every epoch's end)
         self.gather_rows = self.tf.function(
@@ -105,6 +105,13 @@ class MirroredAdapter(tfc.KerasAdapter):
         self.model.optimizer.apply_gradients(zip([s.read_value() for s in self.sums], self.model.trainable_variables))
         for total in self.sums:
             total.assign(self.tf.zeros_like(total))
+
+    def _global_step(self, keras: Any, apply: bool) -> Any:
+        """`step(images, labels) -> loss` (to be traced): every replica's step on its batch (`_replica_step`), the
+        global batch's mean loss."""
+        tf, strategy, replica_step = self.tf, self.strategy, self._replica_step(keras, apply)
+        return lambda images, labels: strategy.reduce(
+            tf.distribute.ReduceOp.SUM, strategy.run(replica_step, args=(images, labels)), axis=None)
 
     def _replica_step(self, keras: Any, apply: bool) -> Any:
         """One replica's step on its batch: its share of the global batch's mean loss, backward, and the optimizer
@@ -131,30 +138,14 @@ class MirroredAdapter(tfc.KerasAdapter):
         return replica_step
 
     def _make_step(self, keras: Any, apply: bool) -> Any:
-        tf, strategy, replica_step = self.tf, self.strategy, self._replica_step(keras, apply)
+        """One accumulating step per call, its batch taken from the iterator inside the graph."""
+        step = self._global_step(keras, apply)
 
-        @tf.function
-        def step(iterator):  # the next batch, taken inside the graph; the global batch's mean loss
+        @self.tf.function
+        def one_step(iterator):
             images, labels = next(iterator)
-            return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica_step, args=(images, labels)),
-                                   axis=None)
-        return step
-
-    def _make_steps(self, keras: Any) -> Any:
-        """`count` steps in one call, each on the iterator's next batch (a graph loop, as Keras `fit` runs its
-        `steps_per_execution`): their global batches' mean losses, in order."""
-        tf, strategy, replica_step = self.tf, self.strategy, self._replica_step(keras, apply=True)
-
-        @tf.function
-        def steps(iterator, count):
-            losses = tf.TensorArray(tf.float32, size=count)
-            for i in tf.range(count):
-                images, labels = next(iterator)
-                loss = strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica_step, args=(images, labels)),
-                                       axis=None)
-                losses = losses.write(i, tf.cast(loss, tf.float32))
-            return losses.stack()
-        return steps
+            return step(images, labels)
+        return one_step
 
     def batches(self, epoch: int, skip: int) -> Iterator[Any]:
         """The epoch's turns (`streamed_turns`): the step takes its batch from the stream's iterator inside its
@@ -162,6 +153,9 @@ class MirroredAdapter(tfc.KerasAdapter):
         return self.streamed_turns(epoch, skip)
 
     def train_step(self, batch: Any) -> tuple[float, int, int]:
+        """One step: without accumulation, a call of one step of `several_steps`."""
+        if self.several_steps is not None:
+            return self.train_steps([batch])[0]
         iterator, tokens = batch
         self.pending += 1
         if self.pending == self.passes:
@@ -169,14 +163,6 @@ class MirroredAdapter(tfc.KerasAdapter):
         else:
             loss = self.accumulate_step(iterator)
         return float(loss), self.rows_per_step, tokens
-
-    def train_steps(self, batches: list[Any]) -> list[tuple[float, int, int]]:
-        """Consecutive turns of the epoch's stream (`batches`) in one call of the step loop, where there is one."""
-        if self.several_steps is None:
-            return super().train_steps(batches)
-        iterator = batches[0][0]  # each turn names the same iterator
-        losses = self.several_steps(iterator, self.tf.constant(len(batches))).numpy()
-        return [(float(loss), self.rows_per_step, tokens) for loss, (_, tokens) in zip(losses, batches)]
 
     def at_update_boundary(self) -> bool:
         return self.pending == 0
