@@ -59,6 +59,13 @@ def test_torch_schedule_and_weight_decay_groups(tmp_path):
         recipe.scheduler.step()
     np.testing.assert_allclose(lrs, [0.01 * lr_factor(k, "cosine", 3, 5) for k in range(5)], rtol=1e-12)
 
+    # An engine that pays per group (DeepSpeed) gets one where nothing decays; adamw keeps its two at any decay
+    for optimizer, groups in (("adam", 1), ("sgd", 1), ("adamw", 2)):
+        same = config(tmp_path / optimizer, [*SMALL, f"trainer.optimizer={optimizer}"])
+        one = build_recipe(model, same.trainer, 9, torch.device("cpu"), group_per_decay=False).optimizer
+        assert len(one.param_groups) == groups
+        assert sum(len(group["params"]) for group in one.param_groups) == len(list(model.parameters()))
+
     # warmup_fraction: the same curve with round(0.6 * 5) = 3 warmup updates; and both keys at once is an error
     fraction = config(tmp_path / "fraction", [*SMALL, "trainer.lr_schedule=cosine", "trainer.warmup_fraction=0.6",
                                               "trainer.grad_accum=2"])

@@ -183,7 +183,9 @@ def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> Deep
     model = tc.place_model(build_model(cfg.model, data.inputs, seed=cfg.run.seed), device)
     model.universal_checkpoint_info = dict(UNIVERSAL_INFO)
     train, evaluation = data.shards(cfg.run.seed + 1000 * ctx.rank)
-    recipe = build_recipe(model, cfg.trainer, train.steps(), device)
+    # One parameter group where nothing decays: ZeRO all-gathers each group's updated partition apart, and a
+    # second group cost 2 processes on a 0.5M-parameter MLP 12% of their throughput (benchmarks/README.md).
+    recipe = build_recipe(model, cfg.trainer, train.steps(), device, group_per_decay=False)
     saved = restored_ranks(ctx)
     universal = saved is not None and saved != ctx.world_size
     config = engine_config(cfg.trainer)

@@ -24,14 +24,20 @@ def task_loss(task: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     return nn.CrossEntropyLoss()
 
 
-def make_optimizer(model: nn.Module, trainer: Any, fused: bool = True) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, trainer: Any, fused: bool = True,
+                   group_per_decay: bool = True) -> torch.optim.Optimizer:
     """`trainer.optimizer` over two parameter groups: weight-decayed matrices, and biases and norm parameters
     without decay (only adamw has `trainer.weight_decay` > 0: the config check). `fused`: whether a GPU update may
-    be one fused kernel (Lightning clips no fused optimizer under mixed precision: it unscales inside its step)."""
+    be one fused kernel (Lightning clips no fused optimizer under mixed precision: it unscales inside its step).
+    `group_per_decay=False`: one group for an optimizer that never decays (adam, sgd), for an engine that pays per
+    group (DeepSpeed's ZeRO: a flat buffer and collectives of its own per group). adamw keeps its two groups at
+    any weight decay, so that a resumed run or a PBT trial with another `weight_decay` finds the groups it saved."""
     decay, plain = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
             (plain if no_weight_decay(name, param.dim()) else decay).append(param)
+    if not group_per_decay and trainer.optimizer != "adamw":
+        decay, plain = decay + plain, []
     groups = [group for group in ({"params": decay, "weight_decay": trainer.weight_decay},
                                   {"params": plain, "weight_decay": 0.0}) if group["params"]]
     kernels = update_kernels(decay + plain, fused)
@@ -108,11 +114,11 @@ class TorchRecipe:
 
 def build_recipe(model: nn.Module, trainer: Any, steps_per_epoch: int, device: torch.device,
                  wrap_optimizer: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None = None,
-                 fused: bool = True) -> TorchRecipe:
+                 fused: bool = True, group_per_decay: bool = True) -> TorchRecipe:
     """The recipe of `trainer` for `model` (plain or sharded parameters); `wrap_optimizer`: e.g. Horovod's
     DistributedOptimizer, which the schedule must then drive. The schedule spans `trainer.epochs` epochs of
-    `steps_per_epoch` batches. `fused`: see `make_optimizer`."""
-    optimizer = make_optimizer(model, trainer, fused)
+    `steps_per_epoch` batches. `fused`, `group_per_decay`: see `make_optimizer`."""
+    optimizer = make_optimizer(model, trainer, fused, group_per_decay)
     if wrap_optimizer is not None:
         optimizer = wrap_optimizer(optimizer)
     configured = configured_groups(optimizer)  # before the schedule scales the learning rates
