@@ -30,7 +30,7 @@ def make_optimizer(model: nn.Module, trainer: Any, fused: bool = True,
     without decay (only adamw has `trainer.weight_decay` > 0: the config check). `fused`: whether a GPU update may
     be one fused kernel (Lightning clips no fused optimizer under mixed precision: it unscales inside its step).
     `group_per_decay=False`: one group for an optimizer that never decays (adam, sgd), for an engine that pays per
-    group (DeepSpeed's ZeRO: a flat buffer and collectives of its own per group). adamw keeps its two groups at
+    group (DeepSpeed's ZeRO-1 and -2: a flat buffer and collectives of its own per group). adamw keeps its two groups at
     any weight decay, so that a resumed run or a PBT trial with another `weight_decay` finds the groups it saved."""
     decay, plain = [], []
     for name, param in model.named_parameters():
