@@ -121,7 +121,7 @@ class HorovodTFAdapter(tfc.KerasAdapter):
         else:  # one accumulating step per call, its batch taken in Python
             self.step_fn, self.finish = make_accumulating_step(hvd, self.tf, keras, self.model, cfg, task)
         self._reduce_later = tf_reduce_later(hvd, self.tf)
-        self.calls = 0  # steps since the epoch's (re)start: a stop lands on a multiple of `passes`
+        self.calls = 0  # accumulating steps since the epoch's (re)start: a stop lands on a multiple of `passes`
         self.model.optimizer.build(self.model.trainable_variables)
         self._broadcast()
 
