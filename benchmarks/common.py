@@ -13,7 +13,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -129,3 +129,21 @@ def mlflow_server(extra_args: tuple[str, ...] = (), env: dict[str, str] | None =
 def steady_rate(rates: list[float]) -> float:
     """Mean throughput of epochs 2..N: epoch 1 of a pipeline also pulls the shard through Ray Data."""
     return float(np.mean(rates[1:]))
+
+
+def alternated(repeats: int, bare: Callable[[], list[float]], ours: Callable[[], list[float]]) -> float:
+    """`repeats` rounds of the bare run then ours, in turn, each round's steady rates and ratio printed as it ends;
+    returns the median of the rounds' ratios. A drift of the machine then hits both sides of a round alike, and
+    the ratio is not one noisy run against another."""
+    rounds = []
+    for i in range(1, repeats + 1):
+        bare_rates, our_rates = bare(), ours()
+        rounds.append((steady_rate(bare_rates), steady_rate(our_rates)))
+        print(f"round {i}: bare {rounds[-1][0]:.0f}, ours {rounds[-1][1]:.0f} samples/s, ratio "
+              f"{rounds[-1][1] / rounds[-1][0]:.3f} (per epoch: bare {np.round(bare_rates).astype(int).tolist()}, "
+              f"ours {np.round(our_rates).astype(int).tolist()})", flush=True)
+    ratios = [o / b for b, o in rounds]
+    if repeats > 1:
+        print(f"medians of {repeats} rounds: bare {np.median([b for b, _ in rounds]):.0f}, ours "
+              f"{np.median([o for _, o in rounds]):.0f} samples/s; ratios {min(ratios):.3f}-{max(ratios):.3f}")
+    return float(np.median(ratios))

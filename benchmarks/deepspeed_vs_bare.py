@@ -3,11 +3,11 @@ DeepSpeed on the same machine: a plain script under DeepSpeed's own launcher (`d
 CPU accelerator over gloo), the same model, torch Adam, ZeRO stage, batch per process and MNIST rows in memory (each
 process a half of every epoch's shuffle), in one run.
 
-    python -m benchmarks.deepspeed_vs_bare [--epochs 4] [--model mlp] [--batch 128] [--zero-stage 2]
+    python -m benchmarks.deepspeed_vs_bare [--epochs 4] [--model mlp] [--batch 128] [--zero-stage 2] [--repeats 1]
     python -m benchmarks.deepspeed_vs_bare --same-processes [--epochs 6] [--zero-stage 2]
 
-Throughput: global samples/s, the mean of epochs 2..N (epoch 1 of both pays one-time costs). Last line:
-`ratio=<ours/bare>`.
+Throughput: global samples/s, the mean of epochs 2..N (epoch 1 of both pays one-time costs). `--repeats N` runs N
+rounds of bare then ours, in turn. Last line: `ratio=<ours/bare>`, the median of the rounds' ratios.
 
 `--same-processes`: no Ray and no launcher. Two gloo processes train, epoch by epoch in turn, the bare loop,
 `trainer=deepspeed`'s adapter (`DeepSpeedAdapter.train_step` on this project's shard batches) and the bare loop
@@ -26,8 +26,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks.common import (MNIST, QUIET_ENV, ROOT, ensure_mnist, free_ports, mnist_arrays, mnist_parser,
-                               pipeline_run, steady_rate)
+from benchmarks.common import (MNIST, QUIET_ENV, ROOT, alternated, ensure_mnist, free_ports, mnist_arrays,
+                               mnist_parser, pipeline_run)
 
 PROCESSES = 2
 MARK = "bare-deepspeed-rates:"
@@ -150,6 +150,7 @@ def bare_rates(model: str, batch: int, epochs: int, stage: int) -> list[float]:
 def main() -> int:
     parser = mnist_parser(__doc__)
     parser.add_argument("--zero-stage", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of bare then ours (median of their ratios)")
     parser.add_argument("--same-processes", action="store_true",
                         help="the bare loop and our adapter in turn in the same 2 processes (no Ray, no launcher)")
     parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)  # one of bare DeepSpeed's processes
@@ -165,19 +166,15 @@ def main() -> int:
 
         torch.multiprocessing.spawn(same_processes, args=(free_ports(1)[0], args), nprocs=PROCESSES)
         return 0
-    bare = bare_rates(args.model, args.batch, args.epochs, args.zero_stage)
-    ours, _ = pipeline_run([f"data.path={MNIST}", "trainer=deepspeed", f"trainer.zero_stage={args.zero_stage}",
-                            f"model={args.model}", f"trainer.batch_size={args.batch}", f"trainer.epochs={args.epochs}",
-                            f"trainer.num_workers={PROCESSES}", "trainer.threads_per_worker=1"])
-    bare_rate, our_rate = steady_rate(bare), steady_rate(ours["samples_per_s"])
+    overrides = [f"data.path={MNIST}", "trainer=deepspeed", f"trainer.zero_stage={args.zero_stage}",
+                 f"model={args.model}", f"trainer.batch_size={args.batch}", f"trainer.epochs={args.epochs}",
+                 f"trainer.num_workers={PROCESSES}", "trainer.threads_per_worker=1"]
     print(f"model={args.model} batch={args.batch} per process, {PROCESSES} processes, ZeRO-{args.zero_stage}, "
-          f"epochs={args.epochs} (mean of epochs 2..{args.epochs})")
-    print(f"bare DeepSpeed, its launcher with {PROCESSES} processes: {bare_rate:9.0f} samples/s")
-    print(f"trainer=deepspeed, {PROCESSES} Ray Train workers:          {our_rate:9.0f} samples/s  "
-          f"(data load {ours['data_load_s'][0]:.1f} s, test accuracy {ours['test_accuracy'][-1]:.4f})")
-    print(f"per epoch: bare {np.round(bare).astype(int).tolist()}, "
-          f"ours {np.round(ours['samples_per_s']).astype(int).tolist()}")
-    print(f"ratio={our_rate / bare_rate:.3f}")
+          f"epochs={args.epochs} (mean of epochs 2..{args.epochs}): bare DeepSpeed under its launcher, then "
+          f"trainer=deepspeed in {PROCESSES} Ray Train workers, {args.repeats} round(s)", flush=True)
+    ratio = alternated(args.repeats, lambda: bare_rates(args.model, args.batch, args.epochs, args.zero_stage),
+                       lambda: pipeline_run(overrides)[0]["samples_per_s"])
+    print(f"ratio={ratio:.3f}")
     return 0
 
 

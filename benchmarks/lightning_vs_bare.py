@@ -3,10 +3,10 @@ against bare Lightning on the same machine: its own `Trainer(strategy="ddp", dev
 the same model, optimizer, batch per process and MNIST rows in memory (a `DataLoader` Lightning shards with its
 `DistributedSampler`), in one run.
 
-    python -m benchmarks.lightning_vs_bare [--epochs 4] [--model mlp] [--batch 128]
+    python -m benchmarks.lightning_vs_bare [--epochs 4] [--model mlp] [--batch 128] [--repeats 1]
 
-Throughput: global samples/s, the mean of epochs 2..N (epoch 1 of both pays one-time costs). Last line:
-`ratio=<ours/bare>`.
+Throughput: global samples/s, the mean of epochs 2..N (epoch 1 of both pays one-time costs). `--repeats N` runs N
+rounds of bare then ours, in turn. Last line: `ratio=<ours/bare>`, the median of the rounds' ratios.
 """
 from __future__ import annotations
 
@@ -17,9 +17,7 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
-from benchmarks.common import MNIST, QUIET_ENV, ROOT, ensure_mnist, mnist_parser, pipeline_run, steady_rate
+from benchmarks.common import MNIST, QUIET_ENV, ROOT, alternated, ensure_mnist, mnist_parser, pipeline_run
 
 PROCESSES = 2
 
@@ -84,25 +82,21 @@ def bare_rates(model: str, batch: int, epochs: int) -> list[float]:
 
 def main() -> int:
     parser = mnist_parser(__doc__)
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of bare then ours (median of their ratios)")
     parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)  # one of bare Lightning's processes
     args = parser.parse_args()
     if args.bare:
         bare_lightning(args.model, args.batch, args.epochs)
         return 0
     ensure_mnist()
-    bare = bare_rates(args.model, args.batch, args.epochs)
-    ours, _ = pipeline_run([f"data.path={MNIST}", "trainer=lightning", f"model={args.model}",
-                            f"trainer.batch_size={args.batch}", f"trainer.epochs={args.epochs}",
-                            f"trainer.num_workers={PROCESSES}", "trainer.threads_per_worker=1"])
-    bare_rate, our_rate = steady_rate(bare), steady_rate(ours["samples_per_s"])
-    print(f"model={args.model} batch={args.batch} per process, {PROCESSES} processes, epochs={args.epochs} "
-          f"(mean of epochs 2..{args.epochs})")
-    print(f"bare Lightning, Trainer(strategy='ddp', devices={PROCESSES}): {bare_rate:9.0f} samples/s")
-    print(f"trainer=lightning, {PROCESSES} Ray Train workers:             {our_rate:9.0f} samples/s  "
-          f"(data load {ours['data_load_s'][0]:.1f} s, test accuracy {ours['test_accuracy'][-1]:.4f})")
-    print(f"per epoch: bare {np.round(bare).astype(int).tolist()}, "
-          f"ours {np.round(ours['samples_per_s']).astype(int).tolist()}")
-    print(f"ratio={our_rate / bare_rate:.3f}")
+    overrides = [f"data.path={MNIST}", "trainer=lightning", f"model={args.model}", f"trainer.batch_size={args.batch}",
+                 f"trainer.epochs={args.epochs}", f"trainer.num_workers={PROCESSES}", "trainer.threads_per_worker=1"]
+    print(f"model={args.model} batch={args.batch} per process, {PROCESSES} processes, epochs={args.epochs} (mean of "
+          f"epochs 2..{args.epochs}): bare Lightning's Trainer(strategy='ddp', devices={PROCESSES}), then "
+          f"trainer=lightning in {PROCESSES} Ray Train workers, {args.repeats} round(s)", flush=True)
+    ratio = alternated(args.repeats, lambda: bare_rates(args.model, args.batch, args.epochs),
+                       lambda: pipeline_run(overrides)[0]["samples_per_s"])
+    print(f"ratio={ratio:.3f}")
     return 0
 
 
