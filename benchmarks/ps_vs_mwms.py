@@ -3,6 +3,7 @@
 one run.
 
     python -m benchmarks.ps_vs_mwms [--epochs 5] [--model mlp] [--batch 128]
+    python -m benchmarks.ps_vs_mwms --against-bare 3 [--epochs 5]
 
 Both pipelines use Adam at 1e-3 and `--batch` rows per worker step. MWMS takes one synchronous step of 2 x batch rows
 (the gradients all-reduced); PS takes asynchronous steps of `batch` rows, each worker applying its own gradient on
@@ -12,6 +13,9 @@ epoch's steps in functions of 8 (tf_ps' default), each worker's dataset its half
 each worker's own dropout masks (tf_ps' recipe) and with tf-keras' default dropout (every worker the same masks:
 cheaper, and another model). Throughput is the mean of epochs 2..N (global samples/s). Last line:
 `ratio=<tf_ps / tf_mwms samples/s>`.
+
+`--against-bare N`: only `tf_ps` and the bare loop with the same recipe, N rounds of bare then ours in turn; last
+line `ratio=<tf_ps / bare PS>`, the median of the rounds' ratios.
 """
 from __future__ import annotations
 
@@ -24,8 +28,8 @@ import time
 import numpy as np
 
 from contract.data import mnist_schema
-from benchmarks.common import MNIST, QUIET_ENV, ROOT, ensure_mnist, free_ports, mnist_arrays, mnist_parser, \
-    pipeline_run, steady_rate
+from benchmarks.common import MNIST, QUIET_ENV, ROOT, alternated, ensure_mnist, free_ports, mnist_arrays, \
+    mnist_parser, pipeline_run, steady_rate
 
 WORKERS = 2
 STEPS_PER_FUNCTION = 8  # tf_ps' default trainer.tf_steps_per_execution
@@ -46,9 +50,9 @@ def bare_ps(model: str, batch: int, epochs: int, own_masks: bool) -> list[float]
     ports = free_ports(2 + WORKERS)
     cluster = {"chief": [f"127.0.0.1:{ports[0]}"], "ps": [f"127.0.0.1:{ports[1]}"],
                "worker": [f"127.0.0.1:{port}" for port in ports[2:]]}
-    servers = [subprocess.Popen([sys.executable, str(ROOT / "trainers" / "tf_ps_server.py")],
-                                env={**os.environ, **QUIET_ENV, "TF_CONFIG": json.dumps(
-                                    {"cluster": cluster, "task": {"type": kind, "index": index}})})
+    servers = [subprocess.Popen([sys.executable, "-m", "trainers.tf.ps.server"], cwd=ROOT,
+                                env={**os.environ, **QUIET_ENV, "TF_PS_PARENT": str(os.getpid()), "TF_CONFIG":
+                                     json.dumps({"cluster": cluster, "task": {"type": kind, "index": index}})})
                for kind in ("ps", "worker") for index in range(len(cluster[kind]))]
     os.environ["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": "chief", "index": 0}})
     try:
@@ -120,6 +124,8 @@ def main() -> int:
     parser.set_defaults(epochs=5)
     parser.add_argument("--bare", choices=("own", "shared"), help="only the bare loop, with each worker's own "
                         "dropout masks or tf-keras' shared ones; prints rates=<samples/s of each epoch>")
+    parser.add_argument("--against-bare", type=int, metavar="N", help="only tf_ps and the bare loop with its "
+                        "recipe, N rounds in turn (median of the rounds' ratios)")
     args = parser.parse_args()
     if os.environ.get("TF_USE_LEGACY_KERAS") != "1":  # tf-keras must own tf.keras from the first TF import
         os.execve(sys.executable, [sys.executable, "-m", "benchmarks.ps_vs_mwms", *sys.argv[1:]],
@@ -127,6 +133,14 @@ def main() -> int:
     ensure_mnist()
     if args.bare:
         print(f"rates={json.dumps(bare_ps(args.model, args.batch, args.epochs, args.bare == 'own'))}")
+        return 0
+    if args.against_bare:
+        print(f"model={args.model} batch={args.batch} per worker step, {WORKERS} workers, epochs={args.epochs} "
+              f"(mean of epochs 2..{args.epochs}): the bare PS loop (each worker its own dropout masks), then "
+              f"tf_ps, {args.against_bare} round(s)", flush=True)
+        ratio = alternated(args.against_bare, lambda: bare_in_child(args, True),
+                           lambda: pipeline("tf_ps", args, ["trainer.num_ps=1"])[0]["samples_per_s"])
+        print(f"ratio={ratio:.3f}")
         return 0
     load = os.getloadavg()[0]
     runs = {"tf_mwms (fit)": pipeline("tf_mwms", args, ["trainer.tf_loop=fit"]),

@@ -123,7 +123,9 @@ class PSAdapter(tfc.KerasAdapter):
 
     def worker_dataset(self, orders: Any, skip: Any) -> Any:
         """Runs on a worker (traced by the chief): its shard in each order of `orders` [passes, rows] in turn
-        (repeated: a worker may take more than its share), without its first `skip` rows, batched."""
+        (repeated: a worker may take more than its share), without its first `skip` rows, batched. Each batch cuts
+        its row indices from the orders laid end to end and gathers its rows at once: tf.data's cost is per element,
+        and a pipeline of single rows batched afterwards ran the bare loop's workers at a fraction of its speed."""
         tf = self.tf
         worker = tf.distribute.coordinator.experimental_get_current_worker_index()
         folder = tf.gather(tf.constant(self.shards.folders), worker)
@@ -131,10 +133,13 @@ class PSAdapter(tfc.KerasAdapter):
         x = tf.reshape(tf.io.decode_raw(tf.io.read_file(folder + "/" + FEATURES), FEATURE_DTYPES[features.kind]),
                        [-1, features.width])
         y = tf.io.decode_raw(tf.io.read_file(folder + "/" + LABELS), LABEL_DTYPES[target.task])
-        ds = tf.data.Dataset.from_tensor_slices(orders).repeat().flat_map(
-            lambda order: tf.data.Dataset.from_tensor_slices((tf.gather(x, order), tf.gather(y, order)))).skip(skip)
-        scale = model_input_fn(tf, self.inputs)
-        return ds.map(lambda x, y: (scale(x), y)).batch(self.batch_size, drop_remainder=True).prefetch(2)
+        stream = tf.reshape(orders, [-1])
+        length, batch, scale = tf.size(stream, tf.int64), self.batch_size, model_input_fn(tf, self.inputs)
+
+        def rows(i: Any) -> Any:  # batch i: rows skip + i * batch onwards of the stream, repeated
+            order = tf.gather(stream, tf.math.floormod(skip + i * batch + tf.range(batch, dtype=tf.int64), length))
+            return scale(tf.gather(x, order)), tf.gather(y, order)
+        return tf.data.Dataset.counter().map(rows).prefetch(2)
 
     def stream_iterator(self) -> Any:
         """The workers' iterators for the rest of the attempt. Worker i reads its shard in pass after pass, pass k in
