@@ -125,7 +125,7 @@ class PSAdapter(tfc.KerasAdapter):
         """Runs on a worker (traced by the chief): its shard in each order of `orders` [passes, rows] in turn
         (repeated: a worker may take more than its share), without its first `skip` rows, batched. Each batch cuts
         its row indices from the orders laid end to end and gathers its rows at once: tf.data's cost is per element,
-        and a pipeline of single rows batched afterwards ran the bare loop's workers at a fraction of its speed."""
+        and single rows batched afterwards cost tf_ps a quarter of its throughput (benchmarks/README.md)."""
         tf = self.tf
         worker = tf.distribute.coordinator.experimental_get_current_worker_index()
         folder = tf.gather(tf.constant(self.shards.folders), worker)
