@@ -138,9 +138,10 @@ def alternated(repeats: int, bare: Callable[[], list[float]], ours: Callable[[],
     rounds = []
     for i in range(1, repeats + 1):
         bare_rates, our_rates = bare(), ours()
-        rounds.append((steady_rate(bare_rates), steady_rate(our_rates)))
-        print(f"round {i}: bare {rounds[-1][0]:.0f}, ours {rounds[-1][1]:.0f} samples/s, ratio "
-              f"{rounds[-1][1] / rounds[-1][0]:.3f} (per epoch: bare {np.round(bare_rates).astype(int).tolist()}, "
+        bare_rate, our_rate = steady_rate(bare_rates), steady_rate(our_rates)
+        rounds.append((bare_rate, our_rate))
+        print(f"round {i}: bare {bare_rate:.0f}, ours {our_rate:.0f} samples/s, ratio {our_rate / bare_rate:.3f} "
+              f"(per epoch: bare {np.round(bare_rates).astype(int).tolist()}, "
               f"ours {np.round(our_rates).astype(int).tolist()})", flush=True)
     ratios = [o / b for b, o in rounds]
     if repeats > 1:
