@@ -88,7 +88,7 @@ class TFMWMSConfig(TrainerConfig):
     backend: str = "tf_mwms"            # TensorFlow MultiWorkerMirroredStrategy
     tf_loop: str = "fit"                # fit (tf-keras model.fit) | custom (strategy.run loop)
     tf_communication: str = "auto"      # collectives: auto | ring | nccl (nccl needs use_gpu)
-    tf_steps_per_execution: int = 8     # training steps per compiled call (fit; custom without grad_accum)
+    tf_steps_per_execution: int = 8     # optimizer steps per compiled call (fit and custom)
     devices_per_worker: int = 1         # replicas per worker: its GPUs, or logical CPU devices (one worker only)
     tf_strategy: str = "mirrored"       # one worker, several devices: mirrored | central_storage (variables on the CPU)
     tf_cross_device_ops: str = "auto"   # mirrored, one worker: auto | nccl | hierarchical_copy | reduce_to_one
@@ -99,7 +99,7 @@ class HorovodConfig(TrainerConfig):
     backend: str = "horovod"            # Horovod over Gloo
     framework: str = "torch"            # torch (hvd.DistributedOptimizer) | tf (DistributedGradientTape)
     compression: str = "none"           # gradient compression on the wire: none | fp16
-    tf_steps_per_execution: int = 8     # framework=tf: training steps per compiled call (without grad_accum)
+    tf_steps_per_execution: int = 8     # framework=tf: optimizer steps per compiled call
 
 
 @dataclass

@@ -73,7 +73,9 @@ def decay_exclusion(tf, model) -> dict:
 def accumulated_clipped_steps(folder: Path, data, strategy) -> dict:
     """SGD (no momentum, lr 0.5), gradients clipped to norm 1e-3, grad_accum=2, over an epoch of 3 batches (the
     last group short): the custom loop batch by batch (the weight change after each batch and at the epoch's
-    end), and Keras `fit` over the same epoch from the same initial weights."""
+    end), and Keras `fit` over the same epoch from the same initial weights. Then an epoch of 5 batches batch by
+    batch and in calls of 1 and 4 (`train_steps`): the second call completes the group the first began, runs a
+    whole group in one compiled call, and begins the last group."""
     recipe = ["trainer.optimizer=sgd", "trainer.momentum=0", "trainer.lr=0.5", "trainer.grad_clip=0.001",
               "trainer.grad_accum=2", "trainer.max_steps_per_epoch=3"]
     custom = adapter(folder, "custom", recipe, data, strategy)
@@ -85,9 +87,21 @@ def accumulated_clipped_steps(folder: Path, data, strategy) -> dict:
     weights.append(flat(custom.model.get_weights()))
     fit = adapter(folder, "fit", [*recipe, "trainer.tf_loop=fit"], data, strategy)
     fit.fit(1, 1, [])
+    five = [*recipe, "trainer.max_steps_per_epoch=5"]
+    by_batch, in_calls = adapter(folder, "by-batch", five, data, strategy), adapter(folder, "in-calls", five, data,
+                                                                                    strategy)
+    for batch in by_batch.batches(1, 0):
+        by_batch.train_step(batch)
+    turns = list(in_calls.batches(1, 0))
+    in_calls.train_steps(turns[:1])
+    in_calls.train_steps(turns[1:])
+    for run in (by_batch, in_calls):
+        run.finish_epoch()
     return {"moved": [float(np.linalg.norm(after - before)) for before, after in zip(weights, weights[1:])],
-            "iterations": [int(run.model.optimizer.iterations.numpy()) for run in (custom, fit)],
-            "custom": weights[-1].tolist(), "fit": flat(fit.model.get_weights()).tolist()}
+            "iterations": [int(run.model.optimizer.iterations.numpy()) for run in (custom, fit, by_batch, in_calls)],
+            "custom": weights[-1].tolist(), "fit": flat(fit.model.get_weights()).tolist(),
+            "by_batch": flat(by_batch.model.get_weights()).tolist(),
+            "in_calls": flat(in_calls.model.get_weights()).tolist()}
 
 
 def profiles(folder: Path, keras, data, strategy) -> dict:

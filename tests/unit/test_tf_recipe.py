@@ -37,13 +37,17 @@ def test_accumulated_clipped_steps_in_both_loops(measured):
     """SGD (lr 0.5, no momentum), clip 1e-3, grad_accum=2, an epoch of 3 batches on 2 replicas: the weights move
     only after batch 2 and at the epoch's end (the short group), by exactly lr * 1e-3 each time (unclipped, the
     gradient norm is ~20): the norm clipped is the global one of the accumulated, all-reduced gradient. Clipping
-    each replica's sum before the all-reduce would give another norm. Keras `fit` ends on the same weights."""
+    each replica's sum before the all-reduce would give another norm. Keras `fit` ends on the same weights. An
+    epoch of 5 batches given in calls of 1 and 4 (a group completed across calls, a whole group compiled in one
+    call, a group left open for the epoch's end) ends on the weights of the same epoch batch by batch."""
     steps = measured["steps"]
     moved = np.array(steps["moved"])
     assert list(moved > 0) == [False, True, False, True]
     np.testing.assert_allclose(moved[[1, 3]], 0.5 * 1e-3, rtol=1e-4)
-    assert steps["iterations"] == [2, 2]
+    assert steps["iterations"] == [2, 2, 3, 3]
     np.testing.assert_allclose(steps["fit"], steps["custom"], rtol=0, atol=DELTA_ATOL)
+    assert not np.allclose(steps["by_batch"], steps["custom"])  # two more batches moved it
+    np.testing.assert_allclose(steps["in_calls"], steps["by_batch"], rtol=0, atol=DELTA_ATOL)
 
 
 @pytest.mark.parametrize("loop", ["custom", "fit"])

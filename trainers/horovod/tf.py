@@ -112,16 +112,16 @@ class HorovodTFAdapter(tfc.KerasAdapter):
         self.hvd = hvd
         self.stream = EpochStream(self.epoch_dataset, cfg.trainer.epochs, lambda make: iter(make()))
         task = self.train.schema.target.task
-        if self.passes == 1:  # several steps per call (`trainer.tf_steps_per_execution`) in one graph loop: each
-            # step's allreduce ends before the next step reads the weights, so the ranks issue Horovod's named ops
-            # in the same order
-            synced = synced_step_of(hvd, self.tf, keras, self.model, cfg, task)
-            self.several_steps, self.finish = tfc.compiled_steps(self.tf, synced), lambda: None
-            self.steps_per_call = cfg.trainer.tf_steps_per_execution
-        else:  # one accumulating step per call, its batch taken in Python
-            self.step_fn, self.finish = make_accumulating_step(hvd, self.tf, keras, self.model, cfg, task)
+        if self.passes == 1:
+            step, self.finish = synced_step_of(hvd, self.tf, keras, self.model, cfg, task), lambda: None
+        else:
+            step, self.finish = make_accumulating_step(hvd, self.tf, keras, self.model, cfg, task)
+        # `trainer.tf_steps_per_execution` optimizer steps per call, in one graph loop: each step's allreduce ends
+        # before the next step reads the weights, so the ranks issue Horovod's named ops in the same order
+        self.several_steps = tfc.compiled_steps(self.tf, step)
+        self.steps_per_call = cfg.trainer.tf_steps_per_execution * self.passes
         self._reduce_later = tf_reduce_later(hvd, self.tf)
-        self.calls = 0  # accumulating steps since the epoch's (re)start: a stop lands on a multiple of `passes`
+        self.calls = 0  # steps since the epoch's (re)start: a stop lands on a multiple of `passes`
         self.model.optimizer.build(self.model.trainable_variables)
         self._broadcast()
 
@@ -134,19 +134,14 @@ class HorovodTFAdapter(tfc.KerasAdapter):
         self._broadcast()  # identical already when every rank restored the same file
 
     def batches(self, epoch: int, skip: int) -> Iterator[Any]:
-        """The epoch's turns (`streamed_turns`): a step takes its batch from the stream's iterator, in Python (one
-        step per call) or inside the graph loop of `several_steps`."""
+        """The epoch's turns (`streamed_turns`): a step takes its batch from the stream's iterator inside the graph
+        loop of `several_steps`."""
         self.calls = 0
         return self.streamed_turns(epoch, skip)
 
-    def train_step(self, batch: Any) -> tuple[float, int, int]:
-        """One step: without accumulation, a call of one step of `several_steps`."""
-        if self.several_steps is not None:
-            return self.train_steps([batch])[0]
-        iterator, tokens = batch
-        images, labels = next(iterator)
-        self.calls += 1
-        return float(self.step_fn(images, labels)), int(labels.shape[0]), tokens
+    def train_steps(self, batches: list[Any]) -> list[tuple[float, int, int]]:
+        self.calls += len(batches)
+        return super().train_steps(batches)
 
     def at_update_boundary(self) -> bool:
         return self.calls % self.passes == 0

@@ -141,7 +141,7 @@ def load_keras_state(directory: str, model: Any, strategy: Any) -> None:
 def compiled_steps(tf: Any, step: Callable[[Any, Any], Any]) -> Any:
     """`steps(iterator, count) -> losses`: `count` calls of `step(images, labels) -> loss` (traced) in one compiled
     call, each on the iterator's next batch (a graph loop, as Keras `fit` runs its `steps_per_execution`), their
-    losses in order: the custom loops without accumulation (tf_mwms, horovod tf)."""
+    losses in order: the custom loops' steps (horovod tf; tf_mwms without accumulation)."""
     @tf.function
     def steps(iterator, count):
         losses = tf.TensorArray(tf.float32, size=count)
@@ -177,9 +177,9 @@ class TFProfiler:
 
 
 class KerasAdapter(Adapter):
-    """What the TF adapters share: evaluation, state files, tokens per step, memory. Subclasses give
-    `batches`, `train_step` and `reduce`, and with `grad_accum` > 1 the update boundaries (one optimizer step per
-    `passes` batches, the rest of an epoch applied by `finish_epoch`)."""
+    """What the TF adapters share: evaluation, state files, tokens per step, memory. Subclasses give `batches`,
+    `reduce`, and `several_steps` or `train_step`, and with `grad_accum` > 1 the update boundaries (one optimizer
+    step per `passes` batches, the rest of an epoch applied by `finish_epoch`)."""
 
     batch_hooks = True  # Keras fit may call batch-level callbacks (trainers/tf/keras_fit.py)
     several_steps: Any = None  # a custom loop's `compiled_steps` (up to `steps_per_call` a call), where it has them
@@ -218,6 +218,12 @@ class KerasAdapter(Adapter):
         tokens = self.epoch_tokens(epoch)[skip:]
         for iterator, count in zip(self.stream.turns(epoch, skip, len(tokens)), tokens):
             yield iterator, int(count)
+
+    def train_step(self, batch: Any) -> tuple[float, int, int]:
+        """One step: a call of one step of `several_steps` (an adapter without them gives its own)."""
+        if self.several_steps is None:
+            raise NotImplementedError
+        return self.train_steps([batch])[0]
 
     def train_steps(self, batches: list[Any]) -> list[tuple[float, int, int]]:
         """Consecutive turns of the epoch's stream (`streamed_turns`) in one call of `several_steps`, where the

@@ -63,8 +63,10 @@ class MirroredAdapter(tfc.KerasAdapter):
 
     Gradient accumulation (`passes` batches per optimizer step): each replica adds its batches' shares to its own
     sums (SyncOnRead variables: no all-reduce until the update, like DDP's no_sync); every `passes`-th batch the
-    optimizer all-reduces the sums, clips and steps. Python picks which of two compiled steps runs: a `tf.cond`
-    around `apply_gradients` fails under MirroredStrategy (a RuntimeError from its merge_call in the branch)."""
+    optimizer all-reduces the sums, clips and steps. Whole groups of `passes` batches run in one compiled call
+    (`_grouped_steps`), the steps of a call that begins or ends inside a group one per call, Python picking which
+    of two compiled steps runs: a `tf.cond` around `apply_gradients` fails under MirroredStrategy (a RuntimeError
+    from its merge_call in the branch)."""
 
     # The step returns the sum over replicas of their losses over the global batch: the loop logs it as it is (an
     # eager all-gather per logged step cost a fifth of a small model's training: benchmarks/README.md, tracking).
@@ -79,12 +81,14 @@ class MirroredAdapter(tfc.KerasAdapter):
             self.strategy.distribute_datasets_from_function(lambda _: make())))
         self.pending = 0  # batches accumulated since the last optimizer step
         self.sums = self._accumulators()
-        if self.sums:  # one step per call: Python picks each accumulated batch's step (see above)
+        if self.sums:  # whole groups per call; a group's remaining batches one per call (see above)
             self.update_step = self._make_step(keras, apply=True)
             self.accumulate_step = self._make_step(keras, apply=False)
-        else:  # several steps per call (`trainer.tf_steps_per_execution`, as `fit` runs them)
+            self.group_steps = self._grouped_steps(keras)
+        else:
             self.several_steps = tfc.compiled_steps(self.tf, self._global_step(keras, apply=True))
-            self.steps_per_call = steps_per_call
+        # `trainer.tf_steps_per_execution` optimizer steps per call, as `fit` runs them
+        self.steps_per_call = steps_per_call * self.passes
         self.finish_step = self.tf.function(lambda: self.strategy.run(self._apply_sums))
         # Compiled once per length of what it gathers: called eagerly, the strategy's all-gather traces a function
         # of its own at every call (TF's retracing warning, every epoch's end)
@@ -147,15 +151,50 @@ class MirroredAdapter(tfc.KerasAdapter):
             return step(images, labels)
         return one_step
 
+    def _grouped_steps(self, keras: Any) -> Any:
+        """`groups(iterator, count) -> losses`: `count` whole accumulation groups in one compiled call, each
+        `passes - 1` accumulating steps then the updating one, every step on the iterator's next batch; the
+        losses in order. Two step loops rather than one step under a `tf.cond` on its position (see above)."""
+        tf, passes = self.tf, self.passes
+        accumulate, update = self._global_step(keras, apply=False), self._global_step(keras, apply=True)
+
+        @tf.function
+        def groups(iterator, count):
+            losses = tf.TensorArray(tf.float32, size=count * passes)
+            for group in tf.range(count):
+                first = group * passes
+                for i in tf.range(passes - 1):
+                    images, labels = next(iterator)
+                    losses = losses.write(first + i, tf.cast(accumulate(images, labels), tf.float32))
+                images, labels = next(iterator)
+                losses = losses.write(first + passes - 1, tf.cast(update(images, labels), tf.float32))
+            return losses.stack()
+        return groups
+
     def batches(self, epoch: int, skip: int) -> Iterator[Any]:
         """The epoch's turns (`streamed_turns`): the step takes its batch from the stream's iterator inside its
         graph (a batch handed in from Python is Python work on every step: benchmarks/README.md, scaling.py)."""
         return self.streamed_turns(epoch, skip)
 
+    def train_steps(self, batches: list[Any]) -> list[tuple[float, int, int]]:
+        """Consecutive turns in as few calls as accumulation allows: the steps that complete a group begun
+        before, the whole groups in one call of `group_steps`, the steps of a group left open one by one."""
+        if not self.sums:
+            return super().train_steps(batches)
+        lead = min(len(batches), -self.pending % self.passes)
+        whole = (len(batches) - lead) // self.passes * self.passes
+        results = [self.train_step(batch) for batch in batches[:lead]]
+        if whole:
+            iterator = batches[0][0]  # each turn names the same iterator
+            losses = self.group_steps(iterator, self.tf.constant(whole // self.passes)).numpy()
+            results += [(float(loss), self.rows_per_step, tokens) for loss, (_, tokens) in zip(losses, batches[lead:])]
+        return results + [self.train_step(batch) for batch in batches[lead + whole:]]
+
     def train_step(self, batch: Any) -> tuple[float, int, int]:
-        """One step: without accumulation, a call of one step of `several_steps`."""
-        if self.several_steps is not None:
-            return self.train_steps([batch])[0]
+        """One step: without accumulation, a call of one step of `several_steps`; with it, the accumulating or
+        the updating compiled step, by the batch's place in its group."""
+        if not self.sums:
+            return super().train_step(batch)
         iterator, tokens = batch
         self.pending += 1
         if self.pending == self.passes:
