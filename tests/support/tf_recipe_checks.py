@@ -88,8 +88,8 @@ def accumulated_clipped_steps(folder: Path, data, strategy) -> dict:
     fit = adapter(folder, "fit", [*recipe, "trainer.tf_loop=fit"], data, strategy)
     fit.fit(1, 1, [])
     five = [*recipe, "trainer.max_steps_per_epoch=5"]
-    by_batch, in_calls = adapter(folder, "by-batch", five, data, strategy), adapter(folder, "in-calls", five, data,
-                                                                                    strategy)
+    by_batch = adapter(folder, "by-batch", five, data, strategy)
+    in_calls = adapter(folder, "in-calls", five, data, strategy)
     for batch in by_batch.batches(1, 0):
         by_batch.train_step(batch)
     turns = list(in_calls.batches(1, 0))
