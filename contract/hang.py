@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from contract.files import write_atomically
+
 # Phases in the order a step, then an epoch's end, goes through them.
 PHASES = ("start", "restore", "data", "step", "evaluate", "metrics", "checkpoint")
 # Phases the watcher waits out: a worker's start before its loop (pulling its data shard, building the model: as
@@ -92,14 +94,6 @@ class HangVerdict:
     def to_dict(self) -> dict:
         return {"idle_s": self.idle_s, "world_size": self.world_size, "stuck": self.stuck, "line": self.line(),
                 "positions": {str(r): [p.epoch, p.step, p.phase] for r, p in self.positions.items()}}
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """A reader on another node sees the old file or the new one, never a part (rename within the folder)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(text)
-    partial.replace(path)
 
 
 def publish(folder: Path, rank: int, attempt: str, where: Position) -> None:

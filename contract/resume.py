@@ -19,6 +19,8 @@ import json
 import signal
 from pathlib import Path
 
+from contract.files import write_atomically
+
 STOP_FILE = "STOP"
 RUN_ID_FILE = "mlflow_run_id"
 SWEEP_FILE = "mlflow_sweep.json"  # {"parent": run id, "children": {trial index: run id}}
@@ -64,10 +66,7 @@ def record_sweep(resume_dir: str | None, parent_id: str, children: dict[int, str
 def _write_atomic(resume_dir: str | None, name: str, text: str) -> None:
     if not resume_dir:
         return
-    Path(resume_dir).mkdir(parents=True, exist_ok=True)
-    tmp = Path(resume_dir) / f".{name}.tmp"
-    tmp.write_text(text)
-    tmp.replace(Path(resume_dir) / name)  # atomic: a reader never sees half a file
+    write_atomically(Path(resume_dir) / name, text)
 
 
 class Interrupted(Exception):

@@ -16,8 +16,9 @@ import threading
 import time
 from pathlib import Path
 
+from contract.files import write_atomically
 from contract.hang import (HANG_DIR, HANG_EXIT_CODE, PROGRESS_DIR, UNWATCHED, HangVerdict, Position, Progress,
-                           publish, read_positions, write_atomically)
+                           publish, read_positions)
 
 PY_SPY_TIMEOUT_S = 30.0
 
@@ -71,7 +72,7 @@ class HangWatch:
         attempt; had this process ended at once, the others' would have been killed before their dumps."""
         hang = self.folder / HANG_DIR
         hang.mkdir(parents=True, exist_ok=True)
-        if verdict is not None:
+        if verdict is not None and not self.verdict_file.exists():  # else another rank's came first: it stands
             write_atomically(self.verdict_file, json.dumps(verdict.to_dict()))
             print(verdict.line(), flush=True)
         line = json.loads(self.verdict_file.read_text())["line"]

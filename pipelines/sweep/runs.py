@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from contract import resume, tracking
+from contract.files import write_atomically
 from pipelines.config import flatten, parallel_params
 from pipelines.data.shards import dataset_refs, read_manifest
 from pipelines.fit import replay_run
@@ -93,10 +94,7 @@ def note_trial_time(folder: Path, index: int) -> None:
 
 
 def write_record(path: Path, record: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record))
-    tmp.replace(path)  # a reader never sees half a record
+    write_atomically(path, json.dumps(record))  # a reader never sees half a record
 
 
 def recorded_children(folder: Path) -> dict[int, dict[str, Any]]:

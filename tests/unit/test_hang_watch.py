@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
-from contract.hang import (HANG_EXIT_CODE, HangVerdict, Position, publish, read_positions, read_verdicts,
-                           write_atomically)
+from contract.files import write_atomically
+from contract.hang import HANG_EXIT_CODE, HangVerdict, Position, publish, read_positions, read_verdicts
 from tests.conftest import ROOT
 
 
@@ -46,6 +47,27 @@ def test_verdicts_are_read_oldest_first(tmp_path):
         write_atomically(tmp_path / "hang" / f"verdict-{attempt}.json", json.dumps(verdict.to_dict()))
     assert [v["idle_s"] for v in read_verdicts(tmp_path)] == [10, 20]
     assert read_verdicts(tmp_path / "nothing") == []
+
+
+def test_ranks_writing_one_file_at_once_all_succeed_and_leave_a_whole_file(tmp_path):
+    # Every rank's watcher may reach the same verdict in the same moment and write it together.
+    verdict, errors, start = tmp_path / "hang" / "verdict-a.json", [], threading.Barrier(2)
+    texts = [json.dumps({"rank": rank, "line": str(rank) * 200}) for rank in (0, 1)]
+
+    def write(text: str) -> None:
+        start.wait()
+        for _ in range(300):
+            try:
+                write_atomically(verdict, text)
+            except OSError as err:
+                errors.append(err)
+    writers = [threading.Thread(target=write, args=(text,)) for text in texts]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    assert errors == []
+    assert verdict.read_text() in texts and list(verdict.parent.iterdir()) == [verdict]  # no partial file left
 
 
 HANGING = """
