@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from contract.console import say
+from contract.files import write_atomically
 from contract.tracking.check import answers
 from contract.tracking.server import mlflow_client
 
@@ -138,14 +139,11 @@ def write_spool_file(path: Path, run_id: str, uri: str, records: list[dict[str, 
     if not records:
         path.unlink(missing_ok=True)
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_suffix(".part")
-    part.write_text(json.dumps({"run_id": run_id, "uri": uri, "records": records}))
-    part.replace(path)
+    write_atomically(path, json.dumps({"run_id": run_id, "uri": uri, "records": records}))
 
 
 def spool_files(folder: Path) -> list[Path]:
-    """The workers' and the driver's spool files (not final.json or sweep.json, not a half-written .part)."""
+    """The workers' and the driver's spool files (not final.json or sweep.json, not a half-written partial)."""
     if not Path(folder).is_dir():
         return []
     return sorted(path for path in Path(folder).glob("*.json") if path.name not in (FINAL_FILE, SWEEP_FILE))
