@@ -32,8 +32,8 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
     hang watchdog ends both after `fault.hang_timeout_s`, naming rank 1 and keeping every rank's stacks, and Ray
     Train restarts the workers from epoch 1's checkpoint (not from scratch). Rank 0 profiles 2 steps into the
     run's artifacts; the driver and rank 0 log system metrics; TensorBoard event files too. The final model is
-    registered, and evaluated through the registry. Its preflight measures the process group's links. The same run
-    without the hang has a higher goodput."""
+    registered, and evaluated through the registry. Its preflight measures the process group's links. Its goodput
+    puts the hang and the restart in the rest."""
     marker, registered = tmp_path / "hung-once", f"mnist-ddp-{tmp_path.name}"
     env = pipeline_env(mlflow_server, ray_head)
     runtime_env = {"excludes": ["/.venv", "/.git", "/data", "/outputs", "/mlflow.db", "/mlartifacts"],
@@ -77,20 +77,15 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
     assert {"hang/rank0.txt", "hang/rank1.txt"} <= set(stacks)
     stuck = open(client.download_artifacts(run_id, "hang/rank1.txt", str(tmp_path))).read()
     assert "in maybe_inject_hang" in stuck and "in barrier" in stuck  # the frame it blocks in
-    # Goodput: the hang's 10 s (and the restart) are in the rest; the parts add up to the wall time.
+    # Goodput: the hang's 10 s and the restart are in the rest, each epoch's training counted once (epoch 2, begun
+    # before the hang, trained again after it); the parts add up to the wall time.
     metrics = client.get_run(run_id).data.metrics
     parts = [metrics[f"goodput.{part}_s"] for part in ("training", "epoch_end", "startup", "other")]
     assert sum(parts) == pytest.approx(metrics["goodput.wall_s"])
     assert metrics["goodput.other_s"] >= 10 and min(parts) > 0
+    epoch_times = client.get_metric_history(run_id, "epoch_time_s")
+    assert metrics["goodput.training_s"] == pytest.approx(sum(m.value for m in epoch_times))
     assert metrics["goodput"] == pytest.approx(metrics["goodput.training_s"] / metrics["goodput.wall_s"])
-    # The same run without the hang and its restart: a higher goodput, its parts adding up too
-    clean = run_pipeline([f"data.path={tiny_mnist}", "trainer.epochs=3", f"run.storage_path={tmp_path / 'clean'}",
-                          *TINY], env)
-    assert clean.returncode == 0, clean.stderr[-3000:]
-    steady = client.get_run(run_id_from(clean.stdout)).data.metrics
-    assert sum(steady[f"goodput.{part}_s"] for part in ("training", "epoch_end", "startup", "other")) == \
-        pytest.approx(steady["goodput.wall_s"])
-    assert steady["goodput"] > metrics["goodput"] and steady["goodput.other_s"] < metrics["goodput.other_s"]
     assert "goodput " in proc.stdout and metrics["tflops_per_rank"] > 0 and "mfu" not in metrics  # CPUs: no peak
     assert float(run.data.tags["model.flops_per_sample"]) == 2 * 2 * 784 * 64 + 3 * 2 * 64 * 10  # the MLP, counted
     # The preflight over the process group (one node here: no node pairs), measured again at the restart
