@@ -10,6 +10,9 @@ parts. Rank 0 logs them once, at its first step, as the run's `startup.*` metric
 - `startup.first_step_s`: the first training step (kernel and graph warm-up, the first collectives);
 - `startup.total_s`: all of it.
 
+The driver also logs `startup.driver_before_run_s` when it creates the MLflow run: the part of `startup.driver_s`
+before the run existed, so that a run's goodput (pipelines/goodput.py) counts the rest of the driver's part.
+
 "Asked for" is PIPELINE_STARTED_AT (Unix seconds) when the submitter sets it, e.g.
 `ray job submit --runtime-env-json "{\"env_vars\": {\"PIPELINE_STARTED_AT\": \"$(date +%s.%N)\"}}" -- ...`, so a
 job's queueing and upload count too; else the start of the driver's process. The parts are wall-clock differences
@@ -26,6 +29,7 @@ IMPORTED_AT = time.time()
 STARTED_AT_ENV = "PIPELINE_STARTED_AT"
 STARTUP_PARTS = ("startup.driver_s", "startup.workers_s", "startup.data_s", "startup.model_s", "startup.first_step_s")
 STARTUP_TOTAL = "startup.total_s"
+DRIVER_BEFORE_RUN = "startup.driver_before_run_s"  # the driver's, at the run's creation
 
 
 def started_at() -> float:

@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -18,7 +19,7 @@ from contract.config import typed_config, worker_resources
 from contract.console import quiet_ray_env, quiet_ray_logs, ray_init_logging, say
 from contract.data import DataSchema
 from contract.hang import HANG_DIR, PROGRESS_DIR, read_verdicts
-from contract.metrics import DIVERGED_FILE, DIVERGED_METRICS, STOP_METRICS
+from contract.metrics import DIVERGED_FILE, DIVERGED_METRICS, FINAL_MODEL_LOG, STOP_METRICS
 from contract.registry import plugin_roots
 from pipelines.data.shards import read_manifest
 from pipelines.ray_session import start_local_ray
@@ -189,9 +190,11 @@ def log_final_model(backend: Any, cfg: DictConfig, run_id: str, uri: str, checkp
         if unsent:
             raise ConnectionError(f"{unsent} spooled record(s) not accepted")
         tracking.set_tags(uri, run_id, tags)
+        began = time.monotonic()
         backend.log_final_model(uri, run_id, cfg, checkpoint, inputs)
         if cfg.run.register_model:
             tracking.register_logged_model(uri, run_id, cfg.run.register_model)
+        tracking.log_metrics(uri, run_id, {FINAL_MODEL_LOG: time.monotonic() - began})
     except Exception:
         if tracking.answers(uri):
             raise  # not the server: a real failure

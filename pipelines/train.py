@@ -15,6 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from contract import resume, tracking
 from contract.config import monitor_of, ray_train_workers, worker_resources
 from contract.console import one_line, say
+from contract.metrics import FINAL_MODEL_TEST
+from contract.startup import DRIVER_BEFORE_RUN, started_at
 from pipelines.config import ConfigError, check_fits_this_machine, flatten, load_config, parallel_params
 from pipelines.data.idx import DataError
 from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
@@ -84,8 +86,9 @@ def run_training(cfg: DictConfig, uri: str, run_id: str, first_attempt: bool = T
         score_held_out_test(cfg, uri, run_id)
         figures = log_goodput(uri, run_id)
         say(f"goodput {figures['goodput']:.2f}: training {figures['goodput.training_s']:.0f} s of "
-            f"{figures['goodput.wall_s']:.0f} s (epoch ends {figures['goodput.epoch_end_s']:.0f} s, start-up "
-            f"{figures['goodput.startup_s']:.0f} s, the rest {figures['goodput.other_s']:.0f} s)")
+            f"{figures['goodput.wall_s']:.0f} s (start-up {figures['goodput.startup_s']:.0f} s, epoch ends "
+            f"{figures['goodput.epoch_end_s']:.0f} s, final model {figures['goodput.final_s']:.0f} s, the rest "
+            f"{figures['goodput.other_s']:.0f} s)")
         return None
     folder = tracking.spool_dir(cfg.run.storage_path, run_id)
     away = "" if tracking.mark_preempted(uri, run_id, stopped, folder) else (
@@ -104,7 +107,9 @@ def score_held_out_test(cfg: DictConfig, uri: str, run_id: str) -> None:
     from pipelines.scoring import held_out_test_metrics
 
     schema = DataSchema.from_manifest({"dataset": cfg.data.name, **read_manifest(cfg.data.path)})
-    held_out_test_metrics(uri, run_id, cfg.data.path, cfg.data.eval_split, schema)  # the summary shows them
+    began = time.monotonic()
+    if held_out_test_metrics(uri, run_id, cfg.data.path, cfg.data.eval_split, schema):  # the summary shows them
+        tracking.log_metrics(uri, run_id, {FINAL_MODEL_TEST: time.monotonic() - began})
 
 
 def close_failed_run(uri: str, run_id: str, err: BaseException, what: str = "training") -> str:
@@ -135,8 +140,10 @@ def open_run(cfg: DictConfig, manifest: dict, uri: str) -> tuple[str, str | None
         tracking.flush_spools(uri, run_id, tracking.spool_dir(cfg.run.storage_path, run_id))
         return run_id, status
     run_name = cfg.run.name or f"{cfg.trainer.backend}-{cfg.data.name}-{cfg.model.name}"
+    created = time.time()
     run_id = tracking.start_run(uri, cfg.run.experiment, run_name, {**flatten(cfg), **parallel_params(cfg)},
                                 OmegaConf.to_yaml(cfg))
+    tracking.log_metrics(uri, run_id, {DRIVER_BEFORE_RUN: created - started_at()})  # for its goodput
     tracking.log_data_files(uri, run_id, cfg.data.path, manifest)
     tracking.log_dataset_inputs(uri, run_id, dataset_refs(cfg.data.path, manifest,
                                                           {"training": "train", "eval": cfg.data.eval_split}))

@@ -3,8 +3,27 @@ registered as a version of a registered model."""
 from __future__ import annotations
 
 import os
+import sys
+from types import ModuleType
 
 from contract.tracking.server import mlflow_client
+
+
+def mlflow_pytorch() -> ModuleType:
+    """`mlflow.pytorch`, without the Lightning autologging it imports whenever pytorch_lightning is installed (the
+    `lightning` extra): nothing here autologs, and those imports (Lightning, torchmetrics, scipy) took 3-5 s of
+    every driver that logged a PyTorch model. A None entry in sys.modules makes that one import fail, which MLflow
+    takes as Lightning being absent; the entry goes at once, so Lightning imports as usual for whatever asks next."""
+    if "mlflow.pytorch" in sys.modules or "pytorch_lightning" in sys.modules:
+        import mlflow.pytorch
+
+        return mlflow.pytorch
+    sys.modules["pytorch_lightning"] = None  # type: ignore[assignment]
+    try:
+        import mlflow.pytorch
+    finally:
+        del sys.modules["pytorch_lightning"]
+    return mlflow.pytorch
 
 
 def log_torch_model(uri: str, run_id: str, model, input_example, epoch: int) -> None:
@@ -22,8 +41,8 @@ def log_torch_model(uri: str, run_id: str, model, input_example, epoch: int) -> 
     try:
         # Explicit requirements: MLflow's inference imports and scans modules, seconds for nothing here.
         torch_req = f"torch=={torch.__version__.split('+')[0]}"
-        mlflow.pytorch.log_model(model, name="model", input_example=input_example,
-                                 pip_requirements=[torch_req], step=epoch)
+        mlflow_pytorch().log_model(model, name="model", input_example=input_example, pip_requirements=[torch_req],
+                                   step=epoch)
     finally:
         mlflow.end_run()
 

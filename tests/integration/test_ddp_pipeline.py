@@ -78,11 +78,18 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
     stuck = open(client.download_artifacts(run_id, "hang/rank1.txt", str(tmp_path))).read()
     assert "in maybe_inject_hang" in stuck and "in barrier" in stuck  # the frame it blocks in
     # Goodput: the hang's 10 s and the restart are in the rest, each epoch's training counted once (epoch 2, begun
-    # before the hang, trained again after it); the parts add up to the wall time.
+    # before the hang, trained again after it); the start-up counts the driver's part after the run's creation; the
+    # final model is its logging (the epochs were evaluated on the test split: no held-out scoring); the parts add
+    # up to the wall time.
     metrics = client.get_run(run_id).data.metrics
-    parts = [metrics[f"goodput.{part}_s"] for part in ("training", "epoch_end", "startup", "other")]
+    parts = [metrics[f"goodput.{part}_s"] for part in ("training", "epoch_end", "startup", "final", "other")]
     assert sum(parts) == pytest.approx(metrics["goodput.wall_s"])
     assert metrics["goodput.other_s"] >= 10 and min(parts) > 0
+    assert 0 < metrics["startup.driver_before_run_s"] < metrics["startup.driver_s"]
+    assert metrics["goodput.startup_s"] == pytest.approx(
+        metrics["startup.driver_s"] - metrics["startup.driver_before_run_s"]
+        + sum(metrics[f"startup.{part}_s"] for part in ("workers", "data", "model")))
+    assert metrics["goodput.final_s"] == metrics["final_model.log_s"] and "final_model.test_s" not in metrics
     epoch_times = client.get_metric_history(run_id, "epoch_time_s")
     assert metrics["goodput.training_s"] == pytest.approx(sum(m.value for m in epoch_times))
     assert metrics["goodput"] == pytest.approx(metrics["goodput.training_s"] / metrics["goodput.wall_s"])

@@ -109,6 +109,8 @@ def test_an_image_project_submitted_as_a_ray_job_trains_and_predicts_names(tmp_p
 
     assert run.data.params["data.eval_split"] == "validation"  # model selection never saw the test split ...
     assert run.data.metrics["final_test_rows"] == 36  # ... which scored the chosen model once, at the end
+    final = run.data.metrics["final_model.log_s"] + run.data.metrics["final_model.test_s"]  # in the run's goodput
+    assert run.data.metrics["final_model.test_s"] > 0 and run.data.metrics["goodput.final_s"] == pytest.approx(final)
     evaluation = client.get_run(run_id_from(rtp(["evaluate", f"model={run_id}", "data.split=test"], project,
                                                 env).stdout))
     assert evaluation.data.metrics["test_rows"] == 36

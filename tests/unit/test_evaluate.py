@@ -5,6 +5,9 @@ no evaluation run. The whole path through Ray Data and a tracking server is end 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from contract.data import PAD_ID, imdb_schema, mnist_schema
+from contract.tracking.models import mlflow_pytorch
 from pipelines import evaluate
 from pipelines.scoring import ModelScorer, save_plots, summarise, summarise_regression
 from trainers.models.bert import BertClassifier, BertConfig
@@ -20,6 +24,7 @@ from trainers.torch.data import BatchInputs
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_metrics_match_direct_computation(tmp_path):
@@ -85,9 +90,21 @@ def log_model(uri: str, model: torch.nn.Module, example: np.ndarray, params: dic
     mlflow.set_tracking_uri(uri)
     with mlflow.start_run() as run:
         mlflow.log_params(params)
-        mlflow.pytorch.log_model(model, name="model", input_example=example,
-                                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+        mlflow_pytorch().log_model(model, name="model", input_example=example,
+                                   pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
     return run.info.run_id
+
+
+def test_logging_a_pytorch_model_leaves_lightning_unimported_and_importable():
+    """MLflow's PyTorch flavour, as the driver imports it, skips MLflow's Lightning autologging (seconds of imports
+    for nothing), and Lightning still imports afterwards."""
+    pytest.importorskip("pytorch_lightning")
+    check = ("import sys; from contract.tracking.models import mlflow_pytorch; flavour = mlflow_pytorch(); "
+             "print('pytorch_lightning' in sys.modules, callable(flavour.log_model)); "
+             "import pytorch_lightning; print(hasattr(pytorch_lightning, 'Trainer'))")
+    proc = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False", "True", "True"], proc.stdout
 
 
 @pytest.fixture(scope="module")
