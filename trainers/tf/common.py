@@ -235,15 +235,19 @@ class KerasAdapter(Adapter):
         return [(float(loss), self.rows_per_step, tokens) for loss, (_, tokens) in zip(losses, batches)]
 
     def evaluate(self, epoch: int) -> tuple[float, int]:
-        """One pass over the evaluation set, from one iterator over it repeated, kept for the attempt: an iterator
-        made and dropped at every evaluation cost each of 2 workers 0.5-0.6 s more at each epoch's end, its
-        destructor waiting for tf.data's autotuning thread (as `EpochStream`'s; benchmarks/README.md, scaling.py)."""
+        return self.evaluate_model(self.model)  # the local replica's (synchronised) weights
+
+    def evaluate_model(self, model: Any) -> tuple[float, int]:
+        """One pass of `model` over the evaluation set, from one iterator over it repeated, kept for the attempt:
+        an iterator made and dropped at every evaluation cost each of 2 workers 0.5-0.6 s more at each epoch's end,
+        its destructor waiting for tf.data's autotuning thread (as `EpochStream`'s; benchmarks/README.md,
+        scaling.py)."""
         if self.eval_batches is None:
             self.eval_batches = iter(self.evaluation.dataset(self.tf, EVAL_BATCH).repeat())
         score, regression = 0.0, self.evaluation.schema.target.task == "regression"
         for _ in range(-(-len(self.evaluation.labels) // EVAL_BATCH)):  # the batches of one pass
             features, labels = next(self.eval_batches)
-            outputs = self.model(features, training=False)  # local replica's (synchronised) weights
+            outputs = model(features, training=False)
             score += batch_score(outputs.numpy(), labels.numpy(), regression)
         return score, len(self.evaluation.labels)
 

@@ -254,6 +254,12 @@ class PSAdapter(tfc.KerasAdapter):
         self.model.fit(self.keras.utils.experimental.DatasetCreator(dataset_fn), epochs=epochs,
                        initial_epoch=first_epoch - 1, steps_per_epoch=self.steps, callbacks=callbacks, verbose=0)
 
+    def evaluate(self, epoch: int) -> tuple[float, int]:
+        """On the unpartitioned twin, given the parameter servers' values once: the model itself reads each of its
+        variables from a parameter server again at every batch."""
+        self.twin.set_weights(whole_values(self.model.weights))
+        return self.evaluate_model(self.twin)
+
     def save(self, directory: str) -> None:
         """tf_mwms' state files with whole values, through the unpartitioned twin; where a stopped epoch left the
         workers (their steps in it, and where their streams are)."""
