@@ -194,7 +194,7 @@ def log_final_model(backend: Any, cfg: DictConfig, run_id: str, uri: str, checkp
         backend.log_final_model(uri, run_id, cfg, checkpoint, inputs)
         if cfg.run.register_model:
             tracking.register_logged_model(uri, run_id, cfg.run.register_model)
-        tracking.log_metrics(uri, run_id, {FINAL_MODEL_LOG: time.monotonic() - began})
+        logged_s = time.monotonic() - began
     except Exception:
         if tracking.answers(uri):
             raise  # not the server: a real failure
@@ -204,6 +204,8 @@ def log_final_model(backend: Any, cfg: DictConfig, run_id: str, uri: str, checkp
         folder.mkdir(parents=True, exist_ok=True)
         (folder / tracking.FINAL_FILE).write_text(json.dumps(final, indent=2))
         raise tracking.TrackingDown(uri, run_id, folder, tracking.spooled(folder)) from None
+    # After the model is in: a server lost now must not send the run to `rtp replay`, which would log it again.
+    tracking.log_metrics(uri, run_id, {FINAL_MODEL_LOG: logged_s})
 
 
 def replay_run(folder: Path, uri: str | None = None) -> str:
