@@ -5,7 +5,10 @@ import logging
 import os
 import re
 import sys
-from typing import Any
+import tempfile
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any, Callable, Iterator
 
 
 def say(line: str) -> None:
@@ -87,3 +90,63 @@ def quiet_lightning_logs() -> None:
     hint) off the console unless `run.verbose`; its warnings kept."""
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+@contextmanager
+def native_stderr_filtered(keep: Callable[[list[str]], list[str]]) -> Iterator[None]:
+    """The block's writes to file descriptor 2 (native libraries write there directly, past Python's sys.stderr)
+    into a temporary file, then the lines `keep` returns to the real stderr. A file, not a pipe: a library writing
+    more than a pipe holds while it holds the GIL would wait forever for a reader thread. Meant for short blocks
+    (an import): what a thread of the process writes meanwhile is shown after the block."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            kept = keep(capture.read().decode(errors="replace").splitlines(keepends=True))
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
+# TensorFlow's native libraries log while they load, before absl's logging is initialised: absl then writes every
+# message to stderr under a banner, and TF_CPP_MIN_LOG_LEVEL is not applied yet (TensorFlow 2.21; each of two
+# libraries prints the oneDNN and CUDA lines once, in every TensorFlow process of a run).
+ABSL_PRE_INIT_BANNER = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+ABSL_SEVERITY = re.compile(r"([IWEF])\d{4} ")  # absl's line prefix: severity, then month and day
+NO_CUDA_DRIVER = "Could not find cuda drivers on your machine"
+CUINIT_FAILED = "failed call to cuInit"
+
+
+def tf_start_up_lines(lines: list[str], min_level: int) -> list[str]:
+    """The lines of TensorFlow's start-up a user asked for: not absl's banner, not the absl lines below `min_level`
+    (TF_CPP_MIN_LOG_LEVEL: 0 INFO, 1 WARNING, 2 ERROR, 3 FATAL), and, where TensorFlow found no CUDA driver, not
+    the failed `cuInit` that follows from it. Anything else (Python warnings, other libraries) is kept."""
+    no_driver = any(NO_CUDA_DRIVER in line for line in lines)
+
+    def shown(line: str) -> bool:
+        severity = ABSL_SEVERITY.match(line)
+        if line.startswith(ABSL_PRE_INIT_BANNER) or (severity and "IWEF".index(severity[1]) < min_level):
+            return False
+        return not (no_driver and CUINIT_FAILED in line)
+    return [line for line in lines if shown(line)]
+
+
+def import_tensorflow() -> ModuleType:
+    """TensorFlow, imported and its devices listed (where it initialises CUDA) with the start-up lines that
+    TF_CPP_MIN_LOG_LEVEL does not reach filtered as it says (`tf_start_up_lines`). A process calls this before its
+    first `import tensorflow`; TensorFlow's threads and logical devices can still be set afterwards."""
+    if "tensorflow" in sys.modules:
+        return sys.modules["tensorflow"]
+    level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0")
+    with native_stderr_filtered(lambda lines: tf_start_up_lines(lines, int(level) if level.isdigit() else 0)):
+        import tensorflow as tf
+
+        tf.config.list_physical_devices()
+    return tf

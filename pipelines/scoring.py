@@ -13,6 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 from contract import tracking
+from contract.console import import_tensorflow
 from contract.data import DataSchema
 
 # A scoring actor's environment: tf-keras models load only with TF_USE_LEGACY_KERAS=1 from process start
@@ -40,6 +41,7 @@ class ModelScorer:
             self.predict = torch_predictor(model_uri, info.flavors["pytorch"], device)
         else:
             if "tensorflow" in info.flavors:
+                import_tensorflow()  # with its start-up lines filtered
                 import tf_keras
 
                 tf_keras.utils.disable_interactive_logging()  # no progress bar per batch in the driver's log

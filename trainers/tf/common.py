@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from contract.checkpoint import TrainState
+from contract.console import import_tensorflow
 from contract.data import DataSchema
 from contract.metrics import PendingReduce, reduce_at_once
 from trainers.adapter import Adapter, WorkerData
@@ -281,10 +282,11 @@ def compiled_model_from(keras: Any, cfg: Any, inputs: DataSchema, directory: str
 def _log_model_task(uri: str, run_id: str, cfg_dict: dict, roots: list[str], checkpoint: Any, inputs: DataSchema,
                     model_from: Callable) -> None:
     import mlflow
-    import tensorflow as tf
-    import tf_keras as keras
     from contract.config import typed_config
     from trainers.models.keras_models import custom_objects
+
+    tf = import_tensorflow()  # before tf_keras imports it: with its start-up lines filtered
+    import tf_keras as keras
 
     # The logged model is float32 (no dtype policy is set here), so without fp16's LossScaleOptimizer too: an
     # unbuilt one cannot skip the optimizer variables in the weights file (see `load_keras_state`).
@@ -328,6 +330,7 @@ RunWorker = Callable[[Any, WorkerContext, WorkerData], bool]  # a backend's `run
 def run_on_ray(config: dict[str, Any], run_worker: RunWorker) -> None:
     """What a TensorFlow backend's Ray Train workers run: its `run_worker` on this worker's context and Ray Data
     shards (pulled when the adapter asks, after the worker has set TensorFlow's threads)."""
+    import_tensorflow()  # first, with its start-up lines filtered
     cfg = worker_config(config)
     inputs = worker_inputs(config)
     run_worker(cfg, ray_context(config, cfg), WorkerData(inputs, lambda seed: worker_shards(inputs)))

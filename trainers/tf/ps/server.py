@@ -30,7 +30,9 @@ def die_with_parent(parent: int | None) -> None:
 
 def set_threads(intra_op: int, inter_op: int) -> None:
     """This process's TensorFlow thread pools, before its first server starts."""
-    import tensorflow as tf
+    from contract.console import import_tensorflow
+
+    tf = import_tensorflow()  # with its start-up lines filtered
 
     tf.config.threading.set_intra_op_parallelism_threads(intra_op)
     tf.config.threading.set_inter_op_parallelism_threads(inter_op)

@@ -356,9 +356,11 @@ def run_worker(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """The chief runs the loop; every other role serves (trainers/tf/ps/backend.py)."""
+    from contract.console import import_tensorflow
     from contract.tracking import run_dir
     from trainers.worker import dataset_shards, ray_context, watch_for_hangs, worker_config, worker_inputs
 
+    import_tensorflow()  # first, with its start-up lines filtered
     cfg = worker_config(config)
     ctx = ray_context(config, cfg, watch=False)  # the servers run no loop: the chief watches itself alone
     inputs = worker_inputs(config)
