@@ -138,15 +138,29 @@ def tf_start_up_lines(lines: list[str], min_level: int) -> list[str]:
     return [line for line in lines if shown(line)]
 
 
+def quiet_keras_predict(keras: ModuleType) -> None:
+    """In a thread that runs a tf-keras model's `predict` outside training (logging the model, scoring): no
+    progress line per call. tf-keras draws its bar on stdout unless interactive logging is off (a setting of each
+    thread), and then logs it as an absl INFO record, which a Ray worker's logging prints: both are off here,
+    absl's warnings kept."""
+    keras.utils.disable_interactive_logging()
+    logging.getLogger("absl").setLevel(logging.WARNING)
+
+
 def import_tensorflow() -> ModuleType:
     """TensorFlow, imported and its devices listed (where it initialises CUDA) with the start-up lines that
-    TF_CPP_MIN_LOG_LEVEL does not reach filtered as it says (`tf_start_up_lines`). A process calls this before its
-    first `import tensorflow`; TensorFlow's threads and logical devices can still be set afterwards."""
+    TF_CPP_MIN_LOG_LEVEL does not reach filtered as it says (`tf_start_up_lines`), and its Python logger's INFO
+    records off where that level is 1 or more (a MultiWorkerMirroredStrategy worker logs its cluster and each
+    collective it builds). A process calls this before its first `import tensorflow`; TensorFlow's threads and
+    logical devices can still be set afterwards."""
     if "tensorflow" in sys.modules:
         return sys.modules["tensorflow"]
-    level = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0")
-    with native_stderr_filtered(lambda lines: tf_start_up_lines(lines, int(level) if level.isdigit() else 0)):
+    setting = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0")
+    level = int(setting) if setting.isdigit() else 0
+    with native_stderr_filtered(lambda lines: tf_start_up_lines(lines, level)):
         import tensorflow as tf
 
         tf.config.list_physical_devices()
+    if level >= 1:
+        tf.get_logger().setLevel(logging.WARNING)
     return tf

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 from contract import tracking
-from contract.console import import_tensorflow
+from contract.console import import_tensorflow, quiet_keras_predict
 from contract.data import DataSchema
 
 # A scoring actor's environment: tf-keras models load only with TF_USE_LEGACY_KERAS=1 from process start
@@ -39,12 +39,9 @@ class ModelScorer:
 
             torch.set_num_threads(threads)
             self.predict = torch_predictor(model_uri, info.flavors["pytorch"], device)
+        elif "tensorflow" in info.flavors:
+            self.predict = keras_predictor(model_uri)
         else:
-            if "tensorflow" in info.flavors:
-                import_tensorflow()  # with its start-up lines filtered
-                import tf_keras
-
-                tf_keras.utils.disable_interactive_logging()  # no progress bar per batch in the driver's log
             self.predict = mlflow.pyfunc.load_model(model_uri).predict
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -52,6 +49,21 @@ class ModelScorer:
         features = self.features.model_input(batch[column]).astype(self.dtype, copy=False)
         logits = np.asarray(self.predict(features), dtype=np.float64).reshape(len(features), -1)
         return {**{name: values for name, values in batch.items() if name != column}, "logits": logits}
+
+
+def keras_predictor(model_uri: str) -> Callable[[np.ndarray], np.ndarray]:
+    """The logged tf-keras model's pyfunc `predict`, without a progress line per batch in the driver's log."""
+    import mlflow
+
+    import_tensorflow()  # with its start-up lines filtered
+    import tf_keras
+
+    model = mlflow.pyfunc.load_model(model_uri)
+
+    def predict(features: np.ndarray) -> np.ndarray:
+        quiet_keras_predict(tf_keras)  # in the thread that predicts: tf-keras keeps the setting per thread
+        return model.predict(features)
+    return predict
 
 
 def torch_predictor(model_uri: str, flavor: dict[str, Any], device: str) -> Callable[[np.ndarray], np.ndarray]:

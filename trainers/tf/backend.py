@@ -11,6 +11,7 @@ import ray
 from ray.train.backend import Backend, BackendConfig
 from ray.train.v2._internal.util import TrainingFramework
 
+from contract.console import import_tensorflow
 from trainers.preflight import PreflightConfig, check_workers_reachable
 from trainers.worker import free_addresses, on_worker
 
@@ -43,6 +44,12 @@ class MirroredBackend(Backend):
         if backend_config.preflight is not None:
             check_workers_reachable(worker_group, backend_config.preflight)
         urls = free_addresses(worker_group)  # each worker's TensorFlow server, as tf_ps' and DTensor's
-        ray.get([worker_group.execute_single_async(index, on_worker, TENSORFLOW, "_setup_tensorflow_environment",
-                                                   worker_addresses=urls, index=index)
+        ray.get([worker_group.execute_single_async(index, set_up_worker, urls, index)
                  for index in range(len(worker_group))])
+
+
+def set_up_worker(worker_addresses: list[str], index: int) -> None:
+    """Runs on a worker: TensorFlow imported first, its start-up lines filtered (`ray.train.tensorflow` imports it
+    at the top), then Ray's own set-up of the worker's TF_CONFIG."""
+    import_tensorflow()
+    on_worker(TENSORFLOW, "_setup_tensorflow_environment", worker_addresses=worker_addresses, index=index)

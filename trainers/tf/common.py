@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from contract.checkpoint import TrainState
-from contract.console import import_tensorflow
+from contract.console import import_tensorflow, quiet_keras_predict
 from contract.data import DataSchema
 from contract.metrics import PendingReduce, reduce_at_once
 from trainers.adapter import Adapter, WorkerData
@@ -287,6 +287,8 @@ def _log_model_task(uri: str, run_id: str, cfg_dict: dict, roots: list[str], che
 
     tf = import_tensorflow()  # before tf_keras imports it: with its start-up lines filtered
     import tf_keras as keras
+
+    quiet_keras_predict(keras)  # MLflow predicts on the input example: no progress lines
 
     # The logged model is float32 (no dtype policy is set here), so without fp16's LossScaleOptimizer too: an
     # unbuilt one cannot skip the optimizer variables in the weights file (see `load_keras_state`).

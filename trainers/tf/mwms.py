@@ -1,4 +1,5 @@
-"""TensorFlow `MultiWorkerMirroredStrategy` on Ray Train (`TensorflowTrainer`, which sets `TF_CONFIG`).
+"""TensorFlow `MultiWorkerMirroredStrategy` on Ray Train (`DataParallelTrainer` with `MirroredConfig`, which sets
+each worker's `TF_CONFIG` as `TensorflowTrainer` does: trainers/tf/backend.py).
 
 Two loops, one contract (`trainer.tf_loop`): the shared loop (trainers/loop.py) driving a custom step
 (`strategy.run` of a `tf.function` with `GradientTape`; stops mid-epoch on STOP), or tf-keras `model.fit` with a
@@ -329,18 +330,20 @@ def worker_resources(trainer: DictConfig) -> dict[str, float]:
 
 def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, inputs: DataSchema,
                   callbacks: list | None = None):
-    from ray.train.tensorflow import TensorflowTrainer
+    """`DataParallelTrainer`, not Ray's `TensorflowTrainer`: that one imports TensorFlow in the driver (seconds of
+    CPU, and TensorFlow's start-up lines on its console) for a backend config we replace anyway."""
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
     from trainers.preflight import preflight_config
     from trainers.tf.backend import MirroredConfig
     from trainers.shard_data import OrderedShards
     from trainers.worker import loop_config, run_config, scaling_config
 
-    return TensorflowTrainer(
+    return DataParallelTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config(cfg, run_id, tracking_uri, inputs),
         # TensorflowConfig's TF_CONFIG, without TensorFlow in the controller
-        tensorflow_config=MirroredConfig(preflight=preflight_config(cfg, run_id)),
+        backend_config=MirroredConfig(preflight=preflight_config(cfg, run_id)),
         scaling_config=scaling_config(cfg, resources=worker_resources(cfg.trainer)),
         # tf-keras must own `tf.keras` from process start (trainers/tf/common.py); Ray starts the worker
         # processes with these env vars (merged with the job's).
