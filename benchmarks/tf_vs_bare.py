@@ -1,4 +1,4 @@
-"""Our TF pipeline (Ray TensorflowTrainer, tf-keras `fit`) against bare tf-keras `model.fit` on the same model,
+"""Our TF pipeline (`trainer=tf_mwms` on Ray Train, tf-keras `fit`) against bare tf-keras `model.fit` on the same model,
 batch and data, in one run; also 2 workers (MultiWorkerMirroredStrategy) vs 1 (TF's default strategy: with one
 replica there is nothing to mirror, see trainers/tf/mwms.make_strategy).
 
@@ -81,8 +81,8 @@ def main() -> int:
     print(f"model={args.model} batch={args.batch} per replica, loop={args.loop}, steps_per_execution={spe}, "
           f"mean of epochs 2..{args.epochs}")
     print(f"bare tf-keras fit, 1 thread:          {bare_rate:9.0f} samples/s")
-    print(f"Ray TensorflowTrainer, 1 worker (TF's default strategy): {one_rate:9.0f} samples/s")
-    print(f"Ray TensorflowTrainer + MWMS, 2 workers: {two_rate:8.0f} samples/s global ({two_rate / one_rate:.2f}x)")
+    print(f"Ray Train tf_mwms, 1 worker (TF's default strategy): {one_rate:9.0f} samples/s")
+    print(f"Ray Train tf_mwms + MWMS, 2 workers: {two_rate:8.0f} samples/s global ({two_rate / one_rate:.2f}x)")
     print(f"ratio={one_rate / bare_rate:.3f}")
     return 0
 
