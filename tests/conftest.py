@@ -301,13 +301,13 @@ def run_id_from(stdout: str) -> str:
     return lines[-1].split("=", 1)[1]
 
 
-def evaluate_ok(model: str, env: dict[str, str]) -> str:
-    """`python -m pipelines.evaluate model=<model>` (its data: the training run's), require exit 0; the
-    evaluation's MLflow run id."""
+def evaluate_ok(model: str, env: dict[str, str]) -> tuple[subprocess.CompletedProcess, str]:
+    """`python -m pipelines.evaluate model=<model>` (its data: the training run's), require exit 0; (the process,
+    the evaluation's MLflow run id)."""
     proc = subprocess.run([sys.executable, "-m", "pipelines.evaluate", f"model={model}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return run_id_from(proc.stdout)
+    return proc, run_id_from(proc.stdout)
 
 
 def read_split(data_path: Path, split: str) -> tuple[np.ndarray, np.ndarray]:

@@ -176,7 +176,7 @@ def check_evaluation(client: MlflowClient, run_id: str, model_uri: str, model: t
     """`pipelines.evaluate model=<model_uri>` on the Ray head: the training run's data and test split, scored by
     Ray Data actors holding the logged model, in an evaluation run linked to the training run. Its loss is the
     logged model's own on the split (float64 reference); its accuracy the training run's at the logged epoch."""
-    evaluation = client.get_run(evaluate_ok(model_uri, env))
+    evaluation = client.get_run(evaluate_ok(model_uri, env)[1])
     assert evaluation.info.status == "FINISHED"
     assert evaluation.data.tags["training_run_id"] == evaluation.data.params["training_run_id"] == run_id
     assert evaluation.info.experiment_id == client.get_run(run_id).info.experiment_id

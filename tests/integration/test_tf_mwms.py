@@ -40,6 +40,16 @@ def check_replicas_identical(params_dir) -> list[np.ndarray]:
     return [rank0[key] for key in rank0.files]
 
 
+def check_quiet(proc: subprocess.CompletedProcess) -> None:
+    """No TensorFlow chatter in a command's output: its pre-initialisation lines filtered by
+    TF_CPP_MIN_LOG_LEVEL=2 (contract/console.py), no Python INFO lines of the strategy, no Keras progress line."""
+    output = proc.stdout + proc.stderr
+    for chatter in (ABSL_PRE_INIT_BANNER, "oneDNN custom operations", NO_CUDA_DRIVER, CUINIT_FAILED,
+                    "MultiWorkerMirroredStrategy with cluster_spec", "Collective all_reduce tensors"):
+        assert chatter not in output, chatter
+    assert not re.search(r"\d+/\d+ \[=+", output), output[-3000:]
+
+
 def test_fit_loop_syncs_trains_logs_and_resumes_after_a_failure(tmp_path, tiny_mnist, mlflow_server, ray_head):
     """Keras `fit` on 2 workers, one failing at epoch 2: the run resumes from epoch 1's checkpoint (weights,
     optimizer state, epoch), the MLflow run holds each epoch once, the replicas stay identical and the logged
@@ -54,13 +64,8 @@ def test_fit_loop_syncs_trains_logs_and_resumes_after_a_failure(tmp_path, tiny_m
     for epoch in (1, 2):  # rank 0's bar of each epoch's 16 fit steps, rendered by the driver (run.progress=on)
         assert re.search(rf"train epoch {epoch}/2: +\d+%\|.*\| [\d.]+/16", proc.stderr), proc.stderr[-3000:]
     # Every TensorFlow process of the run (the driver imports none; 2 workers, each twice, and the model's logging
-    # task) started quietly: TensorFlow's pre-initialisation lines filtered by TF_CPP_MIN_LOG_LEVEL=2, no Python
-    # INFO lines of the strategy, no Keras progress line when MLflow predicts on the input example.
-    output = proc.stdout + proc.stderr
-    for chatter in (ABSL_PRE_INIT_BANNER, "oneDNN custom operations", NO_CUDA_DRIVER, CUINIT_FAILED,
-                    "MultiWorkerMirroredStrategy with cluster_spec", "Collective all_reduce tensors"):
-        assert chatter not in output, chatter
-    assert not re.search(r"\d+/\d+ \[=+", output), output[-3000:]
+    # task, where MLflow predicts on the input example) started and ran quietly.
+    check_quiet(proc)
     client = MlflowClient(mlflow_server)
     check_run(client, run_id)
     assert not [name for name in client.get_run(run_id).data.metrics if name.startswith("system/")]  # turned off
@@ -73,7 +78,9 @@ def check_evaluation(client: MlflowClient, run_id: str, weights: list[np.ndarray
     """`pipelines.evaluate` loads the logged tf-keras model in Ray Data actors (TF_USE_LEGACY_KERAS=1 there) and
     scores the training run's test split: the loss is that of the trained weights (the replicas' dump, the MLP's
     forward in float64 numpy) and the accuracy the training run's last one."""
-    evaluation = client.get_run(evaluate_ok(run_id, env))
+    proc, evaluation_id = evaluate_ok(run_id, env)
+    check_quiet(proc)  # the scoring actors: no Keras progress line per batch
+    evaluation = client.get_run(evaluation_id)
     assert evaluation.info.status == "FINISHED" and evaluation.data.tags["training_run_id"] == run_id
     features, labels = read_split(data, "test")
     w1, b1, w2, b2 = (w.astype(np.float64) for w in weights)  # Dense(32, relu) -> Dense(10); dropout off
