@@ -93,14 +93,21 @@ def build_compiled_model(keras: Any, cfg: Any, inputs: DataSchema, steps_per_exe
     matters to `fit` (tf_mwms' and tf_ps' `trainer.tf_steps_per_execution`). The dtype policy (`set_precision`) is
     the caller's: the logged model is built in float32."""
     from trainers.models import build_keras_model
-    from trainers.tf.recipe import make_optimizer
 
     model = build_keras_model(cfg.model, keras, inputs, seed)
+    compile_model(keras, cfg, inputs, model, steps_per_execution, steps_per_epoch)
+    return model
+
+
+def compile_model(keras: Any, cfg: Any, inputs: DataSchema, model: Any, steps_per_execution: int = 1,
+                  steps_per_epoch: int = 1) -> None:
+    """`model` compiled with the trainer's recipe optimizer and the task's loss (see `build_compiled_model`)."""
+    from trainers.tf.recipe import make_optimizer
+
     optimizer = make_optimizer(keras, cfg.trainer, model.trainable_variables, steps_per_epoch)
     model.compile(optimizer=optimizer, loss=keras_loss(keras, inputs.target.task),
                   # Several steps per tf.function call (fit): cuts the per-step host overhead of the strategy.
                   steps_per_execution=steps_per_execution)
-    return model
 
 
 def optimizer_state(optimizer: Any) -> tuple[Any, list]:
@@ -273,9 +280,14 @@ class KerasAdapter(Adapter):
 
 
 def compiled_model_from(keras: Any, cfg: Any, inputs: DataSchema, directory: str) -> Any:
-    """The Keras model a tf_mwms, tf_ps or horovod tf checkpoint in `directory` holds."""
-    model = build_compiled_model(keras, cfg, inputs)
+    """The Keras model a tf_mwms, tf_ps or horovod tf checkpoint in `directory` holds, for inference: its weights
+    are loaded before it is compiled, so the optimizer variables the weights file also holds are not read (into a
+    fresh, unbuilt optimizer they would only be skipped, with a warning)."""
+    from trainers.models import build_keras_model
+
+    model = build_keras_model(cfg.model, keras, inputs)
     model.load_weights(os.path.join(directory, WEIGHTS))
+    compile_model(keras, cfg, inputs, model)
     return model
 
 
