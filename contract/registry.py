@@ -31,8 +31,9 @@ class ModelSpec:
     kinds and tasks it takes, and its builders. Builders get (model config, the data's `contract.data.DataSchema`,
     seed or None) and return a plain model, no parallelism inside:
       `torch`: an `nn.Module` taking the batch's inputs (one float tensor [B, width] for image and numeric
-        features; token ids [B, T] and a mask [B, T] of the real ones for tokens) and returning [B, classes]
-        logits, or [B] or [B, 1] predictions for regression: ddp, fsdp, horovod (torch) train any;
+        features; token ids [B, T] and a mask [B, T] of the real ones for tokens, in training and in the logged
+        model alike) and returning [B, classes] logits, or [B] or [B, 1] predictions for regression: ddp, fsdp,
+        horovod (torch) train any;
       `keras`: (with the `keras` module first) an uncompiled Keras model, the same inputs and outputs:
         tf_mwms, tf_ps, horovod (tf);
       `dtensor`: a `tf.Module` whose `layers()` trainers/tf/dtensor lays out on its mesh (tf_dtensor), logged as

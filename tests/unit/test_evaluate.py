@@ -20,6 +20,7 @@ from pipelines import evaluate
 from pipelines.scoring import ModelScorer, save_plots, summarise, summarise_regression
 from trainers.models.bert import BertClassifier, BertConfig
 from trainers.models.mlp_cnn import MLP
+from trainers.torch.common import example_input, logged_form
 from trainers.torch.data import BatchInputs
 
 
@@ -107,16 +108,31 @@ def test_logging_a_pytorch_model_leaves_lightning_unimported_and_importable():
     assert proc.stdout.split() == ["False", "True", "True"], proc.stdout
 
 
+class MaskRequired(torch.nn.Module):
+    """A token model whose `forward` needs the mask training passes (a user's may): the BERT with it."""
+
+    def __init__(self, bert: BertClassifier):
+        super().__init__()
+        self.bert = bert
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.bert(ids, mask)
+
+
 @pytest.fixture(scope="module")
 def logged(tmp_path_factory) -> dict:
-    """A local sqlite store holding two runs, each with a logged model: an MNIST MLP and an IMDb BERT."""
+    """A local sqlite store holding two runs, each with a logged model in the form the backends log it
+    (`logged_form`): an MNIST MLP and an IMDb BERT that needs its mask."""
     uri = f"sqlite:///{tmp_path_factory.mktemp('evaluate')}/mlflow.db"
     torch.manual_seed(0)
     mlp = MLP(hidden=[16]).eval()
     bert = BertClassifier(BertConfig(vocab_size=40, max_len=8, hidden=16, layers=1, heads=2, dropout=0.0)).eval()
+    imdb = imdb_schema(40, 8)
     return {"uri": uri,
-            "mnist": (log_model(uri, mlp, np.zeros((2, 784), np.float32), {"data.name": "mnist"}), mlp),
-            "imdb": (log_model(uri, bert, np.ones((2, 8), np.int64), {"data.name": "imdb"}), bert)}
+            "mnist": (log_model(uri, logged_form(mlp, mnist_schema()), example_input(mnist_schema()),
+                                {"data.name": "mnist"}), mlp),
+            "imdb": (log_model(uri, logged_form(MaskRequired(bert), imdb), example_input(imdb),
+                               {"data.name": "imdb"}), bert)}
 
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -124,8 +140,8 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
 def test_scorer_gives_the_models_logits(logged, device):
-    """The MNIST MLP scores shard rows (uint8 images) as the workers' normalised input; the BERT scores padded
-    token ids as training's explicit mask does. In a GPU actor (`use_gpu=true`) the models, logged from the CPU,
+    """The MNIST MLP scores shard rows (uint8 images) as the workers' normalised input; the BERT, called with
+    the ids alone, scores padded token ids as training's explicit mask does. In a GPU actor (`use_gpu=true`) the models, logged from the CPU,
     run on the GPU and give the same logits up to float32 rounding (other kernels)."""
     tolerance = {"rtol": 1e-4, "atol": 1e-5} if device == "cuda" else {}
     run_id, mlp = logged["mnist"]

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from contract.checkpoint import TrainState
-from contract.data import DataSchema
+from contract.data import PAD_ID, DataSchema
 from contract.flops import peak_flops
 from contract.metrics import AsyncReducer, PendingReduce, peak_rss_bytes
 from trainers.adapter import Adapter, WorkerData
@@ -359,6 +359,23 @@ def example_input(inputs: DataSchema) -> Any:
     return np.zeros((2, inputs.features.width), dtype=np.float32)
 
 
+class TokenIdsModel(nn.Module):
+    """A token model as it is logged: called with the ids alone (what `rtp evaluate`, `rtp predict` and a user of
+    the logged model pass), it gives the model the mask of the non-[PAD] ids beside them, as training does."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, input_ids != PAD_ID)
+
+
+def logged_form(model: nn.Module, inputs: DataSchema) -> nn.Module:
+    """`model` (in eval mode) as MLflow logs it: taking `example_input(inputs)`."""
+    return TokenIdsModel(model).eval() if inputs.features.kind == "tokens" else model.eval()
+
+
 def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, inputs: DataSchema,
                     model_state: Callable[[str], dict[str, torch.Tensor]] | None = None) -> None:
     """Log the trained (dense) model of the final checkpoint to the MLflow run (PyTorch flavour). `model_state`:
@@ -369,4 +386,4 @@ def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, inp
     with checkpoint.as_directory() as directory:
         model.load_state_dict(model_state(directory) if model_state else load_state_file(directory)["model"])
         epoch = TrainState.read(directory).epoch
-    log_torch_model(uri, run_id, model.eval(), example_input(inputs), epoch)
+    log_torch_model(uri, run_id, logged_form(model, inputs), example_input(inputs), epoch)

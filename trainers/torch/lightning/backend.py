@@ -50,4 +50,4 @@ def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, inp
     with checkpoint.as_directory() as directory:
         module.load_state_dict(module_state(directory))
         epoch = TrainState.read(directory).epoch
-    log_torch_model(uri, run_id, module.eval(), tc.example_input(inputs), epoch)
+    log_torch_model(uri, run_id, tc.logged_form(module, inputs), tc.example_input(inputs), epoch)
