@@ -141,8 +141,8 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
 def test_scorer_gives_the_models_logits(logged, device):
     """The MNIST MLP scores shard rows (uint8 images) as the workers' normalised input; the BERT, called with
-    the ids alone, scores padded token ids as training's explicit mask does. In a GPU actor (`use_gpu=true`) the models, logged from the CPU,
-    run on the GPU and give the same logits up to float32 rounding (other kernels)."""
+    the ids alone, scores padded token ids as training's explicit mask does. In a GPU actor (`use_gpu=true`) the
+    models, logged from the CPU, run on the GPU and give the same logits up to float32 rounding (other kernels)."""
     tolerance = {"rtol": 1e-4, "atol": 1e-5} if device == "cuda" else {}
     run_id, mlp = logged["mnist"]
     images = np.random.default_rng(1).integers(0, 256, size=(8, 784)).astype(np.uint8)
