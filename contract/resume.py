@@ -15,9 +15,12 @@ KILLED with the `interrupted` tag (`interruption` tells an interrupt from a fail
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
+import threading
 from pathlib import Path
+from typing import Iterator
 
 from contract.files import write_atomically
 
@@ -81,6 +84,22 @@ def raise_on_sigterm() -> None:
     """SIGTERM raises `Interrupted` in the driver's main thread (its default ends the process at once, which
     would leave the MLflow run RUNNING)."""
     signal.signal(signal.SIGTERM, _raise_interrupted)
+
+
+@contextlib.contextmanager
+def interrupts_ignored() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored in the block (in the main thread; elsewhere no handler can be set): a driver
+    ending its run after an interrupt finishes ending it when the signal comes again (a second Ctrl-C, a
+    scheduler's repeated SIGTERM), where the signal would leave the run RUNNING. SIGKILL still ends it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 def interruption(err: BaseException) -> str | None:

@@ -6,6 +6,7 @@ code 2. Framework-free: a framework is found, never imported.
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 
@@ -79,6 +80,33 @@ def check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"run.resume_from: no checkpoint at '{cfg.run.resume_from}' (missing {STATE_FILE})")
     if cfg.run.resume_from and (why := checkpoint_mismatch(cfg.run.resume_from, cfg.trainer.backend, cfg.model.name)):
         raise ConfigError(f"run.resume_from: {cfg.run.resume_from}: {why}")
+
+
+RUN_FOLDERS = ("resume_dir", "storage_path", "dump_params_dir")  # run keys naming folders the run writes
+
+
+def check_run_folders(run: DictConfig) -> None:
+    """The run's folders on this machine (`run.resume_dir`, a local `run.storage_path`, `run.dump_params_dir`):
+    each a folder this user can write in, or one it can create; checked, not created. A driver's, so not part of
+    `check_values`: `rtp config` may run on another machine than the job's driver."""
+    for key in RUN_FOLDERS:
+        path = run.get(key)
+        if path and "://" not in str(path):  # a URI (s3://, gs://) is Ray's to reach
+            why = unwritable_folder(Path(path))
+            if why:
+                raise ConfigError(f"run.{key}: {path} {why}")
+
+
+def unwritable_folder(path: Path) -> str | None:
+    """Why `path` cannot be a folder this user writes in, or None."""
+    if path.exists():
+        if not path.is_dir():
+            return "is not a folder"
+        return None if os.access(path, os.W_OK | os.X_OK) else "is a folder this user cannot write in"
+    parent = next(folder for folder in path.absolute().parents if folder.exists())
+    if not parent.is_dir():
+        return f"cannot be created: {parent} is not a folder"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"cannot be created: this user cannot write in {parent}"
 
 
 def read_data_schema(data: DictConfig) -> DataSchema:

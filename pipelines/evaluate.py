@@ -27,7 +27,7 @@ from typing import Any, Optional
 import numpy as np
 from omegaconf import OmegaConf
 
-from contract import tracking
+from contract import resume, tracking
 from contract.data import DataSchema
 from pipelines.config import ConfigError
 from pipelines.help import dataclass_help, wants_help
@@ -85,7 +85,7 @@ def resolve(cfg: Any, uri: str) -> Plan:
         raise ConfigError(f"data.path: {data_path} holds {schema.dataset}, the model was trained on "
                           f"{trained_on['data.name']}")
     width = schema.max_len or schema.features.width
-    expected = info.signature.inputs.inputs[0].shape[-1] if info.signature else width
+    expected = info.signature.inputs.inputs[0].shape[-1]
     if expected != width:
         raise ConfigError(f"data.path: {data_path} has {width} features per row, the model takes {expected}")
     return Plan(cfg, model_uri, info.model_id, training_run, schema, data_path, split, shards)
@@ -105,8 +105,9 @@ def open_run(plan: Plan, uri: str) -> str:
               "concurrency": plan.cfg.concurrency, "use_gpu": plan.cfg.use_gpu, **trained}
     run_id = tracking.start_run(uri, experiment, name, params, OmegaConf.to_yaml(plan.cfg),
                                 tags={"model_uri": plan.model_uri, **trained})
-    tracking.log_dataset_inputs(uri, run_id, dataset_refs(plan.data_path, read_manifest(plan.data_path),
-                                                          {"evaluation": plan.split}))
+    with tracking.ended_on_error(uri, run_id):
+        tracking.log_dataset_inputs(uri, run_id, dataset_refs(plan.data_path, read_manifest(plan.data_path),
+                                                              {"evaluation": plan.split}))
     return run_id
 
 
@@ -159,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"MLflow run {run_id} ({uri}): scoring {plan.model_uri} on {plan.data_path} split {plan.split}",
           flush=True)
     code = 0
-    init_ray(cfg.concurrency, cfg.verbose)
+    resume.raise_on_sigterm()  # `ray job stop`, `kill`: the run ends KILLED, as after Ctrl-C
     try:
+        init_ray(cfg.concurrency, cfg.verbose)
         metrics = evaluate_into_run(plan, uri, run_id)
         tracking.end_run(uri, run_id)
         print(" ".join(f"{name}={value:.6g}" for name, value in metrics.items()), flush=True)

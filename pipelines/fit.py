@@ -18,6 +18,7 @@ from contract.checkpoint import TrainState
 from contract.config import typed_config, worker_resources
 from contract.console import quiet_ray_env, quiet_ray_logs, ray_init_logging, say
 from contract.data import DataSchema
+from contract.files import write_atomically
 from contract.hang import HANG_DIR, PROGRESS_DIR, read_verdicts
 from contract.metrics import DIVERGED_FILE, DIVERGED_METRICS, FINAL_MODEL_LOG, STOP_METRICS
 from contract.registry import plugin_roots
@@ -201,8 +202,7 @@ def log_final_model(backend: Any, cfg: DictConfig, run_id: str, uri: str, checkp
         final = {"cfg": OmegaConf.to_container(cfg, resolve=True), "checkpoint": checkpoint.path,
                  "inputs": inputs.to_dict(), "plugin_roots": plugin_roots(cfg.plugins), "run_id": run_id, "uri": uri,
                  "tags": tags}
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / tracking.FINAL_FILE).write_text(json.dumps(final, indent=2))
+        write_atomically(folder / tracking.FINAL_FILE, json.dumps(final, indent=2))  # `rtp replay` reads it whole
         raise tracking.TrackingDown(uri, run_id, folder, tracking.spooled(folder)) from None
     # After the model is in: a server lost now must not send the run to `rtp replay`, which would log it again.
     tracking.log_metrics(uri, run_id, {FINAL_MODEL_LOG: logged_s})

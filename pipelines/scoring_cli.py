@@ -61,9 +61,13 @@ def find_model(spec: str, uri: str) -> tuple[str, Any, Any]:
     model_uri = f"runs:/{spec}/model" if RUN_ID.fullmatch(spec) else spec
     try:
         info = mlflow.models.get_model_info(model_uri)
-        return model_uri, info, mlflow.MlflowClient(uri).get_run(info.run_id) if info.run_id else None
+        run = mlflow.MlflowClient(uri).get_run(info.run_id) if info.run_id else None
     except (MlflowException, OSError) as err:
         raise ConfigError(f"model: {model_uri}: {str(err).strip().splitlines()[0]}") from err
+    if info.signature is None:  # the scorers feed the model the input type its signature names
+        raise ConfigError(f"model: {model_uri} was logged without a signature (log it with an input example, as "
+                          f"`rtp train` does); its input type is not known")
+    return model_uri, info, run
 
 
 def _reads_as_yaml(arg: str) -> bool:

@@ -6,6 +6,7 @@ Last stdout line: `mlflow_run_id=<id>`. Exit codes: see EXIT_CODES.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -17,6 +18,7 @@ from contract.config import monitor_of, ray_train_workers, worker_resources
 from contract.console import one_line, say
 from contract.metrics import FINAL_MODEL_TEST
 from contract.startup import DRIVER_BEFORE_RUN, started_at
+from pipelines.checks import check_run_folders
 from pipelines.config import ConfigError, check_fits_this_machine, flatten, load_config, parallel_params
 from pipelines.data.idx import DataError
 from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
@@ -40,16 +42,18 @@ def validate(argv: list[str]) -> tuple[DictConfig, dict, str]:
     """Everything that can be checked before taking cluster resources."""
     cfg = load_config(argv)
     check_fits_this_machine(cfg)
+    check_run_folders(cfg.run)
     manifest = read_manifest(cfg.data.path)  # every shard present, readable and of the manifest's size
     for split in ("train", cfg.data.eval_split):
         shard_paths(cfg.data.path, manifest, split)
     uri = tracking.tracking_uri()
     tracking.check_reachable(uri)
-    if (recorded := resume.recorded_run_id(cfg.run.resume_dir)) is not None:
-        try:
+    try:
+        tracking.check_experiment(uri, cfg.run.experiment)
+        if (recorded := resume.recorded_run_id(cfg.run.resume_dir)) is not None:
             tracking.check_recorded_run(uri, cfg.run.resume_dir, recorded)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     return cfg, manifest, uri
 
 
@@ -118,7 +122,8 @@ def close_failed_run(uri: str, run_id: str, err: BaseException, what: str = "tra
     how = resume.interruption(err)
     status = "KILLED" if how else "FAILED"
     try:
-        tracking.end_unfinished_run(uri, run_id, err)
+        with resume.interrupts_ignored():  # a second Ctrl-C or SIGTERM would leave the run RUNNING
+            tracking.end_unfinished_run(uri, run_id, err)
         outcome = f"the MLflow run is {status}"
     except Exception as mark_err:  # the tracking server went away as well
         outcome = f"the MLflow run could not be marked {status} ({type(mark_err).__name__})"
@@ -134,20 +139,23 @@ def open_run(cfg: DictConfig, manifest: dict, uri: str) -> tuple[str, str | None
     run_id = resume.recorded_run_id(cfg.run.resume_dir)
     if run_id is not None:
         status = tracking.reopen_run(uri, run_id)
-        if status != "FINISHED":
-            tracking.log_attempt_changes(uri, run_id, {**flatten(cfg), **parallel_params(cfg)})
-        # what an attempt the server did not hear left behind (its stop point, say) goes first, in order
-        tracking.flush_spools(uri, run_id, tracking.spool_dir(cfg.run.storage_path, run_id))
+        reopened = status != "FINISHED"  # RUNNING again: ended if this attempt fails here
+        with tracking.ended_on_error(uri, run_id) if reopened else contextlib.nullcontext():
+            if reopened:
+                tracking.log_attempt_changes(uri, run_id, {**flatten(cfg), **parallel_params(cfg)})
+            # what an attempt the server did not hear left behind (its stop point, say) goes first, in order
+            tracking.flush_spools(uri, run_id, tracking.spool_dir(cfg.run.storage_path, run_id))
         return run_id, status
     run_name = cfg.run.name or f"{cfg.trainer.backend}-{cfg.data.name}-{cfg.model.name}"
     created = time.time()
     run_id = tracking.start_run(uri, cfg.run.experiment, run_name, {**flatten(cfg), **parallel_params(cfg)},
                                 OmegaConf.to_yaml(cfg))
-    tracking.log_metrics(uri, run_id, {DRIVER_BEFORE_RUN: created - started_at()})  # for its goodput
-    tracking.log_data_files(uri, run_id, cfg.data.path, manifest)
-    tracking.log_dataset_inputs(uri, run_id, dataset_refs(cfg.data.path, manifest,
-                                                          {"training": "train", "eval": cfg.data.eval_split}))
-    resume.record_run_id(cfg.run.resume_dir, run_id)
+    with tracking.ended_on_error(uri, run_id):  # not yet recorded: a failure here ends it, a rerun starts anew
+        tracking.log_metrics(uri, run_id, {DRIVER_BEFORE_RUN: created - started_at()})  # for its goodput
+        tracking.log_data_files(uri, run_id, cfg.data.path, manifest)
+        tracking.log_dataset_inputs(uri, run_id, dataset_refs(cfg.data.path, manifest,
+                                                              {"training": "train", "eval": cfg.data.eval_split}))
+        resume.record_run_id(cfg.run.resume_dir, run_id)
     return run_id, None
 
 
@@ -208,17 +216,18 @@ def train_into_run(cfg: DictConfig, manifest: dict, uri: str) -> tuple[int, str,
         print(f"MLflow run {run_id} recorded in {cfg.run.resume_dir} has already finished; nothing to do")
         return 0, run_id, None
     print(f"MLflow run {run_id} ({uri}){' continued' if previous_status else ''}", flush=True)
-    tracking.log_cluster_startup(uri, run_id)
     resume.raise_on_sigterm()
     try:
+        tracking.log_cluster_startup(uri, run_id)
         stopped = run_training(cfg, uri, run_id, first_attempt=previous_status is None)
+        if stopped is None:
+            tracking.end_run(uri, run_id)
     except tracking.TrackingDown as err:  # trained; the server cannot hear it: nothing to mark the run with
         return 1, run_id, f"error: {err}"
     except BaseException as err:  # interrupts too: the run must not stay RUNNING
         return 1, run_id, close_failed_run(uri, run_id, err)
     if stopped is not None:
         return resume.EXIT_PREEMPTED, run_id, stopped
-    tracking.end_run(uri, run_id)
     return 0, run_id, None
 
 

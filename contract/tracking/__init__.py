@@ -14,19 +14,20 @@ from contract.tracking.check import answers, check_reachable
 from contract.tracking.lineage import DatasetRef, log_data_files, log_dataset_inputs
 from contract.tracking.logger import EpochLogger, epoch_values, lineage_start_ms, now_ms
 from contract.tracking.models import log_torch_model, logged_models, register_logged_model
-from contract.tracking.runs import (check_recorded_run, close_orphaned_runs, driver_tags, end_run, end_unfinished_run,
-                                    log_attempt_changes, log_cluster_startup, log_hangs, log_metrics, log_params,
-                                    mark_interrupted, mark_preempted, reopen_run, run_exists, set_tags, start_run)
+from contract.tracking.runs import (check_experiment, check_recorded_run, close_orphaned_runs, driver_tags, end_run,
+                                    end_unfinished_run, ended_on_error, log_attempt_changes, log_cluster_startup,
+                                    log_hangs, log_metrics, log_params, mark_interrupted, mark_preempted, reopen_run,
+                                    run_exists, set_tags, start_run)
 from contract.tracking.server import TrackingUnavailable, mlflow_client, tracking_uri
 from contract.tracking.spool import (FINAL_FILE, SPOOL_DIR, SWEEP_FILE, TrackingDown, TrackingSpool, flush_spools,
                                      ray_run_name, run_dir, send_or_spool, spool_dir, spool_files, spooled)
 from contract.tracking.system import SystemMetrics
 
 __all__ = ["DatasetRef", "EpochLogger", "FINAL_FILE", "SPOOL_DIR", "SWEEP_FILE", "SystemMetrics", "TrackingDown",
-           "TrackingSpool", "TrackingUnavailable", "answers", "check_reachable", "check_recorded_run",
-           "close_orphaned_runs", "driver_tags", "end_run", "end_unfinished_run", "epoch_values", "flush_spools",
-           "lineage_start_ms", "log_attempt_changes", "log_cluster_startup", "log_data_files", "log_dataset_inputs",
-           "log_hangs", "log_metrics", "log_params", "log_torch_model", "logged_models", "mark_interrupted",
-           "mark_preempted", "mlflow_client", "now_ms", "ray_run_name", "register_logged_model", "reopen_run",
-           "run_dir", "run_exists", "send_or_spool", "set_tags", "spool_dir", "spool_files", "spooled", "start_run",
-           "tracking_uri"]
+           "TrackingSpool", "TrackingUnavailable", "answers", "check_experiment", "check_reachable",
+           "check_recorded_run", "close_orphaned_runs", "driver_tags", "end_run", "end_unfinished_run",
+           "ended_on_error", "epoch_values", "flush_spools", "lineage_start_ms", "log_attempt_changes",
+           "log_cluster_startup", "log_data_files", "log_dataset_inputs", "log_hangs", "log_metrics", "log_params",
+           "log_torch_model", "logged_models", "mark_interrupted", "mark_preempted", "mlflow_client", "now_ms",
+           "ray_run_name", "register_logged_model", "reopen_run", "run_dir", "run_exists", "send_or_spool", "set_tags",
+           "spool_dir", "spool_files", "spooled", "start_run", "tracking_uri"]

@@ -2,13 +2,14 @@
 ended FINISHED, FAILED (with the error) or KILLED (interrupted, or preempted until continued)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from contract.resume import interruption
 from contract.tracking.provenance import git_commit, library_versions, source_tags
@@ -42,10 +43,36 @@ def start_run(uri: str, experiment: str, run_name: str, params: Mapping[str, Any
     all_params = dict(params)
     all_params.update({f"version.{k}": v for k, v in library_versions().items()})
     items = [Param(k, str(v)[:6000]) for k, v in sorted(all_params.items())]
-    for start in range(0, len(items), 100):  # MLflow accepts at most 100 params per batch
-        client.log_batch(run_id, params=items[start:start + 100], tags=[RunTag("host.cpus", str(os.cpu_count()))])
-    client.log_text(run_id, config_yaml, "config.yaml")
+    with ended_on_error(uri, run_id):
+        for start in range(0, len(items), 100):  # MLflow accepts at most 100 params per batch
+            client.log_batch(run_id, params=items[start:start + 100],
+                             tags=[RunTag("host.cpus", str(os.cpu_count()))])
+        client.log_text(run_id, config_yaml, "config.yaml")
     return run_id
+
+
+@contextlib.contextmanager
+def ended_on_error(uri: str, run_id: str) -> Iterator[None]:
+    """Around what follows a run's creation or reopening, before its driver has recorded it or can end it: an
+    error or interrupt in the block ends the run (`end_unfinished_run`) before it goes on, so that no run is left
+    RUNNING with nobody to end it."""
+    try:
+        yield
+    except BaseException as err:
+        end_unfinished_run(uri, run_id, err)
+        raise
+
+
+def check_experiment(uri: str, name: str) -> None:
+    """The experiment runs go to can take them: named, and not in the tracking server's trash (MLflow refuses
+    runs in a deleted experiment); else ValueError, in one line."""
+    if not name.strip():
+        raise ValueError("run.experiment: empty; name the MLflow experiment the runs go to")
+    experiment = mlflow_client(uri).get_experiment_by_name(name)
+    if experiment is not None and experiment.lifecycle_stage == "deleted":
+        raise ValueError(f"run.experiment: MLflow experiment '{name}' is deleted (in the tracking server's trash); "
+                         f"restore it (mlflow experiments restore --experiment-id {experiment.experiment_id}) or "
+                         f"name another")
 
 
 def driver_tags() -> dict[str, str]:
@@ -150,7 +177,10 @@ def end_run(uri: str, run_id: str, error: str | None = None, end_ms: int | None 
         client.set_terminated(run_id, status="FINISHED", end_time=end_ms)
         return
     client.set_tag(run_id, "error", error[:5000])
-    client.log_text(run_id, error, "error.txt")
+    try:
+        client.log_text(run_id, error, "error.txt")  # the whole error, where the tag keeps its first 5,000 characters
+    except Exception as err:  # an artifact store that fails leaves the run FAILED all the same, not RUNNING
+        client.set_tag(run_id, "error.txt", f"not stored: {type(err).__name__}: {err}"[:5000])
     client.set_terminated(run_id, status="FAILED", end_time=end_ms)
 
 

@@ -28,6 +28,7 @@ from contract import resume, tracking
 from contract.console import one_line
 from contract.metrics import REPORTED_EPOCH
 from contract.registry import plugin_roots
+from pipelines.checks import check_run_folders
 from pipelines.config import CONF_DIR, ConfigError, check_fits_this_machine, group_choices
 from pipelines.data.idx import DataError
 from pipelines.data.shards import read_manifest, shard_paths
@@ -37,7 +38,7 @@ from pipelines.ray_session import shutdown_ray
 from pipelines.summary import sweep_summary
 from pipelines.sweep.pbt import PBT_CHECKPOINTS_KEPT, check_mutated_trials, make_pbt, mutations, param_space
 from pipelines.sweep.runs import (Outcome, SweepEnding, SweepTrackingDown, child_specs, children_of, close_children,
-                                  finish_sweep, open_sweep, recorded_children, trials_folder)
+                                  finish_sweep, open_sweep, recorded_children, still_running, trials_folder)
 from pipelines.sweep.space import (SweepConfig, Trial, cpus_needed, load_sweep, max_concurrent, plan_trials,
                                    reject_ignored, reject_unfit, split_argv, stop_thresholds)
 
@@ -59,12 +60,13 @@ def validate(argv: list[str]) -> tuple[DictConfig, list[Trial], str, str | None]
             trial.cfg, trial.reason = None, str(err)
     valid = [t for t in trials if t.cfg is not None]
     if not valid:
-        raise ConfigError("sweep.grid: no valid trial:\n" + rejected_text(trials))
+        raise no_valid_trial(trials, "")
     for data_path, split in {(t.cfg.data.path, t.cfg.data.eval_split) for t in valid}:
         manifest = read_manifest(data_path)
         for each in ("train", split):
             shard_paths(data_path, manifest, each)
-    resume_dir = valid[0].cfg.run.resume_dir  # a `run` key: the same for every trial
+    check_run_folders(valid[0].cfg.run)  # `run` keys: the same for every trial
+    resume_dir = valid[0].cfg.run.resume_dir
     recorded = resume.recorded_sweep(resume_dir)
     # Its trials: those that opened a child run (a sweep ended by SIGKILL recorded none in `resume_dir` yet)
     started = set(recorded[1]) | set(recorded_children(trials_folder(valid[0].cfg.run.storage_path, recorded[0]))) \
@@ -79,16 +81,33 @@ def validate(argv: list[str]) -> tuple[DictConfig, list[Trial], str, str | None]
                           f"({missing}); continue it with the same sweep and overrides, or use another run.resume_dir")
     uri = tracking.tracking_uri()
     tracking.check_reachable(uri)
-    if recorded:
-        try:
+    try:
+        tracking.check_experiment(uri, valid[0].cfg.run.experiment)
+        if recorded:
             tracking.check_recorded_run(uri, resume_dir, recorded[0])
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     return spec, trials, uri, resume_dir
 
 
 def rejected_text(trials: list[Trial]) -> str:
-    return "\n".join(f"  rejected #{t.index} {t.combo}: {t.reason}" for t in trials if t.cfg is None)
+    """A line per rejected point; points rejected for the same reason (a data path every point shares) share one."""
+    reasons: dict[str, list[Trial]] = {}
+    for trial in trials:
+        if trial.cfg is None:
+            reasons.setdefault(trial.reason, []).append(trial)
+    return "\n".join(f"  rejected #{points[0].index} {points[0].combo}: {reason}" if len(points) == 1 else
+                     f"  rejected {len(points)} points (#{', #'.join(str(t.index) for t in points)}): {reason}"
+                     for reason, points in reasons.items())
+
+
+def no_valid_trial(trials: list[Trial], where: str) -> ConfigError:
+    """The sweep's refusal when every point was rejected: in one line when they share one reason."""
+    text = rejected_text(trials)
+    if "\n" not in text and all(t.cfg is None for t in trials):
+        return ConfigError(f"sweep.grid: no valid trial{where}: every point ({len(trials)}) rejected: "
+                           f"{trials[0].reason}")
+    return ConfigError(f"sweep.grid: no valid trial{where}:\n{text}")
 
 
 def start_ray(trials: list[Trial]) -> tuple[float, float]:
@@ -197,15 +216,15 @@ def run_sweep(spec: DictConfig, trials: list[Trial], uri: str, resume_dir: str |
     try:
         reject_unfit(trials, cpus, gpus)
         valid = [t for t in trials if t.cfg is not None]
-        concurrency = max_concurrent(valid, cpus, gpus, spec.max_concurrent_trials) if valid else 0
+        if not valid:  # before the parent run: nothing to log
+            raise no_valid_trial(trials, f" on this Ray cluster ({cpus:g} CPUs, {gpus:g} GPUs)")
+        concurrency = max_concurrent(valid, cpus, gpus, spec.max_concurrent_trials)
         cluster = {"cpus": cpus, "gpus": gpus, "nodes": len(ray.nodes()), "max_concurrent_trials": concurrency}
         parent_id, to_run = open_sweep(uri, spec, trials, cluster, resume_dir)
         print(f"MLflow parent run {parent_id} ({uri}); {len(valid)} trials, {len(trials) - len(valid)} rejected, "
               f"{concurrency} at a time{f', {len(to_run)} left to run' if len(to_run) < len(valid) else ''}",
               flush=True)
         print(rejected_text(trials), flush=True)
-        if not valid:
-            raise RuntimeError("no trial fits the cluster")
         runnable = [t for t in valid if t.index in to_run]
         outcomes = run_tune(spec, runnable, uri, parent_id, concurrency) if runnable else {}
         outcomes.update({i: Outcome("KILLED", "does not fit this cluster") for i in to_run if i not in outcomes})
@@ -220,10 +239,13 @@ def run_sweep(spec: DictConfig, trials: list[Trial], uri: str, resume_dir: str |
     except BaseException as err:  # KeyboardInterrupt too: no run may stay RUNNING
         if parent_id is None:
             raise
-        if to_run:
-            pending, ends = children_of(uri, parent_id, valid, to_run, resume_dir)
-            close_children(uri, {i: r for i, r in pending.items() if i not in outcomes}, outcomes, ends)
-        tracking.end_unfinished_run(uri, parent_id, err)
+        with resume.interrupts_ignored():  # a second Ctrl-C or SIGTERM would leave runs RUNNING
+            try:  # the children the sweep had not ended yet (it may fail while ending them), then the parent
+                if to_run:
+                    pending, ends = children_of(uri, parent_id, valid, to_run, resume_dir)
+                    close_children(uri, still_running(uri, pending), outcomes, ends)
+            finally:
+                tracking.end_unfinished_run(uri, parent_id, err)
         raise SweepFailed(parent_id, err) from err
     finally:
         shutdown_ray()
@@ -279,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     try:
         parent_id, failed, stopped = run_sweep(spec, trials, uri, resume_dir)
+    except ConfigError as err:  # no trial fits the connected cluster: nothing was started in MLflow
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     except SweepTrackingDown as err:
         return end_sweep(f"error: {err}", err.parent_id, 1)
     except SweepFailed as err:

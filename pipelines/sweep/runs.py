@@ -33,11 +33,12 @@ def start_parent(uri: str, spec: DictConfig, trials: list[Trial], cluster: dict[
     run_id = tracking.start_run(uri, base.run.experiment, f"sweep-{spec.name}", params, OmegaConf.to_yaml(spec))
     rejected = [{"index": t.index, "combo": t.combo, "reason": t.reason} for t in trials if t.cfg is None]
     client = tracking.mlflow_client(uri)
-    client.log_text(run_id, json.dumps(rejected, indent=2), "rejected.json")
-    client.log_text(run_id, rejected_csv(rejected), "rejected.csv")
-    for key, value in (("trials_total", len(trials)), ("trials_rejected", len(rejected)),
-                       ("trials_valid", len(trials) - len(rejected))):
-        client.log_metric(run_id, key, value)
+    with tracking.ended_on_error(uri, run_id):  # not yet recorded: a failure here ends it
+        client.log_text(run_id, json.dumps(rejected, indent=2), "rejected.json")
+        client.log_text(run_id, rejected_csv(rejected), "rejected.csv")
+        for key, value in (("trials_total", len(trials)), ("trials_rejected", len(rejected)),
+                           ("trials_valid", len(trials) - len(rejected))):
+            client.log_metric(run_id, key, value)
     return run_id
 
 
@@ -79,10 +80,10 @@ def child_run(uri: str, folder: Path, index: int, spec: dict[str, Any], cfg: Any
         return json.loads(record.read_text())["run_id"]
     run_id = tracking.start_run(uri, cfg["run"]["experiment"], spec["name"], spec["params"], spec["config_yaml"],
                                 tags=spec["tags"])
+    write_record(record, {"run_id": run_id})  # at once: a trial restarted after a failure below continues this run
     data = cfg["data"]
     tracking.log_dataset_inputs(uri, run_id, dataset_refs(
         data["path"], read_manifest(data["path"]), {"training": "train", "eval": data["eval_split"]}))
-    write_record(record, {"run_id": run_id})
     return run_id
 
 
@@ -134,6 +135,12 @@ def close_children(uri: str, children: dict[int, str], outcomes: dict[int, Outco
                              end_ms=end_ms)
 
 
+def still_running(uri: str, children: dict[int, str]) -> dict[int, str]:
+    """Those of `children` ({trial index: run id}) that are RUNNING in MLflow."""
+    client = tracking.mlflow_client(uri)
+    return {index: run_id for index, run_id in children.items() if client.get_run(run_id).info.status == "RUNNING"}
+
+
 def report(uri: str, spec: DictConfig, parent_id: str, register_model: str | None) -> str:
     """Build the scaling report from the child runs and log it to the parent run, and register the best trial's
     model as `register_model` if given; returns the Markdown."""
@@ -174,9 +181,8 @@ class SweepEnding:
 
     def save(self) -> Path:
         folder = tracking.spool_dir(self.storage_path, self.parent_id)
-        folder.mkdir(parents=True, exist_ok=True)
         record = {**asdict(self), "outcomes": {i: asdict(o) for i, o in self.outcomes.items()}}
-        (folder / tracking.SWEEP_FILE).write_text(json.dumps(record, indent=2))
+        write_atomically(folder / tracking.SWEEP_FILE, json.dumps(record, indent=2))  # `rtp replay` reads it whole
         return folder
 
     @classmethod
@@ -249,9 +255,10 @@ def open_sweep(uri: str, spec: DictConfig, trials: list[Trial], cluster: dict[st
     recorded = resume.recorded_sweep(resume_dir)
     if recorded is None:
         parent_id = start_parent(uri, spec, trials, cluster)
-        for data_path in {t.cfg.data.path for t in valid}:  # lineage, as a training run logs it
-            tracking.log_data_files(uri, parent_id, data_path, read_manifest(data_path))
-        resume.record_sweep(resume_dir, parent_id, {})
+        with tracking.ended_on_error(uri, parent_id):  # not yet recorded: a failure here ends it
+            for data_path in {t.cfg.data.path for t in valid}:  # lineage, as a training run logs it
+                tracking.log_data_files(uri, parent_id, data_path, read_manifest(data_path))
+            resume.record_sweep(resume_dir, parent_id, {})
         return parent_id, [t.index for t in valid]
     parent_id, in_resume_dir = recorded
     tracking.reopen_run(uri, parent_id)

@@ -159,6 +159,40 @@ def test_a_resume_dir_of_a_run_this_store_lacks_is_one_line_before_ray(tmp_path,
     assert "ray" not in sys.modules or not __import__("ray").is_initialized()
 
 
+@pytest.mark.parametrize("case", ["resume_dir is a file", "storage_path under a file", "deleted experiment",
+                                  "empty experiment"])
+def test_run_folders_and_experiment_that_cannot_take_the_run_are_one_line_before_ray(
+        case, tmp_path, data_override, monkeypatch, capsys):
+    """`run.resume_dir`, `run.storage_path` that cannot be folders of this user, an experiment in the tracking
+    server's trash or an empty name: exit 2 before Ray starts, no run opened, nothing created."""
+    from contract import tracking
+    from pipelines import train
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    client = tracking.mlflow_client(uri)
+    client.delete_experiment(client.create_experiment("gone"))
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    override, expected = {
+        "resume_dir is a file": (f"run.resume_dir={afile}", f"run.resume_dir: {afile} is not a folder"),
+        "storage_path under a file": (f"run.storage_path={afile}/results",
+                                      f"run.storage_path: {afile}/results cannot be created: {afile} is not a folder"),
+        "deleted experiment": ("run.experiment=gone", "run.experiment: MLflow experiment 'gone' is deleted"),
+        "empty experiment": ("run.experiment=''", "run.experiment: empty; name the MLflow experiment"),
+    }[case]
+    files = sorted(tmp_path.rglob("*"))
+    assert train.main([data_override, override]) == 2
+    (tmp_path / "mlflow.db.lock").unlink(missing_ok=True)  # the store check's (contract/tracking/store.py)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {expected}"), err
+    assert "ray" not in sys.modules or not __import__("ray").is_initialized()
+    experiments = [e.experiment_id for e in client.search_experiments(view_type=3)]  # active and deleted
+    assert client.search_runs(experiments, run_view_type=3) == []
+    assert sorted(tmp_path.rglob("*")) == files
+
+
 @pytest.mark.parametrize("store", ["http", "file"])
 def test_unreachable_mlflow_is_a_clear_error_before_ray(tmp_path, data_override, store):
     """A server that does not answer, or a local store MLflow refuses (MLflow 3: file stores): one line, exit 2,

@@ -119,10 +119,24 @@ class MaskRequired(torch.nn.Module):
         return self.bert(ids, mask)
 
 
+def log_unsigned_model(uri: str) -> str:
+    """A pyfunc model logged without an input example: no signature."""
+    import mlflow
+
+    class Doubles(mlflow.pyfunc.PythonModel):
+        def predict(self, context, model_input):
+            return model_input * 2
+
+    mlflow.set_tracking_uri(uri)
+    with mlflow.start_run() as run:
+        mlflow.pyfunc.log_model(name="model", python_model=Doubles(), pip_requirements=[])
+    return run.info.run_id
+
+
 @pytest.fixture(scope="module")
 def logged(tmp_path_factory) -> dict:
     """A local sqlite store holding two runs, each with a logged model in the form the backends log it
-    (`logged_form`): an MNIST MLP and an IMDb BERT that needs its mask."""
+    (`logged_form`): an MNIST MLP and an IMDb BERT that needs its mask; and a third model, without a signature."""
     uri = f"sqlite:///{tmp_path_factory.mktemp('evaluate')}/mlflow.db"
     torch.manual_seed(0)
     mlp = MLP(hidden=[16]).eval()
@@ -132,7 +146,8 @@ def logged(tmp_path_factory) -> dict:
             "mnist": (log_model(uri, logged_form(mlp, mnist_schema()), example_input(mnist_schema()),
                                 {"data.name": "mnist"}), mlp),
             "imdb": (log_model(uri, logged_form(MaskRequired(bert), imdb), example_input(imdb),
-                               {"data.name": "imdb"}), bert)}
+                               {"data.name": "imdb"}), bert),
+            "unsigned": log_unsigned_model(uri)}
 
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -180,14 +195,16 @@ def test_scorer_gives_the_models_logits(logged, device):
     (["model=MNIST_RUN", "data.path=MNIST", "data.split=test", "concurrency=64"],
      r"^error: concurrency: 64 scoring actors need"),
     (["model=MNIST_RUN"], r"^error: data.path, data.split: runs:/\S+ was not logged by a training run of ours"),
+    (["model=UNSIGNED_RUN", "data.path=MNIST", "data.split=test"],
+     r"^error: model: runs:/\S+ was logged without a signature \(log it with an input example"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, logged, tiny_mnist, tmp_path, monkeypatch, capsys):
     import mlflow
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", logged["uri"])
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    names = {"MNIST_RUN": logged["mnist"][0], "IMDB_RUN": logged["imdb"][0], "MNIST": str(tiny_mnist),
-             "MISSING": str(tmp_path / "missing")}
+    names = {"MNIST_RUN": logged["mnist"][0], "IMDB_RUN": logged["imdb"][0], "UNSIGNED_RUN": logged["unsigned"],
+             "MNIST": str(tiny_mnist), "MISSING": str(tmp_path / "missing")}
     args = [f"{key}={names.get(value, value)}" for key, value in (arg.split("=", 1) for arg in args)]
     mlflow.set_tracking_uri(logged["uri"])
     before = len(mlflow.search_runs(experiment_ids=["0"], output_format="list"))

@@ -1,7 +1,7 @@
 """What a command finds of the runs before it (contract/tracking/runs.py), in a real MLflow store: a run whose
 driver was killed with SIGKILL is closed FAILED by the next command on its host, never left RUNNING (unless its ending
-waits in its spool for `rtp replay`); a run continued
-with another layout keeps its first params and tags what this attempt changed."""
+waits in its spool for `rtp replay`); a run continued with another layout keeps its first params and tags what this
+attempt changed; a run that fails as it is created ends FAILED; a second interrupt does not stop a run's ending."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,9 @@ import signal
 import subprocess
 import sys
 
-from contract import tracking
+import pytest
+
+from contract import resume, tracking
 from tests.conftest import ROOT
 
 DRIVER = """
@@ -63,3 +65,37 @@ def test_a_continued_run_with_another_layout_tags_what_this_attempt_changed(tmp_
     run = tracking.mlflow_client(store).get_run(run_id)
     assert run.data.params["world_size"] == "4" and run.data.tags["attempt2.world_size"] == "2"
     assert "attempt2.trainer.lr" not in run.data.tags
+
+
+def test_a_run_whose_artifacts_cannot_be_stored_ends_failed_not_running(tmp_path, monkeypatch):
+    """Creating a run logs its config as an artifact: where the artifact store refuses it, the run that was just
+    created ends FAILED with the error (not RUNNING, unrecorded), though its error file cannot be stored either."""
+    monkeypatch.chdir(tmp_path)
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    client = tracking.mlflow_client(store)
+    experiment = client.create_experiment("unstorable", artifact_location="file:///proc/rtp-no-such-folder")
+    with pytest.raises(OSError):
+        tracking.start_run(store, "unstorable", "refused", {"trainer.lr": 0.1}, "trainer:\n  lr: 0.1\n")
+    (run,) = client.search_runs([experiment])
+    assert run.info.status == "FAILED", run.info.status
+    assert run.data.tags["error"].startswith("FileNotFoundError") and "rtp-no-such-folder" in run.data.tags["error"]
+    assert run.data.tags["error.txt"].startswith("not stored: FileNotFoundError")
+
+
+def test_signals_are_ignored_while_a_run_is_ended_and_taken_again_after():
+    """`interrupts_ignored`, around ending a run after an interrupt: a second SIGTERM or Ctrl-C inside it changes
+    nothing; after it, SIGTERM raises `Interrupted` again (`raise_on_sigterm`)."""
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        resume.raise_on_sigterm()
+        with resume.interrupts_ignored():
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+            ended = True
+        assert ended
+        assert signal.getsignal(signal.SIGINT) is handlers[signal.SIGINT]
+        with pytest.raises(resume.Interrupted, match="SIGTERM"):
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)

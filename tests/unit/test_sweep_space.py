@@ -1,6 +1,7 @@
 """The sweep's plan before Ray starts: grid expansion, override merging, and every rejection reason."""
 from __future__ import annotations
 
+import re
 import os
 
 import numpy as np
@@ -194,6 +195,17 @@ def test_cli_with_no_valid_trial_exits_2_before_ray(fake_imdb, capsys):
     err = capsys.readouterr().err
     assert "sweep.grid: no valid trial" in err
     assert "model.name: model 'mlp' takes image/numeric features; 'imdb' has tokens features" in err
+
+
+def test_points_rejected_for_one_reason_are_one_line(tmp_path, capsys):
+    """A data path that every point shares and none finds: one line saying so, not one per point."""
+    from pipelines.sweep.run import main
+
+    assert main(["sweep=mnist_backends", f"data.path={tmp_path / 'none'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(rf"error: sweep\.grid: no valid trial: every point \(\d+\) rejected: data\.path: no prepared "
+                        rf"dataset at '{tmp_path / 'none'}' \(missing manifest\.json\); run `rtp prepare mnist "
+                        rf"--out {tmp_path / 'none'}`", err), err
 
 
 def test_mnist_backends_sweep_has_every_backend_that_trains_the_mlp(tmp_path):
