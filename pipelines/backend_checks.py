@@ -60,6 +60,9 @@ def check_builders(cfg: DictConfig, spec: ModelSpec, inputs: DataSchema) -> None
         raise ConfigError(f"trainer.pp: pp={trainer.pp} splits the model into stages by its spec's pipeline_split; "
                           f"model '{spec.name}' has none (pipeline_split=, e.g. "
                           f"trainers.torch.parallel.pipeline.sequential_split)")
+    if builder == "dtensor" and spec.keras_twin is None and spec.keras is None:
+        raise ConfigError(f"model.name: tf_dtensor logs the trained model as a Keras twin; model '{spec.name}' has "
+                          f"none (keras_twin=, or keras=)")
     if builder == "dtensor" and inputs.target.task != "classification":
         raise ConfigError(f"trainer.backend: tf_dtensor trains classifiers only; '{inputs.dataset}' is a "
                           f"{inputs.target.task} dataset")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -236,8 +237,28 @@ def _check_steps_fit(cfg: DictConfig, manifest: dict) -> None:
                           f"steps: {trainer.epochs} epochs of {steps} batches, grad_accum={trainer.grad_accum})")
 
 
+def _check_refs(spec: ModelSpec) -> None:
+    """Each `"module:attribute"` the spec names: a module that can be found, holding the attribute where the
+    module is loaded already (a user's plugin module naming its own builders); found, not imported, so that
+    validation stays framework-free. A misspelt one would otherwise fail only on the workers."""
+    for field in ("torch", "keras", "dtensor", "lightning", "keras_twin", "tensor_parallel", "pipeline_split",
+                  "fsdp_blocks", "check", "flops_per_sample"):
+        ref = getattr(spec, field)
+        if not isinstance(ref, str):
+            continue
+        module, _, attribute = ref.partition(":")
+        where = f"model.name: model '{spec.name}' names {field}={ref!r}"
+        if not module or not attribute:
+            raise ConfigError(f"{where}: not a \"module:attribute\" reference")
+        if not installed(module):
+            raise ConfigError(f"{where}: no module '{module}' on the path")
+        if module in sys.modules and not hasattr(sys.modules[module], attribute):
+            raise ConfigError(f"{where}: module '{module}' has no '{attribute}'")
+
+
 def _check_model(cfg: DictConfig, spec: ModelSpec, inputs: DataSchema | None) -> None:
-    """The model spec's own checks of its keys (with the data once known: `inputs`)."""
+    """The spec's references, and its own checks of its keys (with the data once known: `inputs`)."""
+    _check_refs(spec)
     if spec.check is None:
         return
     try:

@@ -133,6 +133,26 @@ def test_tensor_parallelism_needs_the_models_plan(user_folder, capsys):
         load_config([f"data.path={data}", "model=cnn"])
 
 
+def test_a_spec_naming_what_is_not_there_is_one_line_before_ray(user_folder):
+    """A builder named by a misspelt `"module:attribute"`, or in a module not on the path, and a DTensor model with
+    no Keras twin to log: refused by the config's checks, before Ray (the workers would fail on them)."""
+    (user_folder / "my_refs.py").write_text(PLUGIN.format(name="tiny_r").replace(
+        'torch=build))', 'torch="my_refs:biuld"))\nregister_model(ModelSpec("tiny_m", TinyConfig, inputs=("numeric",), '
+        'torch="not_a_module:build"))\nregister_model(ModelSpec("tiny_d", TinyConfig, inputs=("numeric",), '
+        'dtensor="my_refs:build"))'))
+    data = table(user_folder)
+    base = ["plugins=[my_refs]", f"data.path={data}"]
+    with pytest.raises(ConfigError, match=r"^model\.name: model 'tiny_r' names torch='my_refs:biuld': module "
+                                          r"'my_refs' has no 'biuld'$"):
+        load_config([*base, "model=tiny_r"])
+    with pytest.raises(ConfigError, match=r"^model\.name: model 'tiny_m' names torch='not_a_module:build': no module "
+                                          r"'not_a_module' on the path$"):
+        load_config([*base, "model=tiny_m"])
+    with pytest.raises(ConfigError, match=r"^model\.name: tf_dtensor logs the trained model as a Keras twin; model "
+                                          r"'tiny_d' has none \(keras_twin=, or keras=\)$"):
+        load_config([*base, "model=tiny_d", "trainer=tf_dtensor"])
+
+
 def test_an_installed_packages_entry_point_is_a_plugin(user_folder, tmp_path, monkeypatch):
     """A package's `rtp.plugins` entry point, found by importlib.metadata in a site folder, as pip installs it."""
     site = tmp_path / "site"
