@@ -8,6 +8,7 @@ that only validates a config (`rtp config`, Ray Train's controller) until the co
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.metadata
 import os
@@ -139,6 +140,18 @@ BACKENDS: Registry[BackendSpec] = Registry("backend")
 
 
 def register_model(spec: ModelSpec) -> ModelSpec:
+    """Add a model; RegistryError in one line for a spec no command could use."""
+    where = f"model '{spec.name}'"
+    if not (dataclasses.is_dataclass(spec.config) and isinstance(spec.config, type)):
+        raise RegistryError(f"{where}: config={spec.config!r} is not a dataclass (its fields are the model.* keys)")
+    keys = {f.name for f in dataclasses.fields(spec.config)}
+    if "name" not in keys:
+        raise RegistryError(f"{where}: config {spec.config.__name__} has no `name` field (name: str = "
+                            f"\"{spec.name}\")")
+    for what, values, choices in (("inputs", spec.inputs, FEATURE_KINDS), ("tasks", spec.tasks, TASKS),
+                                  ("mutable", spec.mutable, tuple(sorted(keys - {"name"})))):
+        if isinstance(values, str) or any(value not in choices for value in values):
+            raise RegistryError(f"{where}: {what}={values!r}; each must be one of {', '.join(choices)}")
     return MODELS.register(spec)
 
 

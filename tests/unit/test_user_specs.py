@@ -133,6 +133,25 @@ def test_tensor_parallelism_needs_the_models_plan(user_folder, capsys):
         load_config([f"data.path={data}", "model=cnn"])
 
 
+@pytest.mark.parametrize("spec, message", [
+    ('ModelSpec("m1", object, torch=build)', r"config=<class 'object'> is not a dataclass"),
+    ('ModelSpec("m2", NoName, torch=build)', r"config NoName has no `name` field"),
+    ('ModelSpec("m3", TinyConfig, inputs=("tabular",), torch=build)',
+     r"inputs=\('tabular',\); each must be one of image, numeric, tokens"),
+    ('ModelSpec("m4", TinyConfig, mutable=("lr",), torch=build)', r"mutable=\('lr',\); each must be one of hidden"),
+])
+def test_a_spec_no_command_could_use_is_refused_as_its_plugin_loads(spec, message, user_folder):
+    """What registration checks (contract/registry.py `register_model`): a plugin registering such a spec fails to
+    load, in one line, as any failing plugin does; `rtp list` and every other command say so instead of a traceback."""
+    module = f"bad_{spec[11:13]}"
+    source = PLUGIN.format(name="unused").split("register_model(")[0]
+    (user_folder / f"{module}.py").write_text(source + f"\n@dataclass\nclass NoName:\n    hidden: int = 8\n\n\n"
+                                                       f"register_model({spec})\n")
+    with pytest.raises(ConfigError, match=rf"^plugins: {module} failed to load \(RegistryError: model 'm\d': "
+                                          rf"{message}"):
+        load_config([f"plugins=[{module}]"])
+
+
 def test_a_spec_naming_what_is_not_there_is_one_line_before_ray(user_folder):
     """A builder named by a misspelt `"module:attribute"`, or in a module not on the path, and a DTensor model with
     no Keras twin to log: refused by the config's checks, before Ray (the workers would fail on them)."""
