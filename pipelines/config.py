@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from contract.config import parallel_degrees, schema, worker_resources
+from contract.config import parallel_degrees, ray_train_workers, schema, worker_resources
 from contract.metrics import eval_metric
 from contract.registry import BACKENDS, DATASETS, MODELS, RegistryError, entry_point_plugins, load_plugins
 import pipelines.data  # noqa: F401  (registers the built-in datasets)
@@ -213,6 +213,10 @@ def check_fits_this_machine(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.num_workers: {trainer.num_workers} workers x {trainer.threads_per_worker} "
                           f"thread(s) need {threads} CPUs, this machine has {cpus} (at most {fit} such workers "
                           f"fit; set RAY_ADDRESS to train on a Ray cluster)")
+    workers = ray_train_workers(trainer)
+    if trainer.placement_strategy == "STRICT_SPREAD" and workers > 1:
+        raise ConfigError(f"trainer.placement_strategy: STRICT_SPREAD puts each of the {workers} Ray workers on its "
+                          f"own node; a Ray of this machine's own has one (set RAY_ADDRESS to train on a Ray cluster)")
     if trainer.use_gpu:
         import torch  # only here: a second or two, and only for GPU runs
 

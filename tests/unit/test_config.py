@@ -392,7 +392,7 @@ def test_cluster_scripts_set_storage_and_resume_dir_through_the_environment(data
     assert load_config([data_override]).run.resume_dir is None
 
 
-def test_without_a_cluster_more_worker_threads_than_cpus_is_refused(data_override, monkeypatch, capsys):
+def test_without_a_cluster_more_threads_than_cpus_or_strict_spread_is_refused(data_override, monkeypatch, capsys):
     from pipelines.train import main
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -401,3 +401,7 @@ def test_without_a_cluster_more_worker_threads_than_cpus_is_refused(data_overrid
     assert capsys.readouterr().err.strip() == (
         f"error: trainer.num_workers: {cpus} workers x 2 thread(s) need {2 * cpus} CPUs, this machine has {cpus} "
         f"(at most {cpus // 2} such workers fit; set RAY_ADDRESS to train on a Ray cluster)")
+    assert main([data_override, "trainer.num_workers=2", "trainer.placement_strategy=STRICT_SPREAD"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: trainer.placement_strategy: STRICT_SPREAD puts each of the 2 Ray workers on its own node; a Ray of "
+        "this machine's own has one (set RAY_ADDRESS to train on a Ray cluster)")
