@@ -1,8 +1,8 @@
 """Stop-and-resume through a folder on shared storage (`run.resume_dir`), for preemptible cluster jobs.
 
 The driver records its MLflow run id in the folder. Whoever wants the run to stop (the Slurm script, on
-the scheduler's preemption signal) creates the file STOP there: the workers agree on it at the next step
-boundary, report a checkpoint of the half-done epoch and return, and the driver exits with
+the scheduler's preemption signal) creates the file STOP there: the workers agree on it within STOP_CHECK_EVERY
+steps, report a checkpoint of the half-done epoch and return, and the driver exits with
 EXIT_PREEMPTED. A later run with the same folder (the requeued job) continues the same MLflow run, and
 Ray Train restores the checkpoint because the Ray Train run is named after the MLflow run. Whoever created
 STOP removes it before continuing (the Slurm script does at job start): a run that finds STOP stops at once.
@@ -109,4 +109,6 @@ def interruption(err: BaseException) -> str | None:
         return str(err)
     if isinstance(err, (KeyboardInterrupt, SystemExit)):
         return "SIGINT"
+    if isinstance(err, SystemError) and err.__cause__ is not None:  # raised by the signal's handler inside a C
+        return interruption(err.__cause__)                          # call (Ray's `wait`), which wraps it so
     return None

@@ -160,9 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"MLflow run {run_id} ({uri}): scoring {plan.model_uri} on {plan.data_path} split {plan.split}",
           flush=True)
     code = 0
-    resume.raise_on_sigterm()  # `ray job stop`, `kill`: the run ends KILLED, as after Ctrl-C
     try:
         init_ray(cfg.concurrency, cfg.verbose)
+        # `ray job stop`, `kill`: the run ends KILLED, as after Ctrl-C. After Ray's start, whose own SIGTERM handler
+        # would end the process at once.
+        resume.raise_on_sigterm()
         metrics = evaluate_into_run(plan, uri, run_id)
         tracking.end_run(uri, run_id)
         print(" ".join(f"{name}={value:.6g}" for name, value in metrics.items()), flush=True)

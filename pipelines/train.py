@@ -216,7 +216,7 @@ def train_into_run(cfg: DictConfig, manifest: dict, uri: str) -> tuple[int, str,
         print(f"MLflow run {run_id} recorded in {cfg.run.resume_dir} has already finished; nothing to do")
         return 0, run_id, None
     print(f"MLflow run {run_id} ({uri}){' continued' if previous_status else ''}", flush=True)
-    resume.raise_on_sigterm()
+    resume.raise_on_sigterm()  # after Ray's start (`main`), whose own SIGTERM handler would end the process at once
     try:
         tracking.log_cluster_startup(uri, run_id)
         stopped = run_training(cfg, uri, run_id, first_attempt=previous_status is None)

@@ -32,6 +32,9 @@ start() {
   (umask 077; python -c 'import secrets; print(secrets.token_hex(32))' > "$token")
   unset RAY_AUTH_TOKEN
   export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$token
+  # `ray job stop` sends SIGTERM, then SIGKILL after this many seconds (Ray's default: 3); a pipeline needs longer to
+  # end its MLflow runs KILLED (a sweep: every child run), read by the job supervisors the head starts.
+  export RAY_JOB_STOP_WAIT_TIME_S=${RAY_JOB_STOP_WAIT_TIME_S:-60}
   # setsid: the head and every process it spawns share one new session, which `stop` ends.
   OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} setsid bash -c 'echo $$ > "$0"; exec "$@"' "$state_dir/sid" \
     ray start --head --disable-usage-stats \

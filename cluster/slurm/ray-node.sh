@@ -47,6 +47,9 @@ cleanup() {  # quick: Slurm sends SIGKILL KillWait seconds after the TERM
 trap cleanup TERM INT EXIT
 
 echo "ray-node: $role on $node ($addr), $cpus CPUs, $gpus GPUs, ports $base.., temp $temp_dir"
+# `ray job stop` sends SIGTERM, then SIGKILL after this many seconds (Ray's default: 3); a pipeline needs longer to
+# end its MLflow runs KILLED (a sweep: every child run), read by the job supervisors the head starts.
+export RAY_JOB_STOP_WAIT_TIME_S=${RAY_JOB_STOP_WAIT_TIME_S:-60}
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} ray start "${args[@]}" &
 ray_pid=$!
 wait "$ray_pid"

@@ -210,6 +210,7 @@ def run_sweep(spec: DictConfig, trials: list[Trial], uri: str, resume_dir: str |
     import ray
 
     cpus, gpus = start_ray(trials)
+    resume.raise_on_sigterm()  # after Ray's start, whose own SIGTERM handler would end the process at once
     parent_id = None
     to_run: list[int] = []  # the trials this attempt runs
     outcomes: dict[int, Outcome] = {}
@@ -297,7 +298,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, tracking.TrackingUnavailable) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    resume.raise_on_sigterm()
     began = time.monotonic()
     try:
         parent_id, failed, stopped = run_sweep(spec, trials, uri, resume_dir)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ from contract.tracking import epoch_values
 from pipelines.data.raw_inputs import read_texts
 from pipelines.data.shards import read_manifest
 from pipelines.data.tokenize import Tokenise
-from tests.conftest import ROOT, ctrl_c, interruptible, pipeline_env
+from tests.conftest import ROOT, interruptible, pipeline_env
 
 pytestmark = pytest.mark.slow
 EXPECTED_TRIALS = {("ddp", "1", "1", "1"), ("ddp", "2", "1", "2")}
@@ -179,21 +180,25 @@ def test_random_search_under_asha_stops_the_poor_trial_early(tmp_path, tiny_mnis
     assert int(stopped.data.tags["sweep.stopped_early_after_epoch"]) < 5 and epochs < 5, epochs
 
 
-def test_ctrl_c_kills_a_running_sweep_and_says_so(tmp_path, tiny_mnist, mlflow_server, ray_head):
-    """Ctrl-C once a trial trains: the sweep exits 1 with one line saying it was interrupted, its parent run and the
-    running trial's run are KILLED (tag `interrupted` on the parent), not FAILED as Tune's own handler left them."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_an_interrupt_kills_a_running_sweep_and_says_so(signum, tmp_path, tiny_mnist, mlflow_server, ray_head):
+    """Ctrl-C, or SIGTERM (`ray job stop`, `scancel`), once a trial trains: the sweep exits 1 with one line saying
+    it was interrupted, its parent run and the running trial's run are KILLED (tag `interrupted` on the parent), not
+    FAILED as Tune's own handler left them after Ctrl-C, nor RUNNING as Ray's own SIGTERM handler left them."""
     args = ["sweep=pbt_mnist", f"data.path={tiny_mnist}", f"run.storage_path={tmp_path / 'ray'}", "trainer.epochs=30",
             "sweep.scheduler=fifo", "sweep.mutations=null", "sweep.num_samples=1", "sweep.grid=[{trainer.lr: [0.001]}]"]
     with interruptible("pipelines.sweep", args, pipeline_env(mlflow_server, ray_head)) as sweep:
         parent_id = next(line.split()[3] for line in sweep.stdout if line.startswith("MLflow parent run "))
         next(line for line in sweep.stdout if "epoch 1/30: train_loss" in line)
-        out, err = ctrl_c(sweep, 180)
+        sweep.send_signal(signum)
+        out, err = sweep.communicate(timeout=180)
     assert sweep.returncode == 1, err[-3000:]
-    assert err.strip().splitlines()[-1] == "error: interrupted (SIGINT); the MLflow parent run is KILLED"
+    name = signal.Signals(signum).name
+    assert err.strip().splitlines()[-1] == f"error: interrupted ({name}); the MLflow parent run is KILLED"
     assert out.strip().splitlines()[-1] == f"mlflow_parent_run_id={parent_id}"
     client = MlflowClient(mlflow_server)
     parent = client.get_run(parent_id)
-    assert parent.info.status == "KILLED" and parent.data.tags["interrupted"] == "SIGINT"
+    assert parent.info.status == "KILLED" and parent.data.tags["interrupted"] == name
     [child] = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'")
     assert child.info.status == "KILLED"
 

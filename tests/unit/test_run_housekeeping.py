@@ -99,3 +99,16 @@ def test_signals_are_ignored_while_a_run_is_ended_and_taken_again_after():
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
+
+
+def test_an_interrupt_raised_inside_a_c_call_is_still_an_interrupt():
+    """SIGTERM's handler raising inside Ray's `wait` (a C call) comes out as a SystemError caused by `Interrupted`:
+    still an interrupt (the run ends KILLED), and a SystemError of its own is a failure."""
+    try:
+        try:
+            raise resume.Interrupted("SIGTERM")
+        except resume.Interrupted as cause:
+            raise SystemError("<cyfunction CoreWorker.wait> returned a result with an exception set") from cause
+    except SystemError as wrapped:
+        assert resume.interruption(wrapped) == "SIGTERM"
+    assert resume.interruption(SystemError("a real one")) is None
