@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import secrets
+import socket
 import sys
 from typing import Any, Mapping
 
@@ -22,6 +23,22 @@ def connect_or_start_ray(start_kwargs: dict[str, Any], **connect_kwargs: Any) ->
         ray.init(address=address, **connect_kwargs)
     else:
         start_local_ray(**start_kwargs)
+
+
+def ray_address_problem(timeout_s: float = 5.0) -> str | None:
+    """Why the cluster at RAY_ADDRESS cannot be reached, or None: its GCS (`host:port`, or a Ray Client's
+    `ray://host:port`) must take a TCP connection; `ray.init` would otherwise retry for minutes. "auto" and other
+    forms are left to Ray."""
+    address = os.environ.get("RAY_ADDRESS", "")
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit() or "/" in host:
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        return (f"RAY_ADDRESS={address}: no Ray cluster answers there ({err.strerror or err}); start it, or unset "
+                f"RAY_ADDRESS to run on a Ray of this machine's own")
+    return None
 
 
 def start_local_ray(**init_kwargs: Any) -> None:

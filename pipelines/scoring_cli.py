@@ -15,7 +15,7 @@ from contract import tracking
 from contract.console import quiet_ray_env, quiet_ray_logs, ray_init_logging
 from pipelines.config import ConfigError
 from pipelines.data.idx import DataError
-from pipelines.ray_session import connect_or_start_ray
+from pipelines.ray_session import connect_or_start_ray, ray_address_problem
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 # What main() reports in one line with exit code 2: nothing was started.
@@ -106,6 +106,8 @@ def plan_before_start(argv: list[str], parse: Callable[[list[str]], Any],
                       resolve: Callable[[Any, str], Any]) -> tuple[Any, str, Any]:
     """(config, tracking URI, plan): every check that needs no Ray, in order; raises one of USAGE_ERRORS."""
     cfg = parse(argv)
+    if problem := ray_address_problem():
+        raise ConfigError(problem)
     uri = checked_tracking_uri()
     plan = resolve(cfg, uri)
     check_actors_fit(cfg)

@@ -25,7 +25,7 @@ from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
 from pipelines.fit import fit_backend, fit_still_running, init_ray
 from pipelines.goodput import log_goodput
 from pipelines.help import training_help, wants_help
-from pipelines.ray_session import shutdown_ray
+from pipelines.ray_session import ray_address_problem, shutdown_ray
 from pipelines.summary import run_summary
 
 SUMMARY = """Train one model with a backend (trainer=...) on a prepared dataset (data=..., data.path=...), on the Ray
@@ -46,6 +46,8 @@ def validate(argv: list[str]) -> tuple[DictConfig, dict, str]:
     manifest = read_manifest(cfg.data.path)  # every shard present, readable and of the manifest's size
     for split in ("train", cfg.data.eval_split):
         shard_paths(cfg.data.path, manifest, split)
+    if problem := ray_address_problem():
+        raise ConfigError(problem)
     uri = tracking.tracking_uri()
     tracking.check_reachable(uri)
     try:

@@ -34,7 +34,7 @@ from pipelines.data.idx import DataError
 from pipelines.data.shards import read_manifest, shard_paths
 from pipelines.fit import init_ray, stopped_at
 from pipelines.help import exit_codes_text, first_comment, format_rows, key_table, wants_help
-from pipelines.ray_session import shutdown_ray
+from pipelines.ray_session import ray_address_problem, shutdown_ray
 from pipelines.summary import sweep_summary
 from pipelines.sweep.pbt import PBT_CHECKPOINTS_KEPT, check_mutated_trials, make_pbt, mutations, param_space
 from pipelines.sweep.runs import (Outcome, SweepEnding, SweepTrackingDown, child_specs, children_of, close_children,
@@ -79,6 +79,8 @@ def validate(argv: list[str]) -> tuple[DictConfig, list[Trial], str, str | None]
     if missing:
         raise ConfigError(f"run.resume_dir: the sweep recorded in {resume_dir} has trials this grid lacks "
                           f"({missing}); continue it with the same sweep and overrides, or use another run.resume_dir")
+    if problem := ray_address_problem():
+        raise ConfigError(problem)
     uri = tracking.tracking_uri()
     tracking.check_reachable(uri)
     try:

@@ -405,3 +405,18 @@ def test_without_a_cluster_more_threads_than_cpus_or_strict_spread_is_refused(da
     assert capsys.readouterr().err.strip() == (
         "error: trainer.placement_strategy: STRICT_SPREAD puts each of the 2 Ray workers on its own node; a Ray of "
         "this machine's own has one (set RAY_ADDRESS to train on a Ray cluster)")
+
+
+def test_a_ray_address_where_nothing_answers_is_one_line_before_ray(data_override, monkeypatch, capsys):
+    """RAY_ADDRESS naming a port where no Ray listens (a stopped cluster, a typo): one line, exit 2, instead of
+    `ray.init` retrying for minutes."""
+    from pipelines.train import main
+    from tests.conftest import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    assert main([data_override]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: RAY_ADDRESS={address}: no Ray cluster answers there (Connection refused); start it, or unset "
+        f"RAY_ADDRESS to run on a Ray of this machine's own")
+    assert "ray" not in sys.modules or not __import__("ray").is_initialized()
