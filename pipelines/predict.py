@@ -56,8 +56,13 @@ class Plan:
 
 def parse(argv: list[str]) -> Any:
     cfg = parse_args(PredictConfig, argv)
-    if Path(cfg.output).suffix != ".parquet" or not Path(cfg.output).resolve().parent.is_dir():
+    output = Path(cfg.output).resolve()
+    if output.suffix != ".parquet" or not output.parent.is_dir() or output.is_dir():
         raise ConfigError(f"output: {cfg.output} must be a .parquet file in an existing folder")
+    source = Path(cfg.input).resolve()
+    if output == source or source in output.parents:
+        raise ConfigError(f"output: {cfg.output} is {'the input' if output == source else 'inside the input'} "
+                          f"({cfg.input}); write the predictions elsewhere")
     return cfg
 
 
@@ -141,8 +146,11 @@ def write(table: pa.Table, output: Path) -> None:
     import pyarrow.parquet as pq
 
     partial = output.with_name(f".{output.name}.partial")
-    pq.write_table(table, partial)
-    partial.replace(output)
+    try:
+        pq.write_table(table, partial)
+        partial.replace(output)
+    finally:
+        partial.unlink(missing_ok=True)  # a write that failed leaves no part behind
 
 
 def main(argv: list[str] | None = None) -> int:

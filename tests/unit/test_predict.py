@@ -89,6 +89,9 @@ def test_bad_reviews_are_data_errors(tmp_path, content, name, message):
     (["model=m", "output=o.parquet"], r"^error: input: Missing mandatory value"),
     (["model=m", "input=i", "output=predictions.csv"], r"^error: output: \S+ must be a .parquet file"),
     (["model=m", "input=i", "output=/no/such/folder/p.parquet"], r"^error: output: \S+ must be a .parquet file"),
+    (["model=m", "input=rows.parquet", "output=./rows.parquet"], r"^error: output: ./rows.parquet is the input "
+                                                                 r"\(rows.parquet\); write the predictions elsewhere"),
+    (["model=m", "input=.", "output=p.parquet"], r"^error: output: p.parquet is inside the input \(.\)"),
     (["model=0123456789abcdef0123456789abcdef", "input=i", "output=o.parquet"],
      r"^error: model: runs:/0123456789abcdef0123456789abcdef/model: Run with id=\S+ not found"),
 ])
