@@ -335,21 +335,21 @@ def fit(cfg: DictConfig, ctx: WorkerContext, data: WorkerData, strategy: Strateg
     tc.seed_dropout(cfg.run.seed, ctx.rank)
     adapter = LightningAdapter(module, train, evaluation, device, ctx.rank, cfg.trainer.grad_accum)
     loop = TrainLoop(adapter, ctx)  # restores: adapter.restore_path, the state's half-done epoch
-    if loop.first_epoch > ctx.epochs or loop.early_stopped():
-        return True
-    loader = ShardLoader(train, lambda: adapter.trainer.current_epoch + 1,
-                         skip=loop.state.totals_for(loop.first_epoch, ctx.rank).steps)
-    hand = HandToLoop(loop, loader, cfg.trainer.grad_accum)
-    # A resumed run trains with its config's hyperparameters, not the checkpoint's (hyperparameters.py)
-    adapter.trainer = prepare(build_trainer(cfg, ctx, strategy(cfg, ctx), [ConfiguredHyperparameters(), hand]))
-    with warnings.catch_warnings():
-        if not cfg.run.verbose:  # Lightning's advice about its own loggers, loaders and Slurm; a user's warnings stay
-            warnings.filterwarnings("ignore", module=r"lightning\.")
-        try:
+    try:
+        if loop.first_epoch > ctx.epochs or loop.early_stopped():
+            return True
+        loader = ShardLoader(train, lambda: adapter.trainer.current_epoch + 1,
+                             skip=loop.state.totals_for(loop.first_epoch, ctx.rank).steps)
+        hand = HandToLoop(loop, loader, cfg.trainer.grad_accum)
+        # A resumed run trains with its config's hyperparameters, not the checkpoint's (hyperparameters.py)
+        adapter.trainer = prepare(build_trainer(cfg, ctx, strategy(cfg, ctx), [ConfiguredHyperparameters(), hand]))
+        with warnings.catch_warnings():
+            if not cfg.run.verbose:  # Lightning's advice on its loggers, loaders and Slurm; a user's warnings stay
+                warnings.filterwarnings("ignore", module=r"lightning\.")
             adapter.trainer.fit(module, train_dataloaders=loader, ckpt_path=adapter.restore_path, weights_only=False)
-        finally:
-            if adapter.restore_path is not None:  # the copy has been read
-                shutil.rmtree(os.path.dirname(adapter.restore_path), ignore_errors=True)
+    finally:  # the checkpoint's copy: read by `fit`, or not needed (a run already ended, or one that failed)
+        if adapter.restore_path is not None:
+            shutil.rmtree(os.path.dirname(adapter.restore_path), ignore_errors=True)
     if hand.stopped:
         return False
     adapter.dump(cfg.run.dump_params_dir)
