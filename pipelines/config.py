@@ -129,14 +129,21 @@ def _compose_error(first_line: str) -> str:
 
 
 def _did_you_mean(key: str) -> str:
-    """` (did you mean trainer.epochs?)` for a typo of a key of any backend's or model's config, else ''."""
+    """` (a key of trainer=fsdp, tp)` for another backend's (or model's) key, ` (did you mean trainer.epochs?)` for
+    a typo of a key of any backend's or model's config, else ''."""
     import difflib
 
-    keys = set()
+    group = "model" if key.startswith("model.") else "trainer"
+    keys: set[str] = set()
+    owners: set[str] = set()  # the backends (or models) whose config has the key
     for backend in BACKENDS.names():
         for model in MODELS.names():
-            keys.update(flatten(schema(backend, model)))
-    keys.discard(key)  # another backend's key: the message says so already
+            found = flatten(schema(backend, model))
+            keys.update(found)
+            if key in found:
+                owners.add(model if group == "model" else backend)
+    if owners:
+        return f" (a key of {group}={', '.join(sorted(owners))})"
     close = difflib.get_close_matches(key, sorted(keys), n=1, cutoff=0.8)
     return f" (did you mean {close[0]}?)" if close else ""
 

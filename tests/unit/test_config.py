@@ -29,6 +29,8 @@ def test_defaults_compose_and_flatten(data_override):
     ("+trainer.bogus=1", r"^trainer\.bogus: Key 'bogus' not in 'DDPConfig'"),
     ("trainer.bogus=1", r"^trainer\.bogus: not a key of this config \(each backend"),
     ("trainer.epoch=3", r"^trainer\.epoch: not a key of this config \(did you mean trainer\.epochs\?\)"),
+    ("trainer.tp=2", r"^trainer\.tp: not a key of this config \(a key of trainer=fsdp, tp\) \(each backend"),
+    ("model.heads=2", r"^model\.heads: not a key of this config \(a key of model=bert\)"),
     ("trainer.batch_size=abc", r"^trainer\.batch_size: Value 'abc'.* could not be converted to Integer"),
     ("trainer.lr=-0.1", r"^trainer\.lr: must be > 0"),
     ("trainer.lr=inf", r"^trainer\.lr: must be a finite number, got inf"),
