@@ -163,6 +163,11 @@ def register_backend(spec: BackendSpec) -> BackendSpec:
     return BACKENDS.register(spec)
 
 
+def ref_name(ref: Ref) -> str:
+    """A spec's reference as a message shows it: "module:attribute"."""
+    return ref if isinstance(ref, str) else f"{getattr(ref, '__module__', '?')}:{getattr(ref, '__qualname__', ref)}"
+
+
 def resolve(ref: Ref) -> Callable[..., Any]:
     """The callable a spec names."""
     if callable(ref):

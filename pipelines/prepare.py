@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import pipelines.data  # noqa: F401  (registers the built-in datasets)
-from contract.registry import DATASETS, RegistryError, entry_point_plugins, load_plugins, resolve
+from contract.console import one_line
+from contract.registry import DATASETS, RegistryError, entry_point_plugins, load_plugins, ref_name, resolve
 from pipelines.data.idx import DataError
 from pipelines.data.shards import check_out_dir
 
@@ -37,7 +39,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for spec in DATASETS.specs.values():
         options = sub.add_parser(spec.name, help=spec.description, description=spec.description)
         if spec.add_arguments is not None:
-            resolve(spec.add_arguments)(options)
+            try:
+                resolve(spec.add_arguments)(options)
+            except Exception as err:  # a plugin's: one line naming it, as a plugin that fails to load
+                raise RegistryError(f"dataset '{spec.name}': add_arguments={ref_name(spec.add_arguments)} failed "
+                                    f"({one_line(err)})") from err
     return parser.parse_args(argv)
 
 
@@ -45,24 +51,30 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         load_dataset_plugins(argv)
+        args = parse_args(argv)
     except RegistryError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    args = parse_args(argv)
     if getattr(args, "shards", 1) < 1:
         print(f"error: --shards must be >= 1, got {args.shards}", file=sys.stderr)
         return 2
+    if getattr(args, "out", None) is not None:
+        args.out = Path(args.out)  # a plugin's option may be declared without type=Path
     try:
         if getattr(args, "out", None) is not None:
             check_out_dir(args.out.resolve())
         manifest = resolve(DATASETS.get(args.dataset).prepare)(args)
-    except DataError as err:
+    except (DataError, ValueError) as err:  # ValueError: a plugin's `prepare` refusing its input
         print(f"data error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # the machine's, not the input's: a full disk, a file size limit, permissions
         print(f"error: {err.filename or args.out}: {err.strerror or err}; the previous dataset there, if any, is "
               f"unchanged", file=sys.stderr)
         return 1
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("splits"), dict):
+        print(f"error: dataset '{args.dataset}': its prepare returned {type(manifest).__name__}, not the manifest it "
+              f"wrote (pipelines.data.shards.write_manifest's)", file=sys.stderr)
+        return 2
     splits = manifest["splits"]
     rows = ", ".join(f"{s}={info['rows']}" for s, info in splits.items())
     shards = {len(info["shards"]) for info in splits.values()}

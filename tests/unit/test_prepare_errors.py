@@ -44,3 +44,45 @@ def test_a_write_the_machine_refuses_is_one_line_and_keeps_the_old_dataset(tmp_p
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and "previous dataset" in err, err
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []  # no staging folder left
+
+
+DATASET_PLUGIN = '''
+from contract.registry import DatasetSpec, register_dataset
+
+
+def options(parser):
+    parser.add_argument("--out")  # declared without type=Path
+    parser.add_argument("--rows", type=int, default=3)
+
+
+def broken_options(parser):
+    raise KeyError("rows")
+
+
+def prepare(args):
+    if args.rows < 1:
+        raise ValueError(f"--rows: must be >= 1, got {args.rows}")
+    return None  # forgot to return the manifest
+
+
+register_dataset(DatasetSpec("{name}", prepare, {options}, "a user's dataset"))
+'''
+
+
+def test_a_plugin_datasets_mistakes_are_one_line_and_exit_2(tmp_path, monkeypatch, forget_plugins, capsys):
+    """A user's DatasetSpec whose options cannot be added, whose `prepare` refuses its input (ValueError) or returns
+    no manifest, with `--out` declared as a plain string: one line and exit 2 each, no traceback."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "rows_data.py").write_text(DATASET_PLUGIN.replace("{name}", "rows").replace("{options}", "options"))
+    (tmp_path / "bad_options.py").write_text(DATASET_PLUGIN.replace("{name}", "bad").replace("{options}",
+                                                                                             "broken_options"))
+    out = str(tmp_path / "out")
+    assert prepare.main(["--plugin", "rows_data", "rows", "--out", out, "--rows", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "data error: --rows: must be >= 1, got 0"
+    assert prepare.main(["--plugin", "rows_data", "rows", "--out", out]) == 2
+    assert capsys.readouterr().err.strip() == ("error: dataset 'rows': its prepare returned NoneType, not the manifest "
+                                               "it wrote (pipelines.data.shards.write_manifest's)")
+    assert prepare.main(["--plugin", "bad_options", "bad", "--out", out]) == 2
+    assert capsys.readouterr().err.strip() == ("error: dataset 'bad': add_arguments=bad_options:broken_options failed "
+                                               "(KeyError: 'rows')")
