@@ -79,6 +79,13 @@ def with_verbose_key(command: str, args: list[str]) -> list[str]:
 def list_choices(overrides: list[str]) -> int:
     """The registered backends (and the extra a missing framework needs), then each config group's choices, with
     the models and datasets of the plugins named (`plugins=[...]`) or installed (entry points)."""
+    if wants_help(overrides):
+        print(f"usage: rtp list [plugins=[your.module,...]]\n\n{COMMANDS['list'][1]}")
+        return 0
+    other = [arg for arg in overrides if not arg.startswith("plugins=")]
+    if other:
+        print(f"error: rtp list: takes plugins=[...] only, got {' '.join(other)}", file=sys.stderr)
+        return 2
     try:
         load_user_plugins(overrides)
     except ConfigError as err:

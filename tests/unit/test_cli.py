@@ -45,6 +45,9 @@ def test_help_and_list_answer_from_anywhere_without_a_framework_or_ray(tmp_path)
     assert "not installed" not in listed.stdout
     without_tf = rtp(["list"], tmp_path, blocked="tensorflow")
     assert "pip install 'ray-train-pipelines[tf]'" in without_tf.stdout.split("\n  tf_mwms ")[1].splitlines()[0]
+    assert rtp(["list", "--help"], tmp_path).stdout.startswith("usage: rtp list [plugins=[your.module,...]]")
+    stray = rtp(["list", "models"], tmp_path)
+    assert stray.returncode == 2 and stray.stderr == "error: rtp list: takes plugins=[...] only, got models\n"
 
 
 @pytest.mark.parametrize("command", ["train", "config"])
