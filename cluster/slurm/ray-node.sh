@@ -36,7 +36,8 @@ fi
 
 cleanup() {  # quick: Slurm sends SIGKILL KillWait seconds after the TERM
   trap - TERM INT EXIT
-  [ -n "${ray_pid:-}" ] && kill -TERM "$ray_pid" 2>/dev/null
+  # `|| true`: under set -e a failing kill (`ray start` already ended by itself) would end the cleanup here.
+  [ -n "${ray_pid:-}" ] && { kill -TERM "$ray_pid" 2>/dev/null || true; }
   # This node's Ray processes (gcs_server, raylet, workers, agents) all name the temp dir in their arguments.
   pkill -TERM -f -- "$temp_dir" 2>/dev/null || true
   for _ in $(seq 10); do pgrep -f -- "$temp_dir" >/dev/null || break; sleep 0.2; done

@@ -1,7 +1,12 @@
 """Helpers of ray-cluster.sbatch that need Ray's Python APIs (run with the project's .venv python):
 
-    ray_slurm.py wait-nodes --dashboard URL --expect n1=10.0.0.1 n2=10.0.0.2 --timeout 180
-        Wait until a Ray node is alive at every expected address; on timeout name the missing nodes, exit 1.
+    ray_slurm.py wait-nodes --dashboard URL --expect n1=10.0.0.1 n2=10.0.0.2 --timeout 180 [--head-timeout 300]
+                            [--head-pid PID] [--job-start EPOCH_S]
+        Wait until a Ray node is alive at every expected address, the first one being the head's. First the head
+        (its node alive in the State API, which its dashboard serves): up to --head-timeout s, or until the process
+        --head-pid (its srun) exits; exit 2 naming it. Then the other nodes: --timeout s counted from the moment
+        the head is up (a head slow to start under load is not reported as nodes failing to join); exit 1 naming
+        the missing ones.
     ray_slurm.py submit --dashboard URL --cwd DIR [--env K=V ...] [--pass-env NAME ...] -- COMMAND...
         `ray job submit` that streams the job's output and exits with the job's own exit code (the CLI
         only says failed or not; the Slurm script must tell "preempted, requeue me" (3) from a failure).
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import shlex
 import socket
@@ -21,32 +27,91 @@ import sys
 import time
 
 
-def alive_node_addresses(dashboard: str) -> set[str]:
+def alive_node_addresses(dashboard: str, timeout_s: int = 30) -> set[str]:
     from ray.util.state import list_nodes
 
-    nodes = list_nodes(address=dashboard, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+    nodes = list_nodes(address=dashboard, filters=[("state", "=", "ALIVE")], timeout=timeout_s,
+                       raise_on_missing_output=False)
     return {node.node_ip for node in nodes}
 
 
-def wait_nodes(dashboard: str, expected: dict[str, str], timeout_s: float) -> int:
-    """Poll the head's State API (bounded) until every expected address has an alive Ray node."""
-    deadline = time.monotonic() + timeout_s
-    joined: set[str] = set()
-    last_error = ""
-    while time.monotonic() < deadline:
-        try:
-            joined = alive_node_addresses(dashboard)
-            last_error = ""
-        except Exception as err:  # the dashboard answers a few seconds after the head started
-            last_error = f"{type(err).__name__}: {err}"
-        if set(expected.values()) <= joined:
-            return 0
-        time.sleep(1.0)
-    missing = [f"{name} ({addr})" for name, addr in expected.items() if addr not in joined]
-    print(f"ray-cluster: error: {len(missing)} of {len(expected)} nodes did not join the Ray cluster within "
-          f"{timeout_s:g} s: {', '.join(missing)}" + (f" (last error: {last_error})" if last_error else ""),
-          file=sys.stderr)
-    return 1
+def one_line(err: Exception, limit: int = 300) -> str:
+    """An exception as one short line (Ray's errors can span many lines)."""
+    text = " ".join(f"{type(err).__name__}: {err}".split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def process_exited(pid: int | None) -> bool:
+    """The process `pid` (a child of the batch shell: the head's srun) has ended; a zombie counts as ended."""
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return not os.path.exists(f"/proc/{pid}")
+
+
+POLL_S = 1.0
+
+
+def wait_nodes(dashboard: str, expected: dict[str, str], timeout_s: float, head_timeout_s: float = 300.0,
+               head_pid: int | None = None, job_start: float | None = None) -> int:
+    """Poll the head's State API (bounded) until every expected address has an alive Ray node: the head (the first
+    of `expected`) within `head_timeout_s`, then the others within `timeout_s` of the head being up. 0: all joined;
+    1: other nodes did not join (named); 2: the head was not up in time or exited (named)."""
+    import ray.util.state  # noqa: F401  before any clock starts: importing Ray takes seconds, more on a busy node
+
+    job_start = time.time() if job_start is None else job_start
+    (head_name, head_addr), *others = expected.items()
+    head = f"the Ray head on {head_name} ({head_addr})"
+
+    def poll(deadline: float) -> tuple[set[str] | None, str]:
+        try:  # each State API call bounded by what is left of the wait (at least 1 s)
+            return alive_node_addresses(dashboard, max(1, math.ceil(deadline - time.monotonic()))), ""
+        except Exception as err:  # the dashboard answers a few seconds after the head's GCS listens
+            return None, one_line(err)
+
+    deadline = time.monotonic() + head_timeout_s
+    while True:
+        nodes, last_error = poll(deadline)
+        joined = nodes or set()
+        if head_addr in joined:
+            break
+        if process_exited(head_pid):
+            print(f"ray-cluster: error: {head} exited before it was up", file=sys.stderr)
+            return 2
+        if time.monotonic() >= deadline:
+            state = f"last error: {last_error}" if last_error else "its node not alive yet"
+            print(f"ray-cluster: error: {head} was not up within {head_timeout_s:g} s ({state}); give it longer "
+                  f"with RAY_SLURM_HEAD_TIMEOUT", file=sys.stderr)
+            return 2
+        time.sleep(POLL_S)
+    print(f"ray-cluster: Ray head up after {time.time() - job_start:.1f} s"
+          + (f"; waiting up to {timeout_s:g} s for the other {len(others)} node(s)" if others else ""), flush=True)
+
+    deadline = time.monotonic() + timeout_s  # from the head being up: a slow head's start is not theirs
+    while not set(expected.values()) <= joined:
+        if process_exited(head_pid):
+            print(f"ray-cluster: error: {head} exited while the other nodes were joining", file=sys.stderr)
+            return 2
+        if time.monotonic() >= deadline:
+            missing = [f"{name} ({addr})" for name, addr in expected.items() if addr not in joined]
+            print(f"ray-cluster: error: {len(missing)} of {len(expected)} nodes did not join the Ray cluster within "
+                  f"{timeout_s:g} s: {', '.join(missing)}" + (f" (last error: {last_error})" if last_error else ""),
+                  file=sys.stderr)
+            return 1
+        time.sleep(POLL_S)
+        nodes, last_error = poll(deadline)
+        if nodes is not None:
+            joined = nodes
+    return 0
 
 
 def submit(dashboard: str, cwd: str, env: dict[str, str], command: list[str]) -> int:
@@ -120,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     wait = sub.add_parser("wait-nodes")
     wait.add_argument("--dashboard", required=True)
     wait.add_argument("--expect", nargs="+", required=True, metavar="NAME=ADDR")
-    wait.add_argument("--timeout", type=float, default=180.0)
+    wait.add_argument("--timeout", type=float, default=180.0, help="s for the other nodes, once the head is up")
+    wait.add_argument("--head-timeout", type=float, default=300.0, help="s for the head to be up")
+    wait.add_argument("--head-pid", type=int, help="the head's process (its srun): its end fails the wait at once")
+    wait.add_argument("--job-start", type=float, help="the job's start (epoch s), for the head's start-up time")
     run = sub.add_parser("submit")
     run.add_argument("--dashboard", required=True)
     run.add_argument("--cwd", required=True)
@@ -142,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         print(base)
         return 0
     if args.command == "wait-nodes":
-        return wait_nodes(args.dashboard, dict(item.split("=", 1) for item in args.expect), args.timeout)
+        return wait_nodes(args.dashboard, dict(item.split("=", 1) for item in args.expect), args.timeout,
+                          args.head_timeout, args.head_pid, args.job_start)
     job = args.job[1:] if args.job[:1] == ["--"] else args.job
     env = dict(item.split("=", 1) for item in args.env)
     env.update({name: os.environ[name] for name in args.pass_env if os.environ.get(name)})
