@@ -47,9 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", help="dataset name (default: the --out folder's name, or its parent's if it is "
                                        "called 'parquet')")
     parser.add_argument("--out", type=Path, required=True, help="the prepared folder (replaced as a whole)")
-    kind = parser.add_mutually_exclusive_group(required=True)
+    kind = parser.add_mutually_exclusive_group()
     kind.add_argument("--features", nargs="+", metavar="COL",
-                      help="numeric feature columns, or one column of fixed-size numeric lists")
+                      help="numeric feature columns, or one column of fixed-size numeric lists (default: every "
+                           "numeric or boolean column but the label, split and group ones, in the source's order)")
+    kind.add_argument("--features-except", nargs="+", default=[], metavar="COL",
+                      help="columns left out of the default features (an id, say)")
     kind.add_argument("--image", metavar="COL", help="an image column: uint8 pixel lists, PNG/JPEG bytes, "
                                                      "{'bytes', 'path'} structs or file paths (needs --image-shape)")
     kind.add_argument("--text", metavar="COL", help="a text column, tokenised with WordPiece")
@@ -105,7 +108,7 @@ def prepare_table(**options: Any) -> dict[str, Any]:
     parses them (the others at their defaults)."""
     argv: list[str] = []
     for key, value in options.items():
-        if value is None or value is False:
+        if value is None or value is False or (isinstance(value, (list, tuple)) and not value):
             continue
         argv.append(f"--{key.replace('_', '-')}")
         if key == "image_shape":
@@ -228,7 +231,7 @@ def encode_features(data: Sources, rows: dict[str, np.ndarray], args: argparse.N
     std = seen.std(axis=0)
     std[std == 0] = 1.0
     return Encoded(values, None, Features("features", "numeric", (values.shape[1],), tuple(seen.mean(0).tolist()),
-                                          tuple(std.tolist()), source_columns=tuple(args.features)))
+                                          tuple(std.tolist()), source_columns=data.feature_columns))
 
 
 def pixel_stats(pixels: np.ndarray) -> tuple[float, float]:

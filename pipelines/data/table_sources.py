@@ -1,6 +1,7 @@
 """Reading `rtp prepare table`'s sources (pipelines/data/table.py): CSV, Parquet and HuggingFace `save_to_disk`
 Arrow files, each file's used columns checked (errors name the file and its row) and turned into numpy arrays,
-then all of them concatenated."""
+then all of them concatenated. Without --features, --image or --text the features are the first file's numeric
+columns but the label, split and group ones."""
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,23 @@ TABLE_SUFFIXES = (".csv", ".csv.gz", ".parquet")
 
 
 def feature_columns(args: argparse.Namespace) -> tuple[str, ...]:
-    return tuple(args.features or (args.image or args.text,))
+    """The feature columns the options name: none where they are the source's numeric columns (`numeric_columns`)."""
+    return tuple(args.features or [column for column in (args.image or args.text,) if column])
+
+
+def numeric_columns(table: pa.Table, path: Path, args: argparse.Namespace) -> list[str]:
+    """Without --features, --image or --text, the features are every numeric (or boolean) column of the first file
+    with rows, in its order, but the label, split and group columns and those of --features-except."""
+    missing = [column for column in args.features_except if column not in table.column_names]
+    if missing:
+        raise DataError(f"{path}: no column {', '.join(map(repr, missing))} (have {', '.join(table.column_names)})")
+    left_out = [column for column in (args.label, args.split_column, args.group_by, *args.features_except) if column]
+    found = [column.name for column in table.schema if column.name not in left_out and is_number(column.type)]
+    if not found:
+        raise DataError(f"{path}: no numeric column left to be the features (have {', '.join(table.column_names)}; "
+                        f"left out: {', '.join(dict.fromkeys(left_out))}); name them with --features, or use --image "
+                        f"or --text")
+    return found
 
 
 def sources_text(args: argparse.Namespace) -> str:
@@ -37,6 +54,7 @@ class Sources:
     ignored_splits: list[str]       # a DatasetDict's split folders that are not train, validation or test
     class_names: list[str] | None   # a HuggingFace ClassLabel's names, by label value
     given_by: str | None            # what gives the splits: a column or a DatasetDict's folders
+    feature_columns: tuple[str, ...]  # the source columns of the features: named, or every numeric one
 
 
 def read_sources(args: argparse.Namespace, out: Path) -> Sources:
@@ -49,6 +67,8 @@ def read_sources(args: argparse.Namespace, out: Path) -> Sources:
             table, key = read_table(path), path.relative_to(source.parent).as_posix()
             sums[str(path) if key in sums else key] = sha256_of(path)
             if table.num_rows:
+                if not feature_columns(args):
+                    args = argparse.Namespace(**{**vars(args), "features": numeric_columns(table, path, args)})
                 parts.append(read_columns(table, path, split, args))
             class_names = class_names or class_label_names(path, args.label)
     if not parts:
@@ -59,7 +79,7 @@ def read_sources(args: argparse.Namespace, out: Path) -> Sources:
                             f"only, or text in some and numbers in others)")
     columns = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
     given_by = args.split_column or ("split folders" if "split" in columns else None)
-    return Sources(columns, sums, ignored, class_names, given_by)
+    return Sources(columns, sums, ignored, class_names, given_by, feature_columns(args))
 
 
 def source_files(source: Path, out: Path) -> tuple[list[tuple[Path, str | None]], list[str]]:
@@ -177,6 +197,10 @@ def is_text(kind: pa.DataType) -> bool:
     return pa.types.is_string(kind) or pa.types.is_large_string(kind)
 
 
+def is_number(kind: pa.DataType) -> bool:
+    return pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+
+
 def is_list(kind: pa.DataType) -> bool:
     return pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
 
@@ -208,7 +232,7 @@ def read_numeric(table: pa.Table, columns: list[str], path: Path) -> np.ndarray:
 
 def numbers(column: pa.ChunkedArray | pa.Array, where: str) -> np.ndarray:
     """A numeric or boolean column's values; any other column is an error (naming a text one's first non-number)."""
-    if pa.types.is_integer(column.type) or pa.types.is_floating(column.type) or pa.types.is_boolean(column.type):
+    if is_number(column.type):
         return column.to_numpy(zero_copy_only=False)
     values = column.to_pylist()
     for row, value in enumerate(values if is_text(column.type) else ()):

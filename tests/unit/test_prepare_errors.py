@@ -46,6 +46,16 @@ def test_a_write_the_machine_refuses_is_one_line_and_keeps_the_old_dataset(tmp_p
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []  # no staging folder left
 
 
+def test_a_table_without_numeric_columns_is_one_line_and_exit_2(tmp_path, capsys):
+    """Without --features the features are the numeric columns; a table with none but the label says so."""
+    pd.DataFrame({"name": ["a", "b", "c", "d"], "y": [0, 1, 0, 1]}).to_csv(tmp_path / "t.csv", index=False)
+    code = prepare.main(["table", "--source", str(tmp_path / "t.csv"), "--label", "y", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith(f"data error: {tmp_path / 't.csv'}: no numeric column left"), err
+    assert len(err.splitlines()) == 1 and "--features" in err
+    assert not (tmp_path / "out").exists()
+
+
 DATASET_PLUGIN = '''
 from contract.registry import DatasetSpec, register_dataset
 

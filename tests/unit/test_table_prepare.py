@@ -124,6 +124,36 @@ def test_numeric_and_boolean_classes_sorted_as_values(tmp_path, values, classes)
     assert [classes[i] for i in data["label"]] == [str(values[row]) for row in data["row"]]
 
 
+def test_features_default_to_the_numeric_columns_in_source_order(tmp_path):
+    """Without --features: every numeric or boolean column but the label, split, group and --features-except ones,
+    as an 8x8-pixel table's 64 columns would be, recorded in the manifest."""
+    rng = np.random.default_rng(5)
+    columns = {"id": np.arange(40), "p1": rng.normal(size=40), "name": [f"n{i}" for i in range(40)],
+               "label": np.arange(40) % 2, "p0": rng.integers(0, 16, 40),
+               "part": ["train", "train", "test", "test"] * 10, "flag": [True, False, False, True] * 10,
+               "movie": np.arange(40) % 5}
+    source = write_csv(tmp_path / "t.csv", columns)
+    manifest = prepare("--source", source, "--out", tmp_path / "o", "--label", "label", "--split-column", "part",
+                       "--group-by", "movie", "--features-except", "id")
+    assert manifest["features"]["source_columns"] == ("p1", "p0", "flag")
+    data = stored(tmp_path / "o", manifest, "train")
+    expected = np.stack([columns["p1"], columns["p0"], columns["flag"]], axis=1).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(data["features"], np.float32), expected[data["row"]])
+    manifest = prepare("--source", source, "--out", tmp_path / "o2", "--label", "label")
+    assert manifest["features"]["source_columns"] == ("id", "p1", "p0", "flag", "movie")
+
+
+def test_features_except_goes_with_the_default_features_only(tmp_path):
+    source, _ = numeric_csv(tmp_path)
+    for kind in (["--features", "x1"], ["--text", "label"], ["--image", "x1", "--image-shape", "1,1"]):
+        with pytest.raises(SystemExit):
+            prepare("--source", source, "--out", tmp_path / "o", *kind, "--features-except", "x2", "--label", "label")
+    manifest = table_prep.prepare_table(source=[source], out=tmp_path / "o", label="label", features_except=["x1"])
+    assert manifest["features"]["source_columns"] == ("x2",)
+    assert table_prep.prepare_table(source=[source], out=tmp_path / "o", label="label", features=[],
+                                    features_except=[])["features"]["source_columns"] == ("x1", "x2")
+
+
 def grouped_csv(tmp_path: Path) -> Path:
     rng = np.random.default_rng(2)
     sizes = rng.integers(1, 12, 40)
@@ -276,6 +306,15 @@ def test_unknown_column_lists_the_available_ones(tmp_path):
     source, _ = numeric_csv(tmp_path)
     message = bad_prepare(tmp_path, "--source", source, "--features", "x1", "nope", "--label", "label")
     assert message == f"{source}: no column 'nope' (have x1, x2, label)"
+
+
+def test_no_numeric_column_left_for_the_default_features(tmp_path):
+    source = write_csv(tmp_path / "t.csv", {"id": range(6), "name": list("abcdef"), "label": [0, 1] * 3})
+    message = bad_prepare(tmp_path, "--source", source, "--label", "label", "--features-except", "id")
+    assert message == (f"{source}: no numeric column left to be the features (have id, name, label; left out: label, "
+                       f"id); name them with --features, or use --image or --text")
+    assert bad_prepare(tmp_path, "--source", source, "--label", "label", "--features-except", "nope") == \
+        f"{source}: no column 'nope' (have id, name, label)"
 
 
 def test_missing_file_and_a_single_class(tmp_path):
