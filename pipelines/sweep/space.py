@@ -117,12 +117,17 @@ def store_sweep_file(path: Path) -> str:
     """A user's sweep file as the `sweep` group's choice `_file` (its `name`: the file's, else its stem), so that
     it composes and takes overrides as the presets do. ConfigError in one line when it cannot be read."""
     from hydra.core.config_store import ConfigStore
-    from yaml import YAMLError
+    from yaml import MarkedYAMLError, YAMLError
 
     if not path.is_file():
         raise ConfigError(f"sweep: {path}: no such file")
     try:
         loaded = OmegaConf.load(path)
+    except MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        what = ": ".join(" ".join(str(part).split()) for part in (err.context, err.problem) if part)
+        raise ConfigError(f"sweep: {where}: not a readable YAML file ({what or str(err).splitlines()[0]})") from err
     except (OSError, YAMLError, OmegaConfBaseException) as err:
         raise ConfigError(f"sweep: {path}: not a readable YAML file ({str(err).splitlines()[0]})") from err
     if not isinstance(loaded, DictConfig):

@@ -181,11 +181,26 @@ def test_a_sweep_file_of_the_users_composes_and_takes_overrides_like_a_preset(tm
     with pytest.raises(ConfigError, match=r"^sweep: .*/nope\.yaml: no such file$"):
         load_sweep(str(tmp_path / "nope.yaml"), [])
     mine.write_text("grid: [1, 2\n")
-    with pytest.raises(ConfigError, match=r"^sweep: .*hidden_sizes\.yaml: not a readable YAML file \(while parsing"):
+    with pytest.raises(ConfigError,
+                       match=r"^sweep: .*hidden_sizes\.yaml:2:1: not a readable YAML file \(while parsing"):
         load_sweep(str(mine), [])
     mine.write_text("- trainer.lr\n")
     with pytest.raises(ConfigError, match=r"^sweep: .*hidden_sizes\.yaml: holds a ListConfig, not a mapping"):
         load_sweep(str(mine), [])
+
+
+def test_an_unparsable_sweep_file_names_its_line_and_column(tmp_path):
+    """YAML's own place of the error, 1-based, as `file:line:column`, on one line."""
+    mine = tmp_path / "my.yaml"
+    mine.write_text("overrides: [model=mlp]\ngrid:\n  trainer.lr: [0.1, 0.01\n  model.hidden: [8]\n")
+    with pytest.raises(ConfigError) as err:
+        load_sweep(str(mine), [])
+    assert str(err.value) == (f"sweep: {mine}:4:15: not a readable YAML file (while parsing a flow sequence: "
+                              f"expected ',' or ']', but got ':')")
+    mine.write_text("grid:\n  trainer: ddp: fsdp\n")
+    with pytest.raises(ConfigError) as err:
+        load_sweep(str(mine), [])
+    assert str(err.value) == f"sweep: {mine}:2:15: not a readable YAML file (mapping values are not allowed here)"
 
 
 def test_cli_with_no_valid_trial_exits_2_before_ray(fake_imdb, capsys):
