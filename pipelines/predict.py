@@ -121,12 +121,12 @@ def predict(plan: Plan, uri: str) -> pa.Table:
     from scipy.special import softmax
 
     from pipelines.data.tokenize import Tokenise
-    from pipelines.scoring import score
+    from pipelines.scoring import map_batches_without_restarts, score
 
     ds = ray.data.from_arrow(plan.rows.drop_columns(["source"]))
-    if plan.tokenizer is not None:
-        ds = ds.map_batches(Tokenise, fn_constructor_args=plan.tokenizer, batch_format="pyarrow",
-                            batch_size=plan.cfg.batch_size, compute=ray.data.ActorPoolStrategy(size=1))
+    if plan.tokenizer is not None:  # actors as the scorers': `score` scores again if one dies
+        ds = map_batches_without_restarts(ds, Tokenise, fn_constructor_args=plan.tokenizer, batch_format="pyarrow",
+                                          batch_size=plan.cfg.batch_size, compute=ray.data.ActorPoolStrategy(size=1))
     cfg = plan.cfg
     rows, logits = score(ds, plan.model_uri, uri, plan.schema, cfg.batch_size, cfg.concurrency, cfg.use_gpu,
                          key="row")

@@ -13,12 +13,16 @@ from typing import Any, Callable
 import numpy as np
 
 from contract import tracking
-from contract.console import import_tensorflow, quiet_keras_predict
+from contract.console import import_tensorflow, quiet_keras_predict, say
 from contract.data import DataSchema
 
 # A scoring actor's environment: tf-keras models load only with TF_USE_LEGACY_KERAS=1 from process start
 # (trainers/tf/common.py); harmless for PyTorch models.
 SCORER_ENV = {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+# Passes of `score` in all: one, and another for each actor that dies while scoring, within this bound (a batch
+# that kills every actor that scores it fails the scoring instead of being retried forever).
+SCORING_PASSES = 3
 
 
 class ModelScorer:
@@ -147,13 +151,48 @@ def save_plots(labels: np.ndarray, logits: np.ndarray, confusion: np.ndarray | N
 def score(ds: Any, model_uri: str, tracking_uri: str, schema: DataSchema, batch_size: int, concurrency: int,
           use_gpu: bool, key: str = "label") -> tuple[np.ndarray, np.ndarray]:
     """(`key` column, logits) of every row of the Ray Dataset `ds`, scored by `concurrency` model-holding
-    actors."""
+    actors. An actor that dies while scoring (its process killed: out of memory, its node lost) fails the pass,
+    and fresh actors score all the rows again, up to `SCORING_PASSES` passes: a row's scores do not depend on the
+    pass. An error raised by a scorer's constructor (a model that cannot load) fails the scoring at once."""
+    import ray
     from ray.data import ActorPoolStrategy
 
     device = "cuda" if use_gpu else "cpu"
-    scored = ds.map_batches(ModelScorer, fn_constructor_args=(model_uri, tracking_uri, schema.to_dict(), device),
-                            batch_size=batch_size, batch_format="numpy", compute=ActorPoolStrategy(size=concurrency),
-                            num_cpus=1, num_gpus=1 if use_gpu else 0, runtime_env={"env_vars": SCORER_ENV})
+    scored = map_batches_without_restarts(
+        ds, ModelScorer, fn_constructor_args=(model_uri, tracking_uri, schema.to_dict(), device),
+        batch_size=batch_size, batch_format="numpy", compute=ActorPoolStrategy(size=concurrency), num_cpus=1,
+        num_gpus=1 if use_gpu else 0, runtime_env={"env_vars": SCORER_ENV})
+    for scoring_pass in range(1, SCORING_PASSES):
+        try:
+            return scored_rows(scored, key)
+        except ray.exceptions.RayActorError as err:
+            if err.actor_init_failed:
+                raise
+            say(f"a Ray Data actor died while scoring ({type(err).__name__}); scoring the rows again, pass "
+                f"{scoring_pass + 1} of at most {SCORING_PASSES}")
+    return scored_rows(scored, key)
+
+
+def map_batches_without_restarts(ds: Any, fn: type, **options: Any) -> Any:
+    """`ds.map_batches(fn, **options)` (`fn` a callable class) with actors that Ray does not restart
+    (`max_restarts` 0): `score` scores again instead. Ray Data's actors otherwise restart without end (its default
+    max_restarts -1) and take their constructor arguments from the object store (the callable with its
+    arguments, and the DataContext, which Ray Data puts there), and Ray Core then logs an error-level line when the
+    driver creates the first ("... has constructor arguments in the object store and max_restarts > 0",
+    ray-project/ray#57733). Ray 2.60 takes `max_restarts` only through map_batches' `**ray_remote_args`, which it
+    deprecates with a warning (to be removed in Ray 2.64; the named options replacing them, ray-project/ray#65227,
+    have none for it): that warning, about this call alone, is not shown."""
+    import warnings
+
+    from ray.util.annotations import RayDeprecationWarning
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated", category=RayDeprecationWarning)
+        return ds.map_batches(fn, max_restarts=0, **options)
+
+
+def scored_rows(scored: Any, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(`key` column, logits) of one pass over the scored Ray Dataset."""
     keys, logits = [], []
     for batch in scored.iter_batches(batch_size=None, batch_format="numpy"):
         keys.append(batch[key])

@@ -1,7 +1,8 @@
 """Evaluation without Ray: the metrics against direct computations, the scoring actor's callable on real logged
-PyTorch models (a local sqlite MLflow store) against the models themselves, and bad input: one line, exit 2,
-no evaluation run. The whole path through Ray Data and a tracking server is end to end
-(tests/integration/test_ddp_pipeline.py for PyTorch, test_tf_mwms.py for tf-keras)."""
+PyTorch models (a local sqlite MLflow store) against the models themselves, the options of the scoring actors and
+the passes over the rows when one dies, and bad input: one line, exit 2, no evaluation run. The whole path through
+Ray Data and a tracking server is end to end (tests/integration/test_ddp_pipeline.py for PyTorch, test_tf_mwms.py
+for tf-keras)."""
 from __future__ import annotations
 
 import re
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from contract.data import PAD_ID, imdb_schema, mnist_schema
 from contract.tracking.models import mlflow_pytorch
 from pipelines import evaluate
-from pipelines.scoring import ModelScorer, save_plots, summarise, summarise_regression
+from pipelines.scoring import SCORING_PASSES, ModelScorer, save_plots, score, summarise, summarise_regression
 from trainers.models.bert import BertClassifier, BertConfig
 from trainers.models.mlp_cnn import MLP
 from trainers.torch.common import example_input, logged_form
@@ -179,6 +180,59 @@ def test_scorer_gives_the_models_logits(logged, device):
     with torch.no_grad():
         expected = bert(ids.long(), mask)
     torch.testing.assert_close(torch.from_numpy(scored["logits"]), expected.double(), **tolerance)
+
+
+class ScoredRows:
+    """A Ray Dataset as `score` uses it, without Ray: `map_batches` is Ray Data's own (its checks and warnings on
+    the options), recording what it would build; each pass of `iter_batches` yields the batches `passes` gives it,
+    or raises the error there."""
+
+    def __init__(self, passes: list):
+        import ray.data
+
+        self.passes, self.options = list(passes), {}
+        self.map_batches = ray.data.Dataset.map_batches.__get__(self)
+
+    def map_batches_internal(self, fn: type, **options) -> "ScoredRows":
+        self.options = {"fn": fn, **options}
+        return self
+
+    def iter_batches(self, **kwargs):
+        outcome = self.passes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        yield from outcome
+
+
+def test_scoring_actors_are_not_restarted_and_a_lost_pass_is_scored_again(capsys):
+    """Ray Data's actors restart by default, and Ray Core then logs an error-level line naming the scorer when the
+    first is made ("... has constructor arguments in the object store and max_restarts > 0",
+    ray-project/ray#57733): the scorers are made with max_restarts 0, and without Ray's deprecation warning for
+    the option. An actor that dies fails the pass, and the rows are scored again, up to SCORING_PASSES passes; a
+    scorer whose constructor raised (a model that cannot load) fails the scoring at once."""
+    import warnings
+
+    from ray.data import ActorPoolStrategy
+    from ray.exceptions import ActorDiedError, RayActorError
+
+    batches = [{"label": np.arange(3), "logits": np.eye(3, 2)}, {"label": np.arange(3, 5), "logits": np.ones((2, 2))}]
+    ds = ScoredRows([ActorDiedError(), batches])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Ray's deprecation warning for `max_restarts` would fail here
+        labels, logits = score(ds, "runs:/r/model", "sqlite:///m.db", mnist_schema(), 16, 2, False)
+    assert ds.options["fn"] is ModelScorer and ds.options["max_restarts"] == 0
+    assert isinstance(ds.options["compute"], ActorPoolStrategy) and ds.options["compute"].max_size == 2
+    assert labels.tolist() == [0, 1, 2, 3, 4] and logits.shape == (5, 2) and not ds.passes
+    assert "scoring the rows again, pass 2 of at most 3" in capsys.readouterr().out
+
+    ds = ScoredRows([ActorDiedError()] * SCORING_PASSES)
+    with pytest.raises(ActorDiedError):
+        score(ds, "runs:/r/model", "sqlite:///m.db", mnist_schema(), 16, 1, False)
+    assert not ds.passes
+    ds = ScoredRows([RayActorError(actor_init_failed=True), batches])
+    with pytest.raises(RayActorError):
+        score(ds, "runs:/r/model", "sqlite:///m.db", mnist_schema(), 16, 1, False)
+    assert ds.passes == [batches]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -1,21 +1,29 @@
 """Prediction input without Ray: raw images and reviews read as the prepared shards hold them (the same pixels,
-the same token ids as `prepare` wrote), and bad input as one line with exit 2. The Ray Data path (tokenising
-and scoring actors) runs end to end in tests/integration/test_sweep.py (IMDb: the tokenising step too)."""
+the same token ids as `prepare` wrote), and bad input as one line with exit 2; the tokenising actors made as the
+scoring ones, and the TF-IDF model's own layer as a logged model brings it to a scoring process. The Ray Data path
+(tokenising and scoring actors) runs end to end in tests/integration/test_sweep.py (IMDb: the tokenising step
+too)."""
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
 import pytest
 from PIL import Image
 
-from pipelines import predict
+from contract.data import imdb_schema
+from pipelines import predict, scoring
 from pipelines.data.idx import DataError
 from pipelines.data.raw_inputs import read_images, read_texts
 from pipelines.data.shards import read_manifest
 from pipelines.data.tokenize import Tokenise
-from tests.conftest import make_mnist_like, read_split
+from tests.conftest import ROOT, make_mnist_like, read_split
 
 
 def test_images_from_idx_and_from_a_folder_of_files(tmp_path):
@@ -102,3 +110,69 @@ def test_bad_arguments_are_one_line_and_exit_2(args, expected, tmp_path, monkeyp
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and re.match(expected, err), err
     assert not list(tmp_path.glob("*.parquet"))
+
+
+def test_tokenising_actors_are_made_as_the_scoring_ones(monkeypatch):
+    """The tokenising actors of a text model's prediction are not restarted by Ray either
+    (`scoring.map_batches_without_restarts`): restarting ones would have Ray Core log its error-level line about
+    their constructor arguments in the object store (ray-project/ray#57733)."""
+    import ray.data
+
+    made, scored = [], []
+    monkeypatch.setattr(ray.data, "from_arrow", lambda table: "rows")
+    monkeypatch.setattr(scoring, "map_batches_without_restarts",
+                        lambda ds, fn, **options: made.append((ds, fn, options["fn_constructor_args"])) or "tokens")
+    monkeypatch.setattr(scoring, "score", lambda ds, *args, key: scored.append(ds) or (
+        np.array([1, 0]), np.array([[0.0, 1.0], [2.0, 0.0]])))
+    tokenizer = ("{}", 8, None, "input_ids")
+    rows = pa.table({"row": [0, 1], "source": ["a.txt", "b.txt"], "text": ["good", "bad"]})
+    plan = predict.Plan(SimpleNamespace(batch_size=4, concurrency=1, use_gpu=False), "runs:/r/model",
+                        imdb_schema(40, 8), rows, tokenizer)
+    table = predict.predict(plan, "sqlite:///m.db")
+    assert made == [("rows", Tokenise, tokenizer)] and scored == ["tokens"]
+    assert table.column("label").to_pylist() == ["neg", "pos"]
+
+
+# As MLflow's tensorflow flavour keeps a Keras model's custom objects: cloudpickled, which copies our locally
+# defined layer class by value, its methods with only the globals their code uses.
+SAVE_CUSTOM_OBJECTS = """
+import sys
+import cloudpickle
+import tf_keras
+from trainers.models.keras_models import custom_objects
+with open(sys.argv[1], "wb") as out:
+    cloudpickle.dump(custom_objects(tf_keras), out)
+"""
+PREDICT_WITH_THEM = """
+import json, logging, sys
+import cloudpickle, numpy as np, tensorflow as tf, tf_keras
+records = []
+handler = logging.Handler()
+handler.emit = records.append
+tf.get_logger().addHandler(handler)
+with open(sys.argv[1], "rb") as f:
+    layer = cloudpickle.load(f)["TokenFeatures"](50, 16)
+model = tf_keras.Sequential([tf_keras.Input(shape=(8,), dtype="int32"), layer])
+layer.idf.assign(np.linspace(0.0, 2.0, 66, dtype=np.float32))
+ids = np.random.default_rng(0).integers(0, 50, size=(4, 8)).astype(np.int32)
+predicted = model.predict(ids, verbose=0)
+from trainers.models.tf_modules import tfidf_features
+print(json.dumps({"autograph": [r.getMessage() for r in records if "AutoGraph" in r.getMessage()],
+                  "same": bool(np.allclose(predicted, tfidf_features(ids, layer.idf, 16).numpy(), atol=1e-6))}))
+"""
+
+
+def test_tfidf_features_layer_converts_in_a_scoring_process(tmp_path):
+    """The TF-IDF model's `TokenFeatures` as a logged model brings it to a scoring actor (its custom objects saved
+    in one process, loaded in another): Keras' predict converts its `call` with AutoGraph without "AutoGraph could
+    not transform ... name 'Any' is not defined" (which `rtp predict` printed), and gives the TF-IDF vectors. Fresh
+    processes: tf-keras needs TF_USE_LEGACY_KERAS=1 before TensorFlow is imported, and in the process that pickled
+    the class cloudpickle would hand back the class itself."""
+    env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1"}
+    saved = tmp_path / "custom_objects.cloudpickle"
+    for code in (SAVE_CUSTOM_OBJECTS, PREDICT_WITH_THEM):
+        proc = subprocess.run([sys.executable, "-c", code, str(saved)], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"autograph": [], "same": True}, result

@@ -86,7 +86,12 @@ def token_features_layer(keras: Any) -> type:
             self.idf = self.add_weight(name="idf", shape=(self.vocab_size + self.bigram_buckets,), trainable=False,
                                        initializer="zeros")
 
-        def call(self, ids: Any) -> Any:
+        def call(self, ids):
+            """Token ids [B, T] -> TF-IDF vectors. Not annotated: AutoGraph converts `call` by running its `def`
+            again in the method's globals, and a logged model brings this class to a scoring process by value
+            (MLflow cloudpickles Keras' custom objects) with only the globals its code uses: neither `Any` nor the
+            `annotations` future import that keeps annotations unevaluated. An annotation naming anything but a
+            builtin fails the conversion there ("AutoGraph could not transform ... name 'Any' is not defined")."""
             from trainers.models.tf_modules import tfidf_features
 
             return tfidf_features(ids, self.idf, self.bigram_buckets)
