@@ -218,7 +218,7 @@ def monitor_of(run: DictConfig) -> Monitor:
 
 def worker_resources(trainer: DictConfig) -> tuple[int, int]:
     """(CPUs, GPUs) a run's workers take together: a CPU per thread, a GPU per worker (tf_dtensor: per device) when
-    `use_gpu`. tf_ps' chief and parameter servers share its workers' CPUs (trainers/tf/ps/trainer.py: build_trainer)."""
+    `use_gpu`. tf_ps' chief and parameter servers share its workers' CPUs (trainers/tf/tf_ps.py: build_trainer)."""
     gpus = trainer.num_workers * trainer.get("devices_per_worker", 1) if trainer.use_gpu else 0
     return trainer.num_workers * trainer.threads_per_worker, gpus
 

@@ -49,7 +49,7 @@ class ModelSpec:
     (default: each entry of the model's `nn.ModuleList`s). `check(cfg, inputs, trainer)` raises
     ValueError("model.<key>: why") for a config it cannot build, or a layout of `trainer` it does not split into
     (`inputs` is None when no data is known yet). `flops_per_sample(cfg, inputs)`: the training FLOPs of one
-    sample (contract/flops.py), where the `torch` model cannot be counted on the meta device (trainers/flops.py).
+    sample (contract/mfu.py), where the `torch` model cannot be counted on the meta device (trainers/model_flops.py).
     `mutable`: keys of its config that change only how training continues from a checkpoint, never what the
     checkpoint holds (a `lightning` module's own learning rate), which a PBT sweep may mutate (`model.<key>`)."""
     name: str

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from contract.checkpoint import EpochTotals, TrainState, partial_over_ranks
-from contract.flops import utilisation
+from contract.mfu import utilisation
 from contract.hang import NoProgress, Progress
 from contract.metrics import (DIVERGED_FILE, DIVERGED_METRICS, EPOCH_END, REPORTED_EPOCH, PendingReduce, Reducer,
                               epoch_line, epoch_metrics, stop_metrics)
@@ -73,7 +73,7 @@ class WorkerContext:
     mid_epoch: Callable[[int], None] | None = None  # testing hook (fault injection), halfway through an epoch,
                                                      # where a backend calls it (tf_ps)
     before_step: Callable[[int, int], None] | None = None  # testing hook (a hang): (epoch, global step)
-    flops_per_sample: float | None = None  # the model's training FLOPs per sample (contract/flops.py) ...
+    flops_per_sample: float | None = None  # the model's training FLOPs per sample (contract/mfu.py) ...
     peak_flops: float | None = None       # ... and one device's peak FLOP/s at the run's precision, if known
     progress: Progress = NoProgress()     # this rank's position, for the hang watcher (contract/hang.py)
     straggler_ratio: float = 2.0          # `run.straggler_ratio` (contract/stragglers.py); 0: name none

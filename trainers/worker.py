@@ -25,7 +25,7 @@ from contract.progress import StepBar, progress_wanted
 from contract.registry import plugin_roots
 from contract.resume import stop_file
 from contract.startup import StartupMarks, started_at
-from trainers.flops import run_flops_per_sample
+from trainers.model_flops import run_flops_per_sample
 from trainers.hang_watch import HangWatch
 from trainers.loop import WorkerContext
 

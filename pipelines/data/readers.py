@@ -91,7 +91,7 @@ def within(timeout_s: float | None, what: str, work: Callable[[], T]) -> T:
 class Materializing:
     """`datasets` being read whole into Ray's object store, in file order, by helper threads of the driver (one per
     dataset, so that their reads overlap too); `result()` waits and gives {name: `MaterializedDataset`}. The ordered
-    shard configs (trainers/shard_data.py) split materialised datasets without reading anything, so the read overlaps
+    shard configs (trainers/data_split.py) split materialised datasets without reading anything, so the read overlaps
     what the driver does meanwhile (importing the backend, building its trainer) instead of waiting for Ray Train's
     worker group, whose start used to come first (benchmarks/README.md, startup). Ray Data runs the read tasks in Ray
     workers; the threads only drive them. Daemons: an interrupted driver does not wait for them."""

@@ -7,7 +7,7 @@ takes a neighbouring value of its list, or its number times 0.8 or 1.2 (kept ins
 Mutations are recipe keys only (MUTABLE), and the keys a model spec declares `mutable` (`model.<key>`, e.g. a
 user's LightningModule's own learning rate): a checkpoint holds weights, optimizer moments and the schedule's
 position, and a trial that loads another's takes these keys from its own config (trainers/torch/recipe.py,
-trainers/torch/lightning/hyperparameters.py), so a mutation changes how training continues, never what a
+trainers/torch/lightning_hyperparameters.py), so a mutation changes how training continues, never what a
 checkpoint means. Every trial's config is validated with each mutation at the ends of its range before launch,
 like a grid point.
 """

@@ -32,7 +32,7 @@ NUMERIC = ("samples_per_s", "samples_per_s_per_worker", "tokens_per_s", "speedup
            "mfu", "time_to_target_s", "peak_memory_mib", "test_accuracy", "test_mse", "train_loss")
 EVALUATED = ("test_accuracy", "test_mse")  # a task's evaluation metric: a column only where a trial logged it
 # Columns only where a trial logged them: the evaluation metrics, and the FLOP figures (a model with a FLOP count;
-# `mfu` on a device of known peak: contract/flops.py).
+# `mfu` on a device of known peak: contract/mfu.py).
 OPTIONAL = (*EVALUATED, "tflops_per_rank", "mfu")
 
 

@@ -238,12 +238,12 @@ def test_compiled_cnn_on_the_gpu_trains_the_eager_step_losses(nccl, tmp_path):
 
 
 def test_flight_recorder_dumps_the_ranks_collectives_when_the_hang_watcher_fires(tmp_path, monkeypatch):
-    """NCCL's Flight Recorder, on as `trainers.torch.backend.flight_recorder_env` turns it on, records this rank's
+    """NCCL's Flight Recorder, on as `trainers.torch.process_group.flight_recorder_env` turns it on, records this rank's
     collectives; `dump_flight_recorder` (what the hang watcher calls on a GPU rank) writes them where
     `torch.distributed.flight_recorder.fr_trace` reads them, with the all-reduces made."""
     import pickle
 
-    from trainers.torch.backend import flight_recorder_env
+    from trainers.torch.process_group import flight_recorder_env
     from trainers.torch.common import dump_flight_recorder
 
     for key, value in flight_recorder_env(str(tmp_path)).items():
@@ -263,13 +263,13 @@ def test_flight_recorder_dumps_the_ranks_collectives_when_the_hang_watcher_fires
 
 
 def test_mfu_is_logged_against_the_gpus_peak(tmp_path, nccl):
-    """The loop's `tflops_per_rank` over the device's dense peak at the run's precision (contract/flops.py)."""
-    from contract.flops import peak_flops
-    from trainers.flops import flops_per_sample
+    """The loop's `tflops_per_rank` over the device's dense peak at the run's precision (contract/mfu.py)."""
+    from contract.mfu import peak_flops
+    from trainers.model_flops import flops_per_sample
 
     peak = peak_flops(torch.cuda.get_device_name(CUDA), "fp32")
     if peak is None:
-        pytest.skip(f"{torch.cuda.get_device_name(CUDA)} is not in contract/flops.py's table")
+        pytest.skip(f"{torch.cuda.get_device_name(CUDA)} is not in contract/mfu.py's table")
     cfg = config(tmp_path / "cfg", MNIST)
     flops = flops_per_sample(cfg.model, mnist_schema())
     run = ddp_run(cfg)

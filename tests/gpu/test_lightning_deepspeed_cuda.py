@@ -36,7 +36,7 @@ def test_lightning_on_the_gpu_stops_and_resumes_every_step(nccl, tmp_path, strat
     keys = [key for key in MNIST if strategy == "ddp" or not key.startswith("trainer.grad_clip")]
     cfg = config(tmp_path / "cfg", ["trainer=lightning", f"trainer.strategy={strategy}",
                                     f"trainer.precision={precision}", *keys])
-    runs = check_stop_resume_parity(run_on_gpu("trainers.torch.lightning.worker", cfg), tmp_path, rtol=1e-5,
+    runs = check_stop_resume_parity(run_on_gpu("trainers.torch.lightning_fit", cfg), tmp_path, rtol=1e-5,
                                     atol=1e-6)
     curve = runs["straight"].recorder.curve()
     assert curve[-5:].mean() < curve[:5].mean()

@@ -1,5 +1,5 @@
 """Horovod on Ray Train V2 end to end, for PyTorch and TensorFlow: a real Ray head, a real MLflow server, 2 CPU
-workers joined by Horovod's Gloo rendezvous (trainers/horovod/backend.py). Needs horovod built into the venv
+workers joined by Horovod's Gloo rendezvous (trainers/horovod/rendezvous.py). Needs horovod built into the venv
 (tests/run.sh builds it); without it these fail at `import horovod`, they do not skip."""
 from __future__ import annotations
 

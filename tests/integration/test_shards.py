@@ -1,4 +1,4 @@
-"""Ordered data shards (trainers/shard_data.py) on a real Ray head, read from real Parquet files."""
+"""Ordered data shards (trainers/data_split.py) on a real Ray head, read from real Parquet files."""
 from __future__ import annotations
 
 import pyarrow as pa
@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import ray_init_on
-from trainers.shard_data import OrderedShards, shard_config
+from trainers.data_split import OrderedShards, shard_config
 
 FILES, ROWS_PER_FILE = 8, 64
 

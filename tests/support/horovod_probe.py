@@ -2,7 +2,7 @@
 
     python -m tests.support.horovod_probe FRAMEWORK OUT_DIR STORAGE_DIR
 
-Two workers on the cluster at RAY_ADDRESS, joined by `HorovodConfig` only; each runs known collectives with
+Two workers on the cluster at RAY_ADDRESS, joined by `RendezvousConfig` only; each runs known collectives with
 Horovod's `FRAMEWORK` binding (torch | tf) and writes what it got to OUT_DIR/rank<r>.json.
 """
 from __future__ import annotations
@@ -75,12 +75,12 @@ def main(framework: str, out: str, storage: str) -> int:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-    from trainers.horovod.backend import HorovodConfig
+    from trainers.horovod.rendezvous import RendezvousConfig
 
     ray.init(address=os.environ["RAY_ADDRESS"])
     Path(out).mkdir(parents=True, exist_ok=True)
     trainer = DataParallelTrainer(probe, train_loop_config={"framework": framework, "out": out},
-                                  backend_config=HorovodConfig(),
+                                  backend_config=RendezvousConfig(),
                                   scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
                                   run_config=RunConfig(name=f"probe-{framework}", storage_path=storage))
     trainer.fit()

@@ -47,7 +47,7 @@ BACKENDS = {
                       "model.hidden=16", *COMMON,
                       "trainer.lr_schedule=cosine", "trainer.warmup_steps=3", "trainer.grad_clip=1.0"],
     # Lightning's Trainer on the recipe: accumulation (the stop at step 10 on an update boundary), clipping and a
-    # schedule, each applied by Lightning (trainers/torch/lightning/worker.py) from this project's keys
+    # schedule, each applied by Lightning (trainers/torch/lightning_fit.py) from this project's keys
     "lightning": ["trainer=lightning", "trainer.grad_accum=2", "model.hidden=[32]", *COMMON,
                   "trainer.lr_schedule=cosine", "trainer.warmup_steps=3", "trainer.grad_clip=1.0"],
     # a user's own LightningModule (tests/support/user_lightning.py): its training_step and optimizer, not the recipe
@@ -142,7 +142,7 @@ def runner(cfg):
             as_torch = lambda cols: {k: torch.from_numpy(v) for k, v in cols.items()}  # noqa: E731
             return (ShardBatches.from_columns(as_torch(train), mnist_schema(), trainer.batch_size, seed),
                     ShardBatches.from_columns(as_torch(evaluation), mnist_schema(), 64, seed))
-        module = importlib.import_module({"ddp": "trainers.torch.ddp", "lightning": "trainers.torch.lightning.worker",
+        module = importlib.import_module({"ddp": "trainers.torch.ddp", "lightning": "trainers.torch.lightning_fit",
                                           "deepspeed": "trainers.torch.deepspeed",
                                           "horovod": "trainers.horovod.torch"}[trainer.backend])
         if trainer.backend == "deepspeed":
@@ -192,7 +192,7 @@ def ps_cluster(cfg, train):
 
     from tests.conftest import free_ports
     from trainers.tf.data import ShardArrays
-    from trainers.tf.ps.backend import WorkerShards, roles, tf_config, write_shard
+    from trainers.tf.ps.cluster import WorkerShards, roles, tf_config, write_shard
 
     trainer = cfg.trainer
     world = 1 + trainer.num_ps + trainer.num_workers
@@ -259,7 +259,7 @@ def dtensor_dropout_draws(folder: Path) -> list[list[list[float]]]:
     from trainers.tf import common as tfc
     from trainers.models import build_module
     from trainers.tf.dtensor.mesh import DTensorMesh, parallelize_dtensor
-    from trainers.tf.dtensor.trainer import mesh_dims
+    from trainers.tf.tf_dtensor import mesh_dims
 
     cfg = config(folder / "cfg", ["trainer=tf_dtensor", *DTENSOR_2X2, "model.hidden=[32]", "model.dropout=0.5",
                                   "trainer.batch_size=4", "trainer.num_workers=1"])
@@ -283,7 +283,8 @@ def logged_lightning_module(folder: Path, tracking_uri: str) -> dict[str, float]
     from ray.train import Checkpoint
 
     from trainers.models import build_lightning_module
-    from trainers.torch.lightning.backend import log_final_model, module_state
+    from trainers.torch.lightning import log_final_model
+    from trainers.torch.lightning_checkpoint import module_state
 
     cfg = config(folder / "cfg", BACKENDS["lightning_user"])
     result = run_attempt(runner(cfg), 0, 1, cfg.trainer.epochs, folder / "run")

@@ -2,7 +2,7 @@
 
     python -m tests.support.tf_recipe_checks FOLDER
 
-Prints the measurements as JSON on its last line. The models are tf_mwms adapters (trainers/tf/mwms.py) on one
+Prints the measurements as JSON on its last line. The models are tf_mwms adapters (trainers/tf/tf_mwms.py) on one
 MirroredStrategy over two logical CPU devices, so that gradients really are summed across replicas; several
 adapters share it (a process can split its CPU once). Needs TF_USE_LEGACY_KERAS=1 from process start.
 """
@@ -49,7 +49,7 @@ def learning_rates(folder: Path, keras, tf, schedule: str, warmup: int, updates:
 
 def adapter(folder: Path, name: str, overrides: list[str], data, strategy=None):
     from trainers.adapter import WorkerData
-    from trainers.tf.mwms import build_adapter
+    from trainers.tf.tf_mwms import build_adapter
 
     return build_adapter(config(folder / name, [*BASE, *overrides]), plain_context(),
                          WorkerData(mnist_schema(), lambda seed: data), strategy)
@@ -142,7 +142,7 @@ def dropout_by_rank(folder: Path, data, strategy) -> list[float]:
     """The loss of one training step on the same batch and initial weights with dropout 0.5, for adapters built
     as ranks 0, 1 and 0 again (trainers/tf/common.seed_dropout): the masks of each rank, and their repeat."""
     from trainers.adapter import WorkerData
-    from trainers.tf.mwms import build_adapter
+    from trainers.tf.tf_mwms import build_adapter
 
     losses = []
     for run, rank in enumerate((0, 1, 0)):
@@ -189,7 +189,7 @@ def main(folder: str) -> None:
     import tensorflow as tf
 
     from trainers.tf.data import ShardArrays
-    from trainers.tf.mwms import make_strategy
+    from trainers.tf.tf_mwms import make_strategy
 
     base = Path(folder)
     strategy = make_strategy(tf, config(base / "strategy", BASE).trainer)  # first: it splits the CPU

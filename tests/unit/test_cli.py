@@ -109,7 +109,7 @@ DDP_WITHOUT_TF = """
 import sys, tempfile
 from pathlib import Path
 import torch
-import pipelines.train, pipelines.fit, trainers.worker, trainers.torch.backend
+import pipelines.train, pipelines.fit, trainers.worker, trainers.torch.process_group
 from contract.data import mnist_schema
 from pipelines.config import load_config
 from tests.support.loop_harness import mnist_columns, run_attempt

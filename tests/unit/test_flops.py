@@ -7,9 +7,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from contract.data import imdb_schema, mnist_schema
-from contract.flops import peak_flops, utilisation
+from contract.mfu import peak_flops, utilisation
 from contract.registry import MODELS
-from trainers.flops import flops_per_sample
+from trainers.model_flops import flops_per_sample
 
 
 def model_cfg(name: str, **keys):

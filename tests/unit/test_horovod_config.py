@@ -78,7 +78,7 @@ def test_missing_horovod_is_a_config_error_naming_the_build_script(tmp_path, dat
 
 
 def test_slot_plan_one_node():
-    from trainers.horovod.backend import slot_plan
+    from trainers.horovod.rendezvous import slot_plan
 
     plan = slot_plan(["a", "a"])
     assert [(s.rank, s.local_rank, s.local_size, s.cross_rank, s.cross_size, s.size) for s in plan] == [
@@ -88,7 +88,7 @@ def test_slot_plan_one_node():
 def test_slot_plan_keeps_ray_ranks_when_nodes_interleave():
     """Ray rank order is kept (hvd.rank() == Ray's world rank); local ranks count within a node, cross ranks
     count nodes among the workers with the same local rank; sizes are per node / per local rank."""
-    from trainers.horovod.backend import slot_plan
+    from trainers.horovod.rendezvous import slot_plan
 
     plan = slot_plan(["n1", "n2", "n1", "n3"])
     got = [(s.hostname, s.rank, s.local_rank, s.local_size, s.cross_rank, s.cross_size) for s in plan]
@@ -100,7 +100,7 @@ def test_slot_plan_matches_horovods_own_assignment_for_grouped_nodes():
     `get_host_assignments` for the same hosts, i.e. what horovodrun would compute."""
     from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
 
-    from trainers.horovod.backend import slot_plan
+    from trainers.horovod.rendezvous import slot_plan
 
     nodes = ["x", "x", "x", "y", "y", "z"]
     assert slot_plan(nodes) == get_host_assignments(parse_hosts("x:3,y:2,z:1"), len(nodes))
@@ -109,7 +109,7 @@ def test_slot_plan_matches_horovods_own_assignment_for_grouped_nodes():
 def test_gloo_interface_choice():
     """Explicit nics win; one node -> loopback (horovodrun's choice for local hosts); several nodes -> the
     interface holding the node IP (checked here through `interface_of`, which that branch calls)."""
-    from trainers.horovod.backend import gloo_iface, interface_of
+    from trainers.horovod.rendezvous import gloo_iface, interface_of
 
     assert gloo_iface(("eth7",), one_node=True) == "eth7"
     assert gloo_iface(None, one_node=True) == "lo"

@@ -11,15 +11,15 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 LAYERS = {"contract": 0, "trainers": 1, "pipelines": 2}  # a package may import its own layer and those below
-TF_WORKER_MODULES = ["trainers.tf.mwms", "trainers.horovod.tf", "trainers.horovod.trainer",
-                     "trainers.tf.dtensor.trainer", "trainers.tf.ps.trainer", "trainers.tf.ps.server"]
+TF_WORKER_MODULES = ["trainers.tf.tf_mwms", "trainers.horovod.tf", "trainers.horovod.trainer",
+                     "trainers.tf.tf_dtensor", "trainers.tf.tf_ps", "trainers.tf.ps.server"]
 # A backend's own modules: one per backend, Horovod's two bindings beside its trainer (which picks one of them).
-BACKEND_MODULES = {"trainers.torch.ddp", "trainers.torch.tp", "trainers.torch.fsdp", "trainers.tf.mwms",
-                   "trainers.tf.dtensor.trainer", "trainers.tf.ps.trainer", "trainers.horovod.trainer",
-                   "trainers.horovod.torch", "trainers.horovod.tf", "trainers.torch.lightning.backend",
-                   "trainers.torch.lightning.worker", "trainers.torch.deepspeed"}
+BACKEND_MODULES = {"trainers.torch.ddp", "trainers.torch.tp", "trainers.torch.fsdp", "trainers.tf.tf_mwms",
+                   "trainers.tf.tf_dtensor", "trainers.tf.tf_ps", "trainers.horovod.trainer",
+                   "trainers.horovod.torch", "trainers.horovod.tf", "trainers.torch.lightning",
+                   "trainers.torch.lightning_fit", "trainers.torch.deepspeed"}
 OWN = {"trainers.horovod.trainer": {"trainers.horovod.torch", "trainers.horovod.tf"},
-       "trainers.torch.lightning.backend": {"trainers.torch.lightning.worker"}}
+       "trainers.torch.lightning": {"trainers.torch.lightning_fit"}}
 
 
 def module_name(path: Path) -> str:
@@ -112,15 +112,15 @@ def test_tensorflow_workers_import_no_torch():
 
 
 def test_ray_trains_controller_unpickles_the_backend_configs_without_a_framework():
-    """The controller unpickles the trainer's backend config (trainers/torch/backend.py, trainers/tf/backend.py); Ray's
+    """The controller unpickles the trainer's backend config (trainers/torch/process_group.py, trainers/tf/tf_config.py); Ray's
     own `TorchConfig` and `TensorflowConfig` would import torch and TensorFlow there. Checked in a fresh interpreter, as
     the controller's process is."""
     import pickle
     import subprocess
     import sys
 
-    from trainers.tf.backend import MirroredConfig
-    from trainers.torch.backend import TorchGroupConfig
+    from trainers.tf.tf_config import MirroredConfig
+    from trainers.torch.process_group import TorchGroupConfig
 
     configs = pickle.dumps([TorchGroupConfig(backend="gloo"), MirroredConfig()])
     probe = ("import pickle, sys; torch, mirrored = pickle.loads(sys.stdin.buffer.read()); "

@@ -1,5 +1,5 @@
 """A resumed Lightning run's optimizer takes its config's hyperparameters back after the checkpoint is loaded
-(trainers/torch/lightning/hyperparameters.py), on real torch optimizers and schedules, loaded as Lightning loads
+(trainers/torch/lightning_hyperparameters.py), on real torch optimizers and schedules, loaded as Lightning loads
 them (optimizer, then schedule state dicts). The whole path, a user's LightningModule resumed with another rate:
 tests/unit/test_loop_backends.py."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from trainers.torch.lightning.hyperparameters import configured_groups, reapply
+from trainers.torch.lightning_hyperparameters import configured_groups, reapply
 
 STEPS = 5  # optimizer steps before the checkpoint
 

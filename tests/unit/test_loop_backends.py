@@ -96,7 +96,7 @@ def test_a_users_lightning_module_resumes_with_its_configs_learning_rate(tmp_pat
     are the stopped checkpoint's, bit for bit, while the resumed steps' losses still vary."""
     import torch
 
-    from trainers.torch.lightning.backend import module_state
+    from trainers.torch.lightning_checkpoint import module_state
 
     stopped = attempt("lightning_user", tmp_path, "stopped")
     assert not stopped.finished

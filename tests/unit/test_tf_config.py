@@ -6,7 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipelines.config import ConfigError, load_config
-from trainers.tf.ps.backend import Chief
+from trainers.tf.ps.cluster import Chief
 
 
 @pytest.fixture()

@@ -1,4 +1,4 @@
-"""The training recipe on the TensorFlow side (trainers/tf/recipe.py, trainers/tf/mwms.py), measured in one fresh
+"""The training recipe on the TensorFlow side (trainers/tf/recipe.py, trainers/tf/tf_mwms.py), measured in one fresh
 process (tests/support/tf_recipe_checks.py: MirroredStrategy over two logical CPU devices). The recipe inside whole runs
 (stop/resume, accumulation against the larger batch, bf16): tests/unit/test_loop_backends.py."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Horovod (Gloo, CPU) on Ray Train V2: `DataParallelTrainer` + `HorovodConfig` (trainers/horovod/backend.py).
+"""Horovod (Gloo, CPU) on Ray Train V2: `DataParallelTrainer` + `RendezvousConfig` (trainers/horovod/rendezvous.py).
 
 `trainer.framework` picks the binding: `torch` (`hvd.DistributedOptimizer`, any of our PyTorch models, MNIST or
 IMDb; trainers/horovod/torch.py) or `tf` (a custom loop on `hvd.DistributedGradientTape`, tf-keras models;
@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from contract.data import DataSchema
-from trainers.horovod.backend import HorovodConfig
+from trainers.horovod.rendezvous import RendezvousConfig
 
 FRAMEWORK_MODULES = {"torch": "trainers.horovod.torch", "tf": "trainers.horovod.tf"}
 
@@ -39,7 +39,7 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
     from trainers.preflight import preflight_config
-    from trainers.shard_data import shard_config
+    from trainers.data_split import shard_config
     from trainers.worker import loop_config, run_config, scaling_config
 
     env = {"TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -50,7 +50,7 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
     return DataParallelTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config(cfg, run_id, tracking_uri, inputs),
-        backend_config=HorovodConfig(preflight=preflight_config(cfg, run_id)),
+        backend_config=RendezvousConfig(preflight=preflight_config(cfg, run_id)),
         scaling_config=scaling_config(cfg, use_gpu=False),
         run_config=run_config(cfg, run_id, callbacks, env),
         datasets=datasets,

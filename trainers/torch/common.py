@@ -19,7 +19,7 @@ from torch import nn
 
 from contract.checkpoint import TrainState
 from contract.data import PAD_ID, DataSchema
-from contract.flops import peak_flops
+from contract.mfu import peak_flops
 from contract.metrics import AsyncReducer, PendingReduce, peak_rss_bytes
 from trainers.adapter import Adapter, WorkerData
 from trainers.loop import WorkerContext, train
@@ -287,14 +287,14 @@ def unwrap(model: nn.Module) -> nn.Module:
 def torch_trainer(loop: Callable[[dict], None], cfg: Any, datasets: dict, run_id: str, tracking_uri: str,
                   inputs: DataSchema, dataset_config: Any = None, callbacks: list | None = None) -> Any:
     """The `TorchTrainer` every PyTorch backend but Horovod uses: gloo on CPU / NCCL on GPU, set up by
-    trainers/torch/backend.py (the process group `TorchConfig` sets up, without torch in Ray Train's controller)."""
+    trainers/torch/process_group.py (the process group `TorchConfig` sets up, without torch in Ray Train's controller)."""
     from ray.train.torch import TorchTrainer
 
     from contract.hang import HANG_DIR
     from contract.tracking import run_dir
     from trainers.preflight import preflight_config
-    from trainers.shard_data import shard_config
-    from trainers.torch.backend import TorchGroupConfig, flight_recorder_env
+    from trainers.data_split import shard_config
+    from trainers.torch.process_group import TorchGroupConfig, flight_recorder_env
 
     nccl = cfg.trainer.use_gpu
     env = flight_recorder_env(str(run_dir(cfg.run.storage_path, run_id) / HANG_DIR)) if nccl else {}

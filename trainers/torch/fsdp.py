@@ -235,7 +235,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
 def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, inputs: DataSchema,
                   callbacks: list | None = None):
-    from trainers.shard_data import shard_config
+    from trainers.data_split import shard_config
 
     trainer = cfg.trainer
     dims = parallel_dims(trainer, trainer.num_workers)

@@ -136,7 +136,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
 def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, inputs: DataSchema,
                   callbacks: list | None = None):
-    from trainers.shard_data import OrderedShards
+    from trainers.data_split import OrderedShards
 
     return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, inputs,
                             dataset_config=OrderedShards(dp=cfg.trainer.dp, tp=cfg.trainer.tp),

@@ -4,7 +4,7 @@ of sharded variables (checkpoints). Which device holds what: trainers/tf/dtensor
 
 Multi-client DTensor: every Ray worker is one client holding `devices_per_worker` local devices (GPUs, or the CPU
 split into logical devices, as the DTensor tutorial does); `initialize_accelerator_system` reads the DTENSOR_*
-variables trainers/tf/dtensor/backend.py sets and connects the clients, and each op on a DTensor then runs on every
+variables trainers/tf/dtensor/clients.py sets and connects the clients, and each op on a DTensor then runs on every
 client's devices in step (SPMD), DTensor inserting the collectives a layout needs.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
     python -m trainers.tf.ps.server        # TF_CONFIG in the environment names the cluster and this task
 
 A Ray Train worker of the tf_ps backend starts this process and watches it (`ServerProcess` in
-trainers/tf/ps/backend.py): a worker server that dies is started again at the same address, and ClusterCoordinator
+trainers/tf/ps/cluster.py): a worker server that dies is started again at the same address, and ClusterCoordinator
 gives its steps to the other workers meanwhile and rebuilds its dataset when it is back. That is why the server is
 not the Ray worker itself: Ray Train ends the whole run when one of its workers dies. The server dies with the
 process that started it (PR_SET_PDEATHSIG), so a Ray worker killed by Ray Train leaves no server holding its port.

@@ -1,7 +1,7 @@
 """Model FLOPs utilisation: what the training achieved against what the device can do.
 
 A run knows its model's training FLOPs per sample (`ModelSpec.flops_per_sample`, or counted on the PyTorch model:
-trainers/flops.py). Each epoch rank 0 logs `tflops_per_rank`: those FLOPs times the run's samples per second,
+trainers/model_flops.py). Each epoch rank 0 logs `tflops_per_rank`: those FLOPs times the run's samples per second,
 shared over the ranks; and `mfu`, that over one device's dense peak at the run's precision, where the device is in
 the table below. CPUs have no entry: their peak depends on the model, the clock and the vector units in use, so
 there the achieved figure stands alone.

@@ -1,5 +1,5 @@
 """trainer=lightning on Ray Train, as the driver sees it (Lightning is imported on the workers only): the
-`TorchTrainer` every PyTorch backend uses, whose workers run Lightning's Trainer (trainers/torch/lightning/worker.py),
+`TorchTrainer` every PyTorch backend uses, whose workers run Lightning's Trainer (trainers/torch/lightning_fit.py),
 and the final model logged from Lightning's checkpoint."""
 from __future__ import annotations
 
@@ -11,30 +11,17 @@ from omegaconf import DictConfig
 from contract.data import DataSchema
 from trainers.models import build_lightning_module, has_builder
 from trainers.torch import common as tc
-from trainers.torch.lightning import CHECKPOINT_FILE, PLAIN_MODEL
-
-
+from trainers.torch.lightning_checkpoint import module_state, plain_model_state
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    from trainers.torch.lightning import worker
+    from trainers.torch import lightning_fit
 
-    tc.run_on_ray(config, worker.run_on_ray)
+    tc.run_on_ray(config, lightning_fit.run_on_ray)
 
 
 def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, inputs: DataSchema,
                   callbacks: list | None = None):
     return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, inputs, callbacks=callbacks)
-
-
-def module_state(directory: str) -> dict[str, torch.Tensor]:
-    """The LightningModule's state dict in a checkpoint folder."""
-    return torch.load(f"{directory}/{CHECKPOINT_FILE}", map_location="cpu", weights_only=False)["state_dict"]
-
-
-def plain_model_state(directory: str) -> dict[str, torch.Tensor]:
-    """The spec's plain model's state dict, out of the `RecipeModule` a checkpoint folder holds."""
-    return {key[len(PLAIN_MODEL):]: value for key, value in module_state(directory).items()
-            if key.startswith(PLAIN_MODEL)}
 
 
 def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, inputs: DataSchema) -> None:

@@ -1,5 +1,5 @@
 """TensorFlow `ParameterServerStrategy` on Ray Train (`trainer=tf_ps`): asynchronous data parallelism. Every role
-is a Ray Train worker (trainers/tf/ps/backend.py: their TF_CONFIG, the board where the chief talks to the others,
+is a Ray Train worker (trainers/tf/ps/cluster.py: their TF_CONFIG, the board where the chief talks to the others,
 the servers' processes): rank 0 the chief, then `trainer.num_ps`
 parameter servers, then `trainer.num_workers` workers. The variables live on the parameter servers (split into
 shards of at least `trainer.ps_min_shard_bytes`); each worker computes gradients on its own batches and applies
@@ -44,7 +44,7 @@ from trainers.tf import common as tfc
 from trainers.tf.data import ShardArrays, model_input_fn
 from trainers.adapter import WorkerData
 from trainers.loop import WorkerContext
-from trainers.tf.ps.backend import CHIEF, FEATURES, LABELS, Chief, TFPSConfig, WorkerShards, board, serve, \
+from trainers.tf.ps.cluster import CHIEF, FEATURES, LABELS, Chief, PSClusterConfig, WorkerShards, board, serve, \
     task_of_this_worker
 
 POSITIONS = "ps_positions.json"  # a stopped epoch: where each worker is (beside tf_mwms' state files)
@@ -355,7 +355,7 @@ def run_worker(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """The chief runs the loop; every other role serves (trainers/tf/ps/backend.py)."""
+    """The chief runs the loop; every other role serves (trainers/tf/ps/cluster.py)."""
     from contract.console import import_tensorflow
     from contract.tracking import run_dir
     from trainers.worker import dataset_shards, ray_context, watch_for_hangs, worker_config, worker_inputs
@@ -394,7 +394,7 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
 
     from contract.config import ray_train_workers
     from trainers.preflight import preflight_config
-    from trainers.shard_data import RoleShards
+    from trainers.data_split import RoleShards
     from trainers.worker import loop_config, run_config
 
     trainer = cfg.trainer
@@ -404,7 +404,7 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
     return DataParallelTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config(cfg, run_id, tracking_uri, inputs),
-        backend_config=TFPSConfig(num_ps=trainer.num_ps, preflight=preflight_config(cfg, run_id)),
+        backend_config=PSClusterConfig(num_ps=trainer.num_ps, preflight=preflight_config(cfg, run_id)),
         scaling_config=scaling,
         run_config=run_config(cfg, run_id, callbacks, {**tfc.LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}),
         datasets=datasets,

@@ -1,4 +1,4 @@
-"""Horovod's Gloo rendezvous as a Ray Train V2 backend (`HorovodConfig`), for `DataParallelTrainer`.
+"""Horovod's Gloo rendezvous as a Ray Train V2 backend (`RendezvousConfig`), for `DataParallelTrainer`.
 
 Ray's own `HorovodTrainer` raises under Train V2, and its backend reads V1 worker-group internals. This backend
 uses only the `BaseWorkerGroup` API (`execute`, `execute_single_async`, `len`), which V2 passes to backends, and
@@ -27,7 +27,7 @@ from trainers.worker import worker_place
 
 
 @dataclass
-class HorovodConfig(BackendConfig):
+class RendezvousConfig(BackendConfig):
     """Horovod over Gloo (CPU). `nics`: network interfaces for Gloo (default: loopback when all workers share
     one node, else the interface holding each worker's Ray node IP). `timeout_s`: how long `hvd.init()` waits
     for the other ranks at the rendezvous. `verbose`: the rendezvous server's logging (0 = quiet)."""
@@ -92,7 +92,7 @@ def interface_of(ip: str) -> str:
         if any(ipaddress.ip_address(ip) in ipaddress.ip_network(f"{a.address}/{a.netmask}", strict=False)
                for a in addresses):
             return name
-    raise RuntimeError(f"horovod: no local network interface has the Ray node IP {ip}; set HorovodConfig.nics")
+    raise RuntimeError(f"horovod: no local network interface has the Ray node IP {ip}; set RendezvousConfig.nics")
 
 
 def gloo_iface(nics: Optional[tuple[str, ...]], one_node: bool) -> str:
@@ -133,7 +133,7 @@ class HorovodBackend(Backend):
     def __init__(self) -> None:
         self.server: Any = None
 
-    def on_start(self, worker_group: Any, backend_config: HorovodConfig) -> None:
+    def on_start(self, worker_group: Any, backend_config: RendezvousConfig) -> None:
         import ray
         from horovod.runner.http.http_server import RendezvousServer
 
@@ -154,7 +154,7 @@ class HorovodBackend(Backend):
                                                    backend_config.nics, one_node)
                  for rank, slot in enumerate(plan)])
 
-    def on_shutdown(self, worker_group: Any, backend_config: HorovodConfig) -> None:
+    def on_shutdown(self, worker_group: Any, backend_config: RendezvousConfig) -> None:
         try:
             worker_group.execute(_shutdown_horovod)
         finally:  # a dead worker makes the call above raise; the server must stop anyway

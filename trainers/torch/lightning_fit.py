@@ -30,9 +30,9 @@ from trainers.loop import TrainLoop, WorkerContext
 from trainers.models import build_lightning_module, build_model, has_builder
 from trainers.torch import common as tc
 from trainers.torch.data import ShardBatches
-from trainers.torch.lightning import CHECKPOINT_FILE
-from trainers.torch.lightning.hyperparameters import ConfiguredHyperparameters
-from trainers.torch.lightning.module import RecipeModule
+from trainers.torch.lightning_checkpoint import CHECKPOINT_FILE
+from trainers.torch.lightning_hyperparameters import ConfiguredHyperparameters
+from trainers.torch.lightning_module import RecipeModule
 from trainers.torch.parallel.memory import rank_memory
 
 PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}  # `trainer.precision` -> Lightning's

@@ -1,4 +1,4 @@
-"""A run's training FLOPs per sample (contract/flops.py says what they are for), framework-free until it counts."""
+"""A run's training FLOPs per sample (contract/mfu.py says what they are for), framework-free until it counts."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,7 +9,7 @@ from contract.registry import BACKENDS, MODELS, resolve
 
 def flops_per_sample(model_cfg: Any, inputs: DataSchema) -> float | None:
     """The model spec's own count (`ModelSpec.flops_per_sample`), else one counted on its PyTorch model
-    (trainers/torch/flops.py); None for a model with neither (a Keras-only spec), where PyTorch is not installed,
+    (trainers/torch/flop_counter.py); None for a model with neither (a Keras-only spec), where PyTorch is not installed,
     or where the model does not run on the meta device (an operator without a meta kernel: then give the count)."""
     spec = MODELS.get(model_cfg.name)
     if spec.flops_per_sample is not None:
@@ -17,7 +17,7 @@ def flops_per_sample(model_cfg: Any, inputs: DataSchema) -> float | None:
     if spec.torch is None:
         return None
     try:
-        from trainers.torch.flops import training_flops_per_sample
+        from trainers.torch.flop_counter import training_flops_per_sample
     except ImportError:  # no PyTorch here
         return None
     from trainers.models import build_model

@@ -1,5 +1,5 @@
-"""Multi-client TensorFlow DTensor as a Ray Train V2 backend (`DTensorConfig`), for `DataParallelTrainer`: what
-`TensorflowTrainer` does for TF_CONFIG, done for DTensor's variables, the way trainers/horovod/backend.py does
+"""Multi-client TensorFlow DTensor as a Ray Train V2 backend (`DTensorClientsConfig`), for `DataParallelTrainer`: what
+`TensorflowTrainer` does for TF_CONFIG, done for DTensor's variables, the way trainers/horovod/rendezvous.py does
 Horovod's rendezvous.
 
 Before the training function starts, every worker reports its Ray node IP and a free port there; every worker then
@@ -22,7 +22,7 @@ JOB_NAME = "worker"
 
 
 @dataclass
-class DTensorConfig(BackendConfig):
+class DTensorClientsConfig(BackendConfig):
     preflight: Optional[PreflightConfig] = None  # the workers' reachability, checked first (trainers/preflight.py)
 
     @property
@@ -36,7 +36,7 @@ def client_env(rank: int, addresses: list[str]) -> dict[str, str]:
 
 
 class DTensorBackend(Backend):
-    def on_start(self, worker_group, backend_config: DTensorConfig) -> None:
+    def on_start(self, worker_group, backend_config: DTensorClientsConfig) -> None:
         if len(worker_group) == 1:
             return
         if backend_config.preflight is not None:

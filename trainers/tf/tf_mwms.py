@@ -1,5 +1,5 @@
 """TensorFlow `MultiWorkerMirroredStrategy` on Ray Train (`DataParallelTrainer` with `MirroredConfig`, which sets
-each worker's `TF_CONFIG` as `TensorflowTrainer` does: trainers/tf/backend.py).
+each worker's `TF_CONFIG` as `TensorflowTrainer` does: trainers/tf/tf_config.py).
 
 Two loops, one contract (`trainer.tf_loop`): the shared loop (trainers/loop.py) driving a custom step
 (`strategy.run` of a `tf.function` with `GradientTape`; stops mid-epoch on STOP), or tf-keras `model.fit` with a
@@ -335,8 +335,8 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
     from trainers.preflight import preflight_config
-    from trainers.tf.backend import MirroredConfig
-    from trainers.shard_data import OrderedShards
+    from trainers.tf.tf_config import MirroredConfig
+    from trainers.data_split import OrderedShards
     from trainers.worker import loop_config, run_config, scaling_config
 
     return DataParallelTrainer(

@@ -1,6 +1,6 @@
-"""The cluster of `trainer=tf_ps` on Ray Train, around the chief's training (trainers/tf/ps/trainer.py).
+"""The cluster of `trainer=tf_ps` on Ray Train, around the chief's training (trainers/tf/tf_ps.py).
 
-- A Ray Train V2 backend (`TFPSConfig`) for `DataParallelTrainer`: what `TensorflowTrainer` does for
+- A Ray Train V2 backend (`PSClusterConfig`) for `DataParallelTrainer`: what `TensorflowTrainer` does for
   MultiWorkerMirroredStrategy, done for a chief, parameter servers and workers. Roles by Ray world rank: rank 0 is
   the chief (the coordinator: it runs the training loop), ranks 1..num_ps the parameter servers, the rest the
   workers. Before the training function starts, every worker reports its Ray node IP and a free port there, and gets
@@ -46,7 +46,7 @@ FEATURES, LABELS = "features", "labels"  # a worker's shard files (`write_shard`
 
 
 @dataclass
-class TFPSConfig(BackendConfig):
+class PSClusterConfig(BackendConfig):
     num_ps: int = 1
     preflight: Optional[PreflightConfig] = None  # the servers' reachability, checked first (trainers/preflight.py)
 
@@ -96,7 +96,7 @@ def board() -> Any:
 
 
 class TFPSBackend(Backend):
-    def on_start(self, worker_group: Any, backend_config: TFPSConfig) -> None:
+    def on_start(self, worker_group: Any, backend_config: PSClusterConfig) -> None:
         if backend_config.preflight is not None:
             check_workers_reachable(worker_group, backend_config.preflight)
         name = f"board-{uuid.uuid4().hex}"
@@ -105,7 +105,7 @@ class TFPSBackend(Backend):
         set_worker_envs(worker_group, [{"TF_CONFIG": tf_config(addresses, backend_config.num_ps, rank),
                                         "TF_PS_BOARD": name} for rank in range(len(addresses))])
 
-    def on_shutdown(self, worker_group: Any, backend_config: TFPSConfig) -> None:
+    def on_shutdown(self, worker_group: Any, backend_config: PSClusterConfig) -> None:
         board = getattr(self, "board", None)
         if board is not None:
             ray.kill(board)

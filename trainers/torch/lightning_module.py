@@ -1,7 +1,7 @@
 """The LightningModule a model spec without its own (`ModelSpec.lightning`) trains as under trainer=lightning: the
 spec's plain PyTorch model, the task's loss, and this project's recipe (trainers/torch/recipe.py): the optimizer and
 its weight-decay groups, the schedule stepped per optimizer step. Lightning's Trainer applies the rest of the recipe
-(clipping, accumulation, precision: trainers/torch/lightning/worker.py), so the same config trains the same curve
+(clipping, accumulation, precision: trainers/torch/lightning_fit.py), so the same config trains the same curve
 as trainer=ddp."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """TensorFlow DTensor (`trainer=tf_dtensor`) on Ray Train: data, model and 2D parallelism on a `batch x model`
-device mesh spanning the Ray workers, one DTensor client per worker (trainers/tf/dtensor/backend.py connects them),
+device mesh spanning the Ray workers, one DTensor client per worker (trainers/tf/dtensor/clients.py connects them),
 each with `trainer.devices_per_worker` devices (GPUs, or logical CPU devices).
 
 An adapter on the shared loop (trainers/loop.py), so the metrics, checkpoints, stop/resume and MLflow logging are
@@ -211,9 +211,9 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
     reads one data shard (`OrderedShards`' tp)."""
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-    from trainers.tf.dtensor.backend import DTensorConfig
+    from trainers.tf.dtensor.clients import DTensorClientsConfig
     from trainers.preflight import preflight_config
-    from trainers.shard_data import OrderedShards
+    from trainers.data_split import OrderedShards
     from trainers.worker import loop_config, run_config, scaling_config
 
     trainer, dims = cfg.trainer, mesh_dims(cfg.trainer)
@@ -223,7 +223,7 @@ def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: st
     return DataParallelTrainer(
         train_loop_per_worker,
         train_loop_config=loop_config(cfg, run_id, tracking_uri, inputs),
-        backend_config=DTensorConfig(preflight=preflight_config(cfg, run_id)),
+        backend_config=DTensorClientsConfig(preflight=preflight_config(cfg, run_id)),
         scaling_config=scaling_config(cfg, resources=resources),
         run_config=run_config(cfg, run_id, callbacks, {**tfc.LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}),
         datasets=datasets,
