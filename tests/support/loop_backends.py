@@ -154,8 +154,8 @@ def runner(cfg):
         return ps_runner(cfg, train, ShardArrays.from_columns(evaluation, schema_of(cfg)))
     arrays = (ShardArrays.from_columns(train, schema_of(cfg)), ShardArrays.from_columns(evaluation, schema_of(cfg)))
     from trainers.horovod import tf as horovod_tf
-    from trainers.tf import mwms as tf_mwms
-    from trainers.tf.dtensor import trainer as tf_dtensor
+    from trainers.tf import tf_mwms
+    from trainers.tf import tf_dtensor
 
     module = {"horovod": horovod_tf, "tf_dtensor": tf_dtensor}.get(trainer.backend, tf_mwms)
     return lambda ctx: module.run_worker(cfg, ctx, WorkerData(schema_of(cfg), lambda seed: arrays))
@@ -175,7 +175,7 @@ def lone_process_group() -> None:
 def ps_runner(cfg, train, evaluation):
     """tf_ps in this process as its chief (`ps_cluster`)."""
     from trainers.adapter import WorkerData
-    from trainers.tf.ps import trainer as tf_ps
+    from trainers.tf import tf_ps
 
     shards = ps_cluster(cfg, train)
     return lambda ctx: tf_ps.run_worker(cfg, ctx, WorkerData(schema_of(cfg), lambda seed: (shards, evaluation)))
@@ -221,7 +221,7 @@ def ps_dropout_draws(folder: Path) -> dict[int, list[list[float]]]:
 
     from trainers.adapter import WorkerData
     from trainers.tf.data import ShardArrays
-    from trainers.tf.ps import trainer as tf_ps
+    from trainers.tf import tf_ps
 
     cfg = config(folder / "cfg", ["trainer=tf_ps", "trainer.num_ps=1", "trainer.num_workers=2", "model.hidden=[32]",
                                   "model.dropout=0.5", "trainer.epochs=1", "trainer.batch_size=16"])
