@@ -33,7 +33,7 @@ from trainers.adapter import WorkerData
 from trainers.loop import WorkerContext
 from trainers.models import build_model
 from trainers.torch.data import ShardBatches, normalise
-from trainers.torch.ddp import run_worker
+from trainers.torch.ddp import DDP
 
 CUDA = torch.device("cuda", 0)
 
@@ -78,7 +78,7 @@ def loop_rates(cfg: DictConfig, images: torch.Tensor, labels: torch.Tensor,
     reports: list[dict[str, float]] = []
     ctx = WorkerContext(rank=0, world_size=1, report=lambda metrics, _folder: reports.append(metrics),
                         epochs=cfg.trainer.epochs, device=CUDA)
-    run_worker(cfg, ctx, WorkerData({}, data))
+    DDP().run_worker(cfg, ctx, WorkerData({}, data))
     return [r["samples_per_s"] for r in reports]
 
 

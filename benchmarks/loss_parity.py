@@ -8,7 +8,7 @@ Each backend is a `pipelines.train` run (Ray Data shards, Ray Train workers, MLf
 step. What makes the curves comparable: the MLP starts from the same weights in PyTorch and Keras for one seed
 (trainers/models/portable_init.py), every backend shuffles its shard with the same numpy permutation (with
 `data.cache_in_worker=true`, the default, under which the PyTorch backends hold their shard), dropout is off
-(`--dropout p`: on; the PyTorch backends draw the same masks, trainers/torch/common.seed_dropout, TensorFlow its
+(`--dropout p`: on; the PyTorch backends draw the same masks, trainers/torch/adapter.seed_dropout, TensorFlow its
 own), and SGD with momentum runs at a constant rate (the two frameworks define momentum alike only then). The overlay
 plot of the curves, with each one's distance to DDP's below it, is logged as `loss_parity.png` to an MLflow run
 named `loss-parity` in the tracking store of the runs (MLFLOW_TRACKING_URI, else the pipelines' default).

@@ -8,13 +8,13 @@ backend (which registers the built-in specs) and the run's plugins (a user's).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from contract.recipe import Monitor, default_mode
-from contract.registry import BACKENDS, MODELS, load_plugins
+from contract.registry import BACKENDS, MODELS, Layout, load_plugins
 
 
 @dataclass
@@ -41,87 +41,6 @@ class TrainerConfig:
     profile_steps: int = 0              # rank 0 profiles n steps after a warmup step: artifact profile/
     max_steps_per_epoch: Optional[int] = None  # cut epochs short (benchmarks, smoke runs)
     placement_strategy: str = "PACK"    # Ray placement of the workers: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
-
-
-@dataclass
-class DDPConfig(TrainerConfig):
-    backend: str = "ddp"                # PyTorch DistributedDataParallel
-
-
-@dataclass
-class TPConfig(TrainerConfig):
-    backend: str = "tp"                 # tensor parallelism x data parallelism (PyTorch)
-    tp: int = 2                         # tensor-parallel degree
-    dp: Optional[int] = None            # data-parallel degree; default num_workers // tp
-    tp_impl: str = "megatron"           # megatron | dtensor
-
-
-@dataclass
-class FSDPConfig(TrainerConfig):
-    backend: str = "fsdp"               # PyTorch FSDP2 sharded data parallelism (with TP and PP)
-    dp_replicate: int = 1               # HSDP: replicas of the sharded model
-    dp_shard: Optional[int] = None      # ranks each replica is sharded over; null: what the other degrees leave
-    tp: int = 1                         # FSDP x TP: tensor parallelism (DTensor plans) inside, FSDP over the rest
-    reshard_after_forward: bool = True  # free gathered parameters after forward (ZeRO-3); false: keep (ZeRO-2)
-    activation_checkpointing: bool = False  # recompute each block's activations in backward instead of keeping them
-    pp: int = 1                         # pipeline stages (models with a pipeline_split): over pp groups of tp workers
-    pp_schedule: str = "1f1b"           # gpipe | 1f1b | interleaved_1f1b (two stages per worker)
-    microbatches: int = 4               # per batch, under pp > 1: >= pp, divides batch_size
-
-
-@dataclass
-class LightningConfig(TrainerConfig):
-    backend: str = "lightning"          # PyTorch Lightning's Trainer on Ray Train (ray.train.lightning)
-    strategy: str = "ddp"               # ddp | fsdp (Lightning's FSDP needs GPUs: use_gpu=true)
-
-
-@dataclass
-class DeepSpeedConfig(TrainerConfig):
-    backend: str = "deepspeed"          # DeepSpeed's engine (ZeRO) on the shared loop
-    zero_stage: int = 2                 # ZeRO 1: optimizer states sharded; 2: + gradients; 3: + parameters
-    deepspeed_config: Optional[str] = None  # a DeepSpeed JSON of yours, under the recipe's keys (a conflict is an
-                                            # error); its optimizer and schedule are the recipe's
-
-
-@dataclass
-class TFMWMSConfig(TrainerConfig):
-    backend: str = "tf_mwms"            # TensorFlow MultiWorkerMirroredStrategy
-    tf_loop: str = "fit"                # fit (tf-keras model.fit) | custom (strategy.run loop)
-    tf_communication: str = "auto"      # collectives: auto | ring | nccl (nccl needs use_gpu)
-    tf_steps_per_execution: int = 8     # optimizer steps per compiled call (fit and custom)
-    devices_per_worker: int = 1         # replicas per worker: its GPUs, or logical CPU devices (one worker only)
-    tf_strategy: str = "mirrored"       # one worker, several devices: mirrored | central_storage (variables on the CPU)
-    tf_cross_device_ops: str = "auto"   # mirrored, one worker: auto | nccl | hierarchical_copy | reduce_to_one
-
-
-@dataclass
-class HorovodConfig(TrainerConfig):
-    backend: str = "horovod"            # Horovod over Gloo
-    framework: str = "torch"            # torch (hvd.DistributedOptimizer) | tf (DistributedGradientTape)
-    compression: str = "none"           # gradient compression on the wire: none | fp16
-    tf_steps_per_execution: int = 8     # framework=tf: optimizer steps per compiled call
-
-
-@dataclass
-class DTensorMeshConfig:
-    batch: int = 2                      # devices along the batch dimension (data parallelism)
-    model: int = 1                      # devices along the model dimension (weights sharded)
-
-
-@dataclass
-class TFDTensorConfig(TrainerConfig):
-    backend: str = "tf_dtensor"         # TensorFlow DTensor on a batch x model mesh
-    mesh: DTensorMeshConfig = field(default_factory=DTensorMeshConfig)  # batch x model = all workers' devices
-    devices_per_worker: int = 1         # DTensor devices per worker: GPUs, or logical CPU devices without
-
-
-@dataclass
-class TFPSConfig(TrainerConfig):
-    backend: str = "tf_ps"              # TensorFlow ParameterServerStrategy (asynchronous)
-    num_ps: int = 1                     # parameter servers (Ray workers beside the chief and the num_workers workers)
-    ps_min_shard_bytes: int = 262144    # variables split over the servers in shards of at least this many bytes
-    tf_loop: str = "custom"             # custom (ClusterCoordinator.schedule) | fit (tf-keras model.fit)
-    tf_steps_per_execution: int = 8     # training steps per scheduled function (each on one worker)
 
 
 @dataclass
@@ -223,17 +142,8 @@ def worker_resources(trainer: DictConfig) -> tuple[int, int]:
     return trainer.num_workers * trainer.threads_per_worker, gpus
 
 
-def ray_train_workers(trainer: DictConfig) -> int:
-    """Ray Train workers a run starts: one per worker, and for tf_ps also the chief and the parameter servers."""
-    return trainer.num_workers + (1 + trainer.num_ps if trainer.backend == "tf_ps" else 0)
-
-
-def parallel_degrees(trainer: DictConfig) -> tuple[int, int]:
-    """(dp, tp) of any backend: the data-parallel backends are tp=1, dp=num_workers."""
-    if trainer.backend == "tp":
-        return trainer.dp, trainer.tp
-    if trainer.backend == "fsdp":
-        return trainer.num_workers // (trainer.tp * trainer.pp), trainer.tp
-    if trainer.backend == "tf_dtensor":
-        return trainer.mesh.batch, trainer.mesh.model
-    return trainer.num_workers, 1
+def layout_of(trainer: DictConfig) -> Layout:
+    """How a run of this trainer config spreads over its Ray Train workers (its backend's `layout` rule)."""
+    layout = BACKENDS.get(trainer.backend).layout_of(trainer)
+    return replace(layout, ray_workers=layout.ray_workers or trainer.num_workers,
+                   epoch_ranks=layout.epoch_ranks or layout.dp)

@@ -1,7 +1,7 @@
 """The training recipe every backend applies the same way, framework-free: optimizer names, the learning-rate
 schedule, precision names, and which epoch is best (`run.monitor`, early stopping with `run.patience`).
 
-Backends turn these into their framework's objects (trainers/torch/recipe.py, trainers/tf/common.py); the numbers
+Backends turn these into their framework's objects (trainers/torch/recipe.py, trainers/tf/adapter.py); the numbers
 come from here, so a cosine schedule with warmup is the same curve under PyTorch and TensorFlow.
 """
 from __future__ import annotations

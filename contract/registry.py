@@ -83,20 +83,62 @@ class DatasetSpec:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """How a run of a backend spreads over its Ray Train workers, read from its `trainer.*` keys: what the driver's
+    checks, a run's params (`dp`, `tp`) and the sweeps' scaling report need, without the framework."""
+    dp: int                 # data-parallel degree: replicas that train on different rows (the run's `dp` param)
+    tp: int = 1             # model-parallel degree (the run's `tp` param)
+    ray_workers: int = 0    # Ray Train workers the run starts; 0: `trainer.num_workers`
+    epoch_ranks: int = 0    # ranks an epoch's training rows are divided among; 0: `dp`
+    full_batches: str = ""  # why each rank trains full batches only ("": an epoch's short last batch is trained)
+
+
+def data_parallel(trainer: Any) -> Layout:
+    """A data-parallel backend's layout: one replica per worker."""
+    return Layout(dp=trainer.num_workers)
+
+
+@dataclass(frozen=True)
 class BackendSpec:
-    """A backend: its module (`build_trainer`, `log_final_model`, `train_loop_per_worker`), its config keys
-    (`trainer.*`, a dataclass), the frameworks it trains with (`trainer.framework` picks when several), the model
-    builders it can build a model spec with, in order of preference (`ModelSpec.torch`, `.keras`, `.dtensor`,
-    `.lightning`; default: the framework's, torch for torch, keras for tf), and the modules it imports beyond its
-    framework's (`needs`, installed by the package extra `extra`)."""
+    """A backend: its `Backend` object (trainers/backend.py: builds the Ray Train trainer, runs each worker, logs
+    the final model), named by "module:attribute" so that validating a config never imports its framework (with
+    several `frameworks`, one per framework: {"torch": ..., "tf": ...}, `trainer.framework` picking); its config
+    keys (`trainer.*`, a dataclass); the model builders it can build a model spec with, in order of preference
+    (`ModelSpec.torch`, `.keras`, `.dtensor`, `.lightning`; default: the framework's, torch for torch, keras for
+    tf); the modules it imports beyond its framework's (`needs`, installed by the package extra `extra`).
+    Its rules, framework-free:
+      `check(cfg, model, inputs)` raises ValueError("trainer.<key>: why") for a config it cannot train (`model`:
+        the model's `ModelSpec`; `inputs`: the data's `DataSchema`, None before the data is known);
+      `layout(trainer) -> Layout` (default: `data_parallel`);
+      `complete(trainer)` fills the keys whose default follows from others (before the config is read-only);
+      `ignored_keys(cfg, model) -> (keys, why)`: training keys this backend and model do not read (a sweep over
+        one would train the same trial again);
+      `fault_keys`: the `fault.*` testing hooks of its own it takes (other backends refuse them)."""
     name: str
-    module: str
+    backend: Ref | dict[str, Ref]
     config: type
     frameworks: tuple[str, ...]
     description: str = ""
     model_builders: tuple[str, ...] = ()
     needs: tuple[str, ...] = ()
     extra: str = ""
+    check: Ref | None = None
+    layout: Ref | None = None
+    complete: Ref | None = None
+    ignored_keys: Ref | None = None
+    fault_keys: tuple[str, ...] = ()
+
+    def layout_of(self, trainer: Any) -> Layout:
+        return resolve(self.layout or data_parallel)(trainer)
+
+    def backend_ref(self, framework: str) -> Ref:
+        """The `Backend` that trains with `framework` (one of `frameworks`)."""
+        return self.backend[framework] if isinstance(self.backend, dict) else self.backend
+
+    def module(self, framework: str) -> str:
+        """The module its `Backend` that trains with `framework` lives in."""
+        ref = self.backend_ref(framework)
+        return ref.partition(":")[0] if isinstance(ref, str) else ref.__module__
 
 
 S = TypeVar("S")

@@ -5,26 +5,30 @@ code 2. Framework-free: a framework is found, never imported.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 import sys
 from pathlib import Path
+from typing import Iterator
 
 from omegaconf import DictConfig
 
 from contract import recipe
 from contract.checkpoint import STATE_FILE, checkpoint_mismatch
-from contract.config import parallel_degrees
+from contract.checks import ConfigError, choice, installed
+from contract.config import layout_of
 from contract.data import DataSchema
 from contract.metrics import metric_names
 from contract.progress import PROGRESS_SETTINGS
 from contract.registry import MODELS, ModelSpec, resolve
-from pipelines import backend_checks
-from pipelines.errors import ConfigError, choice, installed
-from trainers import BACKENDS, FRAMEWORKS, framework_of
+from trainers import BACKENDS, FRAMEWORKS, framework_of, model_builders
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+BUILDER_FIELDS = {"torch": "a PyTorch builder (torch=)", "keras": "a Keras builder (keras=)",
+                  "dtensor": "a DTensor module builder (dtensor=)",
+                  "lightning": "a LightningModule builder (lightning=)"}
 POSITIVE = ("num_workers", "threads_per_worker", "batch_size", "lr", "epochs", "tf_steps_per_execution",
             "grad_accum", "devices_per_worker", "num_ps",
             "ps_min_shard_bytes")  # trainer keys, where the backend has them
@@ -46,15 +50,14 @@ def check_values(cfg: DictConfig) -> None:
     _check_installed(cfg.trainer)
     _check_buckets(cfg.data)
     _check_recipe(cfg)
-    backend_checks.check_parallelism(cfg)
-    _check_model(cfg, MODELS.get(cfg.model.name), None)  # its keys, and the layout against its sizes
-    backend_checks.check_tensorflow(cfg)
-    backend_checks.check_dtensor(cfg)
-    backend_checks.check_tf_ps(cfg)
-    backend_checks.check_horovod(cfg)
-    backend_checks.check_lightning(cfg)
-    backend_checks.check_deepspeed(cfg)
-    backend_checks.check_compile(cfg.trainer)
+    if cfg.trainer.max_steps_per_epoch is not None and cfg.trainer.max_steps_per_epoch < 1:
+        raise ConfigError(f"trainer.max_steps_per_epoch: must be >= 1, got {cfg.trainer.max_steps_per_epoch}")
+    if cfg.trainer.compile and framework_of(cfg.trainer) == "tf":
+        raise ConfigError("trainer.compile: torch.compile is for the PyTorch backends (TensorFlow compiles its "
+                          "training step with tf.function already)")
+    spec = MODELS.get(cfg.model.name)
+    _check_backend(cfg, spec, None)  # its keys and layout
+    _check_model(cfg, spec, None)  # its keys, and the layout against its sizes
     if cfg.run.nan_patience < 1:
         raise ConfigError(f"run.nan_patience: must be >= 1, got {cfg.run.nan_patience}")
     if cfg.run.straggler_ratio != 0 and cfg.run.straggler_ratio <= 1:
@@ -139,7 +142,8 @@ def check_data(cfg: DictConfig, inputs: DataSchema) -> None:
         raise ConfigError(f"data.path: '{inputs.dataset}' has {len(inputs.target.classes)} classes; a classifier "
                           f"needs at least 2")
     _check_model(cfg, spec, inputs)
-    backend_checks.check_builders(cfg, spec, inputs)
+    _check_builders(cfg, spec)
+    _check_backend(cfg, spec, inputs)
     if cfg.data.bucket_by_length and not inputs.features.length_column:
         raise ConfigError(f"data.bucket_by_length: only token data has lengths to group by; '{inputs.dataset}' has "
                           f"{features} features")
@@ -215,15 +219,9 @@ def _check_steps_fit(cfg: DictConfig, manifest: dict) -> None:
     rows = manifest.get("splits", {}).get("train", {}).get("rows")
     if not isinstance(rows, int):
         return
-    dp, _ = parallel_degrees(trainer)
-    ranks = 1 if trainer.backend == "tf_ps" else dp or trainer.num_workers
+    layout = layout_of(trainer)
+    ranks, full = layout.epoch_ranks, layout.full_batches
     per_rank = rows // ranks
-    if trainer.backend == "fsdp" and trainer.pp > 1:
-        full = ", and a pipeline trains full batches only"
-    elif framework_of(trainer) == "tf":
-        full = ", and TensorFlow trains full batches only"
-    else:
-        full = ""
     steps = per_rank // trainer.batch_size if full else -(-per_rank // trainer.batch_size)
     if steps == 0:
         raise ConfigError(f"trainer.batch_size: each of the {ranks} data-parallel rank(s) holds {per_rank} of the "
@@ -259,14 +257,44 @@ def _check_refs(spec: ModelSpec) -> None:
 def _check_model(cfg: DictConfig, spec: ModelSpec, inputs: DataSchema | None) -> None:
     """The spec's references, and its own checks of its keys (with the data once known: `inputs`)."""
     _check_refs(spec)
-    if spec.check is None:
-        return
+    if spec.check is not None:
+        with keyed_errors("model.name"):
+            resolve(spec.check)(cfg.model, inputs, cfg.trainer)
+
+
+def _check_backend(cfg: DictConfig, model: ModelSpec, inputs: DataSchema | None) -> None:
+    """The backend's own checks (its spec's `check`: its keys, its layout, what it needs of the model and the
+    data once known), and the `fault.*` testing hooks it takes."""
+    spec = BACKENDS.get(cfg.trainer.backend)
+    for key in ("kill_servers",):
+        if cfg.fault[key] and key not in spec.fault_keys:
+            owners = [name for name, other in BACKENDS.specs.items() if key in other.fault_keys]
+            raise ConfigError(f"fault.{key}: only trainer={', '.join(owners)} runs servers to kill")
+    if spec.check is not None:
+        with keyed_errors("trainer.backend"):
+            resolve(spec.check)(cfg, model, inputs)
+
+
+def _check_builders(cfg: DictConfig, spec: ModelSpec) -> None:
+    """The model's spec has a builder the backend builds it with (names the missing spec field)."""
+    builders = model_builders(cfg.trainer)
+    if not any(getattr(spec, name) is not None for name in builders):
+        offered = [name for name in BUILDER_FIELDS if getattr(spec, name) is not None]
+        wanted = " or ".join(BUILDER_FIELDS[name] for name in builders)
+        raise ConfigError(f"model.name: trainer={cfg.trainer.backend} builds the model with {wanted}; "
+                          f"model '{spec.name}' has none (it has: {', '.join(offered) or 'no builder'})")
+
+
+@contextlib.contextmanager
+def keyed_errors(key: str) -> Iterator[None]:
+    """A spec's check (a user's, perhaps) raising ValueError: ConfigError in one line, starting with the key its
+    message names, else `key`."""
     try:
-        resolve(spec.check)(cfg.model, inputs, cfg.trainer)
+        yield
     except ValueError as err:
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        keyed = re.match(r"(model|trainer|data|run)\.[\w.]+: ", message)
-        raise ConfigError(message if keyed else f"model.name: {message}") from err
+        keyed = re.match(r"(model|trainer|data|run|fault)\.[\w.]+: ", message)
+        raise ConfigError(message if keyed else f"{key}: {message}") from err
 
 
 def _check_installed(trainer: DictConfig) -> None:

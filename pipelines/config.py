@@ -16,12 +16,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from contract.config import parallel_degrees, ray_train_workers, schema, worker_resources
+from contract.config import layout_of, schema, worker_resources
 from contract.metrics import eval_metric
-from contract.registry import BACKENDS, DATASETS, MODELS, RegistryError, entry_point_plugins, load_plugins
+from contract.registry import BACKENDS, DATASETS, MODELS, RegistryError, entry_point_plugins, load_plugins, resolve
 import pipelines.data  # noqa: F401  (registers the built-in datasets)
 from pipelines.checks import check_data, check_values, read_data_schema
-from pipelines.errors import ConfigError, installed
+from contract.checks import ConfigError, installed
 
 __all__ = ["CONF_DIR", "ConfigError", "check_fits_this_machine", "compose", "flatten", "group_choices",
            "installed", "load_config", "load_user_plugins", "parallel_params", "schema_for"]
@@ -173,8 +173,9 @@ def load_config(overrides: list[str]) -> DictConfig:
         cfg.run.monitor = eval_metric(inputs.target.task)
     check_data(cfg, inputs)
     _absolutise_paths(cfg)
-    if cfg.trainer.backend == "tp" and cfg.trainer.dp is None:
-        cfg.trainer.dp = cfg.trainer.num_workers // cfg.trainer.tp
+    complete = BACKENDS.get(cfg.trainer.backend).complete
+    if complete is not None:
+        resolve(complete)(cfg.trainer)
     OmegaConf.set_readonly(cfg, True)
     return cfg
 
@@ -220,7 +221,7 @@ def check_fits_this_machine(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.num_workers: {trainer.num_workers} workers x {trainer.threads_per_worker} "
                           f"thread(s) need {threads} CPUs, this machine has {cpus} (at most {fit} such workers "
                           f"fit; set RAY_ADDRESS to train on a Ray cluster)")
-    workers = ray_train_workers(trainer)
+    workers = layout_of(trainer).ray_workers
     if trainer.placement_strategy == "STRICT_SPREAD" and workers > 1:
         raise ConfigError(f"trainer.placement_strategy: STRICT_SPREAD puts each of the {workers} Ray workers on its "
                           f"own node; a Ray of this machine's own has one (set RAY_ADDRESS to train on a Ray cluster)")
@@ -235,8 +236,8 @@ def check_fits_this_machine(cfg: DictConfig) -> None:
 
 def parallel_params(cfg: DictConfig) -> dict[str, Any]:
     """The parallelism degrees every run and sweep trial logs as params (the scaling report reads them)."""
-    dp, tp = parallel_degrees(cfg.trainer)
-    return {"world_size": cfg.trainer.num_workers, "dp": dp, "tp": tp, "backend": cfg.trainer.backend}
+    layout = layout_of(cfg.trainer)
+    return {"world_size": cfg.trainer.num_workers, "dp": layout.dp, "tp": layout.tp, "backend": cfg.trainer.backend}
 
 
 def flatten(cfg: DictConfig) -> dict[str, Any]:

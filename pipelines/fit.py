@@ -73,7 +73,7 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
     materialized = Materializing(datasets) if cfg.data.cache_in_worker else None
     from trainers import get_backend  # imports the backend's framework (torch: 1.5 s) while the data is read
 
-    backend = get_backend(cfg.trainer.backend)
+    backend = get_backend(cfg.trainer)
     inputs = DataSchema.from_manifest(read_manifest(cfg.data.path))
     if materialized is not None:
         datasets = materialized.result(patience)
@@ -233,7 +233,7 @@ def replay_run(folder: Path, uri: str | None = None) -> str:
         inputs = DataSchema.from_dict(spec["inputs"]) if "inputs" in spec else \
             DataSchema.from_manifest({"dataset": cfg.data.name, "model_inputs": spec["model_inputs"]})  # older
         tracking.set_tags(uri, run_id, spec.get("tags", {}))
-        get_backend(cfg.trainer.backend).log_final_model(uri, run_id, cfg, Checkpoint(spec["checkpoint"]), inputs)
+        get_backend(cfg.trainer).log_final_model(uri, run_id, cfg, Checkpoint(spec["checkpoint"]), inputs)
         if cfg.run.register_model:
             tracking.register_logged_model(uri, run_id, cfg.run.register_model)
         tracking.end_run(uri, run_id)

@@ -11,7 +11,7 @@ from typing import Any, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
 
-from contract.config import DataConfig, DTensorMeshConfig, FaultConfig, PluginsConfig, RunSection
+from contract.config import DataConfig, FaultConfig, PluginsConfig, RunSection
 from contract.registry import BACKENDS, MODELS
 from pipelines.config import CONF_DIR, ConfigError, compose, group_choices, schema_for
 
@@ -52,8 +52,9 @@ def _own_field_docs(klass: type) -> dict[str, str]:
 
 
 def section_schemas(cfg: DictConfig) -> dict[str, type]:
-    """The dataclass behind each section of a composed training config (`trainer.mesh`: the DTensor mesh's)."""
-    return {"": PluginsConfig, "trainer": BACKENDS.get(cfg.trainer.backend).config, "trainer.mesh": DTensorMeshConfig,
+    """The dataclass behind each section of a composed training config (a backend's nested ones too, e.g.
+    `trainer.mesh`)."""
+    return {"": PluginsConfig, **nested_schemas(BACKENDS.get(cfg.trainer.backend).config, "trainer"),
             "data": DataConfig, "model": MODELS.get(cfg.model.name).config, "run": RunSection, "fault": FaultConfig}
 
 

@@ -17,7 +17,7 @@ from contract.console import import_tensorflow, quiet_keras_predict, say
 from contract.data import DataSchema
 
 # A scoring actor's environment: tf-keras models load only with TF_USE_LEGACY_KERAS=1 from process start
-# (trainers/tf/common.py); harmless for PyTorch models.
+# (trainers/tf/adapter.py); harmless for PyTorch models.
 SCORER_ENV = {"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 # Passes of `score` in all: one, and another for each actor that dies while scoring, within this bound (a batch

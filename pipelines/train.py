@@ -14,7 +14,7 @@ import time
 from omegaconf import DictConfig, OmegaConf
 
 from contract import resume, tracking
-from contract.config import monitor_of, ray_train_workers, worker_resources
+from contract.config import layout_of, monitor_of, worker_resources
 from contract.console import one_line, say
 from contract.metrics import FINAL_MODEL_TEST
 from contract.startup import DRIVER_BEFORE_RUN, started_at
@@ -69,7 +69,7 @@ def check_cluster_fits(cfg: DictConfig) -> None:
     if cpus > total.get("CPU", 0) or gpus > total.get("GPU", 0):
         raise ConfigError(f"trainer.num_workers: {trainer.num_workers} workers need {cpus} CPUs and {gpus} GPUs, "
                           f"the Ray cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs")
-    nodes, workers = len([node for node in ray.nodes() if node["Alive"]]), ray_train_workers(trainer)
+    nodes, workers = len([node for node in ray.nodes() if node["Alive"]]), layout_of(trainer).ray_workers
     if trainer.placement_strategy == "STRICT_SPREAD" and workers > nodes:
         what = "workers" if workers == trainer.num_workers else "Ray workers (the chief, parameter servers, workers)"
         raise ConfigError(f"trainer.placement_strategy: STRICT_SPREAD puts each of the {workers} {what} on its own "

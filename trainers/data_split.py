@@ -3,7 +3,7 @@
 Ray's default `DataConfig` uses `streaming_split`: blocks go to whichever worker asks first, so which rows a
 worker gets, and in which order, changes from run to run. That breaks two promises: the same seed gives the
 same batches (a TP group must also see identical batches on all its ranks), and a run resumed mid-epoch skips
-exactly the batches it already trained on. `OrderedShards` gives both, at the cost of materialising the
+exactly the batches it already trained on. `OrderedSplit` gives both, at the cost of materialising the
 dataset in the object store, which a worker that caches its shard in memory (`data.cache_in_worker`) pays
 anyway.
 """
@@ -14,29 +14,30 @@ from typing import Any
 from ray.train import DataConfig
 
 
-class OrderedShards(DataConfig):
-    """Split each dataset, in file order, into `dp` equal shards; ranks dp_rank*tp .. dp_rank*tp + tp-1 all
-    read shard dp_rank (tp=1: one shard per rank)."""
+class OrderedSplit(DataConfig):
+    """Split each dataset, in file order, into `dp` equal parts; the `group` consecutive ranks
+    dp_rank*group .. dp_rank*group + group-1 (a TP group, a pipeline) all read part dp_rank (group=1: one part per
+    rank)."""
 
-    def __init__(self, dp: int, tp: int = 1):
+    def __init__(self, dp: int, group: int = 1):
         super().__init__()
-        self.dp, self.tp = dp, tp
+        self.dp, self.group = dp, group
 
     def configure(self, datasets: dict[str, Any], world_size: int, worker_handles: Any, worker_node_ids: Any,
                   **kwargs: Any) -> list[dict[str, Any]]:
-        if world_size != self.dp * self.tp:
-            raise ValueError(f"dp*tp={self.dp * self.tp} != world_size={world_size}")
+        if world_size != self.dp * self.group:
+            raise ValueError(f"dp*group={self.dp * self.group} != world_size={world_size}")
         output: list[dict[str, Any]] = [{} for _ in range(world_size)]
         for name, dataset in datasets.items():
             dataset.context.execution_options.preserve_order = True
             # materialises, unless the driver did (pipelines/data/readers.py); block order = file order
             shards = dataset.split(self.dp, equal=True)
             for rank in range(world_size):
-                output[rank][name] = shards[rank // self.tp].iterator()
+                output[rank][name] = shards[rank // self.group].iterator()
         return output
 
 
-class RoleShards(DataConfig):
+class RoleSplit(DataConfig):
     """tf_ps: the train split in `workers` equal shards, in file order, for the last `workers` ranks (the
     TensorFlow workers); the other splits whole for rank 0 (the chief, which evaluates). Ray Train wants an
     iterator of every dataset on every rank: the others get an empty one (never read)."""
@@ -61,9 +62,9 @@ class RoleShards(DataConfig):
         return output
 
 
-def shard_config(num_workers: int, cache_in_worker: bool, tp: int = 1) -> DataConfig:
-    """Ordered shards when the workers cache their shard (the default) or TP needs identical batches across a
-    group; Ray's streaming split otherwise (data too big to materialise: reproducible order is given up)."""
-    if cache_in_worker or tp > 1:
-        return OrderedShards(dp=num_workers // tp, tp=tp)
+def split_config(num_workers: int, cache_in_worker: bool, group: int = 1) -> DataConfig:
+    """An ordered split when the workers cache their part (the default) or a group of ranks needs identical
+    batches; Ray's streaming split otherwise (data too big to materialise: reproducible order is given up)."""
+    if cache_in_worker or group > 1:
+        return OrderedSplit(dp=num_workers // group, group=group)
     return DataConfig()

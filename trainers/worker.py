@@ -134,7 +134,7 @@ def restored_checkpoint(cfg: DictConfig) -> Any:
 
 def dataset_shards(*names: str) -> tuple[list[Any], float]:
     """This worker's Ray Data shards of the datasets `names`, and the seconds it waited for them: the first call
-    waits while Ray Train splits the datasets (`shard_data.OrderedShards`; cached data the driver has
+    waits while Ray Train splits the datasets (`data_split.OrderedSplit`; cached data the driver has
     read by then, `pipelines/data/readers.Materializing`), which is part of pulling the data."""
     import ray.train
 

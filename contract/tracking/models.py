@@ -1,4 +1,4 @@
-"""The trained model in MLflow: logged (PyTorch flavour; Keras' is logged by trainers/tf/common.py) and
+"""The trained model in MLflow: logged (PyTorch flavour; Keras' is logged by trainers/tf/adapter.py) and
 registered as a version of a registered model."""
 from __future__ import annotations
 

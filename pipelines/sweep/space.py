@@ -24,10 +24,9 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from contract.config import parallel_degrees, worker_resources
+from contract.config import layout_of, worker_resources
 from contract.metrics import ALL_EPOCH_METRICS
-from contract.registry import MODELS
-from pipelines.backend_checks import ignored_keys
+from contract.registry import BACKENDS, MODELS, resolve
 from pipelines.config import ConfigError, load_config
 
 # CPUs a trial takes besides its workers: its Tune function (the Ray Train driver) and one for Ray Data's
@@ -295,11 +294,14 @@ def gpus_needed(cfg: DictConfig) -> float:
 
 def reject_ignored(trials: list[Trial], mutated: list[str]) -> None:
     """Reject valid trials whose grid point or mutations (`mutated`, PBT's keys) set a key their backend and model
-    do not read (`backend_checks.ignored_keys`): the trial would train what another trial trains."""
+    do not read (the backend spec's `ignored_keys`): the trial would train what another trial trains."""
     for trial in trials:
         if trial.cfg is None:
             continue
-        ignored, why = ignored_keys(trial.cfg, MODELS.get(trial.cfg.model.name))
+        ignored_keys = BACKENDS.get(trial.cfg.trainer.backend).ignored_keys
+        if ignored_keys is None:
+            continue
+        ignored, why = resolve(ignored_keys)(trial.cfg, MODELS.get(trial.cfg.model.name))
         swept = sorted({key.lstrip("+") for key in [*trial.combo, *mutated]} & set(ignored))
         if swept:
             verb = "changes" if len(swept) == 1 else "change"
@@ -345,7 +347,7 @@ def trial_name(trial: Trial) -> str:
     """The trial's MLflow run name: its backend and layout, batch and learning rate, then each other key of its grid
     point (`model.hidden=8`). Trials of equal points (`sweep.num_samples` without distributions) share it."""
     t = trial.cfg.trainer
-    dp, tp = parallel_degrees(t)
-    parts = [f"{t.backend}-w{t.num_workers}-tp{tp}-dp{dp}-bs{t.batch_size}-lr{t.lr:g}"]
+    layout = layout_of(t)
+    parts = [f"{t.backend}-w{t.num_workers}-tp{layout.tp}-dp{layout.dp}-bs{t.batch_size}-lr{t.lr:g}"]
     parts += [f"{key}={value}" for key, value in trial.combo.items() if key.lstrip("+") not in NAMED_KEYS]
     return "-".join(parts)

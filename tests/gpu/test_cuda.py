@@ -65,15 +65,14 @@ def ddp_run(cfg) -> Callable:
     from torch.nn.parallel import DistributedDataParallel
 
     from trainers.adapter import WorkerData
-    from trainers.torch.common import train_adapter
-    from trainers.torch.ddp import build_adapter
+    from trainers.torch.ddp import DDP
 
     data = batches(mnist_columns(320), mnist_columns(64, seed=1), "mnist", 16)
 
     def run(ctx):
-        adapter = build_adapter(cfg, replace(ctx, device=CUDA), WorkerData(mnist_schema(), data))
+        adapter = DDP().build_adapter(cfg, replace(ctx, device=CUDA), WorkerData(mnist_schema(), data))
         adapter.model = adapter.forward = DistributedDataParallel(adapter.model, device_ids=[CUDA.index])
-        return train_adapter(cfg, ctx, adapter)
+        return DDP().train(cfg, ctx, adapter)
     return run
 
 
@@ -91,7 +90,7 @@ def test_fp16_with_loss_scaling_and_bf16_track_fp32_on_the_gpu(nccl, tmp_path):
     and bf16 on the GPU: their step losses differ from float32's (half precision really ran) and stay within 0.05
     of them over 40 steps; both learn. fp16's stop/resume keeps the scaler's state: the resumed curve is the
     uninterrupted one."""
-    from trainers.torch import common as tc
+    from trainers.torch.adapter import DENSE_STATE_FILE
 
     curves = {}
     for precision in ("fp32", "bf16", "fp16"):
@@ -103,7 +102,7 @@ def test_fp16_with_loss_scaling_and_bf16_track_fp32_on_the_gpu(nccl, tmp_path):
         assert curves[half][-5:].mean() < curves[half][:5].mean(), half
     cfg = config(tmp_path / "fp16-resume", [*MNIST, "trainer.precision=fp16"])
     runs = check_stop_resume_parity(ddp_run(cfg), tmp_path / "fp16-resume", rtol=1e-6, atol=1e-7)
-    state = torch.load(runs["stopped"].checkpoint / tc.STATE_FILE, weights_only=False)
+    state = torch.load(runs["stopped"].checkpoint / DENSE_STATE_FILE, weights_only=False)
     assert state["scaler"]["scale"] > 0  # the loss scale, restored with the schedule
 
 
@@ -135,8 +134,8 @@ def test_checkpoints_move_between_cpu_and_gpu_runs_with_each_devices_kernels(ncc
     as a fresh GPU run does, its counters on the GPU; a GPU run's checkpoint loads with its tensors on the CPU and
     resumes on the CPU with foreach. Both stopped-then-resumed step-loss curves are the uninterrupted CPU run's."""
     from trainers.adapter import WorkerData
-    from trainers.torch import common as tc
-    from trainers.torch.ddp import build_adapter
+    from trainers.torch.adapter import load_state_file
+    from trainers.torch.ddp import DDP
 
     keys = ["trainer.num_workers=1", "trainer.batch_size=16", "model.hidden=[32]", "model.dropout=0",
             "trainer.epochs=2", "trainer.optimizer=adamw", "trainer.lr=0.003", "trainer.weight_decay=0.01",
@@ -149,15 +148,15 @@ def test_checkpoints_move_between_cpu_and_gpu_runs_with_each_devices_kernels(ncc
         data = batches(mnist_columns(320), mnist_columns(64, seed=1), "mnist", 16, device)
 
         def run(ctx):
-            adapters.append(build_adapter(cfg, replace(ctx, device=device), WorkerData(mnist_schema(), data)))
-            return tc.train_adapter(cfg, ctx, adapters[-1])
+            adapters.append(DDP().build_adapter(cfg, replace(ctx, device=device), WorkerData(mnist_schema(), data)))
+            return DDP().train(cfg, ctx, adapters[-1])
         return run
 
     straight = run_attempt(run_on(cpu), 0, 1, 2, tmp_path / "straight")
     for saver, resumer in ((cpu, CUDA), (CUDA, cpu)):
         folder = tmp_path / f"{saver.type}-to-{resumer.type}"
         stopped = run_attempt(run_on(saver), 0, 1, 2, folder / "stopped", stop=True)
-        state = tc.load_state_file(stopped.checkpoint)
+        state = load_state_file(stopped.checkpoint)
         assert not any(value.is_cuda for entry in state["optimizer"]["state"].values() for value in entry.values()
                        if torch.is_tensor(value))
         resumed = run_attempt(run_on(resumer), 0, 1, 2, folder / "resumed", restored=stopped.checkpoint)
@@ -175,7 +174,7 @@ def test_fsdp_over_nccl_on_the_gpu_trains_the_dense_model(nccl, tmp_path):
     the GPU and batched by length, as a GPU worker's Ray Data shard is (a `use_gpu` IMDb run failed there once: its
     attention mask and length buckets were built on the CPU)."""
     from trainers.adapter import WorkerData
-    from trainers.torch.fsdp import dense_model_state, run_worker
+    from trainers.torch.fsdp import FSDP
 
     model_inputs = imdb_schema(64, 16)
     data, cpu_data = (batches(imdb_columns(320, 64, 16), imdb_columns(64, 64, 16, seed=1), "imdb", 16, device)
@@ -186,10 +185,10 @@ def test_fsdp_over_nccl_on_the_gpu_trains_the_dense_model(nccl, tmp_path):
     curves = {}
     for precision in ("fp32", "bf16"):
         cfg = config(tmp_path / precision, [*keys, f"trainer.precision={precision}"])
-        run = lambda ctx: run_worker(cfg, replace(ctx, device=CUDA), WorkerData(model_inputs, data))  # noqa: E731
+        run = lambda ctx: FSDP().run_worker(cfg, replace(ctx, device=CUDA), WorkerData(model_inputs, data))  # noqa: E731
         attempt = run_attempt(run, 0, 1, 1, tmp_path / precision / "run")
         curves[precision] = attempt.recorder.curve()
-        assert {v.dtype for v in dense_model_state(str(attempt.checkpoint)).values()} == {torch.float32}
+        assert {v.dtype for v in FSDP().dense_state(str(attempt.checkpoint)).values()} == {torch.float32}
     dense, _ = dense_training(config(tmp_path / "dense", keys), model_inputs, [cpu_data(cfg.run.seed)[0]])
     np.testing.assert_allclose(curves["fp32"], dense, rtol=1e-4, atol=1e-4)
     assert not np.array_equal(curves["bf16"], curves["fp32"])
@@ -203,7 +202,7 @@ def test_tp_over_nccl_on_the_gpu_trains_the_dense_model(nccl, tmp_path, impl):
     model: the same step losses within float tolerance. The DTensor plan leaves embeddings and norms plain, a mix
     that CUDA's default foreach update refuses (a `use_gpu` tp run failed at its first step)."""
     from trainers.adapter import WorkerData
-    from trainers.torch.tp import run_worker
+    from trainers.torch.tp import TP
 
     model_inputs = imdb_schema(64, 16)
     data, cpu_data = (batches(imdb_columns(320, 64, 16), imdb_columns(64, 64, 16, seed=1), "imdb", 16, device)
@@ -213,7 +212,7 @@ def test_tp_over_nccl_on_the_gpu_trains_the_dense_model(nccl, tmp_path, impl):
             "trainer.epochs=1", "trainer.num_workers=1", "trainer.optimizer=adamw", "trainer.weight_decay=0.01",
             "trainer.grad_clip=0.5", "trainer.use_gpu=true"]
     cfg = config(tmp_path, keys)
-    run = lambda ctx: run_worker(cfg, replace(ctx, device=CUDA), WorkerData(model_inputs, data))  # noqa: E731
+    run = lambda ctx: TP().run_worker(cfg, replace(ctx, device=CUDA), WorkerData(model_inputs, data))  # noqa: E731
     curve = run_attempt(run, 0, 1, 1, tmp_path / "run").recorder.curve()
     dense, _ = dense_training(config(tmp_path / "dense", keys), model_inputs, [cpu_data(cfg.run.seed)[0]])
     np.testing.assert_allclose(curve, dense, rtol=1e-4, atol=1e-4)
@@ -244,7 +243,7 @@ def test_flight_recorder_dumps_the_ranks_collectives_when_the_hang_watcher_fires
     import pickle
 
     from trainers.torch.process_group import flight_recorder_env
-    from trainers.torch.common import dump_flight_recorder
+    from trainers.torch.backend import dump_flight_recorder
 
     for key, value in flight_recorder_env(str(tmp_path)).items():
         monkeypatch.setenv(key, value)  # before the group exists: NCCL reads them when it is made

@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import ray_init_on
-from trainers.data_split import OrderedShards, shard_config
+from trainers.data_split import OrderedSplit, split_config
 
 FILES, ROWS_PER_FILE = 8, 64
 
@@ -39,7 +39,7 @@ def read_rows(folder) -> object:
 def test_each_rank_gets_its_contiguous_part_in_file_order_every_time(tmp_path, ray_driver):
     total = FILES * ROWS_PER_FILE
     for _ in range(2):  # a restarted run (or the next run) configures again: same rows, same order
-        shards = OrderedShards(dp=2).configure({"train": read_rows(tmp_path)}, world_size=2, worker_handles=None,
+        shards = OrderedSplit(dp=2).configure({"train": read_rows(tmp_path)}, world_size=2, worker_handles=None,
                                                worker_node_ids=None)
         assert rows_of(shards[0]["train"]) == list(range(total // 2))
         assert rows_of(shards[1]["train"]) == list(range(total // 2, total))
@@ -55,7 +55,7 @@ def test_datasets_the_driver_materialised_split_the_same(tmp_path, ray_driver):
     total = FILES * ROWS_PER_FILE
     datasets = Materializing({"train": read_rows(tmp_path)}).result()
     assert isinstance(datasets["train"], MaterializedDataset)
-    shards = OrderedShards(dp=2).configure(datasets, world_size=2, worker_handles=None, worker_node_ids=None)
+    shards = OrderedSplit(dp=2).configure(datasets, world_size=2, worker_handles=None, worker_node_ids=None)
     assert rows_of(shards[0]["train"]) == list(range(total // 2))
     assert rows_of(shards[1]["train"]) == list(range(total // 2, total))
     (tmp_path / "part-00003.parquet").write_bytes(b"PAR1 cut short")
@@ -65,7 +65,7 @@ def test_datasets_the_driver_materialised_split_the_same(tmp_path, ray_driver):
 
 
 def test_ranks_of_one_tp_group_read_the_same_shard(tmp_path, ray_driver):
-    shards = OrderedShards(dp=2, tp=2).configure({"train": read_rows(tmp_path)}, world_size=4, worker_handles=None,
+    shards = OrderedSplit(dp=2, group=2).configure({"train": read_rows(tmp_path)}, world_size=4, worker_handles=None,
                                                  worker_node_ids=None)
     rows = [rows_of(s["train"]) for s in shards]
     assert rows[0] == rows[1] and rows[2] == rows[3]
@@ -73,8 +73,8 @@ def test_ranks_of_one_tp_group_read_the_same_shard(tmp_path, ray_driver):
 
 
 def test_streaming_data_keeps_rays_streaming_split_and_tp_always_orders():
-    assert type(shard_config(2, cache_in_worker=False)).__name__ == "DataConfig"
-    assert isinstance(shard_config(2, cache_in_worker=True), OrderedShards)
-    assert isinstance(shard_config(4, cache_in_worker=False, tp=2), OrderedShards)
+    assert type(split_config(2, cache_in_worker=False)).__name__ == "DataConfig"
+    assert isinstance(split_config(2, cache_in_worker=True), OrderedSplit)
+    assert isinstance(split_config(4, cache_in_worker=False, group=2), OrderedSplit)
     with pytest.raises(ValueError, match="dp\\*tp=4 != world_size=3"):
-        OrderedShards(dp=2, tp=2).configure({}, world_size=3, worker_handles=None, worker_node_ids=None)
+        OrderedSplit(dp=2, group=2).configure({}, world_size=3, worker_handles=None, worker_node_ids=None)

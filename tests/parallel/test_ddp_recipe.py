@@ -56,10 +56,10 @@ def _dense_reference(cfg, model: nn.Module) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-# the CNN trains in channels-last memory format (trainers/torch/common.place_model); its reference is plain NCHW.
+# the CNN trains in channels-last memory format (trainers/torch/adapter.place_model); its reference is plain NCHW.
 # `compiled`: the same MLP trained through torch.compile (DDP's graph split at its buckets).
 # `dropout`: the MLP with dropout on; the reference draws each rank's masks from its own stream
-# (trainers/torch/common.seed_dropout), so ranks sharing one stream would fail it.
+# (trainers/torch/adapter.seed_dropout), so ranks sharing one stream would fail it.
 MODELS = {"mlp": ["model.hidden=[32]"], "cnn": ["model=cnn", "model.channels=[4,8]", "model.hidden=16"],
           "compiled": ["model.hidden=[32]", "trainer.compile=true"],
           "dropout": ["model.hidden=[32]", "model.dropout=0.5"]}
@@ -68,16 +68,15 @@ MODELS = {"mlp": ["model.hidden=[32]"], "cnn": ["model=cnn", "model.channels=[4,
 def _accumulate(rank: int, world_size: int, tmp: str, model: str) -> None:
     from trainers.adapter import WorkerData
     from trainers.models import build_model
-    from trainers.torch.common import train_adapter
-    from trainers.torch.ddp import build_adapter
+    from trainers.torch.ddp import DDP
 
     torch.set_default_dtype(torch.float32)  # the pool's ranks may have run a float64 test before
     cfg = config(Path(tmp) / f"cfg{rank}", [*OVERRIDES, *MODELS[model]])  # the model's keys last: they win
     adapters = []
 
     def run(ctx):
-        adapters.append(build_adapter(cfg, ctx, WorkerData(mnist_schema(), _batches(rank))))
-        return train_adapter(cfg, ctx, adapters[-1])
+        adapters.append(DDP().build_adapter(cfg, ctx, WorkerData(mnist_schema(), _batches(rank))))
+        return DDP().train(cfg, ctx, adapters[-1])
     run_attempt(run, rank, world_size, 1, Path(tmp) / f"run{rank}")
     [adapter] = adapters
     assert isinstance(adapter.model, nn.parallel.DistributedDataParallel)  # 2 ranks: wrapped as Ray's prepare_model

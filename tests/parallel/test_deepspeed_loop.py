@@ -53,13 +53,13 @@ def _no_whole_parameters(tmp_path: Path) -> str:
 
 def _run(cfg, rank: int, world_size: int):
     from trainers.adapter import WorkerData
-    from trainers.torch.deepspeed import run_worker
+    from trainers.torch.deepspeed import DeepSpeed
 
-    return lambda ctx: run_worker(cfg, ctx, WorkerData(mnist_schema(), _data(rank, world_size)))
+    return lambda ctx: DeepSpeed().run_worker(cfg, ctx, WorkerData(mnist_schema(), _data(rank, world_size)))
 
 
 def _train_two_ranks(rank: int, world_size: int, tmp: str) -> None:
-    from trainers.torch.deepspeed import dense_state
+    from trainers.torch.deepspeed import DeepSpeed
 
     _torchrun_env(rank, world_size)
     tmp_path = Path(tmp)
@@ -71,7 +71,7 @@ def _train_two_ranks(rank: int, world_size: int, tmp: str) -> None:
         losses, model = dense_training(cfg, mnist_schema(), shards)
         # float32: the partitioned reductions sum in another order than the dense backward
         np.testing.assert_allclose(runs["straight"].recorder.curve(), losses, rtol=1e-4, atol=1e-5)
-        exported = dense_state(str(last_checkpoint(tmp_path / "deepspeed" / "straight")))  # what MLflow gets
+        exported = DeepSpeed().dense_state(str(last_checkpoint(tmp_path / "deepspeed" / "straight")))  # what MLflow gets
         assert exported.keys() == model.state_dict().keys()
         for name, value in model.state_dict().items():
             torch.testing.assert_close(exported[name], value, rtol=1e-4, atol=1e-5, msg=name)
@@ -87,7 +87,7 @@ def _load_at_one_rank(rank: int, world_size: int, tmp: str) -> None:
     and one step on a batch moves them as a dense Adam step moves the consolidated weights with the consolidated
     moments (DeepSpeed's universal files: one per parameter)."""
     from trainers.adapter import WorkerData
-    from trainers.torch.deepspeed import TAG, build_adapter, dense_state, to_universal
+    from trainers.torch.deepspeed import DeepSpeed, TAG, to_universal
     from trainers.torch.recipe import build_recipe
     from trainers.models import build_model
 
@@ -96,10 +96,10 @@ def _load_at_one_rank(rank: int, world_size: int, tmp: str) -> None:
     checkpoint = tmp_path / "deepspeed" / "straight" / "checkpoint_1"
     cfg = config(tmp_path / "cfg-one", [*OVERRIDES, "trainer.num_workers=1", _no_whole_parameters(tmp_path)])
     ctx = make_context(0, 1, 2, tmp_path / "one", None, [], restored=checkpoint)
-    adapter = build_adapter(cfg, ctx, WorkerData(mnist_schema(), _data(0, 1)))
+    adapter = DeepSpeed().build_adapter(cfg, ctx, WorkerData(mnist_schema(), _data(0, 1)))
     assert adapter.universal
     adapter.load(str(checkpoint))
-    consolidated = dense_state(str(checkpoint))
+    consolidated = DeepSpeed().dense_state(str(checkpoint))
     for name, value in adapter.dense_model_state().items():
         torch.testing.assert_close(value, consolidated[name], rtol=0, atol=0, msg=name)
 

@@ -40,13 +40,13 @@ def _data(rank: int, ranks: int):
 
 
 def _fsdp_run(cfg, rank: int, world_size: int):
-    """The worker of `rank`; with tp > 1 a TP group's ranks read the same data shard, as OrderedShards gives."""
+    """The worker of `rank`; with tp > 1 a TP group's ranks read the same data shard, as OrderedSplit gives."""
     from trainers.adapter import WorkerData
-    from trainers.torch.fsdp import run_worker
+    from trainers.torch.fsdp import FSDP
 
     tp = cfg.trainer.tp
     data = _data(rank // tp, world_size // tp)
-    return lambda ctx: run_worker(cfg, ctx, WorkerData(MODEL_INPUTS, data))
+    return lambda ctx: FSDP().run_worker(cfg, ctx, WorkerData(MODEL_INPUTS, data))
 
 
 def _dense_reference(cfg, ranks: int) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
@@ -57,7 +57,7 @@ def _dense_reference(cfg, ranks: int) -> tuple[np.ndarray, dict[str, torch.Tenso
 
 
 def _train_two_ranks(rank: int, world_size: int, tmp: str) -> None:
-    from trainers.torch.fsdp import dense_model_state
+    from trainers.torch.fsdp import FSDP
 
     torch.set_default_dtype(torch.float64)  # the reorderings of sharded sums vanish below float64's rounding
     tmp_path = Path(tmp)
@@ -73,12 +73,12 @@ def _train_two_ranks(rank: int, world_size: int, tmp: str) -> None:
         losses, weights = _dense_reference(cfg, 2)
         np.testing.assert_allclose(runs["straight"].recorder.curve(), losses, rtol=1e-9, atol=1e-12)
         np.testing.assert_allclose(recomputed.recorder.curve(), runs["straight"].recorder.curve(), rtol=1e-12)
-        assert dense_model_state(str(recomputed.checkpoint)).keys() == weights.keys()
+        assert FSDP().dense_state(str(recomputed.checkpoint)).keys() == weights.keys()
         trained = torch.load(tmp_path / "dump" / "rank0.pt")  # the FSDP model, gathered (run.dump_params_dir)
         assert trained.keys() == weights.keys()
         for name, value in weights.items():
             torch.testing.assert_close(trained[name], value, rtol=1e-9, atol=1e-12, msg=name)
-        exported = dense_model_state(str(last_checkpoint(tmp_path / "fsdp" / "straight")))  # what MLflow gets
+        exported = FSDP().dense_state(str(last_checkpoint(tmp_path / "fsdp" / "straight")))  # what MLflow gets
         for name, value in weights.items():
             torch.testing.assert_close(exported[name], value, rtol=1e-9, atol=1e-12, msg=name)
         memory = runs["straight"].recorder.extras[1]
@@ -97,12 +97,12 @@ def _load_at_one_rank(rank: int, world_size: int, tmp: str) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     from trainers.adapter import WorkerData
-    from trainers.torch.fsdp import build_adapter
+    from trainers.torch.fsdp import FSDP
 
     torch.set_default_dtype(torch.float64)
     tmp_path = Path(tmp)
     cfg = config(tmp_path / "cfg-one", [*OVERRIDES, "trainer.num_workers=1"])
-    adapter = build_adapter(cfg, plain_context(), WorkerData(MODEL_INPUTS, _data(0, 1)))
+    adapter = FSDP().build_adapter(cfg, plain_context(), WorkerData(MODEL_INPUTS, _data(0, 1)))
     checkpoint = last_checkpoint(tmp_path / "fsdp" / "stopped")
     adapter.load(str(checkpoint))
     model_state, optimizer_state = get_state_dict(adapter.model, adapter.optimizer,
@@ -160,7 +160,7 @@ def _cnn_two_ranks(rank: int, world_size: int, tmp: str) -> None:
     the reduce-scatter stay within rtol 1e-4 (measured ~1e-6); unaveraged or missing gradients are off by >1e-2."""
     from trainers.adapter import WorkerData
     from trainers.torch.data import ShardBatches
-    from trainers.torch.fsdp import run_worker
+    from trainers.torch.fsdp import FSDP
 
     columns = {r: {k: torch.from_numpy(v) for k, v in shard(mnist_columns(128), r, 2).items()} for r in range(2)}
     evaluation = {k: torch.from_numpy(v) for k, v in mnist_columns(32, seed=1).items()}
@@ -172,7 +172,7 @@ def _cnn_two_ranks(rank: int, world_size: int, tmp: str) -> None:
     cfg = config(Path(tmp) / f"cfg{rank}", ["trainer=fsdp", "model=cnn", "model.channels=[4,8]", "model.hidden=16",
                                             "model.dropout=0", f"trainer.batch_size={BATCH}", "trainer.epochs=1",
                                             "trainer.num_workers=2", "trainer.grad_clip=0.5"])
-    attempt = run_attempt(lambda ctx: run_worker(cfg, ctx, WorkerData(mnist_schema(), data(rank))), rank, world_size, 1,
+    attempt = run_attempt(lambda ctx: FSDP().run_worker(cfg, ctx, WorkerData(mnist_schema(), data(rank))), rank, world_size, 1,
                           Path(tmp) / "cnn")
     if rank == 0:
         losses, _ = dense_training(cfg, mnist_schema(), [data(r)(cfg.run.seed + 1000 * r)[0] for r in range(2)])

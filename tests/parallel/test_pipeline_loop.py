@@ -49,13 +49,13 @@ def _data(data_rank: int, data_ranks: int, rows: int = ROWS):
 
 
 def _run(cfg, rank: int, world_size: int, rows: int = ROWS):
-    """The worker of `rank`: the pp x tp ranks of a pipeline read the same data shard, as OrderedShards gives."""
+    """The worker of `rank`: the pp x tp ranks of a pipeline read the same data shard, as OrderedSplit gives."""
     from trainers.adapter import WorkerData
-    from trainers.torch.fsdp import run_worker
+    from trainers.torch.fsdp import FSDP
 
     group = cfg.trainer.tp * cfg.trainer.pp
     data = _data(rank // group, world_size // group, rows)
-    return lambda ctx: run_worker(cfg, ctx, WorkerData(MODEL_INPUTS, data))
+    return lambda ctx: FSDP().run_worker(cfg, ctx, WorkerData(MODEL_INPUTS, data))
 
 
 def _dense(cfg, data_ranks: int, rows: int = ROWS):
@@ -81,7 +81,7 @@ def _two_stages(rank: int, world_size: int, tmp: str, schedule: str) -> None:
         check_stop_resume_parity(_run(parity_cfg, rank, world_size), tmp_path / "parity", rank, world_size,
                                  text=True, rtol=1e-10, atol=1e-12, barrier=dist.barrier)
     if rank == 0:
-        from trainers.torch.fsdp import dense_model_state
+        from trainers.torch.fsdp import FSDP
 
         losses, model, accuracy = _dense(cfg, 1)
         np.testing.assert_allclose(attempt.recorder.curve(), losses, rtol=1e-9, atol=1e-12)
@@ -94,7 +94,7 @@ def _two_stages(rank: int, world_size: int, tmp: str, schedule: str) -> None:
         for r in range(2):  # a gradient and Adam's two moments for each of those parameters
             assert extras[f"rank{r}.grad_bytes"] == extras[f"rank{r}.param_bytes"]
             assert extras[f"rank{r}.optimizer_state_bytes"] == 2 * extras[f"rank{r}.param_bytes"]
-        exported = dense_model_state(str(last_checkpoint(tmp_path / "run")))  # every stage's part, dense names
+        exported = FSDP().dense_state(str(last_checkpoint(tmp_path / "run")))  # every stage's part, dense names
         assert exported.keys() == model.state_dict().keys()
         for name, value in model.state_dict().items():
             torch.testing.assert_close(exported[name], value, rtol=1e-9, atol=1e-12, msg=name)
@@ -113,7 +113,7 @@ def _bf16(rank: int, world_size: int, tmp: str) -> None:
     the CPU's bf16 kernels (a step can land a few hundredths off where one rounding tips), so the first steps stay
     within 0.01 of float32's on average, the epoch's mean loss too, and every step within 0.1 (the loss moves by
     ~0.45 over the epoch here); the checkpoint's weights are float32."""
-    from trainers.torch.fsdp import dense_model_state
+    from trainers.torch.fsdp import FSDP
 
     tmp_path = Path(tmp)
     curves = {}
@@ -125,7 +125,7 @@ def _bf16(rank: int, world_size: int, tmp: str) -> None:
             attempt = run_attempt(_run(cfg, rank, world_size), rank, world_size, 1, tmp_path / name / precision)
             curves[name, precision] = attempt.recorder.curve() if rank == 0 else None
             if rank == 0 and precision == "bf16":
-                assert {v.dtype for v in dense_model_state(str(attempt.checkpoint)).values()} == {torch.float32}
+                assert {v.dtype for v in FSDP().dense_state(str(attempt.checkpoint)).values()} == {torch.float32}
     if rank == 0:
         for name in ("fsdp", "pp"):
             assert not np.array_equal(curves[name, "bf16"], curves[name, "fp32"])  # bf16 really ran
@@ -183,7 +183,7 @@ def _mlp_stages(rank: int, world_size: int, tmp: str) -> None:
     """In float32, as image batches are: micro-batches reorder sums (~1e-7), a wrong split is off by > 1e-3."""
     from trainers.adapter import WorkerData
     from trainers.torch.data import ShardBatches
-    from trainers.torch.fsdp import run_worker
+    from trainers.torch.fsdp import FSDP
 
     cfg = config(Path(tmp) / f"cfg{rank}", ["trainer=fsdp", "model=mlp", "model.hidden=[32,16]", "model.dropout=0",
                                             "trainer.num_workers=2", "trainer.pp=2", "trainer.pp_schedule=1f1b",
@@ -196,10 +196,10 @@ def _mlp_stages(rank: int, world_size: int, tmp: str) -> None:
         return (ShardBatches.from_columns(train, mnist_schema(), BATCH, seed, drop_last=True),
                 ShardBatches.from_columns(evaluation, mnist_schema(), BATCH, seed))
 
-    attempt = run_attempt(lambda ctx: run_worker(cfg, ctx, WorkerData(mnist_schema(), data)), rank, world_size, 1,
+    attempt = run_attempt(lambda ctx: FSDP().run_worker(cfg, ctx, WorkerData(mnist_schema(), data)), rank, world_size, 1,
                           Path(tmp) / "run")
     if rank == 0:
-        from trainers.torch.fsdp import dense_model_state
+        from trainers.torch.fsdp import FSDP
 
         losses, model = dense_training(cfg, mnist_schema(), [data(cfg.run.seed)[0]])
         np.testing.assert_allclose(attempt.recorder.curve(), losses, rtol=1e-5, atol=1e-6)
@@ -207,7 +207,7 @@ def _mlp_stages(rank: int, world_size: int, tmp: str) -> None:
             correct = sum(int((model(*inputs).argmax(dim=1) == labels).sum())
                           for inputs, labels, _ in data(0)[1].epoch(1, shuffle=False))
         assert attempt.recorder.epochs[1]["test_accuracy"] == pytest.approx(correct / 40, abs=1e-12)
-        exported = dense_model_state(str(last_checkpoint(Path(tmp) / "run")))
+        exported = FSDP().dense_state(str(last_checkpoint(Path(tmp) / "run")))
         assert exported.keys() == model.state_dict().keys()  # net.0 from stage 0, net.3 and net.6 from stage 1
         for name, value in model.state_dict().items():
             torch.testing.assert_close(exported[name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -50,18 +50,17 @@ def _slowed(where: str, adapter) -> None:
 
 def _straggle(rank: int, world_size: int, tmp: str, where: str) -> None:
     from trainers.adapter import WorkerData
-    from trainers.torch.common import train_adapter
-    from trainers.torch.ddp import build_adapter
+    from trainers.torch.ddp import DDP
 
     torch.set_default_dtype(torch.float32)
     cfg = config(Path(tmp) / f"cfg{rank}", ["trainer.batch_size=16", "trainer.epochs=2", "trainer.num_workers=2",
                                              "model.hidden=[16]"])
 
     def run(ctx):
-        adapter = build_adapter(cfg, ctx, WorkerData(mnist_schema(), _data(rank)))
+        adapter = DDP().build_adapter(cfg, ctx, WorkerData(mnist_schema(), _data(rank)))
         if rank == 1:
             _slowed(where, adapter)
-        return train_adapter(cfg, ctx, adapter)
+        return DDP().train(cfg, ctx, adapter)
     attempt = run_attempt(run, rank, world_size, 2, Path(tmp) / f"run{rank}")
     if rank != 0:
         return

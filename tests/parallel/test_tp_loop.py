@@ -34,17 +34,17 @@ def _data(seed: int):
 
 def _tp_run(cfg):
     from trainers.adapter import WorkerData
-    from trainers.torch.tp import run_worker
+    from trainers.torch.tp import TP
 
-    return lambda ctx: run_worker(cfg, ctx, WorkerData(MODEL_INPUTS, _data))
+    return lambda ctx: TP().run_worker(cfg, ctx, WorkerData(MODEL_INPUTS, _data))
 
 
 def _dense_adapter(cfg):
     """The dense model (ddp's adapter on one rank) on the batches every TP rank reads."""
     from trainers.adapter import WorkerData
-    from trainers.torch.ddp import build_adapter
+    from trainers.torch.ddp import DDP
 
-    return build_adapter(cfg, plain_context(), WorkerData(MODEL_INPUTS, _data))
+    return DDP().build_adapter(cfg, plain_context(), WorkerData(MODEL_INPUTS, _data))
 
 
 def _parity_and_dense_curve(rank: int, world_size: int, impl: str, tmp: str) -> None:
@@ -80,7 +80,7 @@ def test_tp_stop_resume_parity_with_optimizer_state_and_dense_curve(run_ranks: R
 
 def _dense_curve_with_dropout(rank: int, world_size: int, impl: str, tmp: str) -> None:
     """Dropout acts on replicated activations (embeddings, residual stream, MLP output): the TP ranks draw the same
-    masks as each other and as the dense model, from one stream per data rank (trainers.torch.common.seed_dropout)."""
+    masks as each other and as the dense model, from one stream per data rank (trainers.torch.adapter.seed_dropout)."""
     from trainers.loop import TrainLoop
 
     tmp_path = Path(tmp)

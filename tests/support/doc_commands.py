@@ -87,7 +87,7 @@ def check_call(command: str, args: list[str]) -> bool:
     """Validate one call as its command would before starting anything (raises its error); False if this command
     is not one whose arguments can be checked so (list, report, replay...) or asks for help."""
     from pipelines.config import checked_values
-    from pipelines.errors import ConfigError
+    from contract.checks import ConfigError
 
     from pipelines.cli import with_verbose_key
 

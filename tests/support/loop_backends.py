@@ -11,7 +11,6 @@ Horovod runs as a lone process (size 1, no rendezvous). The TF backends also che
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
@@ -129,6 +128,7 @@ def data_for(cfg):
 
 def runner(cfg):
     """`run(ctx) -> finished` of the backend `cfg` names, on generated data."""
+    from trainers import get_backend
     from trainers.adapter import WorkerData
 
     train, evaluation = data_for(cfg)
@@ -142,23 +142,18 @@ def runner(cfg):
             as_torch = lambda cols: {k: torch.from_numpy(v) for k, v in cols.items()}  # noqa: E731
             return (ShardBatches.from_columns(as_torch(train), mnist_schema(), trainer.batch_size, seed),
                     ShardBatches.from_columns(as_torch(evaluation), mnist_schema(), 64, seed))
-        module = importlib.import_module({"ddp": "trainers.torch.ddp", "lightning": "trainers.torch.lightning_fit",
-                                          "deepspeed": "trainers.torch.deepspeed",
-                                          "horovod": "trainers.horovod.torch"}[trainer.backend])
         if trainer.backend == "deepspeed":
             lone_process_group()
-        return lambda ctx: module.run_worker(cfg, ctx, WorkerData(mnist_schema(), batches))  # one rank
+        from trainers.torch import lightning_fit  # in-process: Lightning's strategy over this process group
+
+        run_worker = lightning_fit.run_worker if trainer.backend == "lightning" else get_backend(trainer).run_worker
+        return lambda ctx: run_worker(cfg, ctx, WorkerData(mnist_schema(), batches))  # one rank
     from trainers.tf.data import ShardArrays
 
     if trainer.backend == "tf_ps":
         return ps_runner(cfg, train, ShardArrays.from_columns(evaluation, schema_of(cfg)))
     arrays = (ShardArrays.from_columns(train, schema_of(cfg)), ShardArrays.from_columns(evaluation, schema_of(cfg)))
-    from trainers.horovod import tf as horovod_tf
-    from trainers.tf import tf_mwms
-    from trainers.tf import tf_dtensor
-
-    module = {"horovod": horovod_tf, "tf_dtensor": tf_dtensor}.get(trainer.backend, tf_mwms)
-    return lambda ctx: module.run_worker(cfg, ctx, WorkerData(schema_of(cfg), lambda seed: arrays))
+    return lambda ctx: get_backend(trainer).run_worker(cfg, ctx, WorkerData(schema_of(cfg), lambda seed: arrays))
 
 
 def lone_process_group() -> None:
@@ -175,10 +170,10 @@ def lone_process_group() -> None:
 def ps_runner(cfg, train, evaluation):
     """tf_ps in this process as its chief (`ps_cluster`)."""
     from trainers.adapter import WorkerData
-    from trainers.tf import tf_ps
+    from trainers.tf.tf_ps import ParameterServers
 
     shards = ps_cluster(cfg, train)
-    return lambda ctx: tf_ps.run_worker(cfg, ctx, WorkerData(schema_of(cfg), lambda seed: (shards, evaluation)))
+    return lambda ctx: ParameterServers().run_worker(cfg, ctx, WorkerData(schema_of(cfg), lambda seed: (shards, evaluation)))
 
 
 def ps_cluster(cfg, train):
@@ -221,14 +216,14 @@ def ps_dropout_draws(folder: Path) -> dict[int, list[list[float]]]:
 
     from trainers.adapter import WorkerData
     from trainers.tf.data import ShardArrays
-    from trainers.tf import tf_ps
+    from trainers.tf.tf_ps import ParameterServers
 
     cfg = config(folder / "cfg", ["trainer=tf_ps", "trainer.num_ps=1", "trainer.num_workers=2", "model.hidden=[32]",
                                   "model.dropout=0.5", "trainer.epochs=1", "trainer.batch_size=16"])
     train, evaluation = data_for(cfg)
     context = make_context(0, 1, 1, folder / "checkpoints", None, [])
     shards = ps_cluster(cfg, train), ShardArrays.from_columns(evaluation, mnist_schema())
-    adapter = tf_ps.build_adapter(cfg, context, WorkerData(mnist_schema(), lambda seed: shards))
+    adapter = ParameterServers().build_adapter(cfg, context, WorkerData(mnist_schema(), lambda seed: shards))
 
     @tf.function
     def draw():
@@ -256,14 +251,14 @@ def dtensor_dropout_draws(folder: Path) -> list[list[list[float]]]:
     import tensorflow as tf
     from tensorflow.experimental import dtensor
 
-    from trainers.tf import common as tfc
+    from trainers.tf.adapter import set_threads
     from trainers.models import build_module
     from trainers.tf.dtensor.mesh import DTensorMesh, parallelize_dtensor
     from trainers.tf.tf_dtensor import mesh_dims
 
     cfg = config(folder / "cfg", ["trainer=tf_dtensor", *DTENSOR_2X2, "model.hidden=[32]", "model.dropout=0.5",
                                   "trainer.batch_size=4", "trainer.num_workers=1"])
-    tfc.set_threads(tf, 1)
+    set_threads(tf, 1)
     mesh = DTensorMesh(mesh_dims(cfg.trainer), 0, "CPU")
     model = parallelize_dtensor(build_module(cfg.model, mnist_schema(), cfg.run.seed), mesh)
     rows = cfg.trainer.batch_size * mesh.dims.coords_per_client
@@ -283,14 +278,14 @@ def logged_lightning_module(folder: Path, tracking_uri: str) -> dict[str, float]
     from ray.train import Checkpoint
 
     from trainers.models import build_lightning_module
-    from trainers.torch.lightning import log_final_model
+    from trainers.torch.lightning import Lightning
     from trainers.torch.lightning_checkpoint import module_state
 
     cfg = config(folder / "cfg", BACKENDS["lightning_user"])
     result = run_attempt(runner(cfg), 0, 1, cfg.trainer.epochs, folder / "run")
     client = MlflowClient(tracking_uri)
     run_id = client.create_run(client.create_experiment("logged-lightning-module")).info.run_id
-    log_final_model(tracking_uri, run_id, cfg, Checkpoint.from_directory(str(result.checkpoint)), mnist_schema())
+    Lightning().log_final_model(tracking_uri, run_id, cfg, Checkpoint.from_directory(str(result.checkpoint)), mnist_schema())
     mlflow.set_tracking_uri(tracking_uri)
     [logged] = mlflow.search_logged_models(filter_string=f"source_run_id = '{run_id}'", output_format="list",
                                            experiment_ids=[client.get_run(run_id).info.experiment_id])

@@ -205,7 +205,7 @@ def imdb_columns(rows: int, vocab: int, max_len: int, seed: int = 0) -> dict[str
 
 
 def shard(columns: dict[str, np.ndarray], rank: int, ranks: int) -> dict[str, np.ndarray]:
-    """Rank `rank`'s contiguous part, as OrderedShards splits in file order."""
+    """Rank `rank`'s contiguous part, as OrderedSplit splits in file order."""
     rows = len(columns["label"]) // ranks
     return {k: v[rank * rows:(rank + 1) * rows] for k, v in columns.items()}
 

@@ -49,9 +49,9 @@ def learning_rates(folder: Path, keras, tf, schedule: str, warmup: int, updates:
 
 def adapter(folder: Path, name: str, overrides: list[str], data, strategy=None):
     from trainers.adapter import WorkerData
-    from trainers.tf.tf_mwms import build_adapter
+    from trainers.tf.tf_mwms import MWMS
 
-    return build_adapter(config(folder / name, [*BASE, *overrides]), plain_context(),
+    return MWMS().build_adapter(config(folder / name, [*BASE, *overrides]), plain_context(),
                          WorkerData(mnist_schema(), lambda seed: data), strategy)
 
 
@@ -140,21 +140,21 @@ def profiles(folder: Path, keras, data, strategy) -> dict:
 
 def dropout_by_rank(folder: Path, data, strategy) -> list[float]:
     """The loss of one training step on the same batch and initial weights with dropout 0.5, for adapters built
-    as ranks 0, 1 and 0 again (trainers/tf/common.seed_dropout): the masks of each rank, and their repeat."""
+    as ranks 0, 1 and 0 again (trainers/tf/adapter.seed_dropout): the masks of each rank, and their repeat."""
     from trainers.adapter import WorkerData
-    from trainers.tf.tf_mwms import build_adapter
+    from trainers.tf.tf_mwms import MWMS
 
     losses = []
     for run, rank in enumerate((0, 1, 0)):
         cfg = config(folder / f"dropout-{run}", [*BASE, "model.dropout=0.5", "trainer.max_steps_per_epoch=1"])
-        model = build_adapter(cfg, plain_context(rank), WorkerData(mnist_schema(), lambda seed: data), strategy)
+        model = MWMS().build_adapter(cfg, plain_context(rank), WorkerData(mnist_schema(), lambda seed: data), strategy)
         model.seed = cfg.run.seed  # rank 0's shuffle: the same first batch for every rank
         losses.append(model.train_step(next(iter(model.batches(1, 0))))[0])
     return losses
 
 
 def evaluations(folder: Path, strategy) -> dict:
-    """Three evaluations of one adapter in a row (trainers/tf/common.KerasAdapter.evaluate: one pass each from an
+    """Three evaluations of one adapter in a row (trainers/tf/adapter.KerasAdapter.evaluate: one pass each from an
     iterator kept between them) on 300 rows (a full batch and a short one), and the count of right answers the
     model gives on all of them at once."""
     from trainers.tf.data import ShardArrays

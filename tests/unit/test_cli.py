@@ -115,13 +115,13 @@ from pipelines.config import load_config
 from tests.support.loop_harness import mnist_columns, run_attempt
 from trainers.adapter import WorkerData
 from trainers.torch.data import ShardBatches
-from trainers.torch.ddp import run_worker
+from trainers.torch.ddp import DDP
 
 cfg = load_config([f"data.path={sys.argv[1]}", "trainer=ddp", "model.hidden=[16]", "trainer.epochs=2"])
 columns = {k: torch.from_numpy(v) for k, v in mnist_columns(64).items()}
 data = WorkerData(mnist_schema(), lambda seed: (ShardBatches.from_columns(columns, mnist_schema(), 16, seed),
                                                 ShardBatches.from_columns(columns, mnist_schema(), 32, seed)))
-attempt = run_attempt(lambda ctx: run_worker(cfg, ctx, data), 0, 1, 2, Path(tempfile.mkdtemp()))
+attempt = run_attempt(lambda ctx: DDP().run_worker(cfg, ctx, data), 0, 1, 2, Path(tempfile.mkdtemp()))
 print(attempt.finished, sorted(m for m in sys.modules if m.split(".")[0] in ("tensorflow", "tf_keras", "horovod")))
 """
 

@@ -21,7 +21,7 @@ from pipelines import evaluate
 from pipelines.scoring import SCORING_PASSES, ModelScorer, save_plots, score, summarise, summarise_regression
 from trainers.models.bert import BertClassifier, BertConfig
 from trainers.models.mlp_cnn import MLP
-from trainers.torch.common import example_input, logged_form
+from trainers.torch.backend import example_input, logged_form
 from trainers.torch.data import BatchInputs
 
 

@@ -11,15 +11,13 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 LAYERS = {"contract": 0, "trainers": 1, "pipelines": 2}  # a package may import its own layer and those below
-TF_WORKER_MODULES = ["trainers.tf.tf_mwms", "trainers.horovod.tf", "trainers.horovod.trainer",
-                     "trainers.tf.tf_dtensor", "trainers.tf.tf_ps", "trainers.tf.ps.server"]
-# A backend's own modules: one per backend, Horovod's two bindings beside its trainer (which picks one of them).
-BACKEND_MODULES = {"trainers.torch.ddp", "trainers.torch.tp", "trainers.torch.fsdp", "trainers.tf.tf_mwms",
-                   "trainers.tf.tf_dtensor", "trainers.tf.tf_ps", "trainers.horovod.trainer",
-                   "trainers.horovod.torch", "trainers.horovod.tf", "trainers.torch.lightning",
-                   "trainers.torch.lightning_fit", "trainers.torch.deepspeed"}
-OWN = {"trainers.horovod.trainer": {"trainers.horovod.torch", "trainers.horovod.tf"},
-       "trainers.torch.lightning": {"trainers.torch.lightning_fit"}}
+
+
+def backend_modules() -> dict[str, str]:
+    """The module of each registered backend (one per framework where it has several), and its framework."""
+    from trainers import BACKENDS
+
+    return {spec.module(framework): framework for spec in BACKENDS.specs.values() for framework in spec.frameworks}
 
 
 def module_name(path: Path) -> str:
@@ -69,13 +67,11 @@ def project_imports() -> dict[str, set[str]]:
     return {name: {m for m in imports(path) if m in modules and m != name} for name, path in modules.items()}
 
 
-def test_every_backend_is_registered_and_imports_no_other_backend():
-    from trainers import BACKENDS
-
-    assert {spec.module for spec in BACKENDS.specs.values()} <= BACKEND_MODULES
-    graph = project_imports()
-    siblings = [f"{name} imports {other}" for name in BACKEND_MODULES for other in graph[name]
-                if other in BACKEND_MODULES - OWN.get(name, set())]
+def test_no_backend_imports_another():
+    """What backends share lives in their framework's family modules (adapter.py, backend.py, data.py, ...)."""
+    modules, graph = set(backend_modules()), project_imports()
+    assert modules <= set(graph), modules - set(graph)
+    siblings = [f"{name} imports {other}" for name in modules for other in graph[name] if other in modules]
     assert siblings == []
 
 
@@ -98,7 +94,9 @@ def test_no_import_cycles():
 
 def test_tensorflow_workers_import_no_torch():
     modules = sources()
-    seen, todo = set(), list(TF_WORKER_MODULES)
+    tensorflow_backends = [module for module, framework in backend_modules().items() if framework == "tf"]
+    assert {"trainers.tf.tf_mwms", "trainers.horovod.tf"} <= set(tensorflow_backends)
+    seen, todo = set(), [*tensorflow_backends, "trainers.tf.ps.server"]
     while todo:
         name = todo.pop()
         if name in seen or name not in modules:
@@ -108,7 +106,7 @@ def test_tensorflow_workers_import_no_torch():
         assert not {m for m in found if m.split(".")[0] == "torch"}, f"{name} imports torch"
         parents = [".".join(m.split(".")[:i]) for m in found for i in range(1, m.count(".") + 2)]
         todo.extend(p for p in parents if p in modules)
-    assert {"trainers.loop", "trainers.tf.common", "contract.metrics"} <= seen  # the walk reached them
+    assert {"trainers.loop", "trainers.tf.adapter", "contract.metrics"} <= seen  # the walk reached them
 
 
 def test_ray_trains_controller_unpickles_the_backend_configs_without_a_framework():

@@ -316,9 +316,9 @@ def test_ddp_adapter_stop_resume_parity(tmp_path):
     2 batches per update: the resumed run restores weights, momentum buffers, the schedule's position and the
     epoch's totals, and its loss curve equals the uninterrupted one exactly."""
     from trainers.adapter import WorkerData
-    from trainers.torch import common as tc
+    from trainers.torch.adapter import DENSE_STATE_FILE
+    from trainers.torch.ddp import DDP
     from trainers.torch.data import ShardBatches
-    from trainers.torch.ddp import run_worker
 
     cfg = config(tmp_path, ["trainer.batch_size=16", "trainer.optimizer=sgd", "trainer.lr=0.01", "model.hidden=[32]",
                             "model.dropout=0", "trainer.epochs=2", "trainer.num_workers=1",
@@ -333,11 +333,11 @@ def test_ddp_adapter_stop_resume_parity(tmp_path):
                 ShardBatches.from_columns(evaluation, mnist_schema(), 64, seed))
 
     def run(ctx):
-        return run_worker(cfg, ctx, WorkerData(mnist_schema(), data))
+        return DDP().run_worker(cfg, ctx, WorkerData(mnist_schema(), data))
 
     runs = check_stop_resume_parity(run, tmp_path, rtol=0, atol=0)
     assert len(runs["straight"].recorder.step_losses) == 40  # 320 rows / 16 x 2 epochs
-    state = torch.load(runs["stopped"].checkpoint / tc.STATE_FILE, weights_only=False)
+    state = torch.load(runs["stopped"].checkpoint / DENSE_STATE_FILE, weights_only=False)
     assert {"momentum_buffer"} <= set(state["optimizer"]["state"][0])
     assert state["scheduler"]["last_epoch"] == STOP_AT // 2  # updates taken before the stop
     check_metric_set(runs["resumed"].recorder, 2, text=False)
@@ -349,7 +349,7 @@ def test_rank0_profiles_its_first_steps_into_the_run(tmp_path):
     run's `profile/` artifacts; training goes on unprofiled."""
     from trainers.adapter import WorkerData
     from trainers.torch.data import ShardBatches
-    from trainers.torch.ddp import run_worker
+    from trainers.torch.ddp import DDP
 
     cfg = config(tmp_path, ["trainer.batch_size=16", "trainer.optimizer=sgd", "model.hidden=[16]",
                             "trainer.epochs=1", "trainer.num_workers=1", "trainer.profile_steps=3"])
@@ -362,7 +362,7 @@ def test_rank0_profiles_its_first_steps_into_the_run(tmp_path):
     recorder, reports = Recorder(), []
     ctx = replace(make_context(0, 1, 1, tmp_path / "checkpoints", recorder, reports),
                   profile_steps=cfg.trainer.profile_steps, profile_dir=tmp_path / "profile")
-    assert run_worker(cfg, ctx, WorkerData(mnist_schema(), data))
+    assert DDP().run_worker(cfg, ctx, WorkerData(mnist_schema(), data))
     events = json.loads((tmp_path / "profile" / "trace_rank0.json").read_text())["traceEvents"]
     names = [event.get("name", "") for event in events]
     assert sorted({name for name in names if name.startswith("ProfilerStep#")}) == [

@@ -112,9 +112,8 @@ def test_restored_checkpoint_keeps_its_schedule_position_but_takes_the_configs_h
 def _train(tmp_path, overrides: list[str], batch: int):
     """One epoch of the DDP adapter (one rank, no DDP wrapper) on 320 rows; its final weights and step losses."""
     from trainers.adapter import WorkerData
-    from trainers.torch.common import train_adapter
+    from trainers.torch.ddp import DDP
     from trainers.torch.data import ShardBatches
-    from trainers.torch.ddp import build_adapter
 
     cfg = config(tmp_path, [*SMALL, f"trainer.batch_size={batch}", *overrides])
     columns = {k: torch.from_numpy(v) for k, v in mnist_columns(320).items()}
@@ -123,8 +122,8 @@ def _train(tmp_path, overrides: list[str], batch: int):
     def data(seed):
         return (ShardBatches.from_columns(columns, mnist_schema(), batch, seed),
                 ShardBatches.from_columns(evaluation, mnist_schema(), 32, seed))
-    adapter = build_adapter(cfg, plain_context(), WorkerData(mnist_schema(), data))
-    attempt = run_attempt(lambda ctx: train_adapter(cfg, ctx, adapter), 0, 1, 1, tmp_path / "run")
+    adapter = DDP().build_adapter(cfg, plain_context(), WorkerData(mnist_schema(), data))
+    attempt = run_attempt(lambda ctx: DDP().train(cfg, ctx, adapter), 0, 1, 1, tmp_path / "run")
     return adapter.dense_model_state(), attempt.recorder.curve()
 
 

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from contract.config import parallel_degrees
+from contract.config import layout_of
 from contract.registry import BACKENDS
 from pipelines.config import ConfigError
 from pipelines.sweep.space import (expand_grid, load_sweep, max_concurrent, merge_overrides, plan_trials,
@@ -91,7 +91,7 @@ def test_split_argv_separates_sweep_and_training_overrides():
 def test_smoke_plan_keeps_the_possible_points_and_says_why_the_others_are_rejected(fake_imdb):
     trials = plan_trials(load_sweep("smoke", []), [fake_imdb])
     reject_unfit(trials, cluster_cpus=6, cluster_gpus=0)
-    valid = {(t.cfg.trainer.backend, t.cfg.trainer.num_workers, *reversed(parallel_degrees(t.cfg.trainer)))
+    valid = {(t.cfg.trainer.backend, t.cfg.trainer.num_workers, layout_of(t.cfg.trainer).tp, layout_of(t.cfg.trainer).dp)
              for t in trials if t.cfg is not None}
     assert valid == {("ddp", 1, 1, 1), ("ddp", 2, 1, 2)}
     reasons = {(t.combo["trainer"], t.combo["trainer.num_workers"], t.combo.get("trainer.tp")): t.reason

@@ -73,13 +73,13 @@ def test_devices_per_worker_is_tf_only_and_fine_with_one_worker(data_override):
 
 def test_tf_ps_defaults_and_resources(data_override):
     """tf_ps: the chief and the parameter servers are Ray Train workers too, sharing the workers' CPUs."""
-    from contract.config import ray_train_workers, worker_resources
+    from contract.config import layout_of, worker_resources
 
     cfg = load_config([data_override, "trainer=tf_ps", "trainer.num_ps=2", "trainer.num_workers=3"])
     assert (cfg.trainer.tf_loop, cfg.trainer.num_ps) == ("custom", 2)
-    assert ray_train_workers(cfg.trainer) == 6 and worker_resources(cfg.trainer) == (3, 0)
+    assert layout_of(cfg.trainer).ray_workers == 6 and worker_resources(cfg.trainer) == (3, 0)
     cfg = load_config([data_override, "trainer=tf_mwms", "trainer.num_workers=3"])
-    assert ray_train_workers(cfg.trainer) == 3
+    assert layout_of(cfg.trainer).ray_workers == 3
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -194,7 +194,7 @@ def test_a_regression_trains_on_the_loop_and_keeps_the_epoch_of_least_test_mse(u
 
     from trainers.adapter import WorkerData
     from trainers.torch.data import ShardBatches
-    from trainers.torch.ddp import run_worker
+    from trainers.torch.ddp import DDP
 
     data = table(user_folder, "regression", rows=400)
     cfg = load_config([f"data.path={data}", "model.hidden=[16]", "model.dropout=0", "trainer.epochs=4",
@@ -217,7 +217,7 @@ def test_a_regression_trains_on_the_loop_and_keeps_the_epoch_of_least_test_mse(u
 
     def run(ctx):
         ctx = replace(ctx, monitor=monitor_of(cfg.run), evaluated=eval_metric(schema.target.task))
-        return run_worker(cfg, ctx, WorkerData(schema, shards))
+        return DDP().run_worker(cfg, ctx, WorkerData(schema, shards))
 
     attempt = run_attempt(run, 0, 1, cfg.trainer.epochs, tmp_path / "attempt")
     epochs = attempt.recorder.epochs

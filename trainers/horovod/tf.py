@@ -1,8 +1,8 @@
 """TensorFlow side of `trainer=horovod` (`trainer.framework=tf`): a custom step on `hvd.DistributedGradientTape`,
 as an adapter on the shared loop (trainers/loop.py).
 
-Keras: tf-keras, with the checkpoint format and logged-model flavour of tf_mwms (trainers/tf/common.py;
-`TF_USE_LEGACY_KERAS=1` is put in the workers' environment by `trainers.horovod.trainer.build_trainer`). Horovod's
+Keras: tf-keras, with the checkpoint format and logged-model flavour of tf_mwms (trainers/tf/adapter.py;
+`TF_USE_LEGACY_KERAS=1` is put in the workers' environment by the backend's `worker_env`). Horovod's
 Keras wrapper (`horovod.tensorflow.keras`) is not used: a custom loop needs none. No `tf.distribute` strategy: every
 worker is a plain single-device TF process and Horovod does the all-reduce, so rank 0 alone writes checkpoints.
 """
@@ -17,8 +17,10 @@ from omegaconf import DictConfig
 from contract.metrics import AsyncReducer, PendingReduce
 from trainers.adapter import WorkerData
 from trainers.horovod.common import import_horovod, init_horovod, record_init
-from trainers.loop import WorkerContext, train
-from trainers.tf import common as tfc
+from trainers.loop import WorkerContext
+from trainers.tf.adapter import (KerasAdapter, build_compiled_model, compiled_steps, keras_loss, seed_dropout,
+                                 set_threads)
+from trainers.tf.backend import TFBackend, require_legacy_keras
 from trainers.tf import recipe as tfr
 from trainers.tf.data import EpochStream
 
@@ -51,7 +53,7 @@ def make_accumulating_step(hvd: Any, tf: Any, keras: Any, model: Any, cfg: DictC
     (as the PyTorch side does). `DistributedGradientTape` has no `backward_passes_per_step`; Horovod's wrappers
     that do are for TF1 graph mode or Keras. The optimizer gets averaged gradients: its `global_clipnorm` clips the
     averaged norm. Without accumulation: `synced_step_of`."""
-    loss_fn = tfc.keras_loss(keras, task)
+    loss_fn = keras_loss(keras, task)
     compression = hvd.Compression.fp16 if cfg.trainer.compression == "fp16" else hvd.Compression.none
     variables, optimizer = model.trainable_variables, model.optimizer
     passes = cfg.trainer.grad_accum
@@ -89,7 +91,7 @@ def make_accumulating_step(hvd: Any, tf: Any, keras: Any, model: Any, cfg: DictC
 def synced_step_of(hvd: Any, tf: Any, keras: Any, model: Any, cfg: DictConfig, task: str) -> Any:
     """`step(images, labels) -> loss` (to be traced) without accumulation: forward, backward, gradients averaged
     over the ranks every step by `DistributedGradientTape`, the optimizer step."""
-    loss_fn = tfc.keras_loss(keras, task)
+    loss_fn = keras_loss(keras, task)
     compression = hvd.Compression.fp16 if cfg.trainer.compression == "fp16" else hvd.Compression.none
     variables, optimizer = model.trainable_variables, model.optimizer
 
@@ -103,7 +105,7 @@ def synced_step_of(hvd: Any, tf: Any, keras: Any, model: Any, cfg: DictConfig, t
     return synced_step
 
 
-class HorovodTFAdapter(tfc.KerasAdapter):
+class HorovodTFAdapter(KerasAdapter):
     """Rank 0's weights and optimizer variables become everyone's at the start (ranks draw different initial
     weights on purpose, so the broadcast is what aligns them) and again after a restore."""
 
@@ -118,7 +120,7 @@ class HorovodTFAdapter(tfc.KerasAdapter):
             step, self.finish = make_accumulating_step(hvd, self.tf, keras, self.model, cfg, task)
         # `trainer.tf_steps_per_execution` optimizer steps per call, in one graph loop: each step's allreduce ends
         # before the next step reads the weights, so the ranks issue Horovod's named ops in the same order
-        self.several_steps = tfc.compiled_steps(self.tf, step)
+        self.several_steps = compiled_steps(self.tf, step)
         self.steps_per_call = cfg.trainer.tf_steps_per_execution * self.passes
         self._reduce_later = tf_reduce_later(hvd, self.tf)
         self.calls = 0  # steps since the epoch's (re)start: a stop lands on a multiple of `passes`
@@ -153,36 +155,46 @@ class HorovodTFAdapter(tfc.KerasAdapter):
         return self._reduce_later(values, op)
 
 
-def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> HorovodTFAdapter:
-    """The model (its initial weights differ per rank on purpose: the broadcast must align them) and this rank's
-    shard. TensorFlow's threads are set and Horovod is initialised (`run_worker`)."""
-    import tensorflow as tf
-    import tf_keras as keras
+class HorovodTF(TFBackend):
+    """trainer=horovod, trainer.framework=tf: plain single-device TensorFlow workers joined by Horovod's Gloo
+    rendezvous; the shared loop drives a custom step."""
 
-    hvd = import_horovod("tf")
-    tfr.set_precision(keras, cfg.trainer.precision)
-    keras.utils.set_random_seed(cfg.run.seed + ctx.rank)
-    train, evaluation = data.shards(cfg.run.seed + 1000 * ctx.rank)
-    steps = train.steps(cfg.trainer.batch_size, cfg.trainer.max_steps_per_epoch)  # for the LR schedule
-    model = tfc.build_compiled_model(keras, cfg, data.inputs, steps_per_epoch=steps, seed=cfg.run.seed + ctx.rank)
-    tfc.seed_dropout(tf, cfg.run.seed, ctx.rank)
-    return HorovodTFAdapter(hvd, keras, cfg, tf, tf.distribute.get_strategy(), model, train, evaluation,
-                            cfg.trainer.batch_size, ctx.rank, cfg.run.seed + 1000 * ctx.rank,
-                            cfg.trainer.max_steps_per_epoch, grad_accum=cfg.trainer.grad_accum,
-                            bucket_by_length=cfg.data.bucket_by_length)
+    def ray_setup(self, cfg: DictConfig, run_id: str) -> Any:
+        from trainers.horovod.rendezvous import RendezvousConfig
+        from trainers.preflight import preflight_config
 
+        return RendezvousConfig(preflight=preflight_config(cfg, run_id))
 
-def run_worker(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
-    """Threads, `hvd.init()`, then this worker's adapter on the shared loop. False: stopped on request."""
-    tfc.require_legacy_keras()
-    import tensorflow as tf
+    def scaling_config(self, cfg: DictConfig) -> Any:
+        from trainers.worker import scaling_config
 
-    tfc.set_threads(tf, cfg.trainer.threads_per_worker)  # first: TF fixes them at its first op
-    hvd = import_horovod("tf")
-    init_horovod(hvd, ctx.rank, ctx.world_size)
-    record_init(cfg.run.dump_params_dir, ctx.rank)
-    return train(build_adapter(cfg, ctx, data), ctx, cfg.run.dump_params_dir)
+        return scaling_config(cfg, use_gpu=False)  # Gloo CPU operations only
 
+    def run_worker(self, cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
+        """Threads, `hvd.init()`, then this worker's adapter on the shared loop. False: stopped on request."""
+        require_legacy_keras()
+        import tensorflow as tf
 
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    tfc.run_on_ray(config, run_worker)
+        set_threads(tf, cfg.trainer.threads_per_worker)  # first: TF fixes them at its first op
+        hvd = import_horovod("tf")
+        init_horovod(hvd, ctx.rank, ctx.world_size)
+        record_init(cfg.run.dump_params_dir, ctx.rank)
+        return super().run_worker(cfg, ctx, data)
+
+    def build_adapter(self, cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> HorovodTFAdapter:
+        """The model (its initial weights differ per rank on purpose: the broadcast must align them) and this rank's
+        shard. TensorFlow's threads are set and Horovod is initialised (`run_worker`)."""
+        import tensorflow as tf
+        import tf_keras as keras
+
+        hvd = import_horovod("tf")
+        tfr.set_precision(keras, cfg.trainer.precision)
+        keras.utils.set_random_seed(cfg.run.seed + ctx.rank)
+        train, evaluation = data.shards(cfg.run.seed + 1000 * ctx.rank)
+        steps = train.steps(cfg.trainer.batch_size, cfg.trainer.max_steps_per_epoch)  # for the LR schedule
+        model = build_compiled_model(keras, cfg, data.inputs, steps_per_epoch=steps, seed=cfg.run.seed + ctx.rank)
+        seed_dropout(tf, cfg.run.seed, ctx.rank)
+        return HorovodTFAdapter(hvd, keras, cfg, tf, tf.distribute.get_strategy(), model, train, evaluation,
+                                cfg.trainer.batch_size, ctx.rank, cfg.run.seed + 1000 * ctx.rank,
+                                cfg.trainer.max_steps_per_epoch, grad_accum=cfg.trainer.grad_accum,
+                                bucket_by_length=cfg.data.bucket_by_length)

@@ -13,7 +13,8 @@ from trainers.adapter import WorkerData
 from trainers.horovod.common import import_horovod, init_horovod, record_init
 from trainers.loop import WorkerContext
 from trainers.models import build_model
-from trainers.torch import common as tc
+from trainers.torch.adapter import TorchAdapter, place_model, seed_dropout
+from trainers.torch.backend import TorchBackend
 from trainers.torch.recipe import build_recipe
 
 
@@ -33,7 +34,7 @@ def hvd_reduce_later(hvd: Any) -> AsyncReducer:
 
 class ContiguousCompression:
     """Horovod all-reduces and broadcasts only contiguous tensors, and a channels-last model's
-    (`trainers.torch.common.place_model`) convolution weights and gradients are not: each such gradient is
+    (`trainers.torch.adapter.place_model`) convolution weights and gradients are not: each such gradient is
     all-reduced as a contiguous copy (through `inner`, Horovod's compression) and the result copied back into it."""
 
     def __init__(self, inner: Any):
@@ -59,7 +60,7 @@ def broadcast_from_rank0(hvd: Any, tensors: dict[str, torch.Tensor]) -> None:
             tensor.copy_(dense[name])
 
 
-class HorovodTorchAdapter(tc.TorchAdapter):
+class HorovodTorchAdapter(TorchAdapter):
     """Rank 0's weights become everyone's at the start (ranks draw different initial weights on purpose, so the
     broadcast is what aligns them) and again after a restore, with the optimizer state. On a fresh start the
     optimizer state is not broadcast: Horovod would take a zero-gradient step to create it, an extra Adam step."""
@@ -84,35 +85,43 @@ class HorovodTorchAdapter(tc.TorchAdapter):
             self.hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
 
 
-def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> HorovodTorchAdapter:
-    """The model (its initial weights differ per rank on purpose: the broadcast must align them), Horovod's
-    optimizer over the recipe's, this rank's shard. Horovod is initialised (`run_worker`)."""
-    hvd = import_horovod("torch")
-    rank, device = ctx.rank, torch.device("cpu")
-    torch.manual_seed(cfg.run.seed + rank)
-    model = tc.place_model(build_model(cfg.model, data.inputs, seed=cfg.run.seed + rank), device)
-    train, evaluation = data.shards(cfg.run.seed + 1000 * rank)
-    compression = hvd.Compression.fp16 if cfg.trainer.compression == "fp16" else hvd.Compression.none
+class HorovodTorch(TorchBackend):
+    """trainer=horovod, trainer.framework=torch: Horovod's Gloo rendezvous instead of a torch process group."""
 
-    def distributed(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        # Horovod all-reduces each gradient once per `backward_passes_per_step` backward passes (accumulation).
-        return hvd.DistributedOptimizer(
-            optimizer, named_parameters=model.named_parameters(), backward_passes_per_step=cfg.trainer.grad_accum,
-            compression=ContiguousCompression(compression))
-    recipe = build_recipe(model, cfg.trainer, train.steps(), device, wrap_optimizer=distributed)
-    tc.seed_dropout(cfg.run.seed, rank)  # as trainer=ddp: the same seed trains the same model
-    return HorovodTorchAdapter(hvd, model, recipe, train, evaluation, device, rank,
-                               reduce_later=hvd_reduce_later(hvd), sync_gradients=recipe.optimizer.synchronize)
+    def ray_setup(self, cfg: DictConfig, run_id: str) -> Any:
+        from trainers.horovod.rendezvous import RendezvousConfig
+        from trainers.preflight import preflight_config
 
+        return RendezvousConfig(preflight=preflight_config(cfg, run_id))
 
-def run_worker(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
-    """`hvd.init()`, then this worker's adapter on the shared loop. False: stopped on request."""
-    hvd = import_horovod("torch")
-    torch.set_num_threads(cfg.trainer.threads_per_worker)
-    init_horovod(hvd, ctx.rank, ctx.world_size)
-    record_init(cfg.run.dump_params_dir, ctx.rank)
-    return tc.train_adapter(cfg, ctx, build_adapter(cfg, ctx, data))
+    def scaling_config(self, cfg: DictConfig) -> Any:
+        from trainers.worker import scaling_config
 
+        return scaling_config(cfg, use_gpu=False)  # Gloo CPU operations only
 
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    tc.run_on_ray(config, run_worker)
+    def run_worker(self, cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
+        """`hvd.init()`, then this worker's adapter on the shared loop. False: stopped on request."""
+        hvd = import_horovod("torch")
+        init_horovod(hvd, ctx.rank, ctx.world_size)
+        record_init(cfg.run.dump_params_dir, ctx.rank)
+        return super().run_worker(cfg, ctx, data)
+
+    def build_adapter(self, cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> HorovodTorchAdapter:
+        """The model (its initial weights differ per rank on purpose: the broadcast must align them), Horovod's
+        optimizer over the recipe's, this rank's shard. Horovod is initialised (`run_worker`)."""
+        hvd = import_horovod("torch")
+        rank, device = ctx.rank, torch.device("cpu")
+        torch.manual_seed(cfg.run.seed + rank)
+        model = place_model(build_model(cfg.model, data.inputs, seed=cfg.run.seed + rank), device)
+        train, evaluation = data.shards(cfg.run.seed + 1000 * rank)
+        compression = hvd.Compression.fp16 if cfg.trainer.compression == "fp16" else hvd.Compression.none
+
+        def distributed(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+            # Horovod all-reduces each gradient once per `backward_passes_per_step` backward passes (accumulation).
+            return hvd.DistributedOptimizer(
+                optimizer, named_parameters=model.named_parameters(), backward_passes_per_step=cfg.trainer.grad_accum,
+                compression=ContiguousCompression(compression))
+        recipe = build_recipe(model, cfg.trainer, train.steps(), device, wrap_optimizer=distributed)
+        seed_dropout(cfg.run.seed, rank)  # as trainer=ddp: the same seed trains the same model
+        return HorovodTorchAdapter(hvd, model, recipe, train, evaluation, device, rank,
+                                   reduce_later=hvd_reduce_later(hvd), sync_gradients=recipe.optimizer.synchronize)

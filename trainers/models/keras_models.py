@@ -1,7 +1,7 @@
 """Plain Keras models, from the same `cfg.model` fields as the PyTorch ones (`trainers/models/`), the builders of
 the built-in specs (specs.py).
 
-`keras` is passed in (the tf_mwms backend uses tf-keras, see `trainers/tf/common.py`); the code runs unchanged
+`keras` is passed in (the tf_mwms backend uses tf-keras, see `trainers/tf/adapter.py`); the code runs unchanged
 on Keras 3. Images and numeric features: normalised floats [B, width] -> logits [B, classes]; tokens: ids [B, T]
 with [PAD] = 0.
 The logits layer is float32 under any mixed-precision policy (`trainer.precision`), so the softmax and the loss

@@ -7,7 +7,7 @@ first and clips after (`aggregate_gradients`, then `_clip_gradients`; measured w
 CPU devices: tests/unit/test_tf_recipe.py), and Horovod hands it gradients already averaged over ranks. So the
 clipped norm is that of the averaged gradient, as in PyTorch, in the custom loops and in Keras `fit` alike.
 
-TensorFlow and tf-keras are passed in by the callers, never imported here at module level (trainers/tf/common.py
+TensorFlow and tf-keras are passed in by the callers, never imported here at module level (trainers/tf/adapter.py
 says why).
 """
 from __future__ import annotations

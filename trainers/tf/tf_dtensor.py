@@ -24,21 +24,17 @@ from typing import Any, Iterator
 import numpy as np
 from omegaconf import DictConfig
 
-from contract.data import DataSchema
 from contract.metrics import PendingReduce, reduce_at_once
 from contract.recipe import lr_factor, schedule_steps
-from trainers.tf import common as tfc
+from trainers.tf.adapter import TFProfiler, set_threads
+from trainers.tf.backend import TFBackend, device_scaling
+from trainers.tf.specs import mesh_dims
 from trainers.tf.data import ShardArrays
 from trainers.adapter import Adapter, WorkerData
-from trainers.loop import WorkerContext, train
-from trainers.tf.dtensor.layout import MeshDims
+from trainers.loop import WorkerContext
 
 MODEL_FILE, OPTIMIZER_FILE = "dtensor_model.npz", "dtensor_optimizer.npz"
 EVAL_BATCH = 256  # rows per batch coordinate
-
-
-def mesh_dims(trainer: DictConfig) -> MeshDims:
-    return MeshDims(trainer.mesh.batch, trainer.mesh.model, trainer.num_workers, trainer.devices_per_worker)
 
 
 class DTensorAdapter(Adapter):
@@ -137,8 +133,8 @@ class DTensorAdapter(Adapter):
 
         return {"device_weight_bytes": float(device_bytes(self.model.weights()))}
 
-    def profiler(self, folder: str, steps: int) -> tfc.TFProfiler:
-        return tfc.TFProfiler(self.tf, folder, steps)
+    def profiler(self, folder: str, steps: int) -> TFProfiler:
+        return TFProfiler(self.tf, folder, steps)
 
     def whole_state(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """(weights in `Classifier.weights` order, optimizer slots), gathered (collective)."""
@@ -179,70 +175,49 @@ def shared_idf(mesh: Any, train: ShardArrays, vocab_size: int, bigram_buckets: i
     return inverse_document_frequency(totals[:-1], totals[-1])
 
 
-def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> DTensorAdapter:
-    """The mesh, this worker's data, the model laid out on the mesh. TensorFlow's threads are set (`run_worker`)."""
-    from trainers.models import build_module
-    from trainers.tf.dtensor.mesh import DTensorMesh, parallelize_dtensor
+class DTensor(TFBackend):
+    """trainer=tf_dtensor: one DTensor client per worker (trainers/tf/dtensor/clients.py connects them), the mesh
+    over all their devices."""
 
-    mesh = DTensorMesh(mesh_dims(cfg.trainer), ctx.rank, "GPU" if cfg.trainer.use_gpu else "CPU")
-    train, evaluation = data.shards(cfg.run.seed)  # the adapter shuffles: one order per data shard
-    tokens = data.inputs.features.kind == "tokens"
-    idf = shared_idf(mesh, train, data.inputs.vocab_size, cfg.model.get("bigram_buckets", 0),
-                     mesh.dims.clients_per_group) if tokens else None
-    model = parallelize_dtensor(build_module(cfg.model, data.inputs, cfg.run.seed), mesh)
-    return DTensorAdapter(cfg, mesh, model, train, evaluation, idf)
+    def run_worker(self, cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
+        import tensorflow as tf
 
+        set_threads(tf, cfg.trainer.threads_per_worker)  # before any other TF op
+        return super().run_worker(cfg, ctx, data)
 
-def run_worker(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
-    """Threads, then this worker's adapter on the shared loop. False: stopped on request."""
-    import tensorflow as tf
+    def build_adapter(self, cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> DTensorAdapter:
+        """The mesh, this worker's data, the model laid out on the mesh. TensorFlow's threads are set (`run_worker`)."""
+        from trainers.models import build_module
+        from trainers.tf.dtensor.mesh import DTensorMesh, parallelize_dtensor
 
-    tfc.set_threads(tf, cfg.trainer.threads_per_worker)  # before any other TF op
-    return train(build_adapter(cfg, ctx, data), ctx, cfg.run.dump_params_dir)
+        mesh = DTensorMesh(mesh_dims(cfg.trainer), ctx.rank, "GPU" if cfg.trainer.use_gpu else "CPU")
+        train, evaluation = data.shards(cfg.run.seed)  # the adapter shuffles: one order per data shard
+        tokens = data.inputs.features.kind == "tokens"
+        idf = shared_idf(mesh, train, data.inputs.vocab_size, cfg.model.get("bigram_buckets", 0),
+                         mesh.dims.clients_per_group) if tokens else None
+        model = parallelize_dtensor(build_module(cfg.model, data.inputs, cfg.run.seed), mesh)
+        return DTensorAdapter(cfg, mesh, model, train, evaluation, idf)
 
+    def ray_setup(self, cfg: DictConfig, run_id: str) -> Any:
+        from trainers.preflight import preflight_config
+        from trainers.tf.dtensor.clients import DTensorClientsConfig
 
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    tfc.run_on_ray(config, run_worker)
+        return DTensorClientsConfig(preflight=preflight_config(cfg, run_id))
 
+    def scaling_config(self, cfg: DictConfig) -> Any:
+        return device_scaling(cfg)  # a GPU per mesh device
 
-def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, inputs: DataSchema,
-                  callbacks: list | None = None):
-    """`DataParallelTrainer` with the DTensor clients' variables as its backend; a model group spanning workers
-    reads one data shard (`OrderedShards`' tp)."""
-    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+    def batch_group(self, cfg: DictConfig) -> int:
+        """A model group spanning workers reads one data shard."""
+        return mesh_dims(cfg.trainer).clients_per_group
 
-    from trainers.tf.dtensor.clients import DTensorClientsConfig
-    from trainers.preflight import preflight_config
-    from trainers.data_split import OrderedShards
-    from trainers.worker import loop_config, run_config, scaling_config
+    def model_from(self, keras: Any, cfg: Any, inputs: Any, directory: str) -> Any:
+        """The Keras twin of the checkpoint's model (its spec's `keras_twin`), no mesh needed to load it."""
+        from trainers.models import build_keras_twin
+        from trainers.models.tf_modules import keras_weights
 
-    trainer, dims = cfg.trainer, mesh_dims(cfg.trainer)
-    resources = {"CPU": float(trainer.threads_per_worker)}
-    if trainer.use_gpu:
-        resources["GPU"] = float(trainer.devices_per_worker)
-    return DataParallelTrainer(
-        train_loop_per_worker,
-        train_loop_config=loop_config(cfg, run_id, tracking_uri, inputs),
-        backend_config=DTensorClientsConfig(preflight=preflight_config(cfg, run_id)),
-        scaling_config=scaling_config(cfg, resources=resources),
-        run_config=run_config(cfg, run_id, callbacks, {**tfc.LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}),
-        datasets=datasets,
-        dataset_config=OrderedShards(dp=dims.data_groups, tp=dims.clients_per_group),  # ShardArrays caches its shard
-    )
-
-
-def twin_from(keras: Any, cfg: Any, inputs: DataSchema, directory: str) -> Any:
-    """The Keras twin of the checkpoint's model (its spec's `keras_twin`), no mesh needed to load it."""
-    from trainers.models import build_keras_twin
-    from trainers.models.tf_modules import keras_weights
-
-    model = build_keras_twin(cfg.model, keras, inputs)
-    with np.load(os.path.join(directory, MODEL_FILE)) as saved:
-        weights = [saved[f"arr_{i}"] for i in range(sum(name.startswith("arr_") for name in saved.files))]
-        model.set_weights(keras_weights(weights, saved["idf"] if "idf" in saved.files else None))
-    return model
-
-
-def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, inputs: DataSchema) -> None:
-    """MLflow tensorflow (Keras) flavour, as tf_mwms logs."""
-    tfc.log_final_model(uri, run_id, cfg, checkpoint, inputs, model_from=twin_from)
+        model = build_keras_twin(cfg.model, keras, inputs)
+        with np.load(os.path.join(directory, MODEL_FILE)) as saved:
+            weights = [saved[f"arr_{i}"] for i in range(sum(name.startswith("arr_") for name in saved.files))]
+            model.set_weights(keras_weights(weights, saved["idf"] if "idf" in saved.files else None))
+        return model

@@ -5,7 +5,7 @@ Two loops, one contract (`trainer.tf_loop`): the shared loop (trainers/loop.py) 
 (`strategy.run` of a `tf.function` with `GradientTape`; stops mid-epoch on STOP), or tf-keras `model.fit` with a
 callback that hands each epoch to the same loop's `end_epoch` (metrics, checkpoint, report, MLflow).
 `trainer.devices_per_worker > 1` gives a worker several replicas: its GPUs, or logical CPU devices (one worker:
-`MirroredStrategy`, one machine). Keras: tf-keras, see trainers/tf/common.py. The training recipe (optimizer, LR
+`MirroredStrategy`, one machine). Keras: tf-keras, see trainers/tf/adapter.py. The training recipe (optimizer, LR
 schedule, clipping, precision): trainers/tf/recipe.py; gradient accumulation: `MirroredAdapter` (custom loop) and
 `accumulating_train_step` (fit), the same arithmetic.
 """
@@ -16,27 +16,25 @@ from typing import Any, Iterator
 import numpy as np
 from omegaconf import DictConfig
 
-from contract.data import DataSchema
 from contract.recipe import updates_per_epoch
-from trainers.tf import common as tfc
+from trainers.tf.adapter import (KerasAdapter, build_compiled_model, compiled_steps, keras_loss, local_devices,
+                                 seed_dropout, set_threads)
+from trainers.tf.backend import KerasFit, device_scaling
 from trainers.tf.data import EpochStream, chained_epochs
 from trainers.tf import recipe as tfr
 from trainers.adapter import WorkerData
 from trainers.loop import WorkerContext
 
-log_final_model = tfc.log_final_model  # the backend's logged-model flavour (MLflow tensorflow)
-
-
 def make_strategy(tf: Any, trainer: DictConfig) -> Any:
     """Threads, then the strategy: it must exist before any other TF op ("Collective ops must be configured
     at program startup")."""
-    tfc.set_threads(tf, trainer.threads_per_worker)
+    set_threads(tf, trainer.threads_per_worker)
     if trainer.num_workers == 1:
         if trainer.tf_strategy == "central_storage":  # variables on one device (the CPU), computed on the others
-            devices = tfc.local_devices(tf, trainer.devices_per_worker, trainer.use_gpu)
+            devices = local_devices(tf, trainer.devices_per_worker, trainer.use_gpu)
             return tf.distribute.experimental.CentralStorageStrategy(compute_devices=devices)
         if trainer.devices_per_worker > 1:
-            devices = tfc.local_devices(tf, trainer.devices_per_worker, trainer.use_gpu)
+            devices = local_devices(tf, trainer.devices_per_worker, trainer.use_gpu)
             return tf.distribute.MirroredStrategy(devices=devices,
                                                   cross_device_ops=cross_device_ops(tf, trainer.tf_cross_device_ops))
         # One replica: nothing to mirror or all-reduce; TF's default strategy has the same API without the
@@ -57,7 +55,7 @@ def cross_device_ops(tf: Any, name: str) -> Any:
             "reduce_to_one": tf.distribute.ReductionToOneDevice()}[name]
 
 
-class MirroredAdapter(tfc.KerasAdapter):
+class MirroredAdapter(KerasAdapter):
     """The loop's adapter under a strategy. The per-example loss is averaged over the GLOBAL batch (per-replica
     batch x replicas): the all-reduce sums gradients, so this gives the mean. Every worker writes the
     checkpoint files: saving under a strategy must not be rank-dependent.
@@ -87,7 +85,7 @@ class MirroredAdapter(tfc.KerasAdapter):
             self.accumulate_step = self._make_step(keras, apply=False)
             self.group_steps = self._grouped_steps(keras)
         else:
-            self.several_steps = tfc.compiled_steps(self.tf, self._global_step(keras, apply=True))
+            self.several_steps = compiled_steps(self.tf, self._global_step(keras, apply=True))
         # `trainer.tf_steps_per_execution` optimizer steps per call, as `fit` runs them
         self.steps_per_call = steps_per_call * self.passes
         self.finish_step = self.tf.function(lambda: self.strategy.run(self._apply_sums))
@@ -124,7 +122,7 @@ class MirroredAdapter(tfc.KerasAdapter):
         tf, strategy, model, optimizer = self.tf, self.strategy, self.model, self.model.optimizer
         variables = model.trainable_variables
         global_batch = self.batch_size * strategy.num_replicas_in_sync
-        loss_fn = tfc.keras_loss(keras, self.evaluation.schema.target.task, reduction=keras.losses.Reduction.NONE)
+        loss_fn = keras_loss(keras, self.evaluation.schema.target.task, reduction=keras.losses.Reduction.NONE)
 
         def replica_step(images, labels):
             with tf.GradientTape() as tape:
@@ -280,74 +278,46 @@ def accumulating_train_step(tf: Any, model: Any, passes: int) -> Any:
     return train_step
 
 
-def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData, strategy: Any = None) -> MirroredAdapter:
-    """The strategy first (before any other TF op; `strategy`: one made already, for a second model in the same
-    process), the precision policy, then the model inside the strategy."""
-    import tensorflow as tf
+class MWMS(KerasFit):
+    """trainer=tf_mwms: MultiWorkerMirroredStrategy over the workers (each worker's TF_CONFIG:
+    trainers/tf/tf_config.py), a replica per device."""
 
-    if strategy is None:
-        strategy = make_strategy(tf, cfg.trainer)
-    import tf_keras as keras
+    def build_adapter(self, cfg: DictConfig, ctx: WorkerContext, data: WorkerData,
+                      strategy: Any = None) -> MirroredAdapter:
+        """The strategy first (before any other TF op; `strategy`: one made already, for a second model in the same
+        process), the precision policy, then the model inside the strategy."""
+        import tensorflow as tf
 
-    from trainers.models import build_keras_model
+        if strategy is None:
+            strategy = make_strategy(tf, cfg.trainer)
+        import tf_keras as keras
 
-    trainer, rank, world_size = cfg.trainer, ctx.rank, ctx.world_size
-    tfr.set_precision(keras, trainer.precision)
-    # Same initial weights everywhere and for every device layout: they are drawn outside the strategy, whose
-    # variable creation uses up random ops differently (default vs Mirrored strategy), then copied in.
-    keras.utils.set_random_seed(cfg.run.seed)
-    initial = build_keras_model(cfg.model, keras, data.inputs, seed=cfg.run.seed).get_weights()
-    local_replicas = strategy.num_replicas_in_sync // world_size  # devices_per_worker under MirroredStrategy, else 1
-    train, evaluation = data.shards(cfg.run.seed + 1000 * rank)
-    steps = train.steps(trainer.batch_size * local_replicas, trainer.max_steps_per_epoch)  # for the LR schedule
-    with strategy.scope():
-        model = tfc.build_compiled_model(keras, cfg, data.inputs, trainer.tf_steps_per_execution, steps)
-        model.set_weights(initial)
-    tfc.seed_dropout(tf, cfg.run.seed, rank)  # before the training step is traced
-    return MirroredAdapter(keras, world_size, trainer.epochs, tf, strategy, model, train, evaluation,
-                           trainer.batch_size, rank, cfg.run.seed + 1000 * rank, trainer.max_steps_per_epoch,
-                           local_replicas, grad_accum=trainer.grad_accum, bucket_by_length=cfg.data.bucket_by_length,
-                           steps_per_call=trainer.tf_steps_per_execution)
+        from trainers.models import build_keras_model
 
+        trainer, rank, world_size = cfg.trainer, ctx.rank, ctx.world_size
+        tfr.set_precision(keras, trainer.precision)
+        # Same initial weights everywhere and for every device layout: they are drawn outside the strategy, whose
+        # variable creation uses up random ops differently (default vs Mirrored strategy), then copied in.
+        keras.utils.set_random_seed(cfg.run.seed)
+        initial = build_keras_model(cfg.model, keras, data.inputs, seed=cfg.run.seed).get_weights()
+        local_replicas = strategy.num_replicas_in_sync // world_size  # devices_per_worker under MirroredStrategy, else 1
+        train, evaluation = data.shards(cfg.run.seed + 1000 * rank)
+        steps = train.steps(trainer.batch_size * local_replicas, trainer.max_steps_per_epoch)  # for the LR schedule
+        with strategy.scope():
+            model = build_compiled_model(keras, cfg, data.inputs, trainer.tf_steps_per_execution, steps)
+            model.set_weights(initial)
+        seed_dropout(tf, cfg.run.seed, rank)  # before the training step is traced
+        return MirroredAdapter(keras, world_size, trainer.epochs, tf, strategy, model, train, evaluation,
+                               trainer.batch_size, rank, cfg.run.seed + 1000 * rank, trainer.max_steps_per_epoch,
+                               local_replicas, grad_accum=trainer.grad_accum, bucket_by_length=cfg.data.bucket_by_length,
+                               steps_per_call=trainer.tf_steps_per_execution)
 
-def run_worker(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
-    """Either loop (`trainer.tf_loop`), then `run.dump_params_dir`. False: stopped on request."""
-    tfc.require_legacy_keras()
-    adapter = build_adapter(cfg, ctx, data)
-    return tfc.train_keras(cfg, ctx, adapter.keras, adapter)
+    def ray_setup(self, cfg: DictConfig, run_id: str) -> Any:
+        """TensorflowConfig's TF_CONFIG, without TensorFlow in Ray Train's controller (or in the driver)."""
+        from trainers.preflight import preflight_config
+        from trainers.tf.tf_config import MirroredConfig
 
+        return MirroredConfig(preflight=preflight_config(cfg, run_id))
 
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    tfc.run_on_ray(config, run_worker)
-
-
-def worker_resources(trainer: DictConfig) -> dict[str, float]:
-    resources = {"CPU": float(trainer.threads_per_worker)}
-    if trainer.use_gpu:
-        resources["GPU"] = float(trainer.devices_per_worker)  # one GPU per replica
-    return resources
-
-
-def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, inputs: DataSchema,
-                  callbacks: list | None = None):
-    """`DataParallelTrainer`, not Ray's `TensorflowTrainer`: that one imports TensorFlow in the driver (seconds of
-    CPU, and TensorFlow's start-up lines on its console) for a backend config we replace anyway."""
-    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
-
-    from trainers.preflight import preflight_config
-    from trainers.tf.tf_config import MirroredConfig
-    from trainers.data_split import OrderedShards
-    from trainers.worker import loop_config, run_config, scaling_config
-
-    return DataParallelTrainer(
-        train_loop_per_worker,
-        train_loop_config=loop_config(cfg, run_id, tracking_uri, inputs),
-        # TensorflowConfig's TF_CONFIG, without TensorFlow in the controller
-        backend_config=MirroredConfig(preflight=preflight_config(cfg, run_id)),
-        scaling_config=scaling_config(cfg, resources=worker_resources(cfg.trainer)),
-        # tf-keras must own `tf.keras` from process start (trainers/tf/common.py); Ray starts the worker
-        # processes with these env vars (merged with the job's).
-        run_config=run_config(cfg, run_id, callbacks, {**tfc.LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}),
-        datasets=datasets,
-        dataset_config=OrderedShards(dp=cfg.trainer.num_workers),  # ShardArrays always caches its shard
-    )
+    def scaling_config(self, cfg: DictConfig) -> Any:
+        return device_scaling(cfg)  # a GPU per replica

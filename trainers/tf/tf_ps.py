@@ -24,7 +24,7 @@ them there without waiting for the others.
   Train restarts the run from its last checkpoint (`fault.max_failures`).
 - Each worker writes its shard to a local folder; the dataset function (traced by the chief, run on the workers)
   reads the folder of the worker it runs on.
-- Checkpoints are tf_mwms' (trainers/tf/common.py: `model.weights.h5`, `optimizer.npz`) with whole, unsharded
+- Checkpoints are tf_mwms' (trainers/tf/adapter.py: `model.weights.h5`, `optimizer.npz`) with whole, unsharded
   values (written through an unpartitioned twin of the model), plus each worker's position in a stopped epoch.
 """
 from __future__ import annotations
@@ -40,12 +40,13 @@ from omegaconf import DictConfig
 
 from contract.data import FEATURE_DTYPES, LABEL_DTYPES, DataSchema, shuffled_order
 from contract.console import say
-from trainers.tf import common as tfc
+from trainers.tf.adapter import (KerasAdapter, build_compiled_model, keras_loss, load_keras_state, save_keras_state,
+                                 set_threads)
+from trainers.tf.backend import KerasFit
 from trainers.tf.data import ShardArrays, model_input_fn
 from trainers.adapter import WorkerData
 from trainers.loop import WorkerContext
-from trainers.tf.ps.cluster import CHIEF, FEATURES, LABELS, Chief, PSClusterConfig, WorkerShards, board, serve, \
-    task_of_this_worker
+from trainers.tf.ps.cluster import CHIEF, FEATURES, LABELS, Chief, WorkerShards, board, serve, task_of_this_worker
 
 POSITIONS = "ps_positions.json"  # a stopped epoch: where each worker is (beside tf_mwms' state files)
 
@@ -69,7 +70,7 @@ def assign_whole(variables: list, values: list[np.ndarray]) -> None:
             shard.assign(part)
 
 
-class PSAdapter(tfc.KerasAdapter):
+class PSAdapter(KerasAdapter):
     """The chief's adapter on the shared loop. `reduce` is the identity: the chief is the loop's only rank."""
 
     batch_hooks = False  # tf-keras refuses batch-level callbacks under ParameterServerStrategy
@@ -104,7 +105,7 @@ class PSAdapter(tfc.KerasAdapter):
         step per function 16.8k samples/s, 8 per function 23.9k; 3 tensors back instead of 1: -18%)."""
         tf, strategy, model = self.tf, self.strategy, self.model
         optimizer = model.optimizer
-        loss_fn = tfc.keras_loss(self.keras, self.inputs.target.task, reduction=self.keras.losses.Reduction.NONE)
+        loss_fn = keras_loss(self.keras, self.inputs.target.task, reduction=self.keras.losses.Reduction.NONE)
 
         def replica(x: Any, y: Any) -> Any:
             with tf.GradientTape() as tape:
@@ -147,7 +148,7 @@ class PSAdapter(tfc.KerasAdapter):
         `cursors[i]` (rows since the start of pass 1) on; batches run across passes. One iterator for every epoch:
         dropping a tf.data iterator may wait seconds for tf.data's autotuning thread (measured here: `del` of the
         epoch's iterator took 0.9 s and 6.0 s at the ends of two of six epochs; tf_mwms had the same,
-        trainers/tf/common.EpochStream). A worker's server started again reads its stream from the attempt's start."""
+        trainers/tf/adapter.EpochStream). A worker's server started again reads its stream from the attempt's start."""
         tf, strategy = self.tf, self.strategy
         first = [cursor // rows + 1 for cursor, rows in zip(self.cursors, self.shards.rows)]
         passes = range(min(first), self.last_epoch + 2)  # a worker may run into the pass after the last epoch's
@@ -265,11 +266,11 @@ class PSAdapter(tfc.KerasAdapter):
         workers (their steps in it, and where their streams are)."""
         self.twin.set_weights(whole_values(self.model.weights))
         self.twin.optimizer.set_weights([self.tf.convert_to_tensor(v).numpy() for v in self.model.optimizer.variables])
-        tfc.save_keras_state(directory, self.twin)
+        save_keras_state(directory, self.twin)
         Path(directory, POSITIONS).write_text(json.dumps({"positions": self.positions, "cursors": self.cursors}))
 
     def load(self, directory: str) -> None:
-        tfc.load_keras_state(directory, self.twin, self.tf.distribute.get_strategy())
+        load_keras_state(directory, self.twin, self.tf.distribute.get_strategy())
         assign_whole(self.model.weights, self.twin.get_weights())
         self.build_optimizer()
         for variable, value in zip(self.model.optimizer.variables, self.twin.optimizer.variables, strict=True):
@@ -308,7 +309,7 @@ def make_strategy(tf: Any, trainer: DictConfig) -> tuple[Any, Any]:
     """(ParameterServerStrategy over TF_CONFIG's cluster, its ClusterCoordinator): variables split by
     `MinSizePartitioner` into at most `num_ps` shards of at least `ps_min_shard_bytes`. Connecting waits for
     every server of the cluster to answer."""
-    tfc.set_threads(tf, trainer.threads_per_worker)
+    set_threads(tf, trainer.threads_per_worker)
     partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
         min_shard_bytes=trainer.ps_min_shard_bytes, max_shards=trainer.num_ps)
     strategy = tf.distribute.ParameterServerStrategy(tf.distribute.cluster_resolver.TFConfigClusterResolver(),
@@ -316,100 +317,88 @@ def make_strategy(tf: Any, trainer: DictConfig) -> tuple[Any, Any]:
     return strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)
 
 
-def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> PSAdapter:
-    """The chief's adapter: the shards the workers published and its evaluation shard (`data.shards`), the strategy
-    (before any other TF op), then the model on the parameter servers with the same initial weights as tf_mwms'
-    (drawn outside any strategy), and its unpartitioned twin."""
-    import tensorflow as tf
+class ParameterServers(KerasFit):
+    """trainer=tf_ps: every role a Ray Train worker (rank 0 the chief, then the parameter servers, then the
+    workers); the chief alone runs the loop."""
 
-    shards, evaluation = data.shards(cfg.run.seed)  # the adapter shuffles each worker's pass itself
-    strategy, coordinator = make_strategy(tf, cfg.trainer)
-    import tf_keras as keras
+    def train_loop_per_worker(self, config: dict[str, Any]) -> None:
+        """The chief runs the loop; every other role serves (trainers/tf/ps/cluster.py)."""
+        from contract.console import import_tensorflow
+        from contract.tracking import run_dir
+        from trainers.worker import dataset_shards, ray_context, watch_for_hangs, worker_config, worker_inputs
 
-    from trainers.models import build_keras_model
+        import_tensorflow()  # first, with its start-up lines filtered
+        cfg = worker_config(config)
+        ctx = ray_context(config, cfg, watch=False)  # the servers run no loop: the chief watches itself alone
+        inputs = worker_inputs(config)
+        kind, index = task_of_this_worker()
+        if kind != CHIEF:
+            serve(cfg, ctx, inputs, kind, index)
+            return
+        chief = Chief(board())
 
-    inputs = data.inputs
-    keras.utils.set_random_seed(cfg.run.seed)
-    initial = build_keras_model(cfg.model, keras, inputs, seed=cfg.run.seed).get_weights()
-    # Dropout: tf-keras' default ops take their seeds when the chief traces a step, and each worker's kernels start
-    # from them: worker i's k-th step drew worker j's k-th masks (tests/unit/test_loop_backends.py). With a
-    # tf.random.Generator per layer, made under the strategy, its state is on a parameter server and every step
-    # draws on from it. What it costs (the masks come from the parameter server): benchmarks/README.md ps_vs_mwms.
-    keras.backend.experimental.enable_tf_random_generator()
-    steps = shards.steps(cfg.trainer.batch_size, cfg.trainer.max_steps_per_epoch)
-    with strategy.scope():
-        model = tfc.build_compiled_model(keras, cfg, inputs, cfg.trainer.tf_steps_per_execution, steps)
-        assign_whole(model.weights, initial)
-    twin = tfc.build_compiled_model(keras, cfg, inputs, steps_per_epoch=steps)
-    adapter = PSAdapter(keras, cfg, strategy, coordinator, model, twin, shards, evaluation, inputs, ctx)
-    adapter.build_optimizer()
-    return adapter
+        def shards(seed: int) -> tuple[WorkerShards, ShardArrays]:
+            # Rank 0's request makes every rank's shards of a split (Ray Train V2): the chief asks for the train split too
+            (_, eval_shard), waited_s = dataset_shards("train", "eval")
+            evaluation = ShardArrays(eval_shard, inputs)
+            evaluation.load_s += waited_s
+            return chief.shards(cfg.trainer.num_workers), evaluation
+        try:
+            # The chief alone runs the loop: its own hang watcher, as the one rank of the run.
+            ctx = replace(ctx, progress=watch_for_hangs(cfg.fault, run_dir(cfg.run.storage_path, config["run_id"]), 0, 1))
+            self.run_worker(cfg, chief.context(ctx, cfg.fault), WorkerData(inputs, shards))
+        finally:
+            chief.post("done")
 
+    def build_adapter(self, cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> PSAdapter:
+        """The chief's adapter: the shards the workers published and its evaluation shard (`data.shards`), the strategy
+        (before any other TF op), then the model on the parameter servers with the same initial weights as tf_mwms'
+        (drawn outside any strategy), and its unpartitioned twin."""
+        import tensorflow as tf
 
-def run_worker(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
-    """The chief's: the coordinator's loop (or Keras `fit`), then `run.dump_params_dir`. False: stopped.
-    `ctx.mid_epoch(epoch)` is called halfway through each epoch of the custom loop (fault injection)."""
-    tfc.require_legacy_keras()
-    adapter = build_adapter(cfg, ctx, data)
-    return tfc.train_keras(cfg, ctx, adapter.keras, adapter)
+        shards, evaluation = data.shards(cfg.run.seed)  # the adapter shuffles each worker's pass itself
+        strategy, coordinator = make_strategy(tf, cfg.trainer)
+        import tf_keras as keras
 
+        from trainers.models import build_keras_model
 
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """The chief runs the loop; every other role serves (trainers/tf/ps/cluster.py)."""
-    from contract.console import import_tensorflow
-    from contract.tracking import run_dir
-    from trainers.worker import dataset_shards, ray_context, watch_for_hangs, worker_config, worker_inputs
+        inputs = data.inputs
+        keras.utils.set_random_seed(cfg.run.seed)
+        initial = build_keras_model(cfg.model, keras, inputs, seed=cfg.run.seed).get_weights()
+        # Dropout: tf-keras' default ops take their seeds when the chief traces a step, and each worker's kernels start
+        # from them: worker i's k-th step drew worker j's k-th masks (tests/unit/test_loop_backends.py). With a
+        # tf.random.Generator per layer, made under the strategy, its state is on a parameter server and every step
+        # draws on from it. What it costs (the masks come from the parameter server): benchmarks/README.md ps_vs_mwms.
+        keras.backend.experimental.enable_tf_random_generator()
+        steps = shards.steps(cfg.trainer.batch_size, cfg.trainer.max_steps_per_epoch)
+        with strategy.scope():
+            model = build_compiled_model(keras, cfg, inputs, cfg.trainer.tf_steps_per_execution, steps)
+            assign_whole(model.weights, initial)
+        twin = build_compiled_model(keras, cfg, inputs, steps_per_epoch=steps)
+        adapter = PSAdapter(keras, cfg, strategy, coordinator, model, twin, shards, evaluation, inputs, ctx)
+        adapter.build_optimizer()
+        return adapter
 
-    import_tensorflow()  # first, with its start-up lines filtered
-    cfg = worker_config(config)
-    ctx = ray_context(config, cfg, watch=False)  # the servers run no loop: the chief watches itself alone
-    inputs = worker_inputs(config)
-    kind, index = task_of_this_worker()
-    if kind != CHIEF:
-        serve(cfg, ctx, inputs, kind, index)
-        return
-    chief = Chief(board())
+    def ray_setup(self, cfg: DictConfig, run_id: str) -> Any:
+        from trainers.preflight import preflight_config
+        from trainers.tf.ps.cluster import PSClusterConfig
 
-    def shards(seed: int) -> tuple[WorkerShards, ShardArrays]:
-        # Rank 0's request makes every rank's shards of a split (Ray Train V2): the chief asks for the train split too
-        (_, eval_shard), waited_s = dataset_shards("train", "eval")
-        evaluation = ShardArrays(eval_shard, inputs)
-        evaluation.load_s += waited_s
-        return chief.shards(cfg.trainer.num_workers), evaluation
-    try:
-        # The chief alone runs the loop: its own hang watcher, as the one rank of the run.
-        ctx = replace(ctx, progress=watch_for_hangs(cfg.fault, run_dir(cfg.run.storage_path, config["run_id"]), 0, 1))
-        run_worker(cfg, chief.context(ctx, cfg.fault), WorkerData(inputs, shards))
-    finally:
-        chief.post("done")
+        return PSClusterConfig(num_ps=cfg.trainer.num_ps, preflight=preflight_config(cfg, run_id))
 
+    def scaling_config(self, cfg: DictConfig) -> Any:
+        """Every role. Ray gives each worker of a run the same resources: the run takes `num_workers x
+        threads_per_worker` CPUs (what its workers compute with; the chief and the parameter servers mostly wait),
+        split evenly over all its Ray workers."""
+        from ray.train import ScalingConfig
 
-def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, inputs: DataSchema,
-                  callbacks: list | None = None):
-    """`DataParallelTrainer` over every role. Ray gives each worker of a run the same resources: the run takes
-    `num_workers x threads_per_worker` CPUs (what its workers compute with; the chief and the parameter servers
-    mostly wait), split evenly over all its Ray workers."""
-    from ray.train import ScalingConfig
-    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+        from contract.config import layout_of
 
-    from contract.config import ray_train_workers
-    from trainers.preflight import preflight_config
-    from trainers.data_split import RoleShards
-    from trainers.worker import loop_config, run_config
+        trainer = cfg.trainer
+        world = layout_of(trainer).ray_workers
+        return ScalingConfig(num_workers=world, use_gpu=False, placement_strategy=trainer.placement_strategy,
+                             resources_per_worker={"CPU": trainer.num_workers * trainer.threads_per_worker / world})
 
-    trainer = cfg.trainer
-    world = ray_train_workers(trainer)
-    scaling = ScalingConfig(num_workers=world, use_gpu=False, placement_strategy=trainer.placement_strategy,
-                            resources_per_worker={"CPU": trainer.num_workers * trainer.threads_per_worker / world})
-    return DataParallelTrainer(
-        train_loop_per_worker,
-        train_loop_config=loop_config(cfg, run_id, tracking_uri, inputs),
-        backend_config=PSClusterConfig(num_ps=trainer.num_ps, preflight=preflight_config(cfg, run_id)),
-        scaling_config=scaling,
-        run_config=run_config(cfg, run_id, callbacks, {**tfc.LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}),
-        datasets=datasets,
-        dataset_config=RoleShards(workers=trainer.num_workers),
-    )
+    def dataset_config(self, cfg: DictConfig) -> Any:
+        from trainers.data_split import RoleSplit
 
-
-log_final_model = tfc.log_final_model  # tf_mwms' checkpoint files: the same logged Keras model
+        return RoleSplit(workers=cfg.trainer.num_workers)

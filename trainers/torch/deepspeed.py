@@ -29,11 +29,11 @@ from typing import Any, Iterator
 import torch
 from omegaconf import DictConfig
 
-from contract.data import DataSchema
 from trainers.adapter import WorkerData
 from trainers.loop import WorkerContext
 from trainers.models import build_model
-from trainers.torch import common as tc
+from trainers.torch.adapter import TorchAdapter, place_model, seed_dropout, worker_device
+from trainers.torch.backend import TorchBackend
 from trainers.torch.data import Batch
 from trainers.torch.deepspeed_config import engine_config
 from trainers.torch.parallel.memory import local_bytes
@@ -74,7 +74,7 @@ def saved_ranks(directory: str | Path) -> int:
     return sum(1 for path in (Path(directory) / TAG).iterdir() if PARTITION_FILE.match(path.name))
 
 
-class DeepSpeedAdapter(tc.TorchAdapter):
+class DeepSpeedAdapter(TorchAdapter):
     """The loop's adapter over a DeepSpeed engine. `universal`: the checkpoint to restore was written by another
     number of ranks (converted on load)."""
 
@@ -174,52 +174,35 @@ def restored_ranks(ctx: WorkerContext) -> int | None:
         return saved_ranks(directory)
 
 
-def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> DeepSpeedAdapter:
-    """The plain model (the same initial weights on every rank) and the recipe's optimizer and schedule, handed to
-    `deepspeed.initialize` on the process group already set up; this rank's shard, shuffled by its own seed."""
-    deepspeed = import_deepspeed(cfg.trainer.use_gpu)
-    device = tc.worker_device(ctx)
-    torch.manual_seed(cfg.run.seed)
-    model = tc.place_model(build_model(cfg.model, data.inputs, seed=cfg.run.seed), device)
-    model.universal_checkpoint_info = dict(UNIVERSAL_INFO)
-    train, evaluation = data.shards(cfg.run.seed + 1000 * ctx.rank)
-    # One parameter group where nothing decays: ZeRO all-gathers each group's updated partition apart, and a
-    # second group cost 2 processes on a 0.5M-parameter MLP 12% of their throughput (benchmarks/README.md).
-    recipe = build_recipe(model, cfg.trainer, train.steps(), device, group_per_decay=False)
-    saved = restored_ranks(ctx)
-    universal = saved is not None and saved != ctx.world_size
-    config = engine_config(cfg.trainer)
-    config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": universal}
-    with unprinted(cfg.run.verbose):
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=recipe.optimizer,
-                                               lr_scheduler=recipe.scheduler, config=config, dist_init_required=False)
-    tc.seed_dropout(cfg.run.seed, ctx.rank)
-    return DeepSpeedAdapter(engine, recipe, train, evaluation, device, ctx.rank, universal)
+class DeepSpeed(TorchBackend):
+    """trainer=deepspeed: DeepSpeed's engine (ZeRO 1, 2 or 3) on the worker's process group."""
 
+    def build_adapter(self, cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> DeepSpeedAdapter:
+        """The plain model (the same initial weights on every rank) and the recipe's optimizer and schedule, handed to
+        `deepspeed.initialize` on the process group already set up; this rank's shard, shuffled by its own seed."""
+        deepspeed = import_deepspeed(cfg.trainer.use_gpu)
+        device = worker_device(ctx)
+        torch.manual_seed(cfg.run.seed)
+        model = place_model(build_model(cfg.model, data.inputs, seed=cfg.run.seed), device)
+        model.universal_checkpoint_info = dict(UNIVERSAL_INFO)
+        train, evaluation = data.shards(cfg.run.seed + 1000 * ctx.rank)
+        # One parameter group where nothing decays: ZeRO all-gathers each group's updated partition apart, and a
+        # second group cost 2 processes on a 0.5M-parameter MLP 12% of their throughput (benchmarks/README.md).
+        recipe = build_recipe(model, cfg.trainer, train.steps(), device, group_per_decay=False)
+        saved = restored_ranks(ctx)
+        universal = saved is not None and saved != ctx.world_size
+        config = engine_config(cfg.trainer)
+        config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": universal}
+        with unprinted(cfg.run.verbose):
+            engine, _, _, _ = deepspeed.initialize(model=model, optimizer=recipe.optimizer,
+                                                   lr_scheduler=recipe.scheduler, config=config, dist_init_required=False)
+        seed_dropout(cfg.run.seed, ctx.rank)
+        return DeepSpeedAdapter(engine, recipe, train, evaluation, device, ctx.rank, universal)
 
-def run_worker(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
-    """This worker's adapter on the shared loop. False: stopped on request."""
-    return tc.train_adapter(cfg, ctx, build_adapter(cfg, ctx, data))
+    def dense_state(self, directory: str) -> dict[str, torch.Tensor]:
+        """The dense fp32 model DeepSpeed consolidates from a checkpoint's ZeRO partitions."""
+        import_deepspeed(use_gpu=False)
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    tc.run_on_ray(config, run_worker)
-
-
-def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, inputs: DataSchema,
-                  callbacks: list | None = None):
-    return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, inputs,
-                            callbacks=callbacks)
-
-
-def dense_state(directory: str) -> dict[str, torch.Tensor]:
-    """The dense fp32 model DeepSpeed consolidates from a checkpoint's ZeRO partitions."""
-    import_deepspeed(use_gpu=False)
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    with unprinted(verbose=False):
-        return get_fp32_state_dict_from_zero_checkpoint(directory, tag=TAG)
-
-
-def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, inputs: DataSchema) -> None:
-    tc.log_final_model(uri, run_id, cfg, checkpoint, inputs, model_state=dense_state)
+        with unprinted(verbose=False):
+            return get_fp32_state_dict_from_zero_checkpoint(directory, tag=TAG)

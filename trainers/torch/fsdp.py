@@ -27,12 +27,12 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from contract.data import DataSchema
 from contract.registry import MODELS
 from trainers.adapter import WorkerData
 from trainers.loop import WorkerContext
 from trainers.models import build_model
-from trainers.torch import common as tc
+from trainers.torch.adapter import TorchAdapter, batch_score, seed_dropout, worker_device
+from trainers.torch.backend import TorchBackend
 from trainers.torch.parallel.comm import collective_device
 from trainers.torch.parallel.grad_norm import clip_dtensor_grad_norm
 from trainers.torch.parallel.memory import rank_memory
@@ -44,7 +44,7 @@ RECIPE_FILE = "recipe.pt"  # the schedule's (and scaler's) state, from rank 0, b
 STATE_OPTIONS_FLAT = {"flatten_optimizer_state_dict": True}  # optimizer state keyed by parameter name
 
 
-class FSDPAdapter(tc.TorchAdapter):
+class FSDPAdapter(TorchAdapter):
     """The loop's adapter for an FSDP2 model: sharded checkpoints. Gradient sync is FSDP's own reduce-scatter in
     backward; clipping takes the global norm of the sharded gradients (trainers/torch/parallel/grad_norm.py
     `clip_dtensor_grad_norm`); every rank's memory is in the epoch extras, as for every PyTorch backend.
@@ -164,7 +164,7 @@ class PipelineAdapter(FSDPAdapter):
             logits = self.schedule.eval(*self._stage_args(inputs), **self._stage_kwargs(inputs),
                                         target=labels if self.last else None)
             if self.last:
-                score += tc.batch_score(logits[:rows], labels[:rows], self.regression)
+                score += batch_score(logits[:rows], labels[:rows], self.regression)
             total += rows
         return float(self._from_last_stage(score)), total
 
@@ -189,72 +189,52 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x[:1].expand(missing, *x.shape[1:])]) if missing > 0 else x
 
 
-def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> FSDPAdapter:
-    """The dense model from the shared seed, parallelized on the N-D mesh (trainers/torch/parallel/parallelize.py: this
-    rank's pipeline stages if pp > 1, each tensor-parallel if tp > 1, sharded over the data-parallel dimensions);
-    this rank's data-parallel shard, shuffled by its seed (alike in the pp x tp ranks that read the same batches)."""
-    from trainers.torch.parallel.parallelize import ModelPlans, parallelize
-    from trainers.torch.parallel.pipeline import build_schedule
-
-    trainer, device, rank = cfg.trainer, tc.worker_device(ctx), ctx.rank
-    dims = parallel_dims(trainer, ctx.world_size)
-    dims.validate(ctx.world_size)
-    mesh = build_nd_mesh(dims, device.type)
-    torch.manual_seed(cfg.run.seed)  # the same dense weights on every rank before each keeps its part
-    model = build_model(cfg.model, data.inputs, seed=cfg.run.seed).to(device)
-    plans = ModelPlans.of(MODELS.get(cfg.model.name))
-    split = parallelize(model, dims, mesh, plans, trainer.pp_schedule, trainer.activation_checkpointing,
-                        trainer.reshard_after_forward, AUTOCAST_DTYPES[trainer.precision])
-    train, evaluation = data.shards(cfg.run.seed + 1000 * dims.data_rank(rank))
-    # The recipe over the sharded parameters, without autocast: bf16 is FSDP's mixed-precision policy.
-    recipe = replace(build_recipe(nn.ModuleList(split.parts), trainer, train.steps(), device), autocast_dtype=None)
-    tc.seed_dropout(cfg.run.seed, dims.dropout_stream(rank))  # the same masks in a TP group
-    if dims.pp == 1:
-        return FSDPAdapter(split.parts, recipe, train, evaluation, device, rank, ranks_per_sample=dims.batch_group)
-    pp_group = mesh.get_group("pp")
-    schedule = build_schedule(split.parts, split.stages, split.n_stages, trainer.pp_schedule, trainer.microbatches,
-                              task_loss(data.inputs.target.task), pp_group, device)
-    return PipelineAdapter(split.parts, schedule, split.stages, split.n_stages, pp_group, recipe, train, evaluation,
-                           device, rank, ranks_per_sample=dims.batch_group, batch_size=trainer.batch_size)
-
-
 def parallel_dims(trainer: DictConfig, world_size: int) -> ParallelDims:
     """The run's dimensions: the data-parallel degree is what pp x tp leave of the workers."""
     return ParallelDims(dp=world_size // (trainer.pp * trainer.tp), tp=trainer.tp, pp=trainer.pp,
                         dp_replicate=trainer.dp_replicate)
 
 
-def run_worker(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
-    """This worker's adapter on the shared loop. False: stopped on request."""
-    return tc.train_adapter(cfg, ctx, build_adapter(cfg, ctx, data))
+class FSDP(TorchBackend):
+    """trainer=fsdp: FSDP2 on an N-D mesh (HSDP, FSDP x TP, pipeline stages); sharded checkpoints (DCP)."""
 
+    def build_adapter(self, cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> FSDPAdapter:
+        """The dense model from the shared seed, parallelized on the N-D mesh (trainers/torch/parallel/parallelize.py: this
+        rank's pipeline stages if pp > 1, each tensor-parallel if tp > 1, sharded over the data-parallel dimensions);
+        this rank's data-parallel shard, shuffled by its seed (alike in the pp x tp ranks that read the same batches)."""
+        from trainers.torch.parallel.parallelize import ModelPlans, parallelize
+        from trainers.torch.parallel.pipeline import build_schedule
 
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    tc.run_on_ray(config, run_worker)
+        trainer, device, rank = cfg.trainer, worker_device(ctx), ctx.rank
+        dims = parallel_dims(trainer, ctx.world_size)
+        dims.validate(ctx.world_size)
+        mesh = build_nd_mesh(dims, device.type)
+        torch.manual_seed(cfg.run.seed)  # the same dense weights on every rank before each keeps its part
+        model = build_model(cfg.model, data.inputs, seed=cfg.run.seed).to(device)
+        plans = ModelPlans.of(MODELS.get(cfg.model.name))
+        split = parallelize(model, dims, mesh, plans, trainer.pp_schedule, trainer.activation_checkpointing,
+                            trainer.reshard_after_forward, AUTOCAST_DTYPES[trainer.precision])
+        train, evaluation = data.shards(cfg.run.seed + 1000 * dims.data_rank(rank))
+        # The recipe over the sharded parameters, without autocast: bf16 is FSDP's mixed-precision policy.
+        recipe = replace(build_recipe(nn.ModuleList(split.parts), trainer, train.steps(), device), autocast_dtype=None)
+        seed_dropout(cfg.run.seed, dims.dropout_stream(rank))  # the same masks in a TP group
+        if dims.pp == 1:
+            return FSDPAdapter(split.parts, recipe, train, evaluation, device, rank, ranks_per_sample=dims.batch_group)
+        pp_group = mesh.get_group("pp")
+        schedule = build_schedule(split.parts, split.stages, split.n_stages, trainer.pp_schedule, trainer.microbatches,
+                                  task_loss(data.inputs.target.task), pp_group, device)
+        return PipelineAdapter(split.parts, schedule, split.stages, split.n_stages, pp_group, recipe, train, evaluation,
+                               device, rank, ranks_per_sample=dims.batch_group, batch_size=trainer.batch_size)
 
+    def batch_group(self, cfg: DictConfig) -> int:
+        """The pp x tp ranks of a pipeline (or a TP group) read the same batches."""
+        return cfg.trainer.pp * cfg.trainer.tp
 
-def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, inputs: DataSchema,
-                  callbacks: list | None = None):
-    from trainers.data_split import shard_config
+    def dense_state(self, directory: str) -> dict[str, torch.Tensor]:
+        """The full model of a sharded checkpoint, read in this one process (DCP's `dcp_to_torch_save`)."""
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    trainer = cfg.trainer
-    dims = parallel_dims(trainer, trainer.num_workers)
-    return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, inputs,
-                            dataset_config=shard_config(trainer.num_workers, cfg.data.cache_in_worker,
-                                                        dims.batch_group),
-                            callbacks=callbacks)
-
-
-def dense_model_state(directory: str) -> dict[str, torch.Tensor]:
-    """The full model of a sharded checkpoint, read in this one process (DCP's `dcp_to_torch_save`)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as scratch:
-        path = os.path.join(scratch, "dense.pt")
-        dcp_to_torch_save(directory, path)
-        return torch.load(path, map_location="cpu", weights_only=False)["model"]
-
-
-def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, inputs: DataSchema) -> None:
-    """Log the final checkpoint's model, exported dense, to the MLflow run (PyTorch flavour)."""
-    tc.log_final_model(uri, run_id, cfg, checkpoint, inputs, model_state=dense_model_state)
+        with tempfile.TemporaryDirectory() as scratch:
+            path = os.path.join(scratch, "dense.pt")
+            dcp_to_torch_save(directory, path)
+            return torch.load(path, map_location="cpu", weights_only=False)["model"]

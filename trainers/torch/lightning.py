@@ -1,40 +1,40 @@
-"""trainer=lightning on Ray Train, as the driver sees it (Lightning is imported on the workers only): the
-`TorchTrainer` every PyTorch backend uses, whose workers run Lightning's Trainer (trainers/torch/lightning_fit.py),
-and the final model logged from Lightning's checkpoint."""
+"""trainer=lightning: PyTorch Lightning's `Trainer` on Ray Train's workers (trainers/torch/lightning_fit.py, through
+Ray's Lightning integration), handing its steps and epochs to the shared loop. This module is what the driver
+imports: Lightning itself is imported on the workers only (and where a model spec's own LightningModule is logged)."""
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from omegaconf import DictConfig
 
 from contract.data import DataSchema
+from trainers.adapter import WorkerData
+from trainers.loop import WorkerContext
 from trainers.models import build_lightning_module, has_builder
-from trainers.torch import common as tc
+from trainers.torch.backend import TorchBackend, log_torch_model
 from trainers.torch.lightning_checkpoint import module_state, plain_model_state
 
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    from trainers.torch import lightning_fit
 
-    tc.run_on_ray(config, lightning_fit.run_on_ray)
+class Lightning(TorchBackend):
+    """Lightning keeps its own loop: `run_worker` is its `Trainer.fit`, with Ray's Lightning strategy."""
 
+    def run_worker(self, cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
+        from trainers.torch import lightning_fit
 
-def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, inputs: DataSchema,
-                  callbacks: list | None = None):
-    return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, inputs, callbacks=callbacks)
+        return lightning_fit.run_on_ray(cfg, ctx, data)
 
+    def dense_state(self, directory: str) -> dict[str, Any]:
+        """The spec's plain model, out of the `RecipeModule` Lightning's checkpoint holds."""
+        return plain_model_state(directory)
 
-def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, inputs: DataSchema) -> None:
-    """The trained model to the MLflow run (PyTorch flavour): the spec's plain model, as trainer=ddp logs it, or
-    the spec's own LightningModule (its `forward` takes the same inputs)."""
-    if not has_builder(cfg.model, "lightning"):
-        tc.log_final_model(uri, run_id, cfg, checkpoint, inputs, model_state=plain_model_state)
-        return
-    from contract.checkpoint import TrainState
-    from contract.tracking import log_torch_model
-
-    module = build_lightning_module(cfg.model, inputs)
-    with checkpoint.as_directory() as directory:
-        module.load_state_dict(module_state(directory))
-        epoch = TrainState.read(directory).epoch
-    log_torch_model(uri, run_id, tc.logged_form(module, inputs), tc.example_input(inputs), epoch)
+    def log_final_model(self, tracking_uri: str, run_id: str, cfg: DictConfig, checkpoint: Any,
+                        inputs: DataSchema) -> None:
+        """The spec's plain model, as trainer=ddp logs it, or the spec's own LightningModule (its `forward` takes
+        the same inputs), in MLflow's PyTorch flavour."""
+        if not has_builder(cfg.model, "lightning"):
+            super().log_final_model(tracking_uri, run_id, cfg, checkpoint, inputs)
+            return
+        module = build_lightning_module(cfg.model, inputs)
+        with checkpoint.as_directory() as directory:
+            module.load_state_dict(module_state(directory))
+        log_torch_model(tracking_uri, run_id, module, inputs, checkpoint)

@@ -28,7 +28,8 @@ from contract.metrics import PendingReduce
 from trainers.adapter import Adapter, WorkerData
 from trainers.loop import TrainLoop, WorkerContext
 from trainers.models import build_lightning_module, build_model, has_builder
-from trainers.torch import common as tc
+from trainers.torch.adapter import (TorchProfiler, batch_score, dist_reduce_later, gathered_stats, place_model,
+                                    seed_dropout, worker_device)
 from trainers.torch.data import ShardBatches
 from trainers.torch.lightning_checkpoint import CHECKPOINT_FILE
 from trainers.torch.lightning_hyperparameters import ConfiguredHyperparameters
@@ -102,7 +103,7 @@ class LightningAdapter(Adapter):
         with self._whole_parameters():
             for inputs, labels, _ in self.evaluation.epoch(epoch, shuffle=False):
                 outputs = self.module(*(x.to(self.device) for x in inputs))
-                score += tc.batch_score(outputs, labels.to(self.device), self.regression)
+                score += batch_score(outputs, labels.to(self.device), self.regression)
                 total += len(labels)
         self.module.train(was_training)
         return score, total
@@ -117,7 +118,7 @@ class LightningAdapter(Adapter):
         return contextlib.nullcontext()
 
     def reduce_later(self, values: list[float], op: str) -> PendingReduce:
-        return tc.dist_reduce_later(values, op)
+        return dist_reduce_later(values, op)
 
     def save(self, directory: str) -> None:
         """Lightning's checkpoint (every rank calls: its strategy gathers what rank 0 writes)."""
@@ -128,8 +129,8 @@ class LightningAdapter(Adapter):
         self.restore_path = os.path.join(tempfile.mkdtemp(prefix="lightning-restore-"), CHECKPOINT_FILE)
         shutil.copyfile(os.path.join(directory, CHECKPOINT_FILE), self.restore_path)
 
-    def profiler(self, folder: str, steps: int) -> tc.TorchProfiler:
-        return tc.TorchProfiler(folder, steps, cuda=self.device.type == "cuda")
+    def profiler(self, folder: str, steps: int) -> TorchProfiler:
+        return TorchProfiler(folder, steps, cuda=self.device.type == "cuda")
 
     def peak_memory_bytes(self) -> float:
         if self.device.type == "cuda":
@@ -140,7 +141,7 @@ class LightningAdapter(Adapter):
         """Every rank's parameter, gradient and optimizer-state bytes and peak memory, as the other PyTorch
         backends log them."""
         stats = {**rank_memory(self.module, self.trainer.optimizers[0]), "peak_memory_bytes": self.peak_memory_bytes()}
-        return tc.gathered_stats(stats, self.rank)
+        return gathered_stats(stats, self.rank)
 
     def dump(self, directory: str | None) -> None:
         if directory:
@@ -284,8 +285,8 @@ def local_strategy(cfg: DictConfig, ctx: WorkerContext) -> pl.strategies.Strateg
     """`trainer.strategy` over the process group a test set up, outside Ray Train."""
     environment = WorkerEnvironment(ctx)
     if cfg.trainer.strategy == "fsdp":
-        return WorkerFSDPStrategy(tc.worker_device(ctx), cluster_environment=environment, state_dict_type="full")
-    return WorkerDDPStrategy(tc.worker_device(ctx), cluster_environment=environment)
+        return WorkerFSDPStrategy(worker_device(ctx), cluster_environment=environment, state_dict_type="full")
+    return WorkerDDPStrategy(worker_device(ctx), cluster_environment=environment)
 
 
 def ray_strategy(cfg: DictConfig, ctx: WorkerContext) -> pl.strategies.Strategy:
@@ -306,7 +307,7 @@ def build_module(cfg: DictConfig, ctx: WorkerContext, inputs: Any, steps_per_epo
     else:
         model = build_model(cfg.model, inputs, seed=cfg.run.seed)
         module = RecipeModule(model, inputs.target.task, cfg.trainer, steps_per_epoch)
-    return tc.place_model(module, tc.worker_device(ctx))
+    return place_model(module, worker_device(ctx))
 
 
 def build_trainer(cfg: DictConfig, ctx: WorkerContext, strategy: pl.strategies.Strategy,
@@ -330,9 +331,9 @@ def fit(cfg: DictConfig, ctx: WorkerContext, data: WorkerData, strategy: Strateg
     if not cfg.run.verbose:
         quiet_lightning_logs()
     train, evaluation = data.shards(cfg.run.seed + 1000 * ctx.rank)
-    device = tc.worker_device(ctx)
+    device = worker_device(ctx)
     module = build_module(cfg, ctx, data.inputs, train.steps())
-    tc.seed_dropout(cfg.run.seed, ctx.rank)
+    seed_dropout(cfg.run.seed, ctx.rank)
     adapter = LightningAdapter(module, train, evaluation, device, ctx.rank, cfg.trainer.grad_accum)
     loop = TrainLoop(adapter, ctx)  # restores: adapter.restore_path, the state's half-done epoch
     try:

@@ -14,17 +14,14 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from contract.data import DataSchema
 from contract.registry import MODELS, resolve
 from trainers.adapter import WorkerData
 from trainers.loop import WorkerContext
 from trainers.models import build_model
-from trainers.torch import common as tc
+from trainers.torch.adapter import TorchAdapter, seed_dropout, worker_device
+from trainers.torch.backend import TorchBackend
 from trainers.torch.data import Batch
 from trainers.torch.recipe import build_recipe
-
-log_final_model = tc.log_final_model  # checkpoints hold the dense model
-
 
 class CollectiveTimer:
     """Wall time spent inside torch.distributed collectives called by Python code on this rank (our Megatron
@@ -65,7 +62,7 @@ def rank_stats(model: torch.nn.Module, collective_s: float) -> dict[str, float]:
     return {"param_count": float(sum(p.numel() for p in local)), "collective_time_s": collective_s}
 
 
-class TPAdapter(tc.TorchAdapter):
+class TPAdapter(TorchAdapter):
     """The loop's adapter for a tensor-parallel model: gradients averaged over the "dp" group after backward,
     checkpoints hold the dense model and the dense optimizer state (gathered from the TP shards), so a run
     resumes with its Adam moments at any tp; per-rank stats (`rank<r>.*`) are logged each epoch."""
@@ -100,44 +97,36 @@ class TPAdapter(tc.TorchAdapter):
         return {**super().own_stats(), **rank_stats(self.model, self.timer.seconds)}
 
 
-def build_adapter(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> TPAdapter:
-    """Mesh, the dense model from the shared seed, sharded by its spec's tensor-parallel plan (`trainer.tp_impl`
-    says which implementation, where the plan has two); each TP group reads one DP shard (`data.shards(seed)` ->
-    (train, evaluation) batches), shuffled alike on its ranks."""
-    from trainers.torch.parallel.data_parallel import average_gradients
-    from trainers.torch.parallel.grad_norm import clip_grad_norm
-    from trainers.torch.parallel.mesh import ParallelDims, build_mesh, rank_coords
+class TP(TorchBackend):
+    """trainer=tp: the dense model sharded over the "tp" mesh dimension by its spec's plan, gradients averaged over
+    "dp"; every TP group reads one data-parallel shard."""
 
-    device = tc.worker_device(ctx)
-    dims = ParallelDims(dp=cfg.trainer.dp, tp=cfg.trainer.tp)
-    dims.validate(ctx.world_size)
-    dp_rank, _ = rank_coords(ctx.rank, dims.dp, dims.tp)
-    mesh = build_mesh(dims, "cuda" if cfg.trainer.use_gpu else "cpu")
-    torch.manual_seed(cfg.run.seed)  # same seed everywhere: identical dense weights before sharding
-    tensor_parallel = resolve(MODELS.get(cfg.model.name).tensor_parallel)
-    model = tensor_parallel(build_model(cfg.model, data.inputs).to(device), mesh, cfg.trainer.tp_impl)
-    dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
-    train, evaluation = data.shards(cfg.run.seed + 1000 * dp_rank)  # same shuffle in a TP group
-    recipe = build_recipe(model, cfg.trainer, train.steps(), device)
-    tc.seed_dropout(cfg.run.seed, dims.dropout_stream(ctx.rank))  # identical dropout masks inside a TP group
-    return TPAdapter(model, recipe, train, evaluation, device, ctx.rank, ranks_per_sample=dims.tp,
-                     sync_gradients=lambda: average_gradients(model, dp_group),
-                     clip=lambda max_norm: clip_grad_norm(model, max_norm, tp_group))
+    def build_adapter(self, cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> TPAdapter:
+        """Mesh, the dense model from the shared seed, sharded by its spec's tensor-parallel plan (`trainer.tp_impl`
+        says which implementation, where the plan has two); each TP group reads one DP shard (`data.shards(seed)` ->
+        (train, evaluation) batches), shuffled alike on its ranks."""
+        from trainers.torch.parallel.data_parallel import average_gradients
+        from trainers.torch.parallel.grad_norm import clip_grad_norm
+        from trainers.torch.parallel.mesh import ParallelDims, build_mesh, rank_coords
 
+        device = worker_device(ctx)
+        dims = ParallelDims(dp=cfg.trainer.dp, tp=cfg.trainer.tp)
+        dims.validate(ctx.world_size)
+        dp_rank, _ = rank_coords(ctx.rank, dims.dp, dims.tp)
+        mesh = build_mesh(dims, "cuda" if cfg.trainer.use_gpu else "cpu")
+        torch.manual_seed(cfg.run.seed)  # same seed everywhere: identical dense weights before sharding
+        tensor_parallel = resolve(MODELS.get(cfg.model.name).tensor_parallel)
+        model = tensor_parallel(build_model(cfg.model, data.inputs).to(device), mesh, cfg.trainer.tp_impl)
+        dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
+        train, evaluation = data.shards(cfg.run.seed + 1000 * dp_rank)  # same shuffle in a TP group
+        recipe = build_recipe(model, cfg.trainer, train.steps(), device)
+        seed_dropout(cfg.run.seed, dims.dropout_stream(ctx.rank))  # identical dropout masks inside a TP group
+        return TPAdapter(model, recipe, train, evaluation, device, ctx.rank, ranks_per_sample=dims.tp,
+                         sync_gradients=lambda: average_gradients(model, dp_group),
+                         clip=lambda max_norm: clip_grad_norm(model, max_norm, tp_group))
 
-def run_worker(cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> bool:
-    """This worker's adapter on the shared loop. False: stopped on request."""
-    return tc.train_adapter(cfg, ctx, build_adapter(cfg, ctx, data))
+    def dataset_config(self, cfg: DictConfig) -> Any:
+        """Ordered shards always: a TP group's ranks must read identical batches."""
+        from trainers.data_split import OrderedSplit
 
-
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    tc.run_on_ray(config, run_worker)
-
-
-def build_trainer(cfg: DictConfig, datasets: dict, run_id: str, tracking_uri: str, inputs: DataSchema,
-                  callbacks: list | None = None):
-    from trainers.data_split import OrderedShards
-
-    return tc.torch_trainer(train_loop_per_worker, cfg, datasets, run_id, tracking_uri, inputs,
-                            dataset_config=OrderedShards(dp=cfg.trainer.dp, tp=cfg.trainer.tp),
-                            callbacks=callbacks)
+        return OrderedSplit(dp=cfg.trainer.dp, group=cfg.trainer.tp)

@@ -1,4 +1,4 @@
-"""What both TensorFlow backends (tf_mwms, horovod tf) share: shard ingest, the tf-keras model and its state
+"""What the Keras backends' adapters share (tf_mwms, tf_ps, horovod tf): the tf-keras model, its recipe and state
 files, and `KerasAdapter`, the base of their adapters on the shared loop (trainers/loop.py).
 
 Which Keras: tf-keras (Keras 2). Keras 3 `model.fit` under MultiWorkerMirroredStrategy with 2 workers crashes
@@ -18,25 +18,14 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from contract.checkpoint import TrainState
-from contract.console import import_tensorflow, quiet_keras_predict
 from contract.data import DataSchema
 from contract.metrics import PendingReduce, reduce_at_once
-from trainers.adapter import Adapter, WorkerData
-from trainers.loop import WorkerContext
-from trainers.tf.data import ShardArrays, worker_shards
-from trainers.tf.keras_fit import run_epochs
-from trainers.worker import ray_context, worker_config, worker_inputs
+from trainers.adapter import Adapter
+from trainers.tf.data import ShardArrays
 
 LEGACY_KERAS_ENV = {"TF_USE_LEGACY_KERAS": "1"}
 EVAL_BATCH = 256
 WEIGHTS, OPTIMIZER = "model.weights.h5", "optimizer.npz"
-
-
-def require_legacy_keras() -> None:
-    if os.environ.get("TF_USE_LEGACY_KERAS") != "1":
-        raise RuntimeError("TF_USE_LEGACY_KERAS=1 must be in the worker's environment from process start "
-                           "(build the trainer with the backend's build_trainer)")
 
 
 def set_threads(tf: Any, threads: int) -> None:
@@ -46,7 +35,7 @@ def set_threads(tf: Any, threads: int) -> None:
 
 
 def seed_dropout(tf: Any, seed: int, stream: int) -> None:
-    """Seed TF's random ops of training (dropout), once the model is built, as trainers/torch/common.seed_dropout
+    """Seed TF's random ops of training (dropout), once the model is built, as trainers/torch/adapter.seed_dropout
     does for torch: each worker (`stream`: its rank) draws its own masks. Every worker sets the same global seed
     for the initial weights, and the ops of a function traced afterwards take their seeds from the global one."""
     tf.random.set_seed(seed + 1000 * stream)
@@ -289,71 +278,3 @@ def compiled_model_from(keras: Any, cfg: Any, inputs: DataSchema, directory: str
     model.load_weights(os.path.join(directory, WEIGHTS))
     compile_model(keras, cfg, inputs, model)
     return model
-
-
-def _log_model_task(uri: str, run_id: str, cfg_dict: dict, roots: list[str], checkpoint: Any, inputs: DataSchema,
-                    model_from: Callable) -> None:
-    import mlflow
-    from contract.config import typed_config
-    from trainers.models.keras_models import custom_objects
-
-    tf = import_tensorflow()  # before tf_keras imports it: with its start-up lines filtered
-    import tf_keras as keras
-
-    quiet_keras_predict(keras)  # MLflow predicts on the input example: no progress lines
-
-    # The logged model is float32 (no dtype policy is set here), so without fp16's LossScaleOptimizer too: an
-    # unbuilt one cannot skip the optimizer variables in the weights file (see `load_keras_state`).
-    cfg = typed_config({**cfg_dict, "trainer": {**cfg_dict["trainer"], "precision": "fp32"}}, roots)
-    with checkpoint.as_directory() as directory:
-        model = model_from(keras, cfg, inputs, directory)
-        epoch = TrainState.read(directory).epoch
-    mlflow.set_tracking_uri(uri)
-    mlflow.start_run(run_id=run_id, log_system_metrics=False)
-    try:
-        # Explicit requirements: MLflow's inference imports and scans modules, seconds for nothing here.
-        mlflow.tensorflow.log_model(model, name="model", input_example=input_example(inputs),
-                                    keras_model_kwargs={"save_format": "keras"}, step=epoch,
-                                    custom_objects=custom_objects(keras),
-                                    pip_requirements=[f"tensorflow=={tf.__version__}",
-                                                      f"tf-keras=={keras.__version__}"])
-    finally:
-        mlflow.end_run()
-
-
-def log_final_model(uri: str, run_id: str, cfg: Any, checkpoint: Any, inputs: DataSchema,
-                    model_from: Callable = compiled_model_from) -> None:
-    """The final checkpoint's model, MLflow tensorflow (Keras) flavour (`model_from`: the Keras model a
-    checkpoint folder holds). MLflow recognises Keras models via
-    `tensorflow.keras`, which is tf-keras only with TF_USE_LEGACY_KERAS=1 from process start: so the model
-    is logged from a Ray task started with that env var rather than from this (driver) process."""
-    import ray
-    from omegaconf import OmegaConf
-
-    from contract.registry import plugin_roots
-
-    task = ray.remote(num_cpus=1, runtime_env={"env_vars": {**LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}})(
-        _log_model_task)
-    ray.get(task.remote(uri, run_id, OmegaConf.to_container(cfg, resolve=True), plugin_roots(cfg.plugins), checkpoint,
-                        inputs, model_from))
-
-
-RunWorker = Callable[[Any, WorkerContext, WorkerData], bool]  # a backend's `run_worker`
-
-
-def run_on_ray(config: dict[str, Any], run_worker: RunWorker) -> None:
-    """What a TensorFlow backend's Ray Train workers run: its `run_worker` on this worker's context and Ray Data
-    shards (pulled when the adapter asks, after the worker has set TensorFlow's threads)."""
-    import_tensorflow()  # first, with its start-up lines filtered
-    cfg = worker_config(config)
-    inputs = worker_inputs(config)
-    run_worker(cfg, ray_context(config, cfg), WorkerData(inputs, lambda seed: worker_shards(inputs)))
-
-
-def train_keras(cfg: Any, ctx: WorkerContext, keras: Any, adapter: KerasAdapter) -> bool:
-    """The remaining epochs through Keras `fit` or the shared loop (`trainer.tf_loop`), then
-    `run.dump_params_dir`. False: stopped on request."""
-    if not run_epochs(keras, adapter, ctx, cfg.trainer.tf_loop):
-        return False
-    adapter.dump(cfg.run.dump_params_dir)
-    return True

@@ -1,37 +1,29 @@
-"""What every PyTorch backend shares (ddp, tp, fsdp, horovod torch): the `TorchAdapter` the loop drives
-(trainers/loop.py), its state files, how a worker runs on Ray Train, the `TorchTrainer`, and the final model logged
-to MLflow. Backends differ only in how they wrap the model and optimizer, sync gradients, and turn state into the
+"""What every PyTorch backend's adapter shares (ddp, tp, fsdp, deepspeed, horovod torch): `TorchAdapter`, the
+loop's adapter (trainers/loop.py) over a PyTorch model and the recipe's optimizer step, its state files, profiler and
+evaluation. Backends differ only in how they wrap the model and optimizer, sync gradients, and turn state into the
 dense form a checkpoint holds."""
 from __future__ import annotations
 
 import contextlib
 import os
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch import nn
 
-from contract.checkpoint import TrainState
-from contract.data import PAD_ID, DataSchema
-from contract.mfu import peak_flops
 from contract.metrics import AsyncReducer, PendingReduce, peak_rss_bytes
-from trainers.adapter import Adapter, WorkerData
-from trainers.loop import WorkerContext, train
-from trainers.models import build_model
-from trainers.torch.data import Batch, ShardBatches, worker_shards
+from trainers.adapter import Adapter
+from trainers.loop import WorkerContext
+from trainers.torch.data import Batch, ShardBatches
 from trainers.torch.parallel.comm import collective_device
 from trainers.torch.parallel.data_parallel import average_gradients
 from trainers.torch.parallel.memory import rank_memory
 from trainers.torch.recipe import TorchRecipe, clip_dense_grad_norm, task_loss, with_kernels_of
-from trainers.worker import loop_config, ray_context, run_config, scaling_config, worker_config, worker_inputs
 
-STATE_FILE = "state.pt"  # {"model": dense state dict, "optimizer": dense optimizer state, "scheduler": ...}
+DENSE_STATE_FILE = "state.pt"  # {"model": dense state dict, "optimizer": dense optimizer state, "scheduler": ...}
 
 
 def batch_score(outputs: torch.Tensor, labels: torch.Tensor, regression: bool) -> float:
@@ -244,7 +236,7 @@ class TorchAdapter(Adapter):
         state = {"model": self.dense_model_state(), "optimizer": self.dense_optimizer_state(),  # may be collective
                  **self.recipe.state_dict()}
         if self.rank == 0:  # the others' folders are discarded (contract/checkpoint.py)
-            torch.save(state, os.path.join(directory, STATE_FILE))
+            torch.save(state, os.path.join(directory, DENSE_STATE_FILE))
 
     def load(self, directory: str) -> None:
         state = load_state_file(directory)
@@ -277,113 +269,12 @@ def gathered_stats(stats: dict[str, float], rank: int) -> dict[str, float]:
 def load_state_file(directory: str) -> dict[str, Any]:
     """A checkpoint's state, its tensors on the CPU whatever device saved them: a GPU run's checkpoint loads on a
     driver or a resumed worker without one (`load_state_dict` moves each tensor to its parameter's device)."""
-    return torch.load(os.path.join(directory, STATE_FILE), map_location="cpu", weights_only=False)
+    return torch.load(os.path.join(directory, DENSE_STATE_FILE), map_location="cpu", weights_only=False)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") else model
 
 
-def torch_trainer(loop: Callable[[dict], None], cfg: Any, datasets: dict, run_id: str, tracking_uri: str,
-                  inputs: DataSchema, dataset_config: Any = None, callbacks: list | None = None) -> Any:
-    """The `TorchTrainer` every PyTorch backend but Horovod uses: gloo on CPU / NCCL on GPU, set up by
-    trainers/torch/process_group.py (the process group `TorchConfig` sets up, without torch in Ray Train's controller)."""
-    from ray.train.torch import TorchTrainer
-
-    from contract.hang import HANG_DIR
-    from contract.tracking import run_dir
-    from trainers.preflight import preflight_config
-    from trainers.data_split import shard_config
-    from trainers.torch.process_group import TorchGroupConfig, flight_recorder_env
-
-    nccl = cfg.trainer.use_gpu
-    env = flight_recorder_env(str(run_dir(cfg.run.storage_path, run_id) / HANG_DIR)) if nccl else {}
-    return TorchTrainer(
-        loop,
-        train_loop_config=loop_config(cfg, run_id, tracking_uri, inputs),
-        torch_config=TorchGroupConfig(backend="nccl" if nccl else "gloo",
-                                      timeout_s=int(cfg.fault.collective_timeout_s), env=env,
-                                      preflight=preflight_config(cfg, run_id)),
-        scaling_config=scaling_config(cfg),
-        run_config=run_config(cfg, run_id, callbacks),
-        datasets=datasets,
-        dataset_config=dataset_config or shard_config(cfg.trainer.num_workers, cfg.data.cache_in_worker),
-    )
-
-
-RunWorker = Callable[[DictConfig, WorkerContext, WorkerData], bool]  # a backend's `run_worker`
-
-
-def run_on_ray(config: dict[str, Any], run_worker: RunWorker) -> None:
-    """What a PyTorch backend's Ray Train workers run: its `run_worker` on this worker's context (its device is
-    Ray Train's) and Ray Data shards."""
-    import ray.train.torch
-
-    cfg = worker_config(config)
-    torch.set_num_threads(cfg.trainer.threads_per_worker)
-    device = ray.train.torch.get_device()
-    ctx = ray_context(config, cfg, device=device)
-    if device.type == "cuda":  # the device's peak, for `mfu`; NCCL's record of collectives, on a hang
-        ctx = replace(ctx, peak_flops=peak_flops(torch.cuda.get_device_name(device), cfg.trainer.precision))
-        if ctx.progress.watched:
-            ctx.progress.on_hang.append(dump_flight_recorder)
-    inputs = worker_inputs(config)
-    run_worker(cfg, ctx, WorkerData(inputs, lambda seed: worker_shards(cfg, inputs, seed)))
-
-
-def dump_flight_recorder(hang_folder: Path, rank: int) -> None:
-    """NCCL's Flight Recorder of this rank (TORCH_NCCL_TRACE_BUFFER_SIZE, `flight_recorder_env`), written when the
-    hang watcher fires, before any collective's own timeout would dump it: the file `fr_trace` reads."""
-    from torch._C._distributed_c10d import _dump_nccl_trace
-
-    (hang_folder / f"nccl_trace_rank_{rank}").write_bytes(_dump_nccl_trace())
-
-
-def train_adapter(cfg: DictConfig, ctx: WorkerContext, adapter: TorchAdapter) -> bool:
-    """The shared loop (through torch.compile if `trainer.compile`), then `run.dump_params_dir`. False: stopped
-    on request."""
-    if cfg.trainer.compile:
-        adapter.compile_forward()
-    return train(adapter, ctx, cfg.run.dump_params_dir)
-
-
 def worker_device(ctx: WorkerContext) -> torch.device:
     return ctx.device if ctx.device is not None else torch.device("cpu")
-
-
-def example_input(inputs: DataSchema) -> Any:
-    """An input the logged model takes (MLflow infers its signature from it): token ids ([PAD] ids are the
-    padding), or scaled features [2, width]."""
-    if inputs.features.kind == "tokens":
-        return np.ones((2, inputs.max_len), dtype=np.int64)
-    return np.zeros((2, inputs.features.width), dtype=np.float32)
-
-
-class TokenIdsModel(nn.Module):
-    """A token model as it is logged: called with the ids alone (what `rtp evaluate`, `rtp predict` and a user of
-    the logged model pass), it gives the model the mask of the non-[PAD] ids beside them, as training does."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, input_ids != PAD_ID)
-
-
-def logged_form(model: nn.Module, inputs: DataSchema) -> nn.Module:
-    """`model` (in eval mode) as MLflow logs it: taking `example_input(inputs)`."""
-    return TokenIdsModel(model).eval() if inputs.features.kind == "tokens" else model.eval()
-
-
-def log_final_model(uri: str, run_id: str, cfg: DictConfig, checkpoint: Any, inputs: DataSchema,
-                    model_state: Callable[[str], dict[str, torch.Tensor]] | None = None) -> None:
-    """Log the trained (dense) model of the final checkpoint to the MLflow run (PyTorch flavour). `model_state`:
-    the dense state dict a checkpoint folder holds (default: `state.pt`'s)."""
-    from contract.tracking import log_torch_model
-
-    model = build_model(cfg.model, inputs)
-    with checkpoint.as_directory() as directory:
-        model.load_state_dict(model_state(directory) if model_state else load_state_file(directory)["model"])
-        epoch = TrainState.read(directory).epoch
-    log_torch_model(uri, run_id, logged_form(model, inputs), example_input(inputs), epoch)

@@ -1,0 +1,123 @@
+"""`TorchBackend`: what every PyTorch backend shares on Ray Train (ddp, fsdp, tp, deepspeed, lightning, horovod
+torch). Its workers set torch's threads and device, read their data as `ShardBatches` (trainers/torch/data.py) and
+run the shared loop (through `torch.compile` with `trainer.compile`); a torch process group (gloo on CPU, NCCL on
+GPU) is set up before they start (trainers/torch/process_group.py); the final checkpoint's dense model is logged to
+MLflow in the PyTorch flavour, taking the inputs evaluate and predict give it."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from contract.checkpoint import TrainState
+from contract.data import PAD_ID, DataSchema
+from contract.mfu import peak_flops
+from trainers.adapter import Adapter
+from trainers.backend import Backend
+from trainers.loop import WorkerContext
+from trainers.models import build_model
+from trainers.torch.adapter import TorchAdapter, load_state_file
+from trainers.torch.data import ShardBatches, worker_shards
+
+
+class TorchBackend(Backend):
+    """A PyTorch backend. Subclasses give `build_adapter`, and `dense_state` where a checkpoint does not hold the
+    dense model in `state.pt`."""
+
+    def ray_setup(self, cfg: DictConfig, run_id: str) -> Any:
+        """A torch process group: NCCL with `trainer.use_gpu` (its Flight Recorder dumping into the run's hang/
+        folder on a collective's timeout), else gloo."""
+        from contract.hang import HANG_DIR
+        from contract.tracking import run_dir
+        from trainers.preflight import preflight_config
+        from trainers.torch.process_group import TorchGroupConfig, flight_recorder_env
+
+        nccl = cfg.trainer.use_gpu
+        env = flight_recorder_env(str(run_dir(cfg.run.storage_path, run_id) / HANG_DIR)) if nccl else {}
+        return TorchGroupConfig(backend="nccl" if nccl else "gloo", timeout_s=int(cfg.fault.collective_timeout_s),
+                                env=env, preflight=preflight_config(cfg, run_id))
+
+    def worker_context(self, config: dict[str, Any], cfg: DictConfig) -> WorkerContext:
+        """torch's threads (`trainer.threads_per_worker`), Ray Train's device; on a GPU its peak (for `mfu`) and
+        NCCL's record of collectives written on a hang."""
+        import ray.train.torch
+
+        from trainers.worker import ray_context
+
+        torch.set_num_threads(cfg.trainer.threads_per_worker)
+        device = ray.train.torch.get_device()
+        ctx = ray_context(config, cfg, device=device)
+        if device.type == "cuda":
+            ctx = replace(ctx, peak_flops=peak_flops(torch.cuda.get_device_name(device), cfg.trainer.precision))
+            if ctx.progress.watched:
+                ctx.progress.on_hang.append(dump_flight_recorder)
+        return ctx
+
+    def shards(self, cfg: DictConfig, inputs: DataSchema, seed: int) -> tuple[ShardBatches, ShardBatches]:
+        return worker_shards(cfg, inputs, seed)
+
+    def train(self, cfg: DictConfig, ctx: WorkerContext, adapter: Adapter) -> bool:
+        """The shared loop, through `torch.compile` with `trainer.compile`."""
+        if cfg.trainer.compile and isinstance(adapter, TorchAdapter):
+            adapter.compile_forward()
+        return super().train(cfg, ctx, adapter)
+
+    def dense_state(self, directory: str) -> dict[str, torch.Tensor]:
+        """The dense model's state dict a checkpoint folder holds (default: `state.pt`'s, trainers/torch/adapter.py)."""
+        return load_state_file(directory)["model"]
+
+    def log_final_model(self, tracking_uri: str, run_id: str, cfg: DictConfig, checkpoint: Any,
+                        inputs: DataSchema) -> None:
+        """The checkpoint's dense model, built from the model spec, in MLflow's PyTorch flavour."""
+        model = build_model(cfg.model, inputs)
+        with checkpoint.as_directory() as directory:
+            model.load_state_dict(self.dense_state(directory))
+        log_torch_model(tracking_uri, run_id, model, inputs, checkpoint)
+
+
+def log_torch_model(tracking_uri: str, run_id: str, model: nn.Module, inputs: DataSchema, checkpoint: Any) -> None:
+    """`model` (trained, as `checkpoint` holds it) logged to the MLflow run at the checkpoint's epoch, taking what
+    evaluate and predict give it (`logged_form`)."""
+    from contract.tracking import log_torch_model as log_model
+
+    with checkpoint.as_directory() as directory:
+        epoch = TrainState.read(directory).epoch
+    log_model(tracking_uri, run_id, logged_form(model, inputs), example_input(inputs), epoch)
+
+
+def dump_flight_recorder(hang_folder: Path, rank: int) -> None:
+    """NCCL's Flight Recorder of this rank (TORCH_NCCL_TRACE_BUFFER_SIZE, `flight_recorder_env`), written when the
+    hang watcher fires, before any collective's own timeout would dump it: the file `fr_trace` reads."""
+    from torch._C._distributed_c10d import _dump_nccl_trace
+
+    (hang_folder / f"nccl_trace_rank_{rank}").write_bytes(_dump_nccl_trace())
+
+
+def example_input(inputs: DataSchema) -> Any:
+    """An input the logged model takes (MLflow infers its signature from it): token ids ([PAD] ids are the
+    padding), or scaled features [2, width]."""
+    if inputs.features.kind == "tokens":
+        return np.ones((2, inputs.max_len), dtype=np.int64)
+    return np.zeros((2, inputs.features.width), dtype=np.float32)
+
+
+class TokenIdsModel(nn.Module):
+    """A token model as it is logged: called with the ids alone (what `rtp evaluate`, `rtp predict` and a user of
+    the logged model pass), it gives the model the mask of the non-[PAD] ids beside them, as training does."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, input_ids != PAD_ID)
+
+
+def logged_form(model: nn.Module, inputs: DataSchema) -> nn.Module:
+    """`model` (in eval mode) as MLflow logs it: taking `example_input(inputs)`."""
+    return TokenIdsModel(model).eval() if inputs.features.kind == "tokens" else model.eval()
