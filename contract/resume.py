@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Iterator
 
 from contract.files import write_atomically
+from contract.metrics import Reducer
 
 STOP_FILE = "STOP"
 RUN_ID_FILE = "mlflow_run_id"
@@ -112,3 +113,18 @@ def interruption(err: BaseException) -> str | None:
     if isinstance(err, SystemError) and err.__cause__ is not None:  # raised by the signal's handler inside a C
         return interruption(err.__cause__)                          # call (Ray's `wait`), which wraps it so
     return None
+
+
+class StopAgreement:
+    """True on every rank at the same step once STOP exists. Every `every` steps the ranks agree through one
+    all-reduce of a flag, so a rank that sees the file late still stops with the others; checking every step
+    would add a collective to each step of a small model."""
+
+    def __init__(self, path: Path | None, reduce: Reducer, every: int):
+        self.path, self.reduce, self.every = path, reduce, every
+
+    def __call__(self, steps: int) -> bool:
+        if self.path is None or steps % self.every:
+            return False
+        (flag,) = self.reduce([float(self.path.exists())], "max")
+        return flag > 0

@@ -12,6 +12,7 @@ median of the others'.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import time
 from statistics import median
 
 STRAGGLER_TAG = "straggler"
@@ -80,3 +81,21 @@ def straggler_line(epoch: int, times: list[RankTimes], found: list[tuple[int, fl
                      f"forward {times[rank].forward_ms:.1f}) against {others:.1f} ms for the other ranks")
     return (f"straggler in epoch {epoch}: " + "; ".join(parts) +
             f" (more than run.straggler_ratio={ratio:g} times; every rank waits for it at each step)")
+
+
+@dataclass
+class StepClock:
+    """This attempt's part of an epoch, timed on this rank: steps, the seconds they took (waiting for batches
+    included), the part spent waiting for batches and the part in the adapter's forward passes."""
+    forward_at_start: float
+    steps: int = 0
+    step_s: float = 0.0
+    data_wait_s: float = 0.0
+    forward_s: float = 0.0
+
+    def stop(self, started: float, forward_now: float) -> None:
+        self.step_s = time.perf_counter() - started
+        self.forward_s = forward_now - self.forward_at_start
+
+    def means(self) -> RankTimes:
+        return per_step(self.step_s, self.data_wait_s, self.forward_s, self.steps)

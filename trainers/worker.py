@@ -6,12 +6,11 @@ import importlib
 import os
 import random
 import socket
-import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -25,9 +24,18 @@ from contract.progress import StepBar, progress_wanted
 from contract.registry import plugin_roots
 from contract.resume import stop_file
 from contract.startup import StartupMarks, started_at
-from trainers.model_flops import run_flops_per_sample
+from trainers.callbacks.base import LoopCallback
+from trainers.callbacks.divergence import DivergenceFile
+from trainers.callbacks.faults import FaultInjection
+from trainers.callbacks.hang_marks import HangMarks
+from trainers.callbacks.mfu import Utilisation
+from trainers.callbacks.profiling import Profiling
+from trainers.callbacks.startup import StartupMetrics
+from trainers.callbacks.step_bar import StepBars
+from trainers.callbacks.step_times import StepTimes
 from trainers.hang_watch import HangWatch
-from trainers.loop import WorkerContext
+from trainers.loop import MetricsSink, NoMetrics, WorkerContext
+from trainers.model_flops import run_flops_per_sample
 
 
 def loop_config(cfg: DictConfig, run_id: str, tracking_uri: str, inputs: DataSchema) -> dict[str, Any]:
@@ -53,9 +61,12 @@ def worker_inputs(config: dict[str, Any]) -> DataSchema:
     return DataSchema.from_dict(config["inputs"])
 
 
-def ray_context(config: dict[str, Any], cfg: DictConfig, device: Any = None, watch: bool = True) -> WorkerContext:
-    """This Ray Train worker's context: rank, report, checkpoint to restore, rank 0's MLflow logger, STOP file,
-    fault injection, the `device` it computes on, and its hang watcher (`watch`: every rank runs the loop). Tags
+def ray_context(config: dict[str, Any], cfg: DictConfig, device: Any = None, peak_flops: float | None = None,
+                on_hang: Iterable[Callable[[Path, int], None]] = (), every_rank_trains: bool = True) -> WorkerContext:
+    """This Ray Train worker's context: rank, report, checkpoint to restore, rank 0's MLflow logger, STOP file, the
+    `device` it computes on (`peak_flops`: its peak, if known, for MFU), and the loop's callbacks (`ray_callbacks`).
+    `every_rank_trains`: each rank runs the loop, so each is watched for hangs (`on_hang`: what it adds to its
+    stacks then) and the last one takes the injected faults; else (tf_ps) the rank that trains sets those up. Tags
     `rank<r>.node` with the IP of the Ray node the worker landed on; rank 0 starts its system metrics."""
     worker_began = time.time()
     import ray.train
@@ -78,7 +89,7 @@ def ray_context(config: dict[str, Any], cfg: DictConfig, device: Any = None, wat
         spool.write({"op": "tag", "key": "model.flops_per_sample", "value": f"{config['flops_per_sample']:.6g}"})
     if rank == 0 and cfg.run.system_metrics:  # its thread lives as long as this worker process
         SystemMetrics(config["tracking_uri"], config["run_id"], "rank0", cfg.run.system_metrics_interval_s)
-    logger = None
+    logger: MetricsSink = NoMetrics()
     if rank == 0:
         # A run continuing another checkpoint is a new line of training: its epochs are logged afresh.
         since = lineage_start_ms(Path(cfg.run.storage_path) / ray_run_name(config["run_id"], cfg.run.resume_from)) \
@@ -88,21 +99,38 @@ def ray_context(config: dict[str, Any], cfg: DictConfig, device: Any = None, wat
     # The start-up of the run's first attempt (a restart's is Ray Train's recovery, not the run's start)
     startup = StartupMarks(**config["startup"], worker_began=worker_began) \
         if rank == 0 and restored is None and "startup" in config else None
+    callbacks: list[LoopCallback] = []
+    if every_rank_trains:
+        progress = watch_for_hangs(cfg.fault, run_folder, rank, world_size)
+        progress.on_hang.extend(on_hang)
+        callbacks += [HangMarks(progress), FaultInjection(cfg.fault, rank, world_size)]
+    callbacks += ray_callbacks(cfg, run_folder, rank, config, startup, peak_flops)
     return WorkerContext(
-        rank=rank, world_size=world_size, report=ray_report, epochs=cfg.trainer.epochs,
-        restored=restored, logger=logger, startup=startup,
-        stop_file=stop_file(cfg.run.resume_dir), log_every_n_steps=cfg.trainer.log_every_n_steps,
+        rank=rank, world_size=world_size, report=ray_report, epochs=cfg.trainer.epochs, restored=restored,
+        logger=logger, stop_file=stop_file(cfg.run.resume_dir), log_every_n_steps=cfg.trainer.log_every_n_steps,
         nan_patience=cfg.run.nan_patience, origin=checkpoint_origin(cfg.trainer.backend, cfg.model.name),
-        monitor=monitor_of(cfg.run), evaluated=eval_metric(worker_inputs(config).target.task),
-        profile_steps=cfg.trainer.profile_steps,
-        profile_dir=run_folder / "profile" if rank == 0 else None, run_folder=run_folder if rank == 0 else None,
-        step_bar=ray_step_bar if rank == 0 and config.get("progress") else None,
-        device=device, flops_per_sample=config.get("flops_per_sample"),
-        before_epoch=lambda epoch: maybe_inject_failure(cfg.fault, epoch, rank, world_size),
-        before_step=(lambda epoch, step: maybe_inject_hang(cfg.fault, step, rank, world_size))
-        if cfg.fault.inject_hang_at_step is not None else None,
-        progress=watch_for_hangs(cfg.fault, run_folder, rank, world_size) if watch else NoProgress(),
-        straggler_ratio=cfg.run.straggler_ratio)
+        monitor=monitor_of(cfg.run), evaluated=eval_metric(worker_inputs(config).target.task), device=device,
+        callbacks=callbacks)
+
+
+def ray_callbacks(cfg: DictConfig, run_folder: Path, rank: int, config: dict[str, Any], startup: StartupMarks | None,
+                  peak_flops: float | None) -> list[LoopCallback]:
+    """The loop's side concerns in a run: every rank's step times (and the straggler check), FLOPs and MFU; on
+    rank 0 the divergence file, the step bar (when the driver wants progress), the profiler
+    (`trainer.profile_steps`) and, on the run's first attempt, the start-up metrics."""
+    callbacks: list[LoopCallback] = [StepTimes(cfg.run.straggler_ratio)]
+    if config.get("flops_per_sample"):
+        callbacks.append(Utilisation(config["flops_per_sample"], peak_flops))
+    if rank != 0:
+        return callbacks
+    callbacks.append(DivergenceFile(run_folder))
+    if config.get("progress"):
+        callbacks.append(StepBars(ray_step_bar))
+    if cfg.trainer.profile_steps:
+        callbacks.append(Profiling(run_folder / "profile", cfg.trainer.profile_steps))
+    if startup is not None:
+        callbacks.append(StartupMetrics(startup))
+    return callbacks
 
 
 def watch_for_hangs(fault: DictConfig, run_folder: Path, rank: int, world_size: int) -> Progress:
@@ -160,43 +188,6 @@ def ray_report(metrics: dict[str, float], directory: str | None) -> None:
 
     checkpoint = ray.train.Checkpoint.from_directory(directory) if directory else None
     ray.train.report(metrics, checkpoint=checkpoint)
-
-
-def maybe_inject_failure(fault: Any, epoch: int, rank: int, world_size: int) -> None:
-    """Testing hook: fail once, in the last rank, at `fault.inject_at_epoch`. Every rank first waits for the
-    others at Ray Train's barrier: a rank's `ray.train.report` of the last epoch returns when its own report is
-    queued, and rank 0's (which uploads the checkpoint) may still be on its way. Were the failure seen first, Ray
-    Train would restart from the checkpoint before, not from the last epoch's."""
-    if fault.inject_at_epoch != epoch or not fault.inject_marker:
-        return
-    if world_size > 1:
-        import ray.train.collective
-
-        ray.train.collective.barrier()
-    if rank != world_size - 1:
-        return
-    marker = Path(fault.inject_marker)
-    if marker.exists():
-        return
-    marker.write_text(f"failed at epoch {epoch} in rank {rank}\n")
-    raise RuntimeError(f"injected failure at epoch {epoch} (rank {rank})")
-
-
-def maybe_inject_hang(fault: Any, step: int, rank: int, world_size: int) -> None:
-    """Testing hook: once, the last rank enters a collective no other rank joins (Ray Train's barrier) before the
-    run's global step `fault.inject_hang_at_step`; the others then wait in that step's collectives. Only the hang
-    watcher ends it."""
-    if fault.inject_hang_at_step != step or rank != world_size - 1:
-        return
-    marker = Path(fault.inject_marker)
-    if marker.exists():
-        return
-    marker.write_text(f"hung at step {step} in rank {rank}\n")
-    if world_size == 1:
-        threading.Event().wait()
-    import ray.train.collective
-
-    ray.train.collective.barrier()
 
 
 def scaling_config(cfg: DictConfig, resources: dict[str, float] | None = None, use_gpu: bool | None = None) -> Any:

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from contract.data import mnist_schema, imdb_schema
 from tests.support.loop_harness import (check_parity, check_stop_resume_parity, config, imdb_columns, mnist_columns,
-                                        run_attempt)
+                                        run_attempt, with_callbacks)
+from trainers.callbacks.mfu import Utilisation
 from tests.support.parallel_checks import dense_training
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -272,7 +273,7 @@ def test_mfu_is_logged_against_the_gpus_peak(tmp_path, nccl):
     cfg = config(tmp_path / "cfg", MNIST)
     flops = flops_per_sample(cfg.model, mnist_schema())
     run = ddp_run(cfg)
-    attempt = run_attempt(lambda ctx: run(replace(ctx, device=CUDA, flops_per_sample=flops, peak_flops=peak)), 0, 1,
-                          1, tmp_path / "run")
+    attempt = run_attempt(lambda ctx: run(with_callbacks(replace(ctx, device=CUDA), Utilisation(flops, peak))), 0,
+                          1, 1, tmp_path / "run")
     extras = attempt.recorder.extras[1]
     assert extras["mfu"] == pytest.approx(extras["tflops_per_rank"] * 1e12 / peak) and 0 < extras["mfu"] < 1

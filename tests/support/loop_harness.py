@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import shutil
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from contract.metrics import FIRST_EPOCH_METRICS, STOP_METRICS, metric_names
-from trainers.loop import WorkerContext
+from trainers.callbacks.base import LoopCallback
+from trainers.callbacks.step_times import StepTimes
+from trainers.loop import NoMetrics, WorkerContext
 
 STOP_AT = 10  # contract.resume.STOP_CHECK_EVERY: the first step at which the ranks agree on STOP
 
@@ -98,8 +100,13 @@ def make_context(rank: int, world_size: int, epochs: int, folder: Path, recorder
 
     return WorkerContext(rank=rank, world_size=world_size, report=report, epochs=epochs,
                          restored=Checkpoint.from_directory(str(restored)) if restored else None,
-                         logger=recorder if rank == 0 else None, stop_file=stop_file,
-                         log_every_n_steps=log_every_n_steps)
+                         logger=recorder if rank == 0 and recorder is not None else NoMetrics(), stop_file=stop_file,
+                         log_every_n_steps=log_every_n_steps, callbacks=[StepTimes()])
+
+
+def with_callbacks(ctx: WorkerContext, *callbacks: LoopCallback) -> WorkerContext:
+    """`ctx` with more of the loop's side concerns (trainers/callbacks/)."""
+    return replace(ctx, callbacks=[*ctx.callbacks, *callbacks])
 
 
 def plain_context(rank: int = 0, world_size: int = 1, device: Any = None) -> WorkerContext:

@@ -108,23 +108,19 @@ def profiles(folder: Path, keras, data, strategy) -> dict:
     """`trainer.profile_steps=2` through the shared loop on rank 0, in the custom loop and in Keras `fit` (one step
     per compiled call): the names of the events TensorFlow's profiler recorded on the host (XPlane), how often
     each, and what the loop handed to the logger."""
-    from dataclasses import replace
-
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-    from tests.support.loop_harness import Recorder, make_context
-    from trainers.tf.keras_fit import fit_epochs
-    from trainers.loop import TrainLoop
+    from tests.support.loop_harness import Recorder, make_context, with_callbacks
+    from trainers.callbacks.profiling import Profiling
+    from trainers.tf.keras_fit import run_epochs
 
     found = {}
     for kind in ("custom", "fit"):
         model = adapter(folder, f"profile-{kind}", [f"trainer.tf_loop={kind}", "trainer.tf_steps_per_execution=1",
                                                     "trainer.max_steps_per_epoch=5"], data, strategy)
         recorder, trace = Recorder(), folder / f"profile-{kind}"
-        ctx = replace(make_context(0, 1, 1, folder / f"checkpoints-{kind}", recorder, []), profile_steps=2,
-                      profile_dir=trace)
-        loop = TrainLoop(model, ctx)
-        fit_epochs(keras, loop, model, 1) if kind == "fit" else loop.run()
+        ctx = with_callbacks(make_context(0, 1, 1, folder / f"checkpoints-{kind}", recorder, []), Profiling(trace, 2))
+        run_epochs(keras, model, ctx, kind)
         counts: dict[str, int] = {}
         for path in trace.rglob("*.xplane.pb"):
             space = xplane_pb2.XSpace.FromString(path.read_bytes())

@@ -16,11 +16,16 @@ from contract.data import mnist_schema
 from contract.checkpoint import STATE_FILE, EpochTotals, TrainState
 from contract.metrics import PendingReduce
 from tests.support.loop_harness import (STOP_AT, Recorder, check_metric_set, check_stop_resume_parity, config,
-                                make_context, mnist_columns, run_attempt)
+                                make_context, mnist_columns, run_attempt, with_callbacks)
 from contract.recipe import Monitor
+from contract.resume import StopAgreement
 from contract.startup import STARTUP_PARTS, STARTUP_TOTAL, StartupMarks
 from trainers.adapter import Adapter
-from trainers.loop import StopAgreement, TrainLoop
+from trainers.callbacks.mfu import Utilisation
+from trainers.callbacks.profiling import Profiling
+from trainers.callbacks.startup import StartupMetrics
+from trainers.callbacks.step_bar import StepBars
+from trainers.loop import TrainLoop
 
 
 class LineAdapter(Adapter):
@@ -132,7 +137,7 @@ def test_rank0_shows_each_epochs_steps_on_a_bar_a_resumed_epoch_from_its_stop(tm
         def step_bar(description: str, total: int, done: int) -> BarRecord:
             bars.append(BarRecord(description, total, done))
             return bars[-1]
-        return TrainLoop(LineAdapter(), replace(ctx, step_bar=step_bar)).run()
+        return TrainLoop(LineAdapter(), with_callbacks(ctx, StepBars(step_bar))).run()
 
     straight = run_attempt(run, 0, 1, 2, tmp_path / "a")
     assert straight.finished
@@ -153,7 +158,7 @@ def test_rank0_logs_where_the_startup_went_once_after_its_first_step(tmp_path):
     the total."""
     now = time.time()
     marks = StartupMarks(asked=now - 10.0, trainer_built=now - 7.0, worker_began=now - 2.0)
-    run = lambda ctx: TrainLoop(LineAdapter(), replace(ctx, startup=marks)).run()  # noqa: E731
+    run = lambda ctx: TrainLoop(LineAdapter(), with_callbacks(ctx, StartupMetrics(marks))).run()  # noqa: E731
     extras = run_attempt(run, 0, 1, 2, tmp_path / "a").recorder.extras
     startup = {name: value for name, value in extras[1].items() if name.startswith("startup.")}
     assert sorted(startup) == sorted([*STARTUP_PARTS, STARTUP_TOTAL])
@@ -169,13 +174,13 @@ def test_rank0_logs_where_the_startup_went_once_after_its_first_step(tmp_path):
 
 def test_rank0_logs_the_achieved_flops_and_mfu_each_epoch(tmp_path):
     """`tflops_per_rank` from the model's FLOPs per sample and the epoch's samples/s; `mfu` only with a peak."""
-    run = lambda ctx: TrainLoop(LineAdapter(), replace(ctx, flops_per_sample=3e9, peak_flops=1e12)).run()  # noqa
+    run = lambda ctx: TrainLoop(LineAdapter(), with_callbacks(ctx, Utilisation(3e9, 1e12))).run()  # noqa: E731
     attempt = run_attempt(run, 0, 1, 2, tmp_path / "a")
     for epoch in (1, 2):
         achieved = 3e9 * attempt.recorder.epochs[epoch]["samples_per_s"]
         assert attempt.recorder.extras[epoch]["tflops_per_rank"] == pytest.approx(achieved / 1e12)
         assert attempt.recorder.extras[epoch]["mfu"] == pytest.approx(achieved / 1e12)
-    run = lambda ctx: TrainLoop(LineAdapter(), replace(ctx, flops_per_sample=3e9)).run()  # noqa: E731
+    run = lambda ctx: TrainLoop(LineAdapter(), with_callbacks(ctx, Utilisation(3e9))).run()  # noqa: E731
     extras = run_attempt(run, 0, 1, 1, tmp_path / "b").recorder.extras[1]
     assert "tflops_per_rank" in extras and "mfu" not in extras  # a CPU: no peak to divide by
 
@@ -360,8 +365,8 @@ def test_rank0_profiles_its_first_steps_into_the_run(tmp_path):
                 ShardBatches.from_columns(columns, mnist_schema(), 64, seed))
 
     recorder, reports = Recorder(), []
-    ctx = replace(make_context(0, 1, 1, tmp_path / "checkpoints", recorder, reports),
-                  profile_steps=cfg.trainer.profile_steps, profile_dir=tmp_path / "profile")
+    ctx = with_callbacks(make_context(0, 1, 1, tmp_path / "checkpoints", recorder, reports),
+                         Profiling(tmp_path / "profile", cfg.trainer.profile_steps))
     assert DDP().run_worker(cfg, ctx, WorkerData(mnist_schema(), data))
     events = json.loads((tmp_path / "profile" / "trace_rank0.json").read_text())["traceEvents"]
     names = [event.get("name", "") for event in events]

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -95,7 +94,6 @@ class PSAdapter(KerasAdapter):
         self.pending: deque = deque()  # (scheduled function, its steps): their results to come
         self.rows: deque = deque()  # fetched results of steps the loop has not taken yet
         self.fitting = False  # Keras fit runs the epochs (no positions kept)
-        self.halfway = ctx.mid_epoch  # called with the epoch halfway through it (fault injection)
         self.steps_fn = tf.function(self._steps)
 
     def _steps(self, iterator: Any, count: Any) -> Any:
@@ -180,8 +178,6 @@ class PSAdapter(KerasAdapter):
             self.positions = [0] * len(self.positions)
         iterator, scheduled, pending, rows = self.stream, skip, self.pending, self.rows
         for step in range(skip, self.steps):
-            if step == self.steps // 2 and self.halfway is not None:
-                self.halfway(epoch)
             if not rows:
                 while scheduled < self.steps and len(pending) < self.in_flight \
                         and not (pending and self.stopping() and scheduled % self.stop_every == 0):
@@ -329,7 +325,7 @@ class ParameterServers(KerasFit):
 
         import_tensorflow()  # first, with its start-up lines filtered
         cfg = worker_config(config)
-        ctx = ray_context(config, cfg, watch=False)  # the servers run no loop: the chief watches itself alone
+        ctx = ray_context(config, cfg, every_rank_trains=False)  # the servers run no loop
         inputs = worker_inputs(config)
         kind, index = task_of_this_worker()
         if kind != CHIEF:
@@ -345,8 +341,8 @@ class ParameterServers(KerasFit):
             return chief.shards(cfg.trainer.num_workers), evaluation
         try:
             # The chief alone runs the loop: its own hang watcher, as the one rank of the run.
-            ctx = replace(ctx, progress=watch_for_hangs(cfg.fault, run_dir(cfg.run.storage_path, config["run_id"]), 0, 1))
-            self.run_worker(cfg, chief.context(ctx, cfg.fault), WorkerData(inputs, shards))
+            progress = watch_for_hangs(cfg.fault, run_dir(cfg.run.storage_path, config["run_id"]), 0, 1)
+            self.run_worker(cfg, chief.context(ctx, cfg.fault, progress), WorkerData(inputs, shards))
         finally:
             chief.post("done")
 

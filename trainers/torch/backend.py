@@ -5,7 +5,6 @@ GPU) is set up before they start (trainers/torch/process_group.py); the final ch
 MLflow in the PyTorch flavour, taking the inputs evaluate and predict give it."""
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +50,10 @@ class TorchBackend(Backend):
 
         torch.set_num_threads(cfg.trainer.threads_per_worker)
         device = ray.train.torch.get_device()
-        ctx = ray_context(config, cfg, device=device)
-        if device.type == "cuda":
-            ctx = replace(ctx, peak_flops=peak_flops(torch.cuda.get_device_name(device), cfg.trainer.precision))
-            if ctx.progress.watched:
-                ctx.progress.on_hang.append(dump_flight_recorder)
-        return ctx
+        if device.type != "cuda":
+            return ray_context(config, cfg, device=device)
+        return ray_context(config, cfg, device=device, on_hang=[dump_flight_recorder],
+                           peak_flops=peak_flops(torch.cuda.get_device_name(device), cfg.trainer.precision))
 
     def shards(self, cfg: DictConfig, inputs: DataSchema, seed: int) -> tuple[ShardBatches, ShardBatches]:
         return worker_shards(cfg, inputs, seed)

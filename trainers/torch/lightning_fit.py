@@ -151,7 +151,8 @@ class LightningAdapter(Adapter):
 
 class HandToLoop(pl.Callback):
     """Hands Lightning's steps and epochs to the shared loop: each step's loss (`step_loss`, non-finite losses),
-    start-up metrics, the progress bar and profiler, the STOP agreement at update boundaries (a checkpoint of the
+    each step and epoch to the loop's callbacks (the step bar, profiler, start-up metrics, hang marks), the STOP
+    agreement at update boundaries (a checkpoint of the
     half-done epoch, then Lightning stops), and each epoch's totals to `loop.end_epoch` (evaluation, metrics,
     checkpoint, report, MLflow; early stopping)."""
 
@@ -170,13 +171,10 @@ class HandToLoop(pl.Callback):
 
     def _begin_epoch(self, trainer: pl.Trainer) -> None:
         loop, self.epoch = self.loop, trainer.current_epoch + 1
-        if loop.ctx.before_epoch is not None:
-            loop.ctx.before_epoch(self.epoch)
         self.totals = loop.state.totals_for(self.epoch, loop.ctx.rank)
-        loop.ctx.progress.at(self.epoch, self.totals.steps + 1, "step")
+        loop.callbacks.on_epoch_start(self.epoch, self.totals.steps)
+        loop.callbacks.on_phase(self.epoch, self.totals.steps + 1, "step")
         self.loader.wait_s = 0.0
-        self.bar = loop.open_step_bar(self.epoch, self.totals.steps)
-        loop.start_profile(self.epoch)
         self.start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any,
@@ -187,15 +185,14 @@ class HandToLoop(pl.Callback):
         totals.samples += len(batch[1])
         totals.steps += 1
         totals.tokens += self.loader.tokens.popleft()
-        loop.ctx.progress.at(self.epoch, totals.steps + 1, "step")
-        loop.log_step_loss(self.epoch, totals.steps, loss)
+        loop.callbacks.on_phase(self.epoch, totals.steps + 1, "step")
+        loop.step_losses.log(self.epoch, totals.steps, loss)
         if loop.diverged_at is not None:  # every rank at once: each settled the same all-reduced losses
+            self._closed_totals()
             self._end(trainer)
             loop.report_diverged(self.epoch)
             return
-        loop.log_startup(self.epoch)
-        self.bar.update(1)
-        loop.profile_step()
+        loop.callbacks.on_steps_end(self.epoch, totals.steps, 1)
         boundary = totals.steps % self.passes == 0  # Lightning stepped the optimizer after this batch
         if boundary and loop.should_stop(totals.steps):
             self._end(trainer)
@@ -214,12 +211,11 @@ class HandToLoop(pl.Callback):
             self._end(trainer)  # early stopping, or a non-finite epoch loss
 
     def _closed_totals(self) -> Any:
-        """The epoch's totals once its step losses are settled and its bar and profile closed."""
-        self.loop.settle_step_losses()
+        """The epoch's totals once its step losses are settled and its training told to the loop's callbacks."""
+        self.loop.step_losses.settle()
         self.totals.train_s += time.perf_counter() - self.start
         self.totals.data_wait_s += self.loader.wait_s
-        self.bar.close()
-        self.loop.stop_profile()
+        self.loop.callbacks.on_epoch_trained(self.epoch)
         return self.totals
 
     def _end(self, trainer: pl.Trainer) -> None:

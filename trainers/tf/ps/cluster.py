@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, replace
 from itertools import count
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import ray
@@ -35,9 +35,13 @@ from ray.train.backend import Backend, BackendConfig
 
 from contract.data import DataSchema
 from trainers.tf.data import ShardArrays
+from contract.hang import Progress
+from trainers.callbacks.base import LoopCallback
+from trainers.callbacks.faults import FaultInjection
+from trainers.callbacks.hang_marks import HangMarks
 from trainers.loop import WorkerContext
 from trainers.preflight import PreflightConfig, check_workers_reachable
-from trainers.worker import dataset_shards, free_addresses, maybe_inject_failure, set_worker_envs
+from trainers.worker import dataset_shards, free_addresses, set_worker_envs
 
 BOARD_NAMESPACE = "tf_ps"
 CHIEF, PS, WORKER = "chief", "ps", "worker"
@@ -226,30 +230,46 @@ class Chief:
         """What each worker published (it pulls and writes its shard first)."""
         return WorkerShards(ray.get([self.messages.get.remote(f"worker{i}") for i in range(workers)]))
 
-    def context(self, ctx: WorkerContext, fault: DictConfig) -> WorkerContext:
-        """The loop's context on the chief: its only rank; each report goes to the server roles too (Ray Train
-        wants one from every rank); `fault.inject_at_epoch` fails the chief, `fault.kill_servers` fire halfway."""
+    def context(self, ctx: WorkerContext, fault: DictConfig, progress: Progress) -> WorkerContext:
+        """The loop's context on the chief: its only rank, watched for hangs (`progress`); each report goes to the
+        server roles too (Ray Train wants one from every rank); `fault.inject_at_epoch` fails the chief,
+        `fault.kill_servers` fire halfway through an epoch (`KillServers`)."""
         def report(metrics: dict[str, float], directory: str | None) -> None:
             self.post("report", metrics=metrics)
             ctx.report(metrics, directory)
 
-        return replace(ctx, world_size=1, report=report, mid_epoch=self.halfway(fault),
-                       before_epoch=lambda epoch: maybe_inject_failure(fault, epoch, 0, 1))
+        callbacks = [HangMarks(progress), FaultInjection(fault, 0, 1), KillServers(fault, self), *ctx.callbacks]
+        return replace(ctx, world_size=1, report=report, callbacks=callbacks)
 
-    def halfway(self, fault: DictConfig) -> Callable[[int], None]:
-        """`fault.kill_servers` at the middle of an epoch (steps in flight): kill the server of each `worker:<i>`
-        or `ps:<i>` due then, or fail the chief (`chief:0`); each once, recorded in `fault.inject_marker` (which a
-        restarted attempt reads)."""
-        def at_half(epoch: int) -> None:
-            marker = Path(fault.inject_marker or "")
-            fired = marker.read_text().split() if fault.kill_servers and marker.exists() else []
-            for item in fault.kill_servers:
-                task, at = item.split("@")
-                if int(at) != epoch or item in fired:
-                    continue
-                with marker.open("a") as record:
-                    record.write(f"{item}\n")
-                if task.startswith(CHIEF):
-                    raise RuntimeError(f"tf_ps: the chief fails halfway through epoch {epoch} (fault.kill_servers)")
-                self.kill(task)
-        return at_half
+
+class KillServers(LoopCallback):
+    """`fault.kill_servers` halfway through an epoch of the custom loop (steps in flight): kill the server of each
+    `worker:<i>` or `ps:<i>` due then, or fail the chief (`chief:0`); each once, recorded in `fault.inject_marker`
+    (which a restarted attempt reads). A resumed epoch already past its middle kills nothing."""
+
+    def __init__(self, fault: DictConfig, chief: Chief):
+        self.fault, self.chief, self.due = fault, chief, False
+
+    def on_start(self, loop: Any) -> None:
+        self.steps = loop.adapter.steps_per_epoch()
+
+    def on_epoch_start(self, epoch: int, done: int) -> None:
+        self.due = bool(self.fault.kill_servers) and done <= self.steps // 2
+
+    def on_step_start(self, epoch: int, step: int) -> None:
+        if self.due and step - 1 - (epoch - 1) * self.steps >= self.steps // 2:
+            self.due = False
+            self.kill_due(epoch)
+
+    def kill_due(self, epoch: int) -> None:
+        marker = Path(self.fault.inject_marker or "")
+        fired = marker.read_text().split() if marker.exists() else []
+        for item in self.fault.kill_servers:
+            task, at = item.split("@")
+            if int(at) != epoch or item in fired:
+                continue
+            with marker.open("a") as record:
+                record.write(f"{item}\n")
+            if task.startswith(CHIEF):
+                raise RuntimeError(f"tf_ps: the chief fails halfway through epoch {epoch} (fault.kill_servers)")
+            self.chief.kill(task)

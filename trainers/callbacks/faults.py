@@ -1,0 +1,60 @@
+"""Testing hooks (`fault.*`), injected through the loop's callbacks: a rank that fails once at an epoch's start, a
+rank that hangs once at a step. The integration tests and benchmarks/chaos.py drive them."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from trainers.callbacks.base import LoopCallback
+
+
+class FaultInjection(LoopCallback):
+    """`fault.inject_at_epoch` and `fault.inject_hang_at_step` for rank `rank` of `world_size`."""
+
+    def __init__(self, fault: Any, rank: int, world_size: int):
+        self.fault, self.rank, self.world_size = fault, rank, world_size
+
+    def on_epoch_start(self, epoch: int, done: int) -> None:
+        maybe_inject_failure(self.fault, epoch, self.rank, self.world_size)
+
+    def on_step_start(self, epoch: int, step: int) -> None:
+        if self.fault.inject_hang_at_step is not None:
+            maybe_inject_hang(self.fault, step, self.rank, self.world_size)
+
+
+def maybe_inject_failure(fault: Any, epoch: int, rank: int, world_size: int) -> None:
+    """Testing hook: fail once, in the last rank, at `fault.inject_at_epoch`. Every rank first waits for the
+    others at Ray Train's barrier: a rank's `ray.train.report` of the last epoch returns when its own report is
+    queued, and rank 0's (which uploads the checkpoint) may still be on its way. Were the failure seen first, Ray
+    Train would restart from the checkpoint before, not from the last epoch's."""
+    if fault.inject_at_epoch != epoch or not fault.inject_marker:
+        return
+    if world_size > 1:
+        import ray.train.collective
+
+        ray.train.collective.barrier()
+    if rank != world_size - 1:
+        return
+    marker = Path(fault.inject_marker)
+    if marker.exists():
+        return
+    marker.write_text(f"failed at epoch {epoch} in rank {rank}\n")
+    raise RuntimeError(f"injected failure at epoch {epoch} (rank {rank})")
+
+
+def maybe_inject_hang(fault: Any, step: int, rank: int, world_size: int) -> None:
+    """Testing hook: once, the last rank enters a collective no other rank joins (Ray Train's barrier) before the
+    run's global step `fault.inject_hang_at_step`; the others then wait in that step's collectives. Only the hang
+    watcher ends it."""
+    if fault.inject_hang_at_step != step or rank != world_size - 1:
+        return
+    marker = Path(fault.inject_marker)
+    if marker.exists():
+        return
+    marker.write_text(f"hung at step {step} in rank {rank}\n")
+    if world_size == 1:
+        threading.Event().wait()
+    import ray.train.collective
+
+    ray.train.collective.barrier()
