@@ -25,14 +25,11 @@ class MirroredConfig(BackendConfig):
     first (trainers/preflight.py)."""
 
     preflight: Optional[PreflightConfig] = None
+    framework = TrainingFramework.TENSORFLOW  # what Ray Train records of the run
 
     @property
     def backend_cls(self) -> type:
         return MirroredBackend
-
-    @property
-    def framework(self) -> TrainingFramework:
-        return TrainingFramework.TENSORFLOW
 
 
 class MirroredBackend(Backend):

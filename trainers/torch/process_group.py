@@ -49,18 +49,12 @@ class TorchGroupConfig(BackendConfig):
     timeout_s: int = 1800
     env: dict[str, str] = field(default_factory=dict)
     preflight: Optional[PreflightConfig] = None
+    framework = TrainingFramework.TORCH  # what Ray Train records of the run
+    train_func_context = CudaDeviceContext  # the train function runs in it
 
     @property
     def backend_cls(self) -> type:
         return TorchGroupBackend
-
-    @property
-    def train_func_context(self) -> type:
-        return CudaDeviceContext
-
-    @property
-    def framework(self) -> TrainingFramework:
-        return TrainingFramework.TORCH
 
 
 def flight_recorder_env(hang_folder: str) -> dict[str, str]:

@@ -70,26 +70,19 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromTP(torch.autograd.Function):
+class _GatherOrSplitTP(torch.autograd.Function):
+    """The conjugate pair along `dim`: all-gather forward and this rank's slice backward, or (`split`) this rank's
+    slice forward and all-gather backward."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _all_gather(x, group, dim)
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int, split: bool) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.split = group, dim, split
+        return _own_slice(x, group, dim) if split else _all_gather(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _own_slice(grad, ctx.group, ctx.dim), None, None
-
-
-class _SplitToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _own_slice(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_gather(grad, ctx.group, ctx.dim), None, None
+        gathered = _all_gather(grad, ctx.group, ctx.dim) if ctx.split else _own_slice(grad, ctx.group, ctx.dim)
+        return gathered, None, None, None
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -104,9 +97,9 @@ def reduce_from_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 def gather_from_tp(x: torch.Tensor, group: ProcessGroup, dim: int = -1) -> torch.Tensor:
     """All-gather along `dim` (rank order) forward; backward keeps this rank's slice of the gradient."""
-    return x if _size(group) == 1 else _GatherFromTP.apply(x, group, dim)
+    return x if _size(group) == 1 else _GatherOrSplitTP.apply(x, group, dim, False)
 
 
 def split_to_tp(x: torch.Tensor, group: ProcessGroup, dim: int = -1) -> torch.Tensor:
     """This rank's slice along `dim` forward; backward all-gathers the gradient slices."""
-    return x if _size(group) == 1 else _SplitToTP.apply(x, group, dim)
+    return x if _size(group) == 1 else _GatherOrSplitTP.apply(x, group, dim, True)
