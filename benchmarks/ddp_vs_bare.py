@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from contract.data import mnist_schema
+from pipelines.data.mnist import mnist_schema
 from benchmarks.common import MNIST, ensure_mnist, mnist_arrays, mnist_parser, pipeline_run, steady_rate
 from pipelines.config import load_config
 from trainers.models import build_model

@@ -59,7 +59,7 @@ def bare_engine(deepspeed: Any, cfg: Any, batch: int, stage: int, optimizer: Cal
     would set it up, on the process group already initialised."""
     import torch
 
-    from contract.data import mnist_schema
+    from pipelines.data.mnist import mnist_schema
     from trainers.models import build_model
 
     torch.manual_seed(0)
@@ -90,7 +90,7 @@ def same_processes(rank: int, port: int, args: argparse.Namespace) -> None:
                       WORLD_SIZE=str(PROCESSES), LOCAL_WORLD_SIZE=str(PROCESSES))
     import torch
 
-    from contract.data import mnist_schema
+    from pipelines.data.mnist import mnist_schema
     from pipelines.config import load_config
     from trainers.adapter import WorkerData
     from trainers.loop import WorkerContext

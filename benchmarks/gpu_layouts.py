@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from contract.data import imdb_schema
+from pipelines.data.imdb import imdb_schema
 from tests.support.loop_harness import config, imdb_columns
 
 MODEL_INPUTS = imdb_schema(8000, 128)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from contract.data import mnist_schema
+from pipelines.data.mnist import mnist_schema
 from benchmarks.common import MNIST, ensure_mnist, mnist_arrays, steady_rate
 from pipelines.config import load_config
 from trainers.adapter import WorkerData

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from contract.data import DataSchema
+from pipelines.data import data_schema
 from pipelines.data.shards import read_manifest, shard_paths
 from trainers.models.bert import BertClassifier, bert_config
 from trainers.torch.data import ShardBatches
@@ -65,7 +66,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    schema = DataSchema.from_manifest(read_manifest(args.data))
+    schema = data_schema(read_manifest(args.data))
     columns = load_rows(args.data, args.rows)
     results = {}
     for name, bucketed in (("padded", False), ("bucketed", True)):

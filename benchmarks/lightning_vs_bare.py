@@ -31,7 +31,7 @@ def bare_lightning(model_name: str, batch: int, epochs: int) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from benchmarks.common import mnist_arrays
-    from contract.data import mnist_schema
+    from pipelines.data.mnist import mnist_schema
     from pipelines.config import load_config
     from trainers.models import build_model
 

@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from contract.data import mnist_schema
+from pipelines.data.mnist import mnist_schema
 from benchmarks.common import MNIST, QUIET_ENV, ROOT, alternated, ensure_mnist, free_ports, mnist_arrays, \
     mnist_parser, pipeline_run, steady_rate
 
@@ -43,7 +43,7 @@ def bare_ps(model: str, batch: int, epochs: int, own_masks: bool) -> list[float]
     import tensorflow as tf
     import tf_keras as keras
 
-    from contract.data import MNIST_MEAN, MNIST_STD
+    from pipelines.data.mnist import MNIST_MEAN, MNIST_STD
     from pipelines.config import load_config
     from trainers.models import build_keras_model
 

@@ -33,7 +33,7 @@ from typing import Iterator
 
 import numpy as np
 
-from contract.data import mnist_schema
+from pipelines.data.mnist import mnist_schema
 from benchmarks.common import (MNIST, QUIET_ENV, ROOT, ensure_mnist, free_ports, mnist_arrays, pipeline_run,
                                steady_rate)
 
@@ -57,7 +57,7 @@ def torch_epochs(model, optimizer, rank: int, world: int, barrier, args: argpars
     import torch
     from torch import nn
 
-    from contract.data import MNIST_MEAN, MNIST_STD
+    from pipelines.data.mnist import MNIST_MEAN, MNIST_STD
 
     images, labels = (torch.from_numpy(a[rank::world].copy()) for a in mnist_arrays("train"))
     loss_fn, rates = nn.CrossEntropyLoss(), []
@@ -125,7 +125,7 @@ def bare_horovod_torch_worker(args: argparse.Namespace) -> list[float]:
 
 def tf_shard_batches(tf, rank: int, world: int, batch: int):
     """Both bare TF rows' input: rank `rank`'s shard of MNIST's train split, shuffled, repeated, normalised."""
-    from contract.data import MNIST_MEAN, MNIST_STD
+    from pipelines.data.mnist import MNIST_MEAN, MNIST_STD
 
     images, labels = (a[rank::world].copy() for a in mnist_arrays("train"))
     return (tf.data.Dataset.from_tensor_slices((images, labels)).shuffle(len(labels), seed=0).repeat().batch(batch)

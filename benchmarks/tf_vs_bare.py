@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from contract.data import mnist_schema
+from pipelines.data.mnist import mnist_schema
 from benchmarks.common import (MNIST, QUIET_ENV, ROOT, ensure_mnist, mnist_arrays, mnist_parser, pipeline_run,
                                steady_rate)
 
@@ -26,7 +26,7 @@ def bare_keras(model: str, batch: int, epochs: int, steps_per_execution: int) ->
     import tf_keras as keras
 
     from pipelines.config import load_config
-    from contract.data import MNIST_MEAN as MEAN, MNIST_STD as STD
+    from pipelines.data.mnist import MNIST_MEAN as MEAN, MNIST_STD as STD
     from trainers.models import build_keras_model
 
     tf.config.threading.set_intra_op_parallelism_threads(1)

@@ -1,2 +1,3 @@
-"""The Hydra config: conf/config.yaml and one folder per config group (trainer/, data/, model/, sweep/), a YAML file per
-choice. A package only so that an installed copy ships the YAML files beside `pipelines` (pipelines/config.py)."""
+"""The Hydra config: conf/config.yaml (the groups a run starts from), presets of a model (model/) and the sweep
+presets (sweep/). Every choice's keys and defaults come from its registered spec (pipelines/config.py
+`store_config_groups`). A package only so that an installed copy ships the YAML files beside `pipelines`."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from contract.recipe import Monitor, default_mode
 from contract.registry import BACKENDS, MODELS, Layout, load_plugins
@@ -50,8 +50,8 @@ class PluginsConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "mnist"             # the dataset (`data=<name>` picks it; a run reads it from its manifest)
-    path: str = "data/mnist/parquet"  # its prepared folder (manifest.json and Parquet shards): `rtp prepare`
+    name: str = MISSING             # the dataset (`data=<name>` picks it; a run reads it from its manifest)
+    path: str = MISSING             # its prepared folder (manifest.json and Parquet shards): `rtp prepare`
     eval_split: Optional[str] = None  # the split each epoch's evaluation (test_accuracy, test_mse) is measured on,
                                       # which picks the best epoch; null: validation where the data has one, else test
     cache_in_worker: bool = True    # each worker pulls its shard into memory once (else streams every epoch)
@@ -63,9 +63,11 @@ class RunSection:
     experiment: str = "ray-train-pipelines"  # MLflow experiment
     name: Optional[str] = None        # MLflow run name; default <backend>-<data>-<model>
     seed: int = 0                     # initial weights, shuffles and dropout masks
-    storage_path: str = "outputs/ray"  # Ray Train checkpoints and the MLflow spool: shared storage on a cluster
+    storage_path: str = "${oc.env:PIPELINE_STORAGE_PATH,outputs/ray}"  # Ray Train checkpoints and the MLflow
+                                      # spool: shared storage on a cluster (cluster/slurm sets PIPELINE_STORAGE_PATH)
     dump_params_dir: Optional[str] = None  # every rank saves its final parameters here (for checks)
-    resume_dir: Optional[str] = None  # stop-and-resume folder (preemption); see contract/resume.py
+    resume_dir: Optional[str] = "${oc.env:PIPELINE_RESUME_DIR,null}"  # stop-and-resume folder (preemption):
+                                      # contract/resume.py; cluster/slurm sets PIPELINE_RESUME_DIR
     resume_from: Optional[str] = None  # a checkpoint folder this run starts from: its weights, optimizer state,
                                        # schedule position and epoch; hyperparameters are this config's (PBT)
     monitor: Optional[str] = None     # the epoch metric that picks the best epoch (contract/recipe.py); default:
@@ -103,6 +105,13 @@ class FaultConfig:
                                                    # rank that routes nowhere
     kill_servers: list[str] = field(default_factory=list)  # tf_ps: "<worker|ps|chief>:<i>@<epoch>": kill that
                                             # server (fail the chief) halfway through that epoch, once (inject_marker)
+
+
+def shared_sections() -> DictConfig:
+    """The sections of a run whatever its backend, model and data, with their defaults: the root Hydra composes
+    `conf/config.yaml` on (pipelines/config.py)."""
+    return OmegaConf.create({"plugins": OmegaConf.structured(PluginsConfig).plugins,
+                             "run": OmegaConf.structured(RunSection), "fault": OmegaConf.structured(FaultConfig)})
 
 
 def schema(backend: str, model: str) -> DictConfig:

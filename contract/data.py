@@ -6,7 +6,6 @@ from typing import Any
 
 import numpy as np
 
-MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # the usual MNIST train-set statistics; workers normalise with them
 PAD_ID = 0  # token shards: [PAD] is id 0, so a row's real tokens are its first `length` ids
 
 FEATURE_KINDS = ("image", "numeric", "tokens")
@@ -106,36 +105,10 @@ class DataSchema:
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any]) -> "DataSchema":
-        """The manifest's `features` and `target`; a manifest written before they were recorded (mnist, imdb)
-        gets the ones its dataset has always had."""
-        if "features" in manifest:
-            return cls.from_dict(manifest)
-        return cls.from_dict({"dataset": manifest.get("dataset", "?"), **legacy_layout(manifest)})
-
-
-def mnist_schema() -> DataSchema:
-    """The built-in MNIST's features and target (what `rtp prepare mnist` records)."""
-    return DataSchema("mnist", Features("image", "image", (28, 28), (MNIST_MEAN,), (MNIST_STD,)),
-                      Target("label", "classification", tuple(str(digit) for digit in range(10))))
-
-
-def imdb_schema(vocab_size: int, max_len: int) -> DataSchema:
-    """The built-in IMDb's features and target (what `rtp prepare imdb` records)."""
-    return DataSchema("imdb", Features("input_ids", "tokens", (max_len,), vocab_size=vocab_size,
-                                       length_column="length", id_column="id", source_columns=("text",)),
-                      Target("label", "classification", ("neg", "pos")))
-
-
-def legacy_layout(manifest: dict[str, Any]) -> dict[str, Any]:
-    """`features` and `target` of the two datasets prepared before manifests recorded them."""
-    if manifest.get("dataset") == "mnist":
-        schema = mnist_schema()
-    elif manifest.get("dataset") == "imdb":
-        inputs = manifest.get("model_inputs", {})
-        schema = imdb_schema(int(inputs.get("vocab_size", 0)), int(inputs.get("max_len", 0)))
-    else:
-        raise ValueError(f"dataset '{manifest.get('dataset')}': its manifest has no features and target")
-    return {"features": asdict(schema.features), "target": asdict(schema.target)}
+        """The manifest's `features` and `target` (KeyError where it records none: pipelines/data/shards.py
+        `data_schema` reads an older manifest)."""
+        return cls.from_dict({"dataset": manifest.get("dataset", "?"), "features": manifest["features"],
+                              "target": manifest["target"]})
 
 
 def shuffled_order(rows: int, seed: int) -> np.ndarray:

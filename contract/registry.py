@@ -14,7 +14,7 @@ import importlib.metadata
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, Iterable, TypeVar, Union
+from typing import Any, Callable, Generic, Iterable, Mapping, TypeVar, Union
 
 from contract.data import FEATURE_KINDS, TASKS
 
@@ -74,12 +74,19 @@ class ModelSpec:
 class DatasetSpec:
     """A dataset `rtp prepare <name>` makes: `add_arguments(parser)` adds its command-line options (argparse),
     `prepare(args) -> manifest` writes its Parquet shards and manifest into `args.out`. `default_path`: where
-    `data=<name>` reads it unless `data.path` says otherwise."""
+    `data=<name>` reads it unless `data.path` says otherwise (without one, `data=<name>` is no choice: a run names
+    the folder with `data.path`); `data_keys`: the other `data.*` keys `data=<name>` sets (e.g. an evaluation split,
+    length buckets for long texts). `old_manifest(manifest) -> DataSchema`: the features and target of a manifest
+    of this dataset written before manifests recorded them. `clean_text(text) -> text`: how `prepare` cleans a
+    text before tokenising it, which `rtp predict` does to raw texts too (default: none)."""
     name: str
     prepare: Ref
     add_arguments: Ref | None = None
     description: str = ""
     default_path: str = ""
+    data_keys: Mapping[str, Any] = field(default_factory=dict)
+    old_manifest: Ref | None = None
+    clean_text: Ref | None = None
 
 
 @dataclass(frozen=True)

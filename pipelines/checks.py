@@ -23,6 +23,7 @@ from contract.data import DataSchema
 from contract.metrics import metric_names
 from contract.progress import PROGRESS_SETTINGS
 from contract.registry import MODELS, ModelSpec, resolve
+from pipelines.data import data_schema
 from trainers import BACKENDS, FRAMEWORKS, framework_of, model_builders
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -120,7 +121,7 @@ def read_data_schema(data: DictConfig) -> DataSchema:
         raise ConfigError(f"data.path: no prepared dataset at '{data.path}' (missing manifest.json); "
                           f"run `rtp prepare {data.name} --out {data.path}`")
     try:  # a manifest from before manifests named their layout: the dataset's the config names (mnist, imdb)
-        return DataSchema.from_manifest({"dataset": data.name, **_manifest_json(manifest)})
+        return data_schema({"dataset": data.name, **_manifest_json(manifest)})
     except (KeyError, TypeError, ValueError) as err:
         raise ConfigError(f"data.path: {manifest} does not describe its features and target ({err}); prepare it "
                           f"again with `rtp prepare`") from err

@@ -113,7 +113,7 @@ def choice_description(group: str, name: str) -> str:
     path = CONF_DIR / group / f"{name}.yaml"
     if path.is_file():
         return first_comment(path)
-    registry = {"model": MODELS, "data": DATASETS}.get(group)
+    registry = {"trainer": BACKENDS, "model": MODELS, "data": DATASETS}.get(group)
     return registry.get(name).description if registry is not None and name in registry else ""
 
 

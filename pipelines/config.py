@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from contract.config import layout_of, schema, worker_resources
 from contract.metrics import eval_metric
@@ -27,6 +27,7 @@ __all__ = ["CONF_DIR", "ConfigError", "check_fits_this_machine", "compose", "fla
            "installed", "load_config", "load_user_plugins", "parallel_params", "schema_for"]
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONFIG_GROUPS = ("trainer", "data", "model", "sweep")  # a choice of each: a backend, a dataset, a model, a sweep
 
 
 def schema_for(cfg: DictConfig) -> DictConfig:
@@ -47,9 +48,9 @@ RENAMED = {"trainer.tf_devices": "trainer.devices_per_worker"}
 
 
 def group_choices(group: str) -> list[str]:
-    """The options of a config group (`trainer`, `data`, `model`, `sweep`): its files in conf/<group>/, and the
-    models and datasets registered without one (a plugin's)."""
-    registered = {"model": MODELS.names(),
+    """The options of a config group (`trainer`, `data`, `model`, `sweep`): the registered backends, models and
+    datasets (a dataset with a default path), and the presets of conf/<group>/ (a sweep, `model=bert_tiny`)."""
+    registered = {"trainer": BACKENDS.names(), "model": MODELS.names(),
                   "data": [name for name, spec in DATASETS.specs.items() if spec.default_path]}.get(group, [])
     return sorted({path.stem for path in (CONF_DIR / group).glob("*.yaml")} | set(registered))
 
@@ -72,27 +73,38 @@ def plugin_modules(overrides: list[str]) -> list[str]:
 
 
 def load_user_plugins(overrides: list[str]) -> list[str]:
-    """Import the command's plugin modules (they register their specs) and make their models and datasets config
-    group choices (`model=<name>`, `data=<name>`) where conf/ has no yaml for them. ConfigError in one line
-    naming a plugin that fails, before any cluster work."""
-    from hydra.core.config_store import ConfigStore
-
-    from contract.config import DataConfig
-
+    """Import the command's plugin modules (they register their specs) and give Hydra every registered spec's
+    keys and defaults (`store_config_groups`). ConfigError in one line naming a plugin that fails, before any
+    cluster work."""
     modules = plugin_modules(overrides)
     try:
         load_plugins(modules)
     except RegistryError as err:
         raise ConfigError(str(err)) from err
-    store = ConfigStore.instance()
-    for spec in MODELS.specs.values():
-        if not (CONF_DIR / "model" / f"{spec.name}.yaml").is_file():
-            store.store(group="model", name=spec.name, node=OmegaConf.merge(OmegaConf.structured(spec.config),
-                                                                              {"name": spec.name}))
-    for spec in DATASETS.specs.values():
-        if spec.default_path and not (CONF_DIR / "data" / f"{spec.name}.yaml").is_file():
-            store.store(group="data", name=spec.name, node=DataConfig(name=spec.name, path=spec.default_path))
+    store_config_groups()
     return modules
+
+
+def store_config_groups() -> None:
+    """Every key's default is stated once, in its dataclass: Hydra composes conf/config.yaml on the shared
+    sections (`shared_sections`: run, fault, plugins), and each registered backend, model and dataset is a choice
+    of its group with its config's keys (`trainer=<backend>`, `model=<model>`, `data=<dataset>`), as a user's are.
+    A key an override names must be one of them, of its type."""
+    from hydra.core.config_store import ConfigStore
+
+    from contract.config import DataConfig, shared_sections
+
+    store = ConfigStore.instance()
+    store.store(name="shared_sections", node=shared_sections())
+    for spec in BACKENDS.specs.values():
+        store.store(group="trainer", name=spec.name, node=spec.config)
+    for spec in MODELS.specs.values():
+        store.store(group="model", name=spec.name, node=OmegaConf.merge(OmegaConf.structured(spec.config),
+                                                                          {"name": spec.name}))
+    for spec in DATASETS.specs.values():
+        if spec.default_path:
+            store.store(group="data", name=spec.name, node=OmegaConf.merge(
+                OmegaConf.structured(DataConfig), {"name": spec.name, "path": spec.default_path, **spec.data_keys}))
 
 
 def compose(overrides: list[str]) -> DictConfig:
@@ -106,7 +118,24 @@ def compose(overrides: list[str]) -> DictConfig:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             return hydra_compose(config_name="config", overrides=overrides)
     except HydraException as err:
+        if isinstance(err.__cause__, ValidationError):  # a value its key's type refuses
+            raise typed_error(err.__cause__) from err
         raise ConfigError(_compose_error(str(err).strip().splitlines()[0])) from err
+
+
+def typed_error(err: OmegaConfBaseException) -> ConfigError:
+    """What the typed config refuses (an unknown key, a value of another type), in one line naming its key."""
+    key = getattr(err, "full_key", None) or "config"
+    if key in RENAMED:
+        return ConfigError(f"{key}: renamed {RENAMED[key]}")
+    if isinstance(err, ConfigKeyError):
+        return ConfigError(unknown_key(key))
+    return ConfigError(f"{key}: {str(err).strip().splitlines()[0]}")
+
+
+def unknown_key(key: str) -> str:
+    return (f"{key}: not a key of this config{_did_you_mean(key)} (each backend has its own trainer keys: rtp config "
+            f"--help)")
 
 
 def _compose_error(first_line: str) -> str:
@@ -115,10 +144,9 @@ def _compose_error(first_line: str) -> str:
     if unknown and unknown[1] in RENAMED:
         return f"{unknown[1]}: renamed {RENAMED[unknown[1]]}"
     if unknown:
-        return (f"{unknown[1]}: not a key of this config{_did_you_mean(unknown[1])} (each backend has its own "
-                f"trainer keys: rtp config --help)")
+        return unknown_key(unknown[1])
     choice = re.search(r"Could not find '(\w+)/([^']+)'", first_line)
-    if choice and (CONF_DIR / choice[1]).is_dir():
+    if choice and choice[1] in CONFIG_GROUPS:
         return f"{choice[1]}: unknown choice '{choice[2]}' (choices: {', '.join(group_choices(choice[1]))})"
     unparsed = re.fullmatch(r"Error parsing override '([^']*)'", first_line) or \
         re.fullmatch(r"LexerNoViableAltException: (.*)", first_line)
@@ -185,12 +213,11 @@ def checked_values(overrides: list[str]) -> DictConfig:
     the first part of `load_config`, and what the docs' commands are checked with."""
     raw = compose(overrides)
     try:
-        cfg = OmegaConf.merge(schema_for(raw), raw)
+        # As plain data: Hydra types each group choice already, but lets `+key=...` add keys its type lacks.
+        cfg = OmegaConf.merge(schema_for(raw), OmegaConf.to_container(raw))
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", None) or "config"
-        message = str(err).strip().splitlines()[0]
-        raise ConfigError(f"{key}: renamed {RENAMED[key]}" if key in RENAMED else f"{key}: {message}") from err
+        raise typed_error(err) from err
     cfg.plugins = plugin_modules(overrides)  # the entry points' too: every worker loads what the driver did
     check_values(cfg)
     return cfg

@@ -31,6 +31,7 @@ from contract import resume, tracking
 from contract.data import DataSchema
 from pipelines.config import ConfigError
 from pipelines.help import dataclass_help, wants_help
+from pipelines.data import data_schema
 from pipelines.data.shards import dataset_refs, read_manifest, shard_paths
 from pipelines.ray_session import shutdown_ray
 from pipelines.scoring_cli import USAGE_ERRORS, ScoringConfig, find_model, init_ray, parse_args, plan_before_start
@@ -80,7 +81,7 @@ def resolve(cfg: Any, uri: str) -> Plan:
                           "names its data); give both")
     manifest = read_manifest(data_path)
     shards = shard_paths(data_path, manifest, split)
-    schema = DataSchema.from_manifest(manifest)
+    schema = data_schema(manifest)
     if trained_on.get("data.name", schema.dataset) != schema.dataset:
         raise ConfigError(f"data.path: {data_path} holds {schema.dataset}, the model was trained on "
                           f"{trained_on['data.name']}")

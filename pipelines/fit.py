@@ -22,6 +22,7 @@ from contract.files import write_atomically
 from contract.hang import HANG_DIR, PROGRESS_DIR, read_verdicts
 from contract.metrics import DIVERGED_FILE, DIVERGED_METRICS, FINAL_MODEL_LOG, STOP_METRICS
 from contract.registry import plugin_roots
+from pipelines.data import data_schema
 from pipelines.data.shards import read_manifest
 from pipelines.ray_session import start_local_ray
 from trainers.preflight import PREFLIGHT_FILE, PreflightFailed
@@ -74,7 +75,7 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
     from trainers import get_backend  # imports the backend's framework (torch: 1.5 s) while the data is read
 
     backend = get_backend(cfg.trainer)
-    inputs = DataSchema.from_manifest(read_manifest(cfg.data.path))
+    inputs = data_schema(read_manifest(cfg.data.path))
     if materialized is not None:
         datasets = materialized.result(patience)
     if cfg.fault.resource_timeout_s > 0:  # read by Ray Train's controller (trainers/worker.py: run_config)
@@ -231,7 +232,7 @@ def replay_run(folder: Path, uri: str | None = None) -> str:
         spec = json.loads(final.read_text())
         cfg = typed_config(spec["cfg"], spec.get("plugin_roots", []))
         inputs = DataSchema.from_dict(spec["inputs"]) if "inputs" in spec else \
-            DataSchema.from_manifest({"dataset": cfg.data.name, "model_inputs": spec["model_inputs"]})  # older
+            data_schema({"dataset": cfg.data.name, "model_inputs": spec["model_inputs"]})  # older
         tracking.set_tags(uri, run_id, spec.get("tags", {}))
         get_backend(cfg.trainer).log_final_model(uri, run_id, cfg, Checkpoint(spec["checkpoint"]), inputs)
         if cfg.run.register_model:

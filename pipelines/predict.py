@@ -28,8 +28,10 @@ from omegaconf import MISSING
 
 from contract.console import one_line
 from contract.data import DataSchema
+from contract.registry import DATASETS, resolve
 from pipelines.config import ConfigError
 from pipelines.data.raw_inputs import read_images, read_numeric, read_texts
+from pipelines.data import data_schema
 from pipelines.help import dataclass_help, wants_help
 from pipelines.ray_session import shutdown_ray
 from pipelines.scoring_cli import USAGE_ERRORS, ScoringConfig, find_model, init_ray, parse_args, plan_before_start
@@ -99,7 +101,7 @@ def plan(cfg: Any, uri: str) -> Plan:
     if run is None:
         raise ConfigError(f"model: {model_uri} was not logged by a training run of ours (which logs its data)")
     run_id, manifest, names = training_data(run, uri)
-    schema = DataSchema.from_manifest(manifest)
+    schema = data_schema(manifest)
     features, path, tokenizer = schema.features, Path(cfg.input).resolve(), None
     if features.kind == "image":
         sources, images = read_images(path, features.shape)
@@ -108,7 +110,9 @@ def plan(cfg: Any, uri: str) -> Plan:
         sources, values = read_numeric(path, features.source_columns)
         column = fixed_size(values)
     else:
-        sources, texts = read_texts(path, features.source_columns[0] if features.source_columns else "text")
+        cleaning = DATASETS.specs[schema.dataset].clean_text if schema.dataset in DATASETS else None
+        sources, texts = read_texts(path, features.source_columns[0] if features.source_columns else "text",
+                                    resolve(cleaning) if cleaning else str.strip)
         column, tokenizer = pa.array(texts), training_tokenizer(run_id, manifest, names, schema)
     rows = pa.table({"row": np.arange(len(sources)), "source": sources,
                      "text" if tokenizer else features.column: column})

@@ -108,11 +108,11 @@ def score_held_out_test(cfg: DictConfig, uri: str, run_id: str) -> None:
     """The chosen model (`run.final_model`) scored once on the test split, which model selection never saw (the
     epochs were evaluated on the validation split): `final_test_*` metrics. A sweep's trials are not scored: a
     sweep picks among them, so only the model it picks should meet the test split (`rtp evaluate`)."""
-    from contract.data import DataSchema
+    from pipelines.data import data_schema
     from pipelines.data.shards import read_manifest
     from pipelines.scoring import held_out_test_metrics
 
-    schema = DataSchema.from_manifest({"dataset": cfg.data.name, **read_manifest(cfg.data.path)})
+    schema = data_schema({"dataset": cfg.data.name, **read_manifest(cfg.data.path)})
     began = time.monotonic()
     if held_out_test_metrics(uri, run_id, cfg.data.path, cfg.data.eval_split, schema):  # the summary shows them
         tracking.log_metrics(uri, run_id, {FINAL_MODEL_TEST: time.monotonic() - began})

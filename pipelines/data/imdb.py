@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import numpy as np
 import pyarrow as pa
 
-from contract.data import imdb_schema
+from contract.data import DataSchema, Features, Target
 from pipelines.data.idx import DataError
 from pipelines.data.shards import check_not_empty, sha256_of, staged_output, write_manifest, write_split_shards
 
@@ -274,6 +274,19 @@ def prepare(splits: Splits, source: Path, out_dir: Path, num_shards: int, vocab_
                     **imdb_schema(tokenizer.get_vocab_size(), max_len).to_dict()}
         write_manifest(stage, manifest)
     return manifest
+
+
+def imdb_schema(vocab_size: int, max_len: int) -> DataSchema:
+    """IMDb's features and target, as `rtp prepare imdb` records them."""
+    return DataSchema("imdb", Features("input_ids", "tokens", (max_len,), vocab_size=vocab_size,
+                                       length_column="length", id_column="id", source_columns=("text",)),
+                      Target("label", "classification", ("neg", "pos")))
+
+
+def schema_of_old_manifest(manifest: dict[str, Any]) -> DataSchema:
+    """The schema of an IMDb manifest written before manifests recorded one (its `model_inputs`)."""
+    inputs = manifest.get("model_inputs", {})
+    return imdb_schema(int(inputs.get("vocab_size", 0)), int(inputs.get("max_len", 0)))
 
 
 def add_arguments(parser: Any) -> None:

@@ -13,11 +13,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from contract.data import mnist_schema
+from contract.data import DataSchema, Features, Target
 from pipelines.data.idx import DataError, read_idx
 from pipelines.data.shards import check_not_empty, sha256_of, staged_output, write_manifest, write_split_shards
 
 PIXELS = 28 * 28
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081  # the usual MNIST train-set statistics; workers normalise with them
 
 # SHA-256 of the canonical gzip files (the same bytes torchvision's MD5 list accepts).
 CANONICAL = {
@@ -116,6 +117,13 @@ def prepare(source: Path, out_dir: Path, num_shards: int, val_fraction: float = 
             manifest["validation_from"] = f"the last {carved} rows of the train file"
         write_manifest(stage, manifest)
     return manifest
+
+
+def mnist_schema(manifest: dict[str, Any] | None = None) -> DataSchema:
+    """MNIST's features and target, as `rtp prepare mnist` records them (also the schema of a manifest written
+    before manifests recorded one)."""
+    return DataSchema("mnist", Features("image", "image", (28, 28), (MNIST_MEAN,), (MNIST_STD,)),
+                      Target("label", "classification", tuple(str(digit) for digit in range(10))))
 
 
 def add_arguments(parser: Any) -> None:

@@ -5,12 +5,12 @@ raises DataError with one line."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 
 from pipelines.data.idx import DataError, read_idx
-from pipelines.data.imdb import clean_text
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".pgm", ".tif", ".tiff")
 
@@ -43,11 +43,13 @@ def read_images(path: Path, shape: tuple[int, ...] = (28, 28)) -> tuple[list[str
     return [str(f.relative_to(path)) for f in files], np.stack(rows)
 
 
-def read_texts(path: Path, column: str = "text") -> tuple[list[str], list[str]]:
+def read_texts(path: Path, column: str = "text",
+               clean: Callable[[str], str] = str.strip) -> tuple[list[str], list[str]]:
     """Texts: a .txt file (one per line; blank lines separate, they are no text), a .csv or .parquet file (a
     `column` column), or a folder of .txt files
-    (one text each, sorted by path; an aclImdb folder works: its `urls_*.txt` lists are not reviews). Cleaned
-    as `prepare imdb` cleans them; empty ones are an error (the model would score nothing)."""
+    (one text each, sorted by path; an aclImdb folder works: its `urls_*.txt` lists are not reviews). Each cleaned
+    by `clean`, as the training data's preparation cleaned its texts (`DatasetSpec.clean_text`); empty ones are an
+    error (the model would score nothing)."""
     if not path.exists():
         raise DataError(f"{path}: not found")
     if path.is_dir():
@@ -62,7 +64,7 @@ def read_texts(path: Path, column: str = "text") -> tuple[list[str], list[str]]:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
         numbered = [(f"{path.name}:{i + 1}", line) for i, line in enumerate(lines) if line.strip()]
         sources, texts = [source for source, _ in numbered], [line for _, line in numbered]
-    cleaned = [clean_text(text or "") for text in texts]
+    cleaned = [clean(text or "") for text in texts]
     empty = [source for source, text in zip(sources, cleaned) if not text]
     if empty or not cleaned:
         raise DataError(f"{path}: {len(empty)} empty review(s) (first: {empty[0]})" if empty else

@@ -20,8 +20,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from contract.data import DataSchema
 from contract.tracking import DatasetRef
+from pipelines.data import data_schema
 from pipelines.data.idx import DataError
 
 MANIFEST = "manifest.json"
@@ -153,7 +153,7 @@ def _named_columns(manifest: dict[str, Any]) -> dict[str, str] | None:
     """{column: what it must hold} of the features and target a manifest without a `schema` names (the shards'
     columns are then checked against these), or None when it names none."""
     try:
-        inputs = DataSchema.from_manifest(manifest)
+        inputs = data_schema(manifest)
     except (KeyError, TypeError, ValueError):
         return None  # the config check says what is missing (pipelines/checks.py read_data_schema)
     numbers = "a list of numbers per row"

@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from contract.data import mnist_schema, imdb_schema
+from pipelines.data.imdb import imdb_schema
+from pipelines.data.mnist import mnist_schema
 from tests.support.loop_harness import (check_parity, check_stop_resume_parity, config, imdb_columns, mnist_columns,
                                         run_attempt, with_callbacks)
 from trainers.callbacks.mfu import Utilisation

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from contract.data import mnist_schema
+from pipelines.data.mnist import mnist_schema
 from tests.gpu.test_cuda import CUDA, MNIST, batches, nccl  # noqa: F401  (the fixture)
 from tests.support.loop_harness import check_stop_resume_parity, config, mnist_columns, run_attempt
 

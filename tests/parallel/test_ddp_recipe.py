@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from contract.data import mnist_schema
+from pipelines.data.mnist import mnist_schema
 from tests.support.loop_harness import config, mnist_columns, run_attempt, shard
 from tests.support.dist_utils import RankPools
 

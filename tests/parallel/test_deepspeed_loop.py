@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from contract.data import mnist_schema
+from pipelines.data.mnist import mnist_schema
 from tests.support.dist_utils import RankPools
 from tests.support.loop_harness import (check_stop_resume_parity, config, last_checkpoint, make_context,
                                         mnist_columns, shard)
@@ -71,7 +71,8 @@ def _train_two_ranks(rank: int, world_size: int, tmp: str) -> None:
         losses, model = dense_training(cfg, mnist_schema(), shards)
         # float32: the partitioned reductions sum in another order than the dense backward
         np.testing.assert_allclose(runs["straight"].recorder.curve(), losses, rtol=1e-4, atol=1e-5)
-        exported = DeepSpeed().dense_state(str(last_checkpoint(tmp_path / "deepspeed" / "straight")))  # what MLflow gets
+        straight = last_checkpoint(tmp_path / "deepspeed" / "straight")
+        exported = DeepSpeed().dense_state(str(straight))  # what MLflow gets
         assert exported.keys() == model.state_dict().keys()
         for name, value in model.state_dict().items():
             torch.testing.assert_close(exported[name], value, rtol=1e-4, atol=1e-5, msg=name)

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from contract.data import mnist_schema, imdb_schema
+from pipelines.data.imdb import imdb_schema
+from pipelines.data.mnist import mnist_schema
 from tests.support.loop_harness import (check_stop_resume_parity, config, imdb_columns, last_checkpoint, mnist_columns,
                                 plain_context, run_attempt, shard)
 from tests.support.parallel_checks import dense_training
@@ -172,8 +173,8 @@ def _cnn_two_ranks(rank: int, world_size: int, tmp: str) -> None:
     cfg = config(Path(tmp) / f"cfg{rank}", ["trainer=fsdp", "model=cnn", "model.channels=[4,8]", "model.hidden=16",
                                             "model.dropout=0", f"trainer.batch_size={BATCH}", "trainer.epochs=1",
                                             "trainer.num_workers=2", "trainer.grad_clip=0.5"])
-    attempt = run_attempt(lambda ctx: FSDP().run_worker(cfg, ctx, WorkerData(mnist_schema(), data(rank))), rank, world_size, 1,
-                          Path(tmp) / "cnn")
+    attempt = run_attempt(lambda ctx: FSDP().run_worker(cfg, ctx, WorkerData(mnist_schema(), data(rank))), rank,
+                          world_size, 1, Path(tmp) / "cnn")
     if rank == 0:
         losses, _ = dense_training(cfg, mnist_schema(), [data(r)(cfg.run.seed + 1000 * r)[0] for r in range(2)])
         np.testing.assert_allclose(attempt.recorder.curve(), losses, rtol=1e-4, atol=1e-6)

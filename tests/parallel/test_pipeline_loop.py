@@ -24,7 +24,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from contract.data import imdb_schema, mnist_schema
+from pipelines.data.imdb import imdb_schema
+from pipelines.data.mnist import mnist_schema
 from tests.support.loop_harness import (check_stop_resume_parity, config, imdb_columns, last_checkpoint,
                                         mnist_columns, run_attempt, shard)
 from tests.support.parallel_checks import dense_training
@@ -196,8 +197,8 @@ def _mlp_stages(rank: int, world_size: int, tmp: str) -> None:
         return (ShardBatches.from_columns(train, mnist_schema(), BATCH, seed, drop_last=True),
                 ShardBatches.from_columns(evaluation, mnist_schema(), BATCH, seed))
 
-    attempt = run_attempt(lambda ctx: FSDP().run_worker(cfg, ctx, WorkerData(mnist_schema(), data)), rank, world_size, 1,
-                          Path(tmp) / "run")
+    attempt = run_attempt(lambda ctx: FSDP().run_worker(cfg, ctx, WorkerData(mnist_schema(), data)), rank,
+                          world_size, 1, Path(tmp) / "run")
     if rank == 0:
         from trainers.torch.fsdp import FSDP
 

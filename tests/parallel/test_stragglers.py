@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from contract.data import mnist_schema
+from pipelines.data.mnist import mnist_schema
 from contract.stragglers import STRAGGLER_TAG
 from tests.support.dist_utils import RankPools
 from tests.support.loop_harness import config, mnist_columns, run_attempt, shard

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from contract.data import imdb_schema
+from pipelines.data.imdb import imdb_schema
 from tests.support.loop_harness import check_stop_resume_parity, config, imdb_columns, plain_context, run_attempt
 from tests.support.dist_utils import RankPools
 

@@ -21,7 +21,8 @@ import tf_keras as keras
 from omegaconf import OmegaConf
 from tensorflow.experimental import dtensor
 
-from contract.data import imdb_schema, mnist_schema
+from pipelines.data.imdb import imdb_schema
+from pipelines.data.mnist import mnist_schema
 from trainers.models import build_keras_twin, build_module
 from trainers.models.keras_models import custom_objects
 from trainers.models.tf_modules import BIGRAM_HASH, SPECIAL_TOKENS, document_frequencies, \

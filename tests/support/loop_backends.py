@@ -16,7 +16,9 @@ import os
 import sys
 from pathlib import Path
 
-from contract.data import DataSchema, imdb_schema, mnist_schema
+from contract.data import DataSchema
+from pipelines.data.imdb import imdb_schema
+from pipelines.data.mnist import mnist_schema
 from tests.support.loop_harness import (attempt_to_json, config, imdb_columns, make_context, mnist_columns,
                                         run_attempt, shard)
 
@@ -173,7 +175,8 @@ def ps_runner(cfg, train, evaluation):
     from trainers.tf.tf_ps import ParameterServers
 
     shards = ps_cluster(cfg, train)
-    return lambda ctx: ParameterServers().run_worker(cfg, ctx, WorkerData(schema_of(cfg), lambda seed: (shards, evaluation)))
+    data = WorkerData(schema_of(cfg), lambda seed: (shards, evaluation))
+    return lambda ctx: ParameterServers().run_worker(cfg, ctx, data)
 
 
 def ps_cluster(cfg, train):
@@ -285,7 +288,8 @@ def logged_lightning_module(folder: Path, tracking_uri: str) -> dict[str, float]
     result = run_attempt(runner(cfg), 0, 1, cfg.trainer.epochs, folder / "run")
     client = MlflowClient(tracking_uri)
     run_id = client.create_run(client.create_experiment("logged-lightning-module")).info.run_id
-    Lightning().log_final_model(tracking_uri, run_id, cfg, Checkpoint.from_directory(str(result.checkpoint)), mnist_schema())
+    checkpoint = Checkpoint.from_directory(str(result.checkpoint))
+    Lightning().log_final_model(tracking_uri, run_id, cfg, checkpoint, mnist_schema())
     mlflow.set_tracking_uri(tracking_uri)
     [logged] = mlflow.search_logged_models(filter_string=f"source_run_id = '{run_id}'", output_format="list",
                                            experiment_ids=[client.get_run(run_id).info.experiment_id])

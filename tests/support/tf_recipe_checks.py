@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from contract.data import mnist_schema
+from pipelines.data.mnist import mnist_schema
 from tests.support.loop_harness import config, mnist_columns, plain_context
 
 BASE = ["trainer=tf_mwms", "trainer.tf_loop=custom", "trainer.devices_per_worker=2", "trainer.num_workers=1",

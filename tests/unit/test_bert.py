@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from contract.data import imdb_schema
+from pipelines.data.imdb import imdb_schema
 from contract.data import PAD_ID
 from trainers.models import build_model
 from trainers.models.bert import BERT_FLAVOURS, BertClassifier, BertConfig, SelfAttention, bert_config

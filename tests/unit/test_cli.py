@@ -110,7 +110,7 @@ import sys, tempfile
 from pathlib import Path
 import torch
 import pipelines.train, pipelines.fit, trainers.worker, trainers.torch.process_group
-from contract.data import mnist_schema
+from pipelines.data.mnist import mnist_schema
 from pipelines.config import load_config
 from tests.support.loop_harness import mnist_columns, run_attempt
 from trainers.adapter import WorkerData

@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-from pipelines.config import ConfigError, flatten, load_config
+from omegaconf import OmegaConf
+
+from pipelines.config import ConfigError, flatten, group_choices, load_config
 from tests.conftest import ROOT
 
 
@@ -26,7 +28,7 @@ def test_defaults_compose_and_flatten(data_override):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("+trainer.bogus=1", r"^trainer\.bogus: Key 'bogus' not in 'DDPConfig'"),
+    ("+trainer.bogus=1", r"^trainer\.bogus: not a key of this config \(each backend"),
     ("trainer.bogus=1", r"^trainer\.bogus: not a key of this config \(each backend"),
     ("trainer.epoch=3", r"^trainer\.epoch: not a key of this config \(did you mean trainer\.epochs\?\)"),
     ("trainer.tp=2", r"^trainer\.tp: not a key of this config \(a key of trainer=fsdp, tp\) \(each backend"),
@@ -363,12 +365,17 @@ def test_every_backend_can_profile(data_override, backend):
     assert load_config([data_override, backend, "trainer.profile_steps=2"]).trainer.profile_steps == 2
 
 
-def test_schemas_cover_every_backend_module():
+def test_every_backend_is_a_trainer_choice_with_its_keys_defaults():
+    """`trainer=<name>` is each registered backend, its keys and defaults its config's (stated once: no yaml)."""
+    from pipelines.config import compose
     from trainers import BACKENDS
 
-    assert set(BACKENDS.names()) == {p.stem for p in (ROOT / "conf" / "trainer").glob("*.yaml")}
+    assert set(BACKENDS.names()) <= set(group_choices("trainer"))
+    assert not (ROOT / "conf" / "trainer").exists()
     for name, spec in BACKENDS.specs.items():
         assert spec.config().backend == name
+        assert OmegaConf.to_container(compose([f"trainer={name}"]).trainer) == \
+            OmegaConf.to_container(OmegaConf.structured(spec.config))
 
 
 def test_a_worker_rebuilds_the_typed_read_only_config(data_override):

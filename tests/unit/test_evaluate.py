@@ -15,7 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from contract.data import PAD_ID, imdb_schema, mnist_schema
+from contract.data import PAD_ID
+from pipelines.data.imdb import imdb_schema
+from pipelines.data.mnist import mnist_schema
 from contract.tracking.models import mlflow_pytorch
 from pipelines import evaluate
 from pipelines.scoring import SCORING_PASSES, ModelScorer, save_plots, score, summarise, summarise_regression

@@ -6,7 +6,8 @@ from dataclasses import replace
 import pytest
 from omegaconf import OmegaConf
 
-from contract.data import imdb_schema, mnist_schema
+from pipelines.data.imdb import imdb_schema
+from pipelines.data.mnist import mnist_schema
 from contract.mfu import peak_flops, utilisation
 from contract.registry import MODELS
 from trainers.model_flops import flops_per_sample

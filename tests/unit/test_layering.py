@@ -110,9 +110,9 @@ def test_tensorflow_workers_import_no_torch():
 
 
 def test_ray_trains_controller_unpickles_the_backend_configs_without_a_framework():
-    """The controller unpickles the trainer's backend config (trainers/torch/process_group.py, trainers/tf/tf_config.py); Ray's
-    own `TorchConfig` and `TensorflowConfig` would import torch and TensorFlow there. Checked in a fresh interpreter, as
-    the controller's process is."""
+    """The controller unpickles the trainer's backend config (trainers/torch/process_group.py,
+    trainers/tf/tf_config.py); Ray's own `TorchConfig` and `TensorflowConfig` would import torch and TensorFlow
+    there. Checked in a fresh interpreter, as the controller's process is."""
     import pickle
     import subprocess
     import sys

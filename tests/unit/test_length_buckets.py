@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from contract.data import imdb_schema
+from pipelines.data.imdb import imdb_schema
 from contract.data import BUCKET_BATCHES, bucketed_order, shuffled_order
 from tests.support.loop_harness import imdb_columns
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from contract.data import mnist_schema
+from pipelines.data.mnist import mnist_schema
 from contract.checkpoint import STATE_FILE, EpochTotals, TrainState
 from contract.metrics import PendingReduce
 from tests.support.loop_harness import (STOP_AT, Recorder, check_metric_set, check_stop_resume_parity, config,

@@ -3,7 +3,8 @@ from __future__ import annotations
 import torch
 from omegaconf import OmegaConf
 
-from contract.data import imdb_schema, mnist_schema
+from pipelines.data.imdb import imdb_schema
+from pipelines.data.mnist import mnist_schema
 from trainers.models import build_model
 
 

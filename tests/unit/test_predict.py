@@ -17,8 +17,9 @@ import pyarrow as pa
 import pytest
 from PIL import Image
 
-from contract.data import imdb_schema
+from contract.registry import DATASETS, resolve
 from pipelines import predict, scoring
+from pipelines.data.imdb import imdb_schema
 from pipelines.data.idx import DataError
 from pipelines.data.raw_inputs import read_images, read_texts
 from pipelines.data.shards import read_manifest
@@ -43,16 +44,21 @@ def test_images_from_idx_and_from_a_folder_of_files(tmp_path):
 
 
 def test_reviews_from_lines_csv_and_folders_tokenise_as_prepare_did(tmp_path, tiny_imdb):
+    """Raw texts are cleaned as their dataset's preparation cleaned its texts: IMDb's `clean_text` (its spec's), a
+    table's texts (`prepare table --text`) as they are."""
+    clean = resolve(DATASETS.get("imdb").clean_text)
     lines = tmp_path / "reviews.txt"
     lines.write_text("A great film.<br />Loved it!\nDull and   boring.\n")
-    assert read_texts(lines) == (["reviews.txt:1", "reviews.txt:2"], ["A great film. Loved it!", "Dull and boring."])
+    assert read_texts(lines, clean=clean) == (["reviews.txt:1", "reviews.txt:2"],
+                                              ["A great film. Loved it!", "Dull and boring."])
+    assert read_texts(lines)[1] == ["A great film.<br />Loved it!", "Dull and   boring."]
     table = tmp_path / "reviews.csv"
     table.write_text('id,text\n7,"Superb, moving."\n')
-    assert read_texts(table) == (["reviews.csv[0]"], ["Superb, moving."])
+    assert read_texts(table, clean=clean) == (["reviews.csv[0]"], ["Superb, moving."])
 
     # The generated aclImdb folder the tiny IMDb shards were prepared from: every review, tokenised with the
     # shards' tokenizer as `predict` does, gives exactly the token ids `prepare` stored (train + validation).
-    sources, texts = read_texts(tiny_imdb.parent / "src")
+    sources, texts = read_texts(tiny_imdb.parent / "src", clean=clean)
     assert len(texts) == 320 and not any("urls_" in s for s in sources)
     head_tokens = read_manifest(tiny_imdb)["head_tokens"]
     tokenised = Tokenise((tiny_imdb / "tokenizer.json").read_text(), 48, head_tokens)(pa.table({"text": texts}))

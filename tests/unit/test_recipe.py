@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from contract.data import mnist_schema
+from pipelines.data.mnist import mnist_schema
 from contract.recipe import Monitor, default_mode, lr_factor, schedule_steps, updates_per_epoch
 from pipelines.config import ConfigError
 from tests.support.loop_harness import config, mnist_columns, plain_context, run_attempt

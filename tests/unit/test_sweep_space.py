@@ -91,8 +91,8 @@ def test_split_argv_separates_sweep_and_training_overrides():
 def test_smoke_plan_keeps_the_possible_points_and_says_why_the_others_are_rejected(fake_imdb):
     trials = plan_trials(load_sweep("smoke", []), [fake_imdb])
     reject_unfit(trials, cluster_cpus=6, cluster_gpus=0)
-    valid = {(t.cfg.trainer.backend, t.cfg.trainer.num_workers, layout_of(t.cfg.trainer).tp, layout_of(t.cfg.trainer).dp)
-             for t in trials if t.cfg is not None}
+    layouts = [(t.cfg.trainer, layout_of(t.cfg.trainer)) for t in trials if t.cfg is not None]
+    valid = {(trainer.backend, trainer.num_workers, layout.tp, layout.dp) for trainer, layout in layouts}
     assert valid == {("ddp", 1, 1, 1), ("ddp", 2, 1, 2)}
     reasons = {(t.combo["trainer"], t.combo["trainer.num_workers"], t.combo.get("trainer.tp")): t.reason
                for t in trials if t.cfg is None}

@@ -2,11 +2,13 @@
 `fault.kill_servers` hook for the chief (its server kills run end to end in tests/integration/test_tf_ps.py)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from omegaconf import OmegaConf
 
 from pipelines.config import ConfigError, load_config
-from trainers.tf.ps.cluster import Chief
+from trainers.tf.ps.cluster import Chief, KillServers
 
 
 @pytest.fixture()
@@ -63,8 +65,8 @@ def test_nccl_with_gpu_passes_validation(data_override):
 def test_devices_per_worker_is_tf_only_and_fine_with_one_worker(data_override):
     cfg = load_config([data_override, "trainer=tf_mwms", "trainer.devices_per_worker=2", "trainer.num_workers=1"])
     assert cfg.trainer.devices_per_worker == 2
-    with pytest.raises(ConfigError, match=r"^trainer\.devices_per_worker: Key 'devices_per_worker' not in "
-                                          r"'DDPConfig'"):
+    with pytest.raises(ConfigError, match=r"^trainer\.devices_per_worker: not a key of this config \(a key of "
+                                          r"trainer=tf_dtensor, tf_mwms\)"):
         load_config([data_override, "trainer=ddp", "+trainer.devices_per_worker=2"])
     for renamed in ("trainer.tf_devices=2", "+trainer.tf_devices=2"):  # its name before it was shared with tf_dtensor
         with pytest.raises(ConfigError, match=r"^trainer\.tf_devices: renamed trainer\.devices_per_worker$"):
@@ -136,14 +138,24 @@ def test_kill_servers_is_tf_ps_only(data_override):
 
 def test_a_killed_chief_fails_its_epoch_once(tmp_path):
     """`chief:0@2`: halfway through epoch 2 the chief's loop raises (Ray Train then restarts the run, as after any
-    failure) and the marker records it, so the restarted attempt trains epoch 2 through."""
+    failure) and the marker records it, so the restarted attempt trains epoch 2 through; an epoch resumed past its
+    middle kills nothing."""
     marker = tmp_path / "killed"
-    halfway = Chief(messages=None).halfway(OmegaConf.create({"kill_servers": ["chief:0@2"],
-                                                             "inject_marker": str(marker)}))
-    halfway(1)
+    kill = KillServers(OmegaConf.create({"kill_servers": ["chief:0@2"], "inject_marker": str(marker)}),
+                       Chief(messages=None))
+    kill.on_start(SimpleNamespace(adapter=SimpleNamespace(steps_per_epoch=lambda: 4)))
+
+    def epoch(number: int, done: int = 0) -> None:  # the loop's hooks over an epoch of 4 steps, `done` trained
+        kill.on_epoch_start(number, done)
+        for step in range(done + 1, 5):
+            kill.on_step_start(number, (number - 1) * 4 + step)
+
+    epoch(1)
+    assert not marker.exists()
+    epoch(2, done=3)  # resumed past its middle
     assert not marker.exists()
     with pytest.raises(RuntimeError, match=r"^tf_ps: the chief fails halfway through epoch 2 \(fault.kill_servers\)$"):
-        halfway(2)
+        epoch(2)
     assert marker.read_text().split() == ["chief:0@2"]
-    halfway(2)  # the restarted attempt: fired already
+    epoch(2)  # the restarted attempt: fired already
     assert marker.read_text().split() == ["chief:0@2"]

@@ -63,4 +63,7 @@ class Callbacks(LoopCallback):
     on_diverged = _on_each("on_diverged")
 
     def epoch_extras(self, epoch: int, metrics: dict[str, float]) -> dict[str, float]:
-        return {key: value for callback in self.callbacks for key, value in callback.epoch_extras(epoch, metrics).items()}
+        extras: dict[str, float] = {}
+        for callback in self.callbacks:
+            extras.update(callback.epoch_extras(epoch, metrics))
+        return extras

@@ -28,7 +28,8 @@ class StepTimes(LoopCallback):
         if loop.clock is None:
             return {}
         ctx = loop.ctx
-        times = gathered(loop.clock.means(), ctx.rank, ctx.world_size, lambda values: loop.adapter.reduce(values, "sum"))
+        times = gathered(loop.clock.means(), ctx.rank, ctx.world_size,
+                         lambda values: loop.adapter.reduce(values, "sum"))
         found = stragglers(times, self.ratio)
         if found and ctx.rank == 0:
             line = straggler_line(epoch, times, found, self.ratio)

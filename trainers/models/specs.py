@@ -143,19 +143,23 @@ def bert_blocks() -> tuple[type, ...]:
 
 
 for _spec in (
-    ModelSpec("mlp", MLPConfig, "multi-layer perceptron on the flattened features", ("image", "numeric"),
+    ModelSpec("mlp", MLPConfig, "multi-layer perceptron on the flattened features, images or numbers (PyTorch, Keras, "
+              "DTensor)", ("image", "numeric"),
               torch="trainers.models.mlp_cnn:build_mlp", keras="trainers.models.keras_models:build_mlp",
               dtensor="trainers.models.tf_modules:build_mlp", check=check_mlp,
               pipeline_split="trainers.torch.parallel.pipeline:sequential_split"),
-    ModelSpec("cnn", CNNConfig, "two conv blocks and a dense layer", ("image",),
+    ModelSpec("cnn", CNNConfig, "convolutional net for images of any size and channels: two conv blocks and a dense "
+              "layer", ("image",),
               torch="trainers.models.mlp_cnn:build_cnn", keras="trainers.models.keras_models:build_cnn",
               check=check_cnn),
     ModelSpec("bert", BertModelConfig, "BERT-style encoder classifier, tensor- and pipeline-parallel", ("tokens",),
               torch="trainers.models.bert:build_bert",
               tensor_parallel="trainers.models.bert_parallel:parallelize_bert",
               pipeline_split="trainers.models.bert_parallel:split_stage", fsdp_blocks=bert_blocks, check=check_bert),
-    ModelSpec("embed_pool", EmbedPoolConfig, "mean of the token embeddings, then an MLP", ("tokens",),
-              torch="trainers.models.text:build_embed_pool", keras="trainers.models.keras_models:build_embed_pool",
+    ModelSpec("embed_pool", EmbedPoolConfig, "text baseline: the mean of the token embeddings, then an MLP (PyTorch and "
+              "Keras)", ("tokens",),
+              torch="trainers.models.text:build_embed_pool",
+              keras="trainers.models.keras_models:build_embed_pool",
               check=check_embed_pool),
     ModelSpec("tfidf", TfIdfConfig, "TF-IDF features, Dense, BatchNorm, Dense (tf_dtensor; Keras twin)", ("tokens",),
               ("classification",), dtensor="trainers.models.tf_modules:build_tfidf",

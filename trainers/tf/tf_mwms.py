@@ -300,7 +300,8 @@ class MWMS(KerasFit):
         # variable creation uses up random ops differently (default vs Mirrored strategy), then copied in.
         keras.utils.set_random_seed(cfg.run.seed)
         initial = build_keras_model(cfg.model, keras, data.inputs, seed=cfg.run.seed).get_weights()
-        local_replicas = strategy.num_replicas_in_sync // world_size  # devices_per_worker under MirroredStrategy, else 1
+        # devices_per_worker under MirroredStrategy, else 1
+        local_replicas = strategy.num_replicas_in_sync // world_size
         train, evaluation = data.shards(cfg.run.seed + 1000 * rank)
         steps = train.steps(trainer.batch_size * local_replicas, trainer.max_steps_per_epoch)  # for the LR schedule
         with strategy.scope():
@@ -309,7 +310,8 @@ class MWMS(KerasFit):
         seed_dropout(tf, cfg.run.seed, rank)  # before the training step is traced
         return MirroredAdapter(keras, world_size, trainer.epochs, tf, strategy, model, train, evaluation,
                                trainer.batch_size, rank, cfg.run.seed + 1000 * rank, trainer.max_steps_per_epoch,
-                               local_replicas, grad_accum=trainer.grad_accum, bucket_by_length=cfg.data.bucket_by_length,
+                               local_replicas, grad_accum=trainer.grad_accum,
+                               bucket_by_length=cfg.data.bucket_by_length,
                                steps_per_call=trainer.tf_steps_per_execution)
 
     def ray_setup(self, cfg: DictConfig, run_id: str) -> Any:

@@ -334,7 +334,8 @@ class ParameterServers(KerasFit):
         chief = Chief(board())
 
         def shards(seed: int) -> tuple[WorkerShards, ShardArrays]:
-            # Rank 0's request makes every rank's shards of a split (Ray Train V2): the chief asks for the train split too
+            # Rank 0's request makes every rank's shards of a split (Ray Train V2): the chief asks for the train
+            # split too
             (_, eval_shard), waited_s = dataset_shards("train", "eval")
             evaluation = ShardArrays(eval_shard, inputs)
             evaluation.load_s += waited_s

@@ -194,8 +194,8 @@ class DeepSpeed(TorchBackend):
         config = engine_config(cfg.trainer)
         config["checkpoint"] = {**config.get("checkpoint", {}), "load_universal": universal}
         with unprinted(cfg.run.verbose):
-            engine, _, _, _ = deepspeed.initialize(model=model, optimizer=recipe.optimizer,
-                                                   lr_scheduler=recipe.scheduler, config=config, dist_init_required=False)
+            engine, _, _, _ = deepspeed.initialize(model=model, optimizer=recipe.optimizer, config=config,
+                                                   lr_scheduler=recipe.scheduler, dist_init_required=False)
         seed_dropout(cfg.run.seed, ctx.rank)
         return DeepSpeedAdapter(engine, recipe, train, evaluation, device, ctx.rank, universal)
 

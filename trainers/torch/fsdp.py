@@ -199,9 +199,10 @@ class FSDP(TorchBackend):
     """trainer=fsdp: FSDP2 on an N-D mesh (HSDP, FSDP x TP, pipeline stages); sharded checkpoints (DCP)."""
 
     def build_adapter(self, cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> FSDPAdapter:
-        """The dense model from the shared seed, parallelized on the N-D mesh (trainers/torch/parallel/parallelize.py: this
-        rank's pipeline stages if pp > 1, each tensor-parallel if tp > 1, sharded over the data-parallel dimensions);
-        this rank's data-parallel shard, shuffled by its seed (alike in the pp x tp ranks that read the same batches)."""
+        """The dense model from the shared seed, parallelized on the N-D mesh (trainers/torch/parallel/parallelize.py:
+        this rank's pipeline stages if pp > 1, each tensor-parallel if tp > 1, sharded over the data-parallel
+        dimensions); this rank's data-parallel shard, shuffled by its seed (alike in the pp x tp ranks that read the
+        same batches)."""
         from trainers.torch.parallel.parallelize import ModelPlans, parallelize
         from trainers.torch.parallel.pipeline import build_schedule
 
