@@ -1,4 +1,4 @@
-"""Our pipeline (Ray TorchTrainer, 1 worker, 1 thread) against a bare PyTorch loop on the same model, batch
+"""Our pipeline (Ray Train, 1 worker, 1 thread) against a bare PyTorch loop on the same model, batch
 and data, in one run. Also the data-wait fraction of step time with 2 workers.
 
     python -m benchmarks.ddp_vs_bare [--epochs 4] [--model mlp]
@@ -63,8 +63,8 @@ def main() -> int:
     bare_rate, ray_rate = steady_rate(bare), steady_rate(one["samples_per_s"])
     print(f"model={args.model} batch={args.batch} epochs={args.epochs} (mean of epochs 2..{args.epochs})")
     print(f"bare PyTorch, 1 thread:         {bare_rate:9.0f} samples/s")
-    print(f"Ray TorchTrainer, 1 worker:     {ray_rate:9.0f} samples/s  (data load {one['data_load_s'][0]:.1f} s)")
-    print(f"Ray TorchTrainer, 2 workers:    {np.mean(two['samples_per_s'][1:]):9.0f} samples/s global  "
+    print(f"Ray Train, 1 worker:            {ray_rate:9.0f} samples/s  (data load {one['data_load_s'][0]:.1f} s)")
+    print(f"Ray Train, 2 workers:           {np.mean(two['samples_per_s'][1:]):9.0f} samples/s global  "
           f"(data load {two['data_load_s'][0]:.1f} s)")
     print(f"data wait / step time, 2 workers: {100 * np.mean(two['data_wait_fraction'][1:]):.2f}% "
           f"(epoch 1: {100 * two['data_wait_fraction'][0]:.2f}%)")

@@ -149,10 +149,11 @@ def quiet_keras_predict(keras: ModuleType) -> None:
 
 def import_tensorflow() -> ModuleType:
     """TensorFlow, imported and its devices listed (where it initialises CUDA) with the start-up lines that
-    TF_CPP_MIN_LOG_LEVEL does not reach filtered as it says (`tf_start_up_lines`), and its Python logger's INFO
-    records off where that level is 1 or more (a MultiWorkerMirroredStrategy worker logs its cluster and each
-    collective it builds). A process calls this before its first `import tensorflow`; TensorFlow's threads and
-    logical devices can still be set afterwards."""
+    TF_CPP_MIN_LOG_LEVEL does not reach filtered as it says (`tf_start_up_lines`), and the INFO records of its
+    Python loggers off where that level is 1 or more: TensorFlow's (a MultiWorkerMirroredStrategy worker logs its
+    cluster and each collective it builds) and absl's (a DTensor client logs its whole server_def, its devices,
+    which client it is). A process calls this before its first `import tensorflow`; TensorFlow's threads and logical
+    devices can still be set afterwards."""
     if "tensorflow" in sys.modules:
         return sys.modules["tensorflow"]
     setting = os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0")
@@ -163,4 +164,5 @@ def import_tensorflow() -> ModuleType:
         tf.config.list_physical_devices()
     if level >= 1:
         tf.get_logger().setLevel(logging.WARNING)
+        logging.getLogger("absl").setLevel(logging.WARNING)
     return tf

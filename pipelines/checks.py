@@ -22,7 +22,7 @@ from contract.config import layout_of
 from contract.data import DataSchema
 from contract.metrics import metric_names
 from contract.progress import PROGRESS_SETTINGS
-from contract.registry import MODELS, ModelSpec, resolve
+from contract.registry import DATASETS, MODELS, ModelSpec, resolve
 from pipelines.data import data_schema
 from trainers import BACKENDS, FRAMEWORKS, framework_of, model_builders
 
@@ -119,12 +119,22 @@ def read_data_schema(data: DictConfig) -> DataSchema:
     manifest = Path(data.path) / "manifest.json"
     if not manifest.is_file():
         raise ConfigError(f"data.path: no prepared dataset at '{data.path}' (missing manifest.json); "
-                          f"run `rtp prepare {data.name} --out {data.path}`")
+                          f"{prepare_hint(data)}")
     try:  # a manifest from before manifests named their layout: the dataset's the config names (mnist, imdb)
         return data_schema({"dataset": data.name, **_manifest_json(manifest)})
     except (KeyError, TypeError, ValueError) as err:
         raise ConfigError(f"data.path: {manifest} does not describe its features and target ({err}); prepare it "
                           f"again with `rtp prepare`") from err
+
+
+def prepare_hint(data: DictConfig) -> str:
+    """How to prepare the dataset `data` names: its own command where the path is its default one (`data=imdb`),
+    else a table of the user's or that dataset."""
+    spec = DATASETS.specs.get(data.name)
+    if spec is not None and spec.default_path and Path(data.path).resolve() == Path(spec.default_path).resolve():
+        return f"run `rtp prepare {data.name} --out {data.path}`"
+    return (f"prepare your own table there with `rtp prepare table --source <CSV, Parquet or dataset folder> "
+            f"--label <column> --out {data.path}`, or `rtp prepare {data.name} --out {data.path}`")
 
 
 def check_data(cfg: DictConfig, inputs: DataSchema) -> None:

@@ -107,10 +107,10 @@ def forget_plugins() -> Iterator[None]:
     generated config reference; a module left imported would not register again in the next test)."""
     from hydra.core.config_store import ConfigStore
 
-    from contract.registry import DATASETS, MODELS
+    from contract.registry import BACKENDS, DATASETS, MODELS
 
-    registered = [(registry, dict(registry.specs)) for registry in (MODELS, DATASETS)]
-    stored = {group: dict(ConfigStore.instance().repo.get(group, {})) for group in ("model", "data")}
+    registered = [(registry, dict(registry.specs)) for registry in (MODELS, DATASETS, BACKENDS)]
+    stored = {group: dict(ConfigStore.instance().repo.get(group, {})) for group in ("model", "data", "trainer")}
     yield
     for registry, specs in registered:
         added = [spec for name, spec in registry.specs.items() if name not in specs]

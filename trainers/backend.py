@@ -9,7 +9,7 @@ hands to the shared loop (trainers/loop.py). The rest is provided, each part a m
   retention and restarts), and `log_final_model` (the model of the final checkpoint to the MLflow run).
 
 A framework's family base gives what its backends share (trainers/torch/backend.py `TorchBackend`,
-trainers/tf/backend.py `KerasBackend`); a backend is then its adapter and a few lines. Its rules (config keys,
+trainers/tf/backend.py `TFBackend` and `KerasFit`); a backend is then its adapter and a few lines. Its rules (config keys,
 checks, layout) are registered with its `BackendSpec` (contract/registry.py), which names this object by
 "module:attribute". A user's backend is written the same way.
 """
@@ -26,8 +26,8 @@ from trainers.worker import loop_config, ray_context, run_config, scaling_config
 
 
 class Backend:
-    """A backend on the shared loop. Subclasses give `build_adapter`; a framework's family base gives `ray_setup`,
-    `shards` and `log_final_model`."""
+    """A backend on the shared loop. Subclasses give `build_adapter`; a framework's family base gives `shards` and
+    `log_final_model`, and `ray_setup` where its backends share one (the torch process group)."""
 
     # What every backend gives: the worker's adapter.
     def build_adapter(self, cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> Adapter:

@@ -170,15 +170,23 @@ def log_hangs(uri: str, run_id: str, folder: Path, lines: list[str]) -> None:
         client.set_tag(run_id, "hang", " | ".join(lines)[:5000])
 
 
+def error_line(error: str) -> str:
+    """What a failed run's `error` tag holds: the error's last line, where its traceback (and a Ray worker's, within
+    Ray Train's error) ends with the exception that ended the run."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    return (lines[-1] if lines else error)[:5000]
+
+
 def end_run(uri: str, run_id: str, error: str | None = None, end_ms: int | None = None) -> None:
-    """FINISHED, or FAILED with the error recorded as a tag and a text artifact; ended at `end_ms` (else now)."""
+    """FINISHED, or FAILED with the error's last line as the `error` tag and the whole error as the artifact
+    `error.txt`; ended at `end_ms` (else now)."""
     client = mlflow_client(uri)
     if error is None:
         client.set_terminated(run_id, status="FINISHED", end_time=end_ms)
         return
-    client.set_tag(run_id, "error", error[:5000])
+    client.set_tag(run_id, "error", error_line(error))
     try:
-        client.log_text(run_id, error, "error.txt")  # the whole error, where the tag keeps its first 5,000 characters
+        client.log_text(run_id, error, "error.txt")  # the whole error, its traceback included
     except Exception as err:  # an artifact store that fails leaves the run FAILED all the same, not RUNNING
         client.set_tag(run_id, "error.txt", f"not stored: {type(err).__name__}: {err}"[:5000])
     client.set_terminated(run_id, status="FAILED", end_time=end_ms)

@@ -9,7 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import check_finished_run, check_step_losses_are_global, pipeline_env, train_ok
-from tests.integration.test_tf_mwms import check_evaluation
+from tests.integration.test_tf_mwms import check_evaluation, check_quiet
 
 pytestmark = pytest.mark.slow
 
@@ -21,11 +21,11 @@ def test_two_clients_train_a_2x2_mesh_and_log_a_model_that_loads_without_it(tmp_
     logs the step's own loss, a mean over the batch sharded across both clients): their mean over an epoch is
     the epoch's train_loss, which sums every client's losses."""
     env = pipeline_env(mlflow_server, ray_head)
-    _, run_id = train_ok(["trainer=tf_dtensor", "trainer.devices_per_worker=2", "trainer.mesh.batch=2",
-                          "trainer.mesh.model=2", "trainer.batch_size=16", "model.hidden=[32]", "model.dropout=0",
-                          "trainer.epochs=2", f"data.path={tiny_mnist}", f"run.storage_path={tmp_path / 'ray'}",
-                          f"run.dump_params_dir={tmp_path / 'params'}", "run.system_metrics=false",
-                          "trainer.log_every_n_steps=1"], env)
+    proc, run_id = train_ok(["trainer=tf_dtensor", "trainer.devices_per_worker=2", "trainer.mesh.batch=2",
+                             "trainer.mesh.model=2", "trainer.batch_size=16", "model.hidden=[32]", "model.dropout=0",
+                             "trainer.epochs=2", f"data.path={tiny_mnist}", f"run.storage_path={tmp_path / 'ray'}",
+                             f"run.dump_params_dir={tmp_path / 'params'}", "run.system_metrics=false",
+                             "trainer.log_every_n_steps=1"], env)
     client = MlflowClient(mlflow_server)
     check_finished_run(client, run_id, "tf_dtensor", epochs=2)
     run = client.get_run(run_id)
@@ -38,3 +38,6 @@ def test_two_clients_train_a_2x2_mesh_and_log_a_model_that_loads_without_it(tmp_
     assert run.data.metrics["device_weight_bytes"] == sharded / 2 + replicated
     check_evaluation(client, run_id, weights, tiny_mnist, env)
     check_step_losses_are_global(client, run_id, epochs=2)
+    check_quiet(proc)
+    for chatter in ("Enabling collectives with server_def", "This is client 0 of 2", "Local devices"):  # DTensor's
+        assert chatter not in proc.stdout + proc.stderr, chatter

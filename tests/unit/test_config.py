@@ -429,3 +429,15 @@ def test_a_ray_address_where_nothing_answers_is_one_line_before_ray(data_overrid
         f"error: RAY_ADDRESS={address}: no Ray cluster answers there (Connection refused); start it, or unset "
         f"RAY_ADDRESS to run on a Ray of this machine's own")
     assert "ray" not in sys.modules or not __import__("ray").is_initialized()
+
+
+def test_a_folder_without_a_manifest_names_the_command_that_prepares_it(tmp_path, monkeypatch):
+    """A dataset's default folder names its own `rtp prepare`; any other folder, a table of the user's first."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"^data\.path: no prepared dataset at 'data/imdb/parquet' \(missing "
+                                          r"manifest\.json\); run `rtp prepare imdb --out data/imdb/parquet`$"):
+        load_config(["data=imdb"])
+    with pytest.raises(ConfigError, match=r"^data\.path: .*; prepare your own table there with `rtp prepare table "
+                                          r"--source <CSV, Parquet or dataset folder> --label <column> --out "
+                                          r"my_rows`, or `rtp prepare mnist --out my_rows`$"):
+        load_config(["data.path=my_rows"])

@@ -112,3 +112,24 @@ def test_an_interrupt_raised_inside_a_c_call_is_still_an_interrupt():
     except SystemError as wrapped:
         assert resume.interruption(wrapped) == "SIGTERM"
     assert resume.interruption(SystemError("a real one")) is None
+
+
+def test_a_failed_runs_error_tag_is_the_errors_last_line_and_error_txt_the_whole(tmp_path, monkeypatch):
+    """A worker's failure reaches the driver as Ray Train's error wrapping the worker's traceback: the run's `error`
+    tag keeps the line that says what went wrong, the last; `error.txt` all of it."""
+    monkeypatch.chdir(tmp_path)
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    run_id = tracking.start_run(store, "errors", "failing", {"trainer.lr": 0.1}, "trainer:\n  lr: 0.1\n")
+    error = ("TrainingFailedError: Training failed due to worker errors:\n[Rank 0]\nTraceback (most recent call "
+             "last):\n  File \"process_group.py\", line 9, in join_group\n    dist.init_process_group(...)\n"
+             "torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
+             "address. port: 29500, useIpv6: false, code: -98, name: EADDRINUSE\n\n")
+    tracking.end_run(store, run_id, error=error)
+    client = tracking.mlflow_client(store)
+    run = client.get_run(run_id)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["error"] == ("torch.distributed.DistNetworkError: The server socket has failed to listen on "
+                                      "any local network address. port: 29500, useIpv6: false, code: -98, name: "
+                                      "EADDRINUSE")
+    assert client.download_artifacts(run_id, "error.txt", str(tmp_path)) and \
+        (tmp_path / "error.txt").read_text() == error

@@ -229,3 +229,45 @@ def test_a_regression_trains_on_the_loop_and_keeps_the_epoch_of_least_test_mse(u
     state = TrainState.read(str(attempt.checkpoint))
     assert state.best_epoch == min(mse, key=lambda epoch: (mse[epoch], -epoch))
     assert state.best_value == pytest.approx(min(mse.values()))
+
+
+def test_a_plugin_backend_has_its_own_keys_checks_and_trains_on_the_loop(user_folder, capsys):
+    """docs/architecture.md's backend of a user's, as written there: `trainer=allreduce` is a choice with its own
+    key and its default, its check refuses a value in one line (exit 2, before Ray), and its `Backend` trains on
+    the shared loop with the contract's metrics."""
+    import json
+
+    import pyarrow.parquet as pq
+    import ray
+
+    from pipelines import train
+    from tests.conftest import ROOT
+    from tests.support.doc_commands import module_blocks
+    from trainers import get_backend
+    from trainers.adapter import WorkerData
+    from trainers.torch.data import ShardBatches
+
+    for module, source in module_blocks((ROOT / "docs" / "architecture.md").read_text()).items():
+        (user_folder / f"{module}.py").write_text(source)
+    data = table(user_folder)
+    base = ["plugins=[my_backends]", "trainer=allreduce", f"data.path={data}", "model.hidden=[8]",
+            "trainer.num_workers=1", "trainer.epochs=2", "trainer.batch_size=16"]
+    cfg = load_config([*base, "trainer.grad_dtype=bfloat16"])
+    assert (cfg.trainer.backend, cfg.trainer.grad_dtype, cfg.trainer.lr) == ("allreduce", "bfloat16", 1e-3)
+    assert train.main([*base, "trainer.grad_dtype=float16"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: trainer.grad_dtype: one of float32, bfloat16, got "
+                                               "'float16'")
+    assert not ray.is_initialized()
+
+    schema = DataSchema.from_manifest(json.loads((data / "manifest.json").read_text()))
+    rows = pq.read_table(next(data.glob("train-*.parquet")))  # the prepared train split, as a worker holds it
+    columns = {"features": torch.from_numpy(np.stack(rows.column("features").to_numpy(zero_copy_only=False))),
+               "label": torch.from_numpy(rows.column("label").to_numpy().copy())}
+    backend = get_backend(cfg.trainer)
+    assert type(backend).__name__ == "AllReduce"
+    shards = lambda seed: (ShardBatches.from_columns(columns, schema, 16, seed),  # noqa: E731
+                           ShardBatches.from_columns(columns, schema, 64, seed))
+    attempt = run_attempt(lambda ctx: backend.run_worker(cfg, ctx, WorkerData(schema, shards)), 0, 1, 2,
+                          user_folder / "attempt")
+    assert attempt.finished and set(attempt.recorder.epochs) == {1, 2}
+    assert set(attempt.recorder.epochs[1]) == set(metric_names("classification")) | {"data_load_s"}

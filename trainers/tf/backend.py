@@ -25,8 +25,9 @@ class TFBackend(Backend):
     not hold the tf-keras model's files."""
 
     def worker_env(self, cfg: DictConfig) -> dict[str, str]:
-        """tf-keras must own `tf.keras` from the process's start; TensorFlow's C++ INFO lines off."""
-        return {**LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "2"}
+        """tf-keras must own `tf.keras` from the process's start; TensorFlow's INFO and WARNING lines off unless
+        `run.verbose` (contract/console.py `import_tensorflow`)."""
+        return {**LEGACY_KERAS_ENV, "TF_CPP_MIN_LOG_LEVEL": "0" if cfg.run.verbose else "2"}
 
     def train_loop_per_worker(self, config: dict[str, Any]) -> None:
         import_tensorflow()  # first, with its start-up lines filtered

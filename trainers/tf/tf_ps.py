@@ -235,7 +235,7 @@ class PSAdapter(KerasAdapter):
         return {f"ps_worker{i}_steps": float(steps) for i, steps in enumerate(self.positions)}
 
     def epoch_tokens(self, epoch: int) -> np.ndarray:
-        return np.zeros(self.steps, dtype=np.int64)  # fit: no token data (pipelines/backend_checks.py)
+        return np.zeros(self.steps, dtype=np.int64)  # fit: no token data (trainers/tf/specs.py check_tf_ps)
 
     def fit(self, first_epoch: int, epochs: int, callbacks: list) -> None:
         """tf-keras `fit` with the coordinator, `steps` per epoch: each worker repeats its shard in one seeded order

@@ -1,4 +1,4 @@
-"""DeepSpeed on Ray Train (`TorchTrainer`): `deepspeed.initialize` on the worker's process group (gloo on CPU, NCCL on
+"""DeepSpeed on Ray Train: `deepspeed.initialize` on the worker's torch process group (gloo on CPU, NCCL on
 GPU) with ZeRO stage 1, 2 or 3 (`trainer.zero_stage`), an adapter on the shared loop like every PyTorch backend's.
 
 The recipe maps into DeepSpeed's config (trainers/torch/deepspeed_config.py): the optimizer is the recipe's torch

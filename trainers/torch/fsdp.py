@@ -1,4 +1,4 @@
-"""FSDP2 sharded data parallelism on Ray Train (`TorchTrainer`; gloo on CPU, NCCL on GPU).
+"""FSDP2 sharded data parallelism on Ray Train (a torch process group: gloo on CPU, NCCL on GPU).
 
 Every worker builds the same dense model from the same seed and `parallelize_fsdp` shards it (trainers/torch/parallel/
 fsdp.py); each worker reads its own data shard, as under DDP, so the run trains what DDP with the same workers

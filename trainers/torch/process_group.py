@@ -1,18 +1,19 @@
 """The Ray Train backend of the PyTorch backends (a torch process group), in a module that imports no torch. Ray
 Train's controller unpickles the trainer's backend config as it starts, before its worker group, in a process that
 never runs torch; Ray's own `ray.train.torch.TorchConfig` lives in a module that imports torch at the top (a second
-of CPU in every controller: benchmarks/README.md, startup). This config sets up the same thing, each step one of
-Ray's own functions, imported and run on the workers (`trainers.worker.on_worker`); the controller only orders
+of CPU in every controller: benchmarks/README.md, startup). This config sets up the same thing, each step a
+function imported and run on the workers (`trainers.worker.on_worker`): Ray's own, and the process group made over a
+store that rank 0 opens on a port it binds as it picks it (`open_store`, `join_group`). The controller only orders
 them."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import ray
 from ray._private.ray_constants import env_integer
-from ray.train._internal.utils import get_address_and_port
 from ray.train.backend import Backend, BackendConfig
 from ray.train.constants import DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
 from ray.train.v2._internal.util import TrainingFramework
@@ -23,6 +24,8 @@ from trainers.worker import on_worker, set_env, worker_place
 logger = logging.getLogger(__name__)
 
 TORCH = "ray.train.torch.config"
+STORE = "trainers.torch.process_group"  # `open_store` and `join_group`, run on the workers
+_store: Any = None  # on rank 0's worker: the group's TCPStore, kept as long as the process group uses it
 
 
 class CudaDeviceContext:
@@ -84,15 +87,18 @@ class TorchGroupBackend(Backend):
                 raise PreflightFailed(slow)
 
     def make_group(self, worker_group: Any, backend_config: TorchGroupConfig) -> None:
-        addr, port = worker_group.execute_single(0, get_address_and_port)
-        worker_group.execute(set_env, {"MASTER_ADDR": addr, "MASTER_PORT": str(port)})  # where `env://` finds rank 0
+        """Rank 0 opens the group's store on a port it binds as it picks it (`open_store`); every rank joins the
+        group over it (`join_group`). MASTER_ADDR and MASTER_PORT name the store for the libraries that read them."""
+        size, timeout_s = len(worker_group), backend_config.timeout_s
+        addr, port = worker_group.execute_single(0, on_worker, STORE, "open_store", world_size=size,
+                                                 timeout_s=timeout_s)
+        worker_group.execute(set_env, {"MASTER_ADDR": addr, "MASTER_PORT": str(port)})
         worker_group.execute(on_worker, TORCH, "_set_torch_distributed_env_vars")  # RANK, LOCAL_RANK, ... as torchrun's
         if backend_config.env:
             worker_group.execute(set_env, backend_config.env)
-        size = len(worker_group)
-        ray.get([worker_group.execute_single_async(rank, on_worker, TORCH, "_setup_torch_process_group",
-                                                   backend=backend_config.backend, world_rank=rank, world_size=size,
-                                                   init_method="env://", timeout_s=backend_config.timeout_s)
+        ray.get([worker_group.execute_single_async(rank, on_worker, STORE, "join_group", backend=backend_config.backend,
+                                                   world_rank=rank, world_size=size, addr=addr, port=port,
+                                                   timeout_s=timeout_s)
                  for rank in range(size)])
 
     def on_shutdown(self, worker_group: Any, backend_config: TorchGroupConfig) -> None:
@@ -103,3 +109,34 @@ class TorchGroupBackend(Backend):
             ray.get(futures, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             logger.warning("torch process group shutdown timed out after %d s", timeout_s)
+
+
+def open_store(world_size: int, timeout_s: int) -> tuple[str, int]:
+    """Runs on rank 0: the process group's TCPStore, listening on a port the kernel picks as the store binds it.
+    Ray's own set-up picks a free port first and the store binds it later, which on a busy node another process can
+    take in between (`DistNetworkError ... EADDRINUSE`, seen as the run's failure at its start). Returns where the
+    store listens: this node's address and the port."""
+    from datetime import timedelta
+
+    import ray.util
+    import torch.distributed as dist
+
+    global _store
+    addr = ray.util.get_node_ip_address()
+    _store = dist.TCPStore(addr, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                           wait_for_workers=False)
+    return addr, _store.port
+
+
+def join_group(backend: str, world_rank: int, world_size: int, addr: str, port: int, timeout_s: int) -> None:
+    """Runs on every rank: the torch process group over rank 0's store, as Ray's `_setup_torch_process_group` makes
+    it over `env://` (NCCL: a collective that times out fails the process, unless the user chose otherwise)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    store = _store if world_rank == 0 else dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+    if backend == "nccl" and not {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT"} & set(os.environ):
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
+    dist.init_process_group(backend=backend, store=store, rank=world_rank, world_size=world_size, timeout=timeout)
