@@ -1,6 +1,6 @@
 """Our TF pipeline (`trainer=tf_mwms` on Ray Train, tf-keras `fit`) against bare tf-keras `model.fit` on the same model,
 batch and data, in one run; also 2 workers (MultiWorkerMirroredStrategy) vs 1 (TF's default strategy: with one
-replica there is nothing to mirror, see trainers/tf/mwms.make_strategy).
+replica there is nothing to mirror, see trainers/tf/tf_mwms.make_strategy).
 
     python -m benchmarks.tf_vs_bare [--epochs 4] [--model mlp] [--loop fit]
 

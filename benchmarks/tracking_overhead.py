@@ -7,19 +7,20 @@ outside the timed steps).
 Pairs alternate (on, off, on, off, ...) so drifting machine load hits both; each run's figure is its steady step
 time (mean of epochs 2..N). The overhead is the median over the pairs of on/off - 1, printed with a
 distribution-free confidence interval for that median (order statistics of the pair ratios, at least 90%): on a
-loaded 2-core machine single pairs move by +-10%, so the interval says what the run can and cannot tell.
+loaded machine single pairs move by more than a small overhead, so the interval says what the run can and cannot
+tell.
 Last line: `overhead=<median over pairs of on/off - 1>`.
 
     python -m benchmarks.tracking_overhead --account [--epochs 12] [--window 20] [--set trainer=tf_mwms ...]
 
-With `--account`: what tracking takes, counted rather than compared (an on/off comparison of step times cannot
-resolve 2% on this machine). Two runs, tracking on then off, each sampled for `--window` seconds from its first
-logged epoch: py-spy samples the driver and both workers (every thread, idle ones included), and /proc counts
-each thread's CPU time and the MLflow server's. Printed per worker: the share of its training passes' wall time
-spent in the step-loss hook (`TrainLoop.log_step_loss`: the loss's all-reduce, and rank 0's logger); then the CPU
-of the tracking threads (MLflow's system metrics monitors), and what the server and Horovod TF's reducer thread
-took more than with tracking off, as a share of the cores. Last line: `overhead_accounted=<the larger hook share
-+ that CPU share>`.
+With `--account`: what tracking takes, counted rather than compared (an on/off comparison of step times on a
+loaded machine cannot resolve a cost of a few percent: benchmarks/README.md, tracking_overhead). Two runs, tracking
+on then off, each sampled for `--window` seconds from its first logged epoch: py-spy samples the driver and both
+workers (every thread, idle ones included), and /proc counts each thread's CPU time and the MLflow server's.
+Printed per worker: the share of its training passes' wall time spent in the step-loss hook
+(`TrainLoop.log_step_loss`: the loss's all-reduce, and rank 0's logger); then the CPU of the tracking threads
+(MLflow's system metrics monitors), and what the server and Horovod TF's reducer thread took more than with
+tracking off, as a share of the cores. Last line: `overhead_accounted=<the larger hook share + that CPU share>`.
 """
 from __future__ import annotations
 

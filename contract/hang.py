@@ -43,9 +43,9 @@ class Position:
 
 
 class Progress:
-    """This rank's position, set by the loop, read by its watcher thread: one tuple assignment (atomic, and about
-    0.1 us: twice a step costs a step nothing measurable). `on_hang`: what a backend adds to the stacks when the
-    watcher fires, each called with (the run's hang/ folder, rank), e.g. NCCL's Flight Recorder."""
+    """This rank's position, set by the loop, read by its watcher thread: one tuple assignment (atomic; twice a
+    step costs a step nothing measurable: benchmarks/README.md, hang_watch). `on_hang`: what a backend adds to the
+    stacks when the watcher fires, each called with (the run's hang/ folder, rank), e.g. NCCL's Flight Recorder."""
     watched = True
 
     def __init__(self) -> None:

@@ -72,7 +72,7 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
     # Workers that cache their shard get it by an ordered split, which materialises the datasets anyway: start
     # that now (data too large to cache streams instead, and stays lazy).
     materialized = Materializing(datasets) if cfg.data.cache_in_worker else None
-    from trainers import get_backend  # imports the backend's framework (torch: 1.5 s) while the data is read
+    from trainers import get_backend  # imports the backend's framework (seconds for torch) while the data is read
 
     backend = get_backend(cfg.trainer)
     inputs = data_schema(read_manifest(cfg.data.path))
@@ -80,13 +80,13 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
         datasets = materialized.result(patience)
     if cfg.fault.resource_timeout_s > 0:  # read by Ray Train's controller (trainers/worker.py: run_config)
         os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.fault.resource_timeout_s)
-    # Ray Train's preemption watcher (an actor per run, a second of CPU to start) polls Ray for nodes being drained
+    # Ray Train's preemption watcher (an actor per run, CPU time to start) polls Ray for nodes being drained
     # (cloud autoscalers) and tells `ray.train.get_preemption_info`, which nothing here reads: a Slurm preemption
     # stops a run through its STOP file (contract/resume.py). Off unless the user turns it on.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     # Ray Train's controller takes a worker's report, and sees a run's end or a worker's failure, only when it next
     # polls the workers: every 2 s by default. A worker's report queue holds one report, so one that reports again
-    # before that poll waits for it: short epochs waited for the poll, and so did a run's end. Every 0.5 s, for a
+    # before that poll waits for it: short epochs wait for the poll, and so does a run's end. Every 0.5 s, for a
     # little more of the controller's CPU (benchmarks/README.md "Run end"). A slow answer is no
     # failure (Ray Train gives a worker 10 min). Ray Train hands the variable on to its controller.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
@@ -141,8 +141,8 @@ def fit_still_running() -> bool:
 def fit_in_thread(trainer: Any) -> Any:
     """`trainer.fit()` in a helper thread, so that Ctrl-C and SIGTERM interrupt this thread at once. On the main
     thread Ray Train installs a SIGINT handler that waits for its controller to abort, and the controller does not
-    listen while it waits for the workers' resources (up to `fault.resource_timeout_s`): measured, Ctrl-C then
-    did nothing for minutes. Interrupted here, the driver marks the run KILLED and shuts Ray down, which ends the
+    listen while it waits for the workers' resources (up to `fault.resource_timeout_s`): Ctrl-C there would do
+    nothing for minutes. Interrupted here, the driver marks the run KILLED and shuts Ray down, which ends the
     controller and its workers with it."""
     outcome: dict[str, Any] = {}
 

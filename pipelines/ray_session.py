@@ -74,7 +74,7 @@ def shutdown_ray() -> None:
     can print how its run ended. The collector frees the refs that sit in reference cycles, in whichever thread
     happens to allocate: Ray Data's usage poller, say, which wakes every 10 s in every driver that read a dataset.
     So the garbage is collected first, while Ray is up, and none again until Ray is down (a ref freed then does
-    nothing). Seen once in CI: a run's last line lost after `fault.resource_timeout_s` failed it."""
+    nothing). A run failed by `fault.resource_timeout_s`, say, would otherwise lose its last line."""
     import ray
 
     gc.collect()

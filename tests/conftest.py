@@ -32,9 +32,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
     """Leave with pytest's exit status once its reports are written, skipping the interpreter's teardown. This
-    process holds TensorFlow, torch, Ray's driver and gloo together, and their native destructors can crash at exit:
-    CI of fa66dc2 passed every test (406 passed, 9 skipped) and then died of SIGSEGV (exit 139) after the summary.
-    Every test's own processes are checked by the tests; only this runner's teardown is skipped."""
+    process holds TensorFlow, torch, Ray's driver and gloo together, and their native destructors can crash at exit
+    (SIGSEGV, exit 139, after a summary of passed tests). Every test's own processes are checked by the tests; only
+    this runner's teardown is skipped."""
     session = config.stash.get(_SESSION, None)
     if session is None:  # e.g. `pytest --help`: no session ran
         return

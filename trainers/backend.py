@@ -9,9 +9,9 @@ hands to the shared loop (trainers/loop.py). The rest is provided, each part a m
   retention and restarts), and `log_final_model` (the model of the final checkpoint to the MLflow run).
 
 A framework's family base gives what its backends share (trainers/torch/backend.py `TorchBackend`,
-trainers/tf/backend.py `TFBackend` and `KerasFit`); a backend is then its adapter and a few lines. Its rules (config keys,
-checks, layout) are registered with its `BackendSpec` (contract/registry.py), which names this object by
-"module:attribute". A user's backend is written the same way.
+trainers/tf/backend.py `TFBackend` and `KerasFit`); a backend is then its adapter and a few lines. Its rules
+(config keys, checks, layout) are registered with its `BackendSpec` (contract/registry.py), which names this object
+by "module:attribute". A user's backend is written the same way.
 """
 from __future__ import annotations
 

@@ -254,7 +254,7 @@ def free_addresses(worker_group: Any) -> list[str]:
 def free_address() -> str:
     """Runs on a worker: `ip:port` of a port free on its Ray node now, above the kernel's range of ports for
     outgoing connections when that leaves room (Linux: 61000-65535): any outgoing connection may take a port of
-    that range before the server binds it (seen: a tf_ps server's 'Could not start gRPC server' after a restart)."""
+    that range before the server binds it (a tf_ps server restarted on a taken port: 'Could not start gRPC server')."""
     import ray.util
 
     ip = ray.util.get_node_ip_address()

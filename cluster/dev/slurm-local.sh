@@ -83,7 +83,7 @@ healthy() {
     && [ "$(SLURM_CONF=$CONF sinfo -h -N -o '%N %T' 2>/dev/null | grep -c -E 'idle|mixed|allocated')" = 2 ]
 }
 
-stop_daemons() {  # TERM to all of them first: each takes 1.6-2 s to exit, and they do it at the same time
+stop_daemons() {  # TERM to all of them first: each takes seconds to exit, and they do it at the same time
   local pidfile pid pids=()
   for pidfile in "$STATE"/slurmd-*.pid "$STATE/slurmctld.pid"; do
     [ -f "$pidfile" ] || continue

@@ -53,7 +53,7 @@ class EpochLogger:
     def log_step_loss(self, step: int, loss: float) -> None:
         """Kept and sent together, every STEP_LOSS_SEND_S by a thread of the logger's own while training goes on,
         and before anything else is logged (the epoch's end): a request per logged step makes every few steps wait
-        for the tracking server's round trip, and even one every 5 s held up a small model's training measurably
+        for the tracking server's round trip, and even one every 5 s holds up a small model's training measurably
         (benchmarks/tracking_overhead.py, benchmarks/README.md). A worker that
         dies loses its last few seconds of step losses; the restarted run trains those steps again."""
         if not self._step_losses:

@@ -11,8 +11,8 @@ from contract.tracking.server import mlflow_client
 
 def mlflow_pytorch() -> ModuleType:
     """`mlflow.pytorch`, without the Lightning autologging it imports whenever pytorch_lightning is installed (the
-    `lightning` extra): nothing here autologs, and those imports (Lightning, torchmetrics, scipy) took 3-5 s of
-    every driver that logged a PyTorch model. A None entry in sys.modules makes that one import fail, which MLflow
+    `lightning` extra): nothing here autologs, and those imports (Lightning, torchmetrics, scipy) would cost every
+    driver that logs a PyTorch model seconds. A None entry in sys.modules makes that one import fail, which MLflow
     takes as Lightning being absent; the entry goes at once, so Lightning imports as usual for whatever asks next."""
     if "mlflow.pytorch" in sys.modules or "pytorch_lightning" in sys.modules:
         import mlflow.pytorch

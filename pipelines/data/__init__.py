@@ -17,7 +17,7 @@ for _spec in (
                 "data/imdb/parquet", old_manifest="pipelines.data.imdb:schema_of_old_manifest",
                 clean_text="pipelines.data.imdb:clean_text",
                 # the validation split prepare carves from the train split (by movie); batches of reviews of
-                # similar length, cut to their longest (BERT tiny, 512 tokens: 1.5x faster runs)
+                # similar length, cut to their longest (faster runs: benchmarks/README.md, length_buckets)
                 data_keys={"eval_split": "validation", "bucket_by_length": True}),
     DatasetSpec("table", "pipelines.data.table:prepare", "pipelines.data.table:add_arguments",
                 "your own table: CSV, Parquet or a HuggingFace dataset on disk; numeric, image or text features"),

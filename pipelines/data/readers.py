@@ -34,7 +34,7 @@ def parquet_datasets(data_dir: str | Path, splits: dict[str, str], progress: str
     """One lazy `ray.data.Dataset` per entry of `splits` ({dataset name for the trainer: split on disk}); they
     carry their context to the actors that run them, progress bars included or not (`progress`: `run.progress`).
     Ray Data's bars are drawn by its split coordinator actor whatever the driver's terminal: in a log they add
-    redrawn lines every second (measured: 328 bar lines, 88 KB, in the log of a 1-minute IMDb run)."""
+    redrawn lines every second."""
     manifest = read_manifest(data_dir)
     return {name: read_parquet(shard_paths(data_dir, manifest, split), progress) for name, split in splits.items()}
 
@@ -92,8 +92,8 @@ class Materializing:
     """`datasets` being read whole into Ray's object store, in file order, by helper threads of the driver (one per
     dataset, so that their reads overlap too); `result()` waits and gives {name: `MaterializedDataset`}. The ordered
     shard configs (trainers/data_split.py) split materialised datasets without reading anything, so the read overlaps
-    what the driver does meanwhile (importing the backend, building its trainer) instead of waiting for Ray Train's
-    worker group, whose start used to come first (benchmarks/README.md, startup). Ray Data runs the read tasks in Ray
+    what the driver does meanwhile (importing the backend, building its trainer) instead of starting after Ray
+    Train's worker group has started (benchmarks/README.md, startup). Ray Data runs the read tasks in Ray
     workers; the threads only drive them. Daemons: an interrupted driver does not wait for them."""
 
     def __init__(self, datasets: dict):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from typing import Iterator
 
 import pytest
 
@@ -14,6 +15,10 @@ from tests.conftest import ROOT
 from tests.support.doc_commands import check_doc, doc_paths, module_blocks, pipeline_call, shell_commands
 
 DIARY = re.compile(r"stop [0-9]+|the issue|#[0-9]+ asks", re.IGNORECASE)
+# Code comments say what the code does and why: no history of a change, no one run's figures
+CODE_DIARY = re.compile(r"stop [0-9]+|the issue|#[0-9]+ asks|\bCI of [0-9a-f]{7}|\bused to (?:be|come|say|take)\b|"
+                        r"\bbefore this change\b|\bmeasured: [0-9]", re.IGNORECASE)
+CODE_FOLDERS = ("contract", "trainers", "pipelines", "cluster", "benchmarks", "tests", "conf")
 
 
 def test_config_reference_is_generated_from_the_schemas():
@@ -64,4 +69,34 @@ def test_no_page_narrates_the_projects_development():
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "benchmarks" / "README.md"]
     found = [f"{page.relative_to(ROOT)}:{n}: {line.strip()}" for page in pages
              for n, line in enumerate(page.read_text().splitlines(), 1) if DIARY.search(line)]
+    assert not found, "\n".join(found)
+
+
+def comments_and_docstrings(path) -> Iterator[tuple[int, str]]:
+    """(line, text) of every comment and docstring of a Python module."""
+    import ast
+    import io
+    import tokenize
+
+    source = path.read_text()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            yield token.start[0], token.string
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and \
+                    isinstance(first.value.value, str):
+                yield first.lineno, first.value.value
+
+
+def test_no_code_comment_narrates_the_projects_development():
+    found = []
+    for folder in CODE_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            found += [f"{path.relative_to(ROOT)}:{line}: {text.strip()[:100]}"
+                      for line, text in comments_and_docstrings(path) if CODE_DIARY.search(text)]
+        for path in sorted((ROOT / folder).rglob("*.sh")) + sorted((ROOT / folder).rglob("*.yaml")):
+            found += [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for n, line in
+                      enumerate(path.read_text().splitlines(), 1) if "#" in line and CODE_DIARY.search(line)]
     assert not found, "\n".join(found)

@@ -26,7 +26,7 @@ class BertConfig:
     mlp_ratio: int = 4  # MLP inner width = mlp_ratio * hidden
     dropout: float = 0.1  # embedding, residual and MLP dropout
     # On the attention probabilities. Off by default, as in nanoGPT and TorchTitan: with it, torch's CPU
-    # attention leaves its fused kernel, a much slower step, and IMDb accuracy did not depend on it
+    # attention leaves its fused kernel, a much slower step, and IMDb accuracy does not depend on it
     # (benchmarks/README.md, attention_dropout.py).
     attention_dropout: float = 0.0
     num_classes: int = 2  # classifier outputs

@@ -156,8 +156,8 @@ for _spec in (
               torch="trainers.models.bert:build_bert",
               tensor_parallel="trainers.models.bert_parallel:parallelize_bert",
               pipeline_split="trainers.models.bert_parallel:split_stage", fsdp_blocks=bert_blocks, check=check_bert),
-    ModelSpec("embed_pool", EmbedPoolConfig, "text baseline: the mean of the token embeddings, then an MLP (PyTorch and "
-              "Keras)", ("tokens",),
+    ModelSpec("embed_pool", EmbedPoolConfig, "text baseline: the mean of the token embeddings, then an MLP (PyTorch "
+              "and Keras)", ("tokens",),
               torch="trainers.models.text:build_embed_pool",
               keras="trainers.models.keras_models:build_embed_pool",
               check=check_embed_pool),

@@ -23,7 +23,8 @@ from trainers.models.portable_init import mlp_weights
 
 # BatchNorm's moving averages: momentum 0.9, not Keras' 0.99: an IMDb epoch is ~88 steps of 256 rows, after which
 # 0.99 still keeps 42% of the initial mean 0 and variance 1 (the hidden units' real variance is far smaller), so
-# evaluation normalised differently from training (measured: 80.2% validation accuracy after epoch 1, 84.7% at 0.9).
+# evaluation would normalise differently from training and score lower in the first epochs (benchmarks/README.md,
+# IMDb).
 BN_MOMENTUM, BN_EPSILON = 0.9, 1e-3
 FEATURE_CHUNK = 64  # rows counted at once (a [rows, vocab + buckets] table)
 SPECIAL_TOKENS = 5  # ids 0-4: [PAD] [UNK] [CLS] [SEP] [MASK] (pipelines/data/tokenize.py)

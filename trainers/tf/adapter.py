@@ -236,9 +236,8 @@ class KerasAdapter(Adapter):
 
     def evaluate_model(self, model: Any) -> tuple[float, int]:
         """One pass of `model` over the evaluation set, from one iterator over it repeated, kept for the attempt:
-        an iterator made and dropped at every evaluation cost each of 2 workers 0.5-0.6 s more at each epoch's end,
-        its destructor waiting for tf.data's autotuning thread (as `EpochStream`'s; benchmarks/README.md,
-        scaling.py)."""
+        an iterator made and dropped at every evaluation would lengthen each epoch's end, its destructor waiting for
+        tf.data's autotuning thread (as `EpochStream`'s; benchmarks/README.md, scaling.py)."""
         if self.eval_batches is None:
             self.eval_batches = iter(self.evaluation.dataset(self.tf, EVAL_BATCH).repeat())
         score, regression = 0.0, self.evaluation.schema.target.task == "regression"

@@ -73,7 +73,7 @@ class ShardArrays:
     def tensors(self, tf: Any) -> tuple[Any, Any]:
         """The shard's features and labels as TensorFlow tensors, made once: every epoch's dataset gathers its
         batches from them, so an attempt's chained epochs (`chained_epochs`) hold one copy of the shard, not one
-        per epoch (20 chained epochs of a 30,000-image MNIST shard: 1.3 GB with a copy each, 45 MB now)."""
+        per epoch."""
         if self._tensors is None:
             with tf.device("/CPU:0"):  # host memory, as tf.data's own copies were (not a GPU's, where one is seen)
                 self._tensors = (tf.constant(self.features), tf.constant(self.labels))

@@ -3,8 +3,8 @@
 mixed-precision policy with fp16 loss scaling, and the gradient arithmetic of accumulation.
 
 Clipping is the optimizer's `global_clipnorm`: tf-keras' `apply_gradients` all-reduces the replicas' gradients
-first and clips after (`aggregate_gradients`, then `_clip_gradients`; measured with MirroredStrategy over two
-CPU devices: tests/unit/test_tf_recipe.py), and Horovod hands it gradients already averaged over ranks. So the
+first and clips after (`aggregate_gradients`, then `_clip_gradients`; checked with MirroredStrategy over two
+CPU devices by tests/unit/test_tf_recipe.py), and Horovod hands it gradients already averaged over ranks. So the
 clipped norm is that of the averaged gradient, as in PyTorch, in the custom loops and in Keras `fit` alike.
 
 TensorFlow and tf-keras are passed in by the callers, never imported here at module level (trainers/tf/adapter.py
@@ -106,8 +106,8 @@ def accumulation_share(tf: Any, grads: list, passes: int) -> list:
 
 class VariableOptimizer:
     """The recipe's optimizer written over plain variables, for models that are not Keras models (tf_dtensor's
-    `tf.Module`s with DTensor variables: tf-keras' own `mesh=` optimizers left the variables unchanged in a
-    2-client run here, measured with TF 2.21). The arithmetic is tf-keras' (SGD with momentum, Adam, AdamW with
+    `tf.Module`s with DTensor variables: tf-keras' own `mesh=` optimizers leave the variables unchanged in a
+    2-client run, with TF 2.21). The arithmetic is tf-keras' (SGD with momentum, Adam, AdamW with
     decoupled decay and `no_weight_decay`, clipping by the global norm, epsilon 1e-8), so a Keras optimizer on
     plain variables is its reference (tests/support/dtensor_checks.py). Under DTensor the global norm is the norm over
     every shard: each reduction of a sharded gradient is all-reduced by DTensor.
@@ -137,7 +137,7 @@ class VariableOptimizer:
             grads, _ = tf.clip_by_global_norm(grads, self.clip)
         for i, (grad, variable) in enumerate(zip(grads, self.variables)):
             # Each slot's new value is computed once and used from the tensor: in a tf.function over DTensor
-            # variables, a read after an assign in the same function saw the old value (TF 2.21, measured).
+            # variables, a read after an assign in the same function sees the old value (TF 2.21).
             if self.kind == "sgd":
                 if self.first:
                     velocity = self.momentum * self.first[i] - lr * grad

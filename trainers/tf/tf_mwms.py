@@ -232,7 +232,7 @@ class MirroredAdapter(KerasAdapter):
         if self.passes > 1:
             self.model.train_step = accumulating_train_step(self.tf, self.model, self.passes)
         # The loss metric is synchronized across the workers already; tf-keras' default ("auto": "sum" off TPUs)
-        # adds it up once more over the workers in each batch's logs (measured: step_loss 2x with 2 workers).
+        # adds it up once more over the workers in each batch's logs (step_loss twice the loss with 2 workers).
         self.model.distribute_reduction_method = "first"
 
         distributed = self.strategy.distribute_datasets_from_function(
@@ -269,7 +269,7 @@ def accumulating_train_step(tf: Any, model: Any, passes: int) -> Any:
             grads = tfr.unscaled(optimizer, tape.gradient(scaled, variables))
             return i + 1, [total + share for total, share in zip(sums, tfr.accumulation_share(tf, grads, passes))]
 
-        # An explicit while_loop: with steps_per_execution > 1, fit traced a `for i in tf.range(...)` here
+        # An explicit while_loop: with steps_per_execution > 1, fit traces a `for i in tf.range(...)` here
         # unconverted by AutoGraph ("Iterating over a symbolic tf.Tensor is not allowed").
         zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
         _, sums = tf.while_loop(lambda i, _: i < tf.shape(labels)[0], one_batch, (tf.constant(0), zeros))

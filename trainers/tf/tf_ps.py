@@ -99,8 +99,7 @@ class PSAdapter(KerasAdapter):
     def _steps(self, iterator: Any, count: Any) -> Any:
         """`count` steps on a worker, one after the other: float64 [count, 3], for each step its batch's mean loss,
         the real tokens in the batch and the worker's index. Several steps per scheduled function and one tensor
-        back: the chief's cost is per function and per fetched tensor (measured, bare loop on MNIST-sized data: one
-        step per function 16.8k samples/s, 8 per function 23.9k; 3 tensors back instead of 1: -18%)."""
+        back: the chief's cost is per function and per fetched tensor (benchmarks/README.md, ps_vs_mwms)."""
         tf, strategy, model = self.tf, self.strategy, self.model
         optimizer = model.optimizer
         loss_fn = keras_loss(self.keras, self.inputs.target.task, reduction=self.keras.losses.Reduction.NONE)
@@ -143,10 +142,10 @@ class PSAdapter(KerasAdapter):
     def stream_iterator(self) -> Any:
         """The workers' iterators for the rest of the attempt. Worker i reads its shard in pass after pass, pass k in
         `shuffled_order(rows, seed + 1000 i + k)` (every backend's shard order, pass k for epoch k), from its
-        `cursors[i]` (rows since the start of pass 1) on; batches run across passes. One iterator for every epoch:
-        dropping a tf.data iterator may wait seconds for tf.data's autotuning thread (measured here: `del` of the
-        epoch's iterator took 0.9 s and 6.0 s at the ends of two of six epochs; tf_mwms had the same,
-        trainers/tf/adapter.EpochStream). A worker's server started again reads its stream from the attempt's start."""
+        `cursors[i]` (rows since the start of pass 1) on; batches run across passes. One iterator for every epoch,
+        as the other custom TF loops read theirs (trainers/tf/data.EpochStream): dropping a tf.data iterator at an
+        epoch's end may wait seconds for tf.data's autotuning thread (benchmarks/README.md, ps_vs_mwms and scaling).
+        A worker's server started again reads its stream from the attempt's start."""
         tf, strategy = self.tf, self.strategy
         first = [cursor // rows + 1 for cursor, rows in zip(self.cursors, self.shards.rows)]
         passes = range(min(first), self.last_epoch + 2)  # a worker may run into the pass after the last epoch's

@@ -51,7 +51,7 @@ class ShardBatches:
 
     cache=True pulls the shard through Ray Data once and keeps it in memory in its stored dtypes
     (MNIST's 60k rows are 47 MB as uint8, IMDb's 22.5k x 256 tokens 23 MB as int32): streaming
-    `read_parquet` gave only 2-9k rows/s per worker here, slower than a small MLP trains, so
+    `read_parquet` is slower than a small MLP trains (benchmarks/README.md, ddp_vs_bare), so
     re-streaming every epoch would make ingest the bottleneck. cache=False streams from Ray Data every
     epoch (for data that does not fit in memory), in shard order. `shard`: anything with Ray's
     `iter_torch_batches` (a Ray Data shard, or a Dataset in tests). In a GPU worker Ray Data hands the

@@ -51,7 +51,7 @@ def import_deepspeed(use_gpu: bool) -> Any:
     import deepspeed
 
     # Its CPU shared-memory all-reduce serves inference only (`inference_all_reduce`); DeepSpeed would JIT-compile it
-    # at every process's start on a CPU machine (a C++ compiler, ~30 s per new machine or environment).
+    # at every process's start on a CPU machine (a C++ compiler run, slow on each new machine or environment).
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor. is deprecated", category=FutureWarning)
@@ -149,7 +149,7 @@ def held_elements(param: torch.nn.Parameter) -> int:
 def own_step_counters(optimizer: torch.optim.Optimizer) -> None:
     """Give each ZeRO partition its own copy of the update count. DeepSpeed's universal load (ZeRO-3) puts one
     tensor in every parameter group's state; torch's Adam advances it in place once per group, so the second
-    group's bias correction ran a step ahead (measured: its parameters 1% off a dense Adam's step)."""
+    group's bias correction would run a step ahead of a dense Adam's."""
     for state in optimizer.state.values():
         if torch.is_tensor(state.get("step")):
             state["step"] = state["step"].clone()
@@ -186,8 +186,8 @@ class DeepSpeed(TorchBackend):
         model = place_model(build_model(cfg.model, data.inputs, seed=cfg.run.seed), device)
         model.universal_checkpoint_info = dict(UNIVERSAL_INFO)
         train, evaluation = data.shards(cfg.run.seed + 1000 * ctx.rank)
-        # One parameter group where nothing decays: ZeRO all-gathers each group's updated partition apart, and a
-        # second group cost 2 processes on a 0.5M-parameter MLP 12% of their throughput (benchmarks/README.md).
+        # One parameter group where nothing decays: ZeRO all-gathers each group's updated partition apart, so a
+        # second group is a second set of collectives at every step (benchmarks/README.md, deepspeed_vs_bare).
         recipe = build_recipe(model, cfg.trainer, train.steps(), device, group_per_decay=False)
         saved = restored_ranks(ctx)
         universal = saved is not None and saved != ctx.world_size

@@ -114,7 +114,7 @@ class TorchGroupBackend(Backend):
 def open_store(world_size: int, timeout_s: int) -> tuple[str, int]:
     """Runs on rank 0: the process group's TCPStore, listening on a port the kernel picks as the store binds it.
     Ray's own set-up picks a free port first and the store binds it later, which on a busy node another process can
-    take in between (`DistNetworkError ... EADDRINUSE`, seen as the run's failure at its start). Returns where the
+    take in between (`DistNetworkError ... EADDRINUSE`: the run fails at its start). Returns where the
     store listens: this node's address and the port."""
     from datetime import timedelta
 

@@ -54,6 +54,6 @@ if __name__ == "__main__":
     die_with_parent(int(os.environ["TF_PS_PARENT"]) if "TF_PS_PARENT" in os.environ else None)
     threads = int(os.environ.get("TF_PS_THREADS", "1"))
     # Workers run the steps (intra-op threads: `trainer.threads_per_worker`); inter-op threads leave room for the
-    # coordinator's concurrent calls (measured here: an inter-op pool of 1 hung the coordinator).
+    # coordinator's concurrent calls (with an inter-op pool of 1 the coordinator hangs).
     set_threads(threads, threads + 3)
     start_server(os.environ["TF_CONFIG"]).join()  # until killed
