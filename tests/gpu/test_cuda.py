@@ -50,7 +50,7 @@ def nccl(tmp_path):
 def batches(train: dict[str, np.ndarray], evaluation: dict[str, np.ndarray], dataset: str, size: int,
             device: torch.device = CUDA) -> Callable:
     """A rank's cached shards as a GPU worker holds them: on the GPU (Ray Data's `iter_torch_batches` hands a GPU
-    worker its batches there), text batched by length and trimmed as `trainers.torch.data.worker_shards` does. A
+    worker its batches there), text batched by length and trimmed as `trainers.torch.data.ray_batches` does. A
     dense reference on the CPU takes the same batches with `device` the CPU."""
     from trainers.torch.data import ShardBatches
 

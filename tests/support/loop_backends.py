@@ -190,7 +190,7 @@ def ps_cluster(cfg, train):
 
     from tests.conftest import free_ports
     from trainers.tf.data import ShardArrays
-    from trainers.tf.ps.cluster import WorkerShards, roles, tf_config, write_shard
+    from trainers.tf.ps.cluster import PublishedShards, roles, tf_config, write_shard
 
     trainer = cfg.trainer
     world = 1 + trainer.num_ps + trainer.num_workers
@@ -207,7 +207,7 @@ def ps_cluster(cfg, train):
         subprocess.Popen([sys.executable, "-m", "tests.support.tf_ps_servers", str(trainer.threads_per_worker), *group],
                          env={**os.environ, "TF_PS_PARENT": str(os.getpid()), "TF_CPP_MIN_LOG_LEVEL": "2"})
     os.environ["TF_CONFIG"] = tf_config(addresses, trainer.num_ps, 0)
-    return WorkerShards(published)
+    return PublishedShards(published)
 
 
 def ps_dropout_draws(folder: Path) -> dict[int, list[list[float]]]:

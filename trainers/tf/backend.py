@@ -17,7 +17,7 @@ from trainers.adapter import Adapter
 from trainers.backend import Backend
 from trainers.loop import WorkerContext
 from trainers.tf.adapter import LEGACY_KERAS_ENV, compiled_model_from, input_example
-from trainers.tf.data import ShardArrays, worker_shards
+from trainers.tf.data import ShardArrays, ray_arrays
 
 
 class TFBackend(Backend):
@@ -36,7 +36,7 @@ class TFBackend(Backend):
     def shards(self, cfg: DictConfig, inputs: DataSchema, seed: int) -> tuple[ShardArrays, ShardArrays]:
         """This worker's part of the data as arrays (the adapter shuffles it), pulled when the adapter asks: after
         the worker has set TensorFlow's threads."""
-        return worker_shards(inputs)
+        return ray_arrays(inputs)
 
     def dataset_config(self, cfg: DictConfig) -> Any:
         """An ordered split always: every TensorFlow worker caches its part (`ShardArrays`)."""

@@ -109,7 +109,7 @@ def model_input_fn(tf: Any, schema: DataSchema) -> Callable[[Any], Any]:
     return lambda x: (tf.cast(x, tf.float32) / divisor - mean) / std
 
 
-def worker_shards(schema: DataSchema) -> tuple[ShardArrays, ShardArrays]:
+def ray_arrays(schema: DataSchema) -> tuple[ShardArrays, ShardArrays]:
     """This worker's train and eval arrays (Ray Train dataset shards "train" and "eval")."""
     (train_shard, eval_shard), waited_s = dataset_shards("train", "eval")
     train, evaluation = ShardArrays(train_shard, schema), ShardArrays(eval_shard, schema)

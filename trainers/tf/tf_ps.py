@@ -45,7 +45,7 @@ from trainers.tf.backend import KerasFit
 from trainers.tf.data import ShardArrays, model_input_fn
 from trainers.adapter import WorkerData
 from trainers.loop import WorkerContext
-from trainers.tf.ps.cluster import CHIEF, FEATURES, LABELS, Chief, WorkerShards, board, serve, task_of_this_worker
+from trainers.tf.ps.cluster import CHIEF, FEATURES, LABELS, Chief, PublishedShards, board, serve, task_of_this_worker
 
 POSITIONS = "ps_positions.json"  # a stopped epoch: where each worker is (beside tf_mwms' state files)
 
@@ -75,7 +75,7 @@ class PSAdapter(KerasAdapter):
     batch_hooks = False  # tf-keras refuses batch-level callbacks under ParameterServerStrategy
 
     def __init__(self, keras: Any, cfg: DictConfig, strategy: Any, coordinator: Any, model: Any, twin: Any,
-                 shards: WorkerShards, evaluation: ShardArrays, inputs: DataSchema, ctx: WorkerContext):
+                 shards: PublishedShards, evaluation: ShardArrays, inputs: DataSchema, ctx: WorkerContext):
         import tensorflow as tf
 
         trainer = cfg.trainer
@@ -332,7 +332,7 @@ class ParameterServers(KerasFit):
             return
         chief = Chief(board())
 
-        def shards(seed: int) -> tuple[WorkerShards, ShardArrays]:
+        def shards(seed: int) -> tuple[PublishedShards, ShardArrays]:
             # Rank 0's request makes every rank's shards of a split (Ray Train V2): the chief asks for the train
             # split too
             (_, eval_shard), waited_s = dataset_shards("train", "eval")

@@ -21,7 +21,7 @@ from trainers.backend import Backend
 from trainers.loop import WorkerContext
 from trainers.models import build_model
 from trainers.torch.adapter import TorchAdapter, load_state_file
-from trainers.torch.data import ShardBatches, worker_shards
+from trainers.torch.data import ShardBatches, ray_batches
 
 
 class TorchBackend(Backend):
@@ -56,7 +56,7 @@ class TorchBackend(Backend):
                            peak_flops=peak_flops(torch.cuda.get_device_name(device), cfg.trainer.precision))
 
     def shards(self, cfg: DictConfig, inputs: DataSchema, seed: int) -> tuple[ShardBatches, ShardBatches]:
-        return worker_shards(cfg, inputs, seed)
+        return ray_batches(cfg, inputs, seed)
 
     def train(self, cfg: DictConfig, ctx: WorkerContext, adapter: Adapter) -> bool:
         """The shared loop, through `torch.compile` with `trainer.compile`."""

@@ -136,7 +136,7 @@ class ShardBatches:
         return (self.cached[id_column].long() * classes + self.cached[self.label].long()).sort().values.cpu()
 
 
-def worker_shards(cfg: Any, schema: DataSchema, seed: int) -> tuple[ShardBatches, ShardBatches]:
+def ray_batches(cfg: Any, schema: DataSchema, seed: int) -> tuple[ShardBatches, ShardBatches]:
     """This worker's train and eval batches (Ray Train dataset shards "train" and "eval"). A pipeline
     (`trainer.pp` > 1) has fixed shapes: training drops a short last batch, evaluation runs in training batches."""
     pipeline = cfg.trainer.get("pp", 1) > 1

@@ -5,7 +5,7 @@ backend. Lightning's own logger, checkpointing, progress bar and sampler are off
 
 Lightning's checkpoint (`lightning.ckpt`: weights, optimizer and schedule, Lightning's loop counters) sits beside the
 loop's `train_state.json`; a resumed run hands it to `Trainer.fit(ckpt_path=...)`, which restores it, mid-epoch
-included: the data loader skips the steps the stopped epoch trained (`ShardLoader`).
+included: the data loader skips the steps the stopped epoch trained (`EpochLoader`).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ PRECISIONS = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}  # `t
 Strategy = Callable[[DictConfig, WorkerContext], pl.strategies.Strategy]
 
 
-class ShardLoader:
+class EpochLoader:
     """Lightning's training data: this worker's shard in the loop's fixed order per epoch (`ShardBatches`), as
     (inputs, targets) batches Lightning moves to the device. The epoch is the Trainer's (`epoch_now`); a resumed
     epoch skips the steps trained before its stop (`skip`, from the checkpoint's train_state.json). Keeps each
@@ -156,7 +156,7 @@ class HandToLoop(pl.Callback):
     half-done epoch, then Lightning stops), and each epoch's totals to `loop.end_epoch` (evaluation, metrics,
     checkpoint, report, MLflow; early stopping)."""
 
-    def __init__(self, loop: TrainLoop, loader: ShardLoader, passes: int):
+    def __init__(self, loop: TrainLoop, loader: EpochLoader, passes: int):
         self.loop, self.loader, self.passes = loop, loader, passes
         self.stopped = False  # on a STOP request, with a checkpoint
         self.ended = False    # no more training: stopped, diverged or early-stopped
@@ -335,7 +335,7 @@ def fit(cfg: DictConfig, ctx: WorkerContext, data: WorkerData, strategy: Strateg
     try:
         if loop.first_epoch > ctx.epochs or loop.early_stopped():
             return True
-        loader = ShardLoader(train, lambda: adapter.trainer.current_epoch + 1,
+        loader = EpochLoader(train, lambda: adapter.trainer.current_epoch + 1,
                              skip=loop.state.totals_for(loop.first_epoch, ctx.rank).steps)
         hand = HandToLoop(loop, loader, cfg.trainer.grad_accum)
         # A resumed run trains with its config's hyperparameters, not the checkpoint's (hyperparameters.py)

@@ -197,7 +197,7 @@ def serve(cfg: DictConfig, ctx: WorkerContext, inputs: DataSchema, kind: str, in
             shutil.rmtree(folder, ignore_errors=True)
 
 
-class WorkerShards:
+class PublishedShards:
     """The workers' train shards as the chief knows them (it holds none): each worker's folder and rows."""
 
     def __init__(self, published: list[dict[str, Any]]):
@@ -226,9 +226,9 @@ class Chief:
         self.post("kill", task=task)
         ray.get(self.messages.get.remote(f"killed {task}"))
 
-    def shards(self, workers: int) -> WorkerShards:
+    def shards(self, workers: int) -> PublishedShards:
         """What each worker published (it pulls and writes its shard first)."""
-        return WorkerShards(ray.get([self.messages.get.remote(f"worker{i}") for i in range(workers)]))
+        return PublishedShards(ray.get([self.messages.get.remote(f"worker{i}") for i in range(workers)]))
 
     def context(self, ctx: WorkerContext, fault: DictConfig, progress: Progress) -> WorkerContext:
         """The loop's context on the chief: its only rank, watched for hangs (`progress`); each report goes to the
