@@ -8,6 +8,8 @@ import pytest
 from tests.conftest import ray_init_on
 from trainers.data_split import OrderedSplit, split_config
 
+pytestmark = pytest.mark.slow  # starts Ray
+
 FILES, ROWS_PER_FILE = 8, 64
 
 
@@ -76,5 +78,5 @@ def test_streaming_data_keeps_rays_streaming_split_and_tp_always_orders():
     assert type(split_config(2, cache_in_worker=False)).__name__ == "DataConfig"
     assert isinstance(split_config(2, cache_in_worker=True), OrderedSplit)
     assert isinstance(split_config(4, cache_in_worker=False, group=2), OrderedSplit)
-    with pytest.raises(ValueError, match="dp\\*tp=4 != world_size=3"):
+    with pytest.raises(ValueError, match="dp\\*group=4 != world_size=3"):
         OrderedSplit(dp=2, group=2).configure({}, world_size=3, worker_handles=None, worker_node_ids=None)

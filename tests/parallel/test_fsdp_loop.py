@@ -21,6 +21,8 @@ from tests.support.loop_harness import (check_stop_resume_parity, config, imdb_c
 from tests.support.parallel_checks import dense_training
 from tests.support.dist_utils import RankPools
 
+pytestmark = pytest.mark.slow  # FSDP trained on several gloo processes
+
 MODEL_INPUTS = imdb_schema(64, 16)
 ROWS, BATCH = 640, 16  # 320 rows per rank: 20 steps per epoch, so the stop at step 10 is mid-epoch
 OVERRIDES = ["trainer=fsdp", "data=imdb", "model=bert_tiny", "model.hidden=32", "model.heads=2", "model.dropout=0",

@@ -31,6 +31,8 @@ from tests.support.loop_harness import (check_stop_resume_parity, config, imdb_c
 from tests.support.parallel_checks import dense_training
 from tests.support.dist_utils import RankPools
 
+pytestmark = pytest.mark.slow  # pipeline stages trained on several gloo processes
+
 MODEL_INPUTS = imdb_schema(64, 16)
 ROWS, EVAL_ROWS, BATCH = 320, 40, 16  # 40 evaluation rows: two full batches and one padded
 ROWS_3D = 128  # 8 ranks on 2 cores: 4 steps per epoch on each of the 2 data shards

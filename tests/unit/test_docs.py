@@ -26,6 +26,7 @@ def test_config_reference_is_generated_from_the_schemas():
         "docs/config-reference.md is out of date: python -m pipelines.config_reference --write"
 
 
+@pytest.mark.slow  # a process per page with plugin modules
 def test_every_documented_command_validates():
     """In child processes, as the plugins the docs load register models and datasets for good: a doc with plugin
     modules of its own in a process of its own (another doc's module may share its name), the others together."""

@@ -10,6 +10,8 @@ import pytest
 from tests.conftest import fresh_tf_process
 from trainers.tf.dtensor.layout import COLUMN, REPLICATED, ROW, MeshDims, dense_plan, sharded_widths
 
+pytestmark = pytest.mark.slow  # TensorFlow DTensor in a process of its own
+
 # Which of each model's weights (tests/support/dtensor_checks.py, `Classifier.weights` order) the model dimension
 # shards: the MLP's column-parallel first layer and row-parallel second kernel (its logits layer is replicated), the
 # TF-IDF model's column-parallel layer, the BatchNorm after it and the row-parallel logits kernel.

@@ -14,6 +14,8 @@ import pytest
 from tests.conftest import fresh_tf_process
 from tests.support.loop_harness import attempt_from_json, check_metric_set, check_parity, last_checkpoint
 
+pytestmark = pytest.mark.slow  # each backend's worker in a process of its own (TF, Horovod, DeepSpeed, Lightning)
+
 
 def attempt(backend: str, folder, name: str, restore=None):
     restored = [str(restore)] if restore else []

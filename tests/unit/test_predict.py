@@ -168,6 +168,7 @@ print(json.dumps({"autograph": [r.getMessage() for r in records if "AutoGraph" i
 """
 
 
+@pytest.mark.slow  # TensorFlow in two processes of its own
 def test_tfidf_features_layer_converts_in_a_scoring_process(tmp_path):
     """The TF-IDF model's `TokenFeatures` as a logged model brings it to a scoring actor (its custom objects saved
     in one process, loaded in another): Keras' predict converts its `call` with AutoGraph without "AutoGraph could

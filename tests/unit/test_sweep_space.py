@@ -219,8 +219,8 @@ def test_points_rejected_for_one_reason_are_one_line(tmp_path, capsys):
     assert main(["sweep=mnist_backends", f"data.path={tmp_path / 'none'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert re.fullmatch(rf"error: sweep\.grid: no valid trial: every point \(\d+\) rejected: data\.path: no prepared "
-                        rf"dataset at '{tmp_path / 'none'}' \(missing manifest\.json\); run `rtp prepare mnist "
-                        rf"--out {tmp_path / 'none'}`", err), err
+                        rf"dataset at '{tmp_path / 'none'}' \(missing manifest\.json\); prepare your own table there "
+                        rf"with .* or `rtp prepare mnist --out {tmp_path / 'none'}`", err), err
 
 
 def test_mnist_backends_sweep_has_every_backend_that_trains_the_mlp(tmp_path):

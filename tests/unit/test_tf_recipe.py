@@ -10,6 +10,8 @@ from contract.recipe import lr_factor
 from tests.conftest import fresh_tf_process
 from tests.support.tf_recipe_checks import SCHEDULES
 
+pytestmark = pytest.mark.slow  # TensorFlow in a process of its own
+
 # Weights of |w| < 0.5 (these) are float32 to within 3e-8: a few roundings apart at most.
 DELTA_ATOL = 1e-7
 
