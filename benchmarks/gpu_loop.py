@@ -26,13 +26,13 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch import nn
 
-from pipelines.data.mnist import mnist_schema
+from pipelines.data.mnist import MNIST_MEAN, MNIST_STD, mnist_schema
 from benchmarks.common import MNIST, ensure_mnist, mnist_arrays, steady_rate
 from pipelines.config import load_config
 from trainers.adapter import WorkerData
 from trainers.loop import WorkerContext
 from trainers.models import build_model
-from trainers.torch.data import ShardBatches, normalise
+from trainers.torch.data import ShardBatches
 from trainers.torch.ddp import DDP
 
 CUDA = torch.device("cuda", 0)
@@ -58,7 +58,7 @@ def bare_rates(cfg: DictConfig, images: torch.Tensor, labels: torch.Tensor) -> l
         start = time.perf_counter()
         for i in range(0, len(labels), batch):
             idx = order[i:i + batch]
-            x = normalise(images[idx]).reshape(-1, 1, 28, 28)
+            x = ((images[idx].float() / 255.0 - MNIST_MEAN) / MNIST_STD).reshape(-1, 1, 28, 28)  # as the workers scale
             x, y = x.pin_memory().to(CUDA, non_blocking=True), labels[idx].pin_memory().to(CUDA, non_blocking=True)
             optimizer.zero_grad()
             loss_fn(forward(x), y).backward()
