@@ -277,7 +277,7 @@ def _check_backend(cfg: DictConfig, model: ModelSpec, inputs: DataSchema | None)
     """The backend's own checks (its spec's `check`: its keys, its layout, what it needs of the model and the
     data once known), and the `fault.*` testing hooks it takes."""
     spec = BACKENDS.get(cfg.trainer.backend)
-    for key in ("kill_servers",):
+    for key in sorted({key for other in BACKENDS.specs.values() for key in other.fault_keys}):
         if cfg.fault[key] and key not in spec.fault_keys:
             owners = [name for name, other in BACKENDS.specs.items() if key in other.fault_keys]
             raise ConfigError(f"fault.{key}: only trainer={', '.join(owners)} runs servers to kill")
