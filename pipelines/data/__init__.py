@@ -1,6 +1,6 @@
 """Raw dataset formats -> Parquet shards -> Ray Data datasets. The datasets `rtp prepare` makes, registered as
-specs (contract/registry.py) exactly as a user's own are: the built-in MNIST and IMDb, and `table`, any table of
-a user's (CSV, Parquet, a HuggingFace dataset on disk) with the feature and label columns named."""
+specs (contract/registry.py) exactly as a user's own are: the built-in MNIST and IMDb, `synthetic` (generated rows
+of any size), and `table`, any table of a user's (CSV, Parquet, a HuggingFace dataset on disk)."""
 from __future__ import annotations
 
 from typing import Any
@@ -19,6 +19,9 @@ for _spec in (
                 # the validation split prepare carves from the train split (by movie); batches of reviews of
                 # similar length, cut to their longest (faster runs: benchmarks/README.md, length_buckets)
                 data_keys={"eval_split": "validation", "bucket_by_length": True}),
+    DatasetSpec("synthetic", "pipelines.data.synthetic:prepare", "pipelines.data.synthetic:add_arguments",
+                "generated rows of any size, numbers or tokens, with a learnable rule (tests, benchmarks)",
+                "data/synthetic/parquet"),
     DatasetSpec("table", "pipelines.data.table:prepare", "pipelines.data.table:add_arguments",
                 "your own table: CSV, Parquet or a HuggingFace dataset on disk; numeric, image or text features"),
 ):
