@@ -75,6 +75,10 @@ class RunSection:
     monitor_mode: Optional[str] = None  # max | min; default: min for losses and times, else max
     final_model: str = "best"         # the logged MLflow model: the best epoch's, or the last epoch's
     patience: Optional[int] = None    # stop after this many epochs without a better `monitor` (None: never)
+    checkpoint_every_n_steps: int = 0  # a checkpoint inside the epoch every this many steps, which a restarted or
+                                       # continued run resumes at that step; 0: at epoch ends only
+    checkpoint_every_s: float = 0.0   # or every this many seconds of training (the ranks agree within 10 steps)
+    keep_checkpoints: int = 2         # Ray Train keeps this many checkpoints, the best by `monitor`, and the latest
     nan_patience: int = 3             # fail the run once this many step losses in a row (those logged every
                                       # trainer.log_every_n_steps), or an epoch's train_loss, are not finite; no
                                       # model is logged, the last finite checkpoint stays
@@ -99,6 +103,8 @@ class FaultConfig:
     collective_timeout_s: float = 1800.0  # PyTorch backends: the process group's own timeout of a collective
     inject_at_epoch: Optional[int] = None  # testing: the last rank raises once at this epoch ...
     inject_marker: Optional[str] = None    # ... unless this file exists (created when the failure fires)
+    inject_at_step: Optional[int] = None  # testing: the last rank raises once before this global step, after the
+                                          # checkpoints reported before are registered (inject_marker)
     inject_hang_at_step: Optional[int] = None  # testing: the last rank blocks in a collective at this global
                                                # step, once (inject_marker): the hang watchdog's case
     inject_unreachable_rank: Optional[int] = None  # testing: the preflight gives the others an address of this

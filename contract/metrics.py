@@ -26,6 +26,7 @@ EPOCH_END = "epoch_end_s"  # per epoch (rank 0): its evaluation, metrics and che
 FINAL_MODEL_LOG, FINAL_MODEL_TEST = "final_model.log_s", "final_model.test_s"
 STEP_METRIC = "step_loss"
 STOP_METRICS = ("stopped_at_epoch", "stopped_at_step")  # what the driver sees in a stopped run's result
+STEP_CHECKPOINT_METRICS = ("checkpoint_at_epoch", "checkpoint_at_step")  # a checkpoint's report inside an epoch
 # a run whose loss stopped being a number: the epoch and the global step (0: the epoch's mean), in the last report
 # (Tune sees it) and in this file of the run's folder, which the driver reads (Ray Train's result carries the
 # metrics of checkpoints only, and a diverged state is never checkpointed)
@@ -97,3 +98,7 @@ def peak_rss_bytes() -> float:
 
 def stop_metrics(epoch: int, steps: int) -> dict[str, float]:
     return dict(zip(STOP_METRICS, (float(epoch), float(steps))))
+
+
+def step_checkpoint_metrics(epoch: int, steps: int) -> dict[str, float]:
+    return dict(zip(STEP_CHECKPOINT_METRICS, (float(epoch), float(steps))))

@@ -19,6 +19,7 @@ import contextlib
 import json
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -115,16 +116,37 @@ def interruption(err: BaseException) -> str | None:
     return None
 
 
-class StopAgreement:
-    """True on every rank at the same step once STOP exists. Every `every` steps the ranks agree through one
-    all-reduce of a flag, so a rank that sees the file late still stops with the others; checking every step
-    would add a collective to each step of a small model."""
+class StepChecks:
+    """Where every rank stops (once STOP exists) or checkpoints the half-done epoch (`run.checkpoint_every_n_steps`
+    global steps, or `run.checkpoint_every_s` seconds of training on any rank, since the last checkpoint), all at
+    the same step. Every `every` steps of an epoch the ranks agree through one all-reduce of both flags, so a rank
+    that sees STOP late, or whose clock runs behind, still acts with the others; checking every step would add a
+    collective to each step of a small model. Steps are counted alike on every rank, so a checkpoint every n steps
+    needs no agreement."""
 
-    def __init__(self, path: Path | None, reduce: Reducer, every: int):
+    def __init__(self, path: Path | None, reduce: Reducer, every: int, every_n_steps: int = 0,
+                 every_s: float = 0.0):
         self.path, self.reduce, self.every = path, reduce, every
+        self.every_n_steps, self.every_s = every_n_steps, every_s
+        self.checkpointed(0)
 
-    def __call__(self, steps: int) -> bool:
-        if self.path is None or steps % self.every:
-            return False
-        (flag,) = self.reduce([float(self.path.exists())], "max")
-        return flag > 0
+    def checkpointed(self, global_step: int) -> None:
+        """A checkpoint was written after `global_step` (an epoch's end, a step checkpoint, the restored one)."""
+        self.last_step, self.last_time = global_step, time.monotonic()
+
+    def steps_to_next(self, steps: int, global_step: int) -> int:
+        """Steps from here (`steps` into the epoch, `global_step` in the run) to the next step at which the ranks
+        may stop or checkpoint: where a call of several steps must end."""
+        ahead = [self.every - steps % self.every] if self.path is not None or self.every_s else []
+        if self.every_n_steps:
+            ahead.append(max(1, self.last_step + self.every_n_steps - global_step))
+        return min(ahead, default=1 << 30)
+
+    def __call__(self, steps: int, global_step: int) -> tuple[bool, bool]:
+        """(stop, checkpoint) after `steps` of the epoch, `global_step` of the run. Collective at agreement steps."""
+        due = bool(self.every_n_steps) and global_step - self.last_step >= self.every_n_steps
+        if steps % self.every or (self.path is None and not self.every_s):
+            return False, due
+        late = bool(self.every_s) and time.monotonic() - self.last_time >= self.every_s
+        stop, checkpoint = self.reduce([float(self.path is not None and self.path.exists()), float(late)], "max")
+        return stop > 0, due or checkpoint > 0

@@ -61,6 +61,11 @@ def check_values(cfg: DictConfig) -> None:
     _check_model(cfg, spec, None)  # its keys, and the layout against its sizes
     if cfg.run.nan_patience < 1:
         raise ConfigError(f"run.nan_patience: must be >= 1, got {cfg.run.nan_patience}")
+    for key in ("checkpoint_every_n_steps", "checkpoint_every_s"):
+        if cfg.run[key] < 0:
+            raise ConfigError(f"run.{key}: must be >= 0 (0: at epoch ends only), got {cfg.run[key]}")
+    if cfg.run.keep_checkpoints < 1:
+        raise ConfigError(f"run.keep_checkpoints: must be >= 1, got {cfg.run.keep_checkpoints}")
     if cfg.run.straggler_ratio != 0 and cfg.run.straggler_ratio <= 1:
         raise ConfigError(f"run.straggler_ratio: must be above 1 (or 0: off), got {cfg.run.straggler_ratio}")
     if cfg.run.preflight_timeout_s <= 0:
@@ -76,6 +81,9 @@ def check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"fault.collective_timeout_s: must be >= 1, got {cfg.fault.collective_timeout_s}")
     if cfg.fault.inject_hang_at_step is not None and not cfg.fault.inject_marker:
         raise ConfigError("fault.inject_hang_at_step: needs fault.inject_marker (the hang fires once)")
+    if cfg.fault.inject_at_step is not None and (not cfg.fault.inject_marker or cfg.fault.inject_at_epoch is not None):
+        raise ConfigError("fault.inject_at_step: needs fault.inject_marker (the failure fires once) and no "
+                          "fault.inject_at_epoch (one injection at a time)")
     if cfg.run.system_metrics_interval_s < 1:  # a request per sample per process: more would flood the server
         raise ConfigError(f"run.system_metrics_interval_s: must be >= 1, got {cfg.run.system_metrics_interval_s}")
     for key in ("dropout", "attention_dropout"):

@@ -2,8 +2,8 @@
 
     rtp prepare mnist [--source DIR | --download] [--out DIR] [--shards N]
     rtp prepare imdb --source ARCHIVE|FOLDER|FILE [--download] [--out DIR] [--vocab-size V] ...
-    rtp prepare table --source FILE|FOLDER ... [--features COL ... | --features-except COL ... | --image COL | --text COL]
-                      --label COL --out DIR
+    rtp prepare table --source FILE|FOLDER ... [--features COL ... | --features-except COL ... | --image COL |
+                      --text COL] --label COL --out DIR
     rtp prepare synthetic --rows N [--features W | --tokens T] --out DIR   generated rows of any size
     rtp prepare --plugin my_project.rtp_plugins my_data ...   a dataset your module registers
     rtp prepare mnist --help      the options of one dataset

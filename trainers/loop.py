@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
@@ -22,9 +23,10 @@ from typing import Any, Callable, Protocol
 
 from contract.checkpoint import EpochTotals, TrainState, partial_over_ranks
 from contract.console import say
-from contract.metrics import DIVERGED_METRICS, EPOCH_END, REPORTED_EPOCH, epoch_line, epoch_metrics, stop_metrics
+from contract.metrics import (DIVERGED_METRICS, EPOCH_END, REPORTED_EPOCH, epoch_line, epoch_metrics,
+                              step_checkpoint_metrics, stop_metrics)
 from contract.recipe import Monitor
-from contract.resume import STOP_CHECK_EVERY, StopAgreement
+from contract.resume import STOP_CHECK_EVERY, StepChecks
 from contract.stragglers import StepClock
 from trainers.adapter import Adapter
 from trainers.callbacks.base import Callbacks, LoopCallback
@@ -38,7 +40,7 @@ class MetricsSink(Protocol):
     def log_extra(self, epoch: int, metrics: dict[str, float]) -> None: ...
     def log_step_loss(self, step: int, loss: float) -> None: ...
     def flush(self) -> None: ...
-    def resumed_from(self, epoch: int) -> None: ...
+    def resumed_from(self, epoch: int, steps: int = 0) -> None: ...
     def log_artifacts(self, folder: str, path: str) -> None: ...
     def tag(self, key: str, value: str) -> None: ...
 
@@ -55,13 +57,15 @@ class WorkerContext:
     """What the loop needs from the cluster: Ray Train in a run (trainers/worker.py), plain objects in tests."""
     rank: int
     world_size: int
-    report: Callable[[dict[str, float], str | None], None]  # (metrics, this rank's checkpoint folder or None)
+    report: Callable[..., None]  # (metrics, this rank's checkpoint folder or None, background: upload it later)
     epochs: int
     restored: Any = None                  # a checkpoint with `as_directory()` to resume from, or None
     logger: MetricsSink = field(default_factory=NoMetrics)  # rank 0's MLflow logger
     stop_file: Path | None = None         # STOP in `run.resume_dir` (contract/resume.py)
     log_every_n_steps: int = 0            # `step_loss` every n global steps; 0: off
     stop_check_every: int = STOP_CHECK_EVERY
+    checkpoint_every_n_steps: int = 0     # `run.checkpoint_every_n_steps`: a checkpoint inside the epoch; 0: none
+    checkpoint_every_s: float = 0.0       # `run.checkpoint_every_s`: or after this long; 0: none
     nan_patience: int = 3                 # `run.nan_patience`: non-finite logged step losses in a row that end a run
     origin: dict[str, Any] | None = None  # what wrote the checkpoints (contract/checkpoint.py checkpoint_origin)
     monitor: Monitor = Monitor()          # the best epoch and early stopping (`run.monitor`, `run.patience`)
@@ -85,10 +89,12 @@ class TrainLoop:
     def __init__(self, adapter: Adapter, ctx: WorkerContext):
         self.adapter, self.ctx = adapter, ctx
         self.callbacks = Callbacks(ctx.callbacks)
-        self.should_stop = StopAgreement(ctx.stop_file, adapter.reduce, ctx.stop_check_every)
+        self.checks = StepChecks(ctx.stop_file, adapter.reduce, ctx.stop_check_every, ctx.checkpoint_every_n_steps,
+                                 ctx.checkpoint_every_s)
         self.step_losses = StepLosses(adapter, ctx)
         self.state = self._restore()
         self.first_epoch = self.state.epoch + 1  # of this attempt
+        self.checks.checkpointed(self.global_step(self.first_epoch, self.state.totals_for(self.first_epoch).steps))
         self.clock: StepClock | None = None  # this attempt's step times of the epoch (None: Keras `fit` ran it)
         self.callbacks.on_start(self)
 
@@ -99,10 +105,14 @@ class TrainLoop:
         with self.ctx.restored.as_directory() as directory:
             self.adapter.load(directory)
             state = TrainState.read(directory)
-        self.ctx.logger.resumed_from(state.epoch)
+        self.ctx.logger.resumed_from(state.epoch, state.partial.steps if state.partial is not None else 0)
         if state.metrics is not None:  # the failure may have hit between the report and the log
             self.ctx.logger.log(state.epoch, state.metrics)
         return state
+
+    def global_step(self, epoch: int, steps: int) -> int:
+        """The run's step count after `steps` of `epoch`."""
+        return (epoch - 1) * self.adapter.steps_per_epoch() + steps
 
     @property
     def diverged_at(self) -> int | None:
@@ -145,19 +155,19 @@ class TrainLoop:
         while True:
             callbacks.on_phase(epoch, totals.steps + 1, "data")
             wait_start = time.perf_counter()
-            turns = list(itertools.islice(batches, self.steps_in_call(totals.steps)))
+            turns = list(itertools.islice(batches, self.steps_in_call(epoch, totals.steps)))
             waited = time.perf_counter() - wait_start
             totals.data_wait_s += waited
             clock.data_wait_s += waited
             if not turns:
                 break
             clock.steps += len(turns)
-            callbacks.on_step_start(epoch, (epoch - 1) * adapter.steps_per_epoch() + totals.steps + 1)
+            callbacks.on_step_start(epoch, self.global_step(epoch, totals.steps + 1))
             callbacks.on_phase(epoch, totals.steps + 1, "step")
             self.count_steps(epoch, totals, adapter.train_steps(turns))
             if self.diverged_at is not None:
                 break  # every rank at once: each settled the same all-reduced losses
-            if adapter.at_update_boundary() and self.should_stop(totals.steps):
+            if adapter.at_update_boundary() and self.after_steps(epoch, totals, start):
                 stopped = True
                 break
         self.step_losses.settle()
@@ -181,13 +191,21 @@ class TrainLoop:
                 return
             self.callbacks.on_steps_end(epoch, totals.steps, 1)
 
-    def steps_in_call(self, done: int) -> int:
-        """How many steps the adapter's next call trains: its `steps_per_call`, ending at the next STOP check."""
+    def steps_in_call(self, epoch: int, done: int) -> int:
+        """How many steps the adapter's next call trains: its `steps_per_call`, ending where the ranks may stop or
+        checkpoint."""
         per_call = self.adapter.steps_per_call
-        if per_call == 1 or self.ctx.stop_file is None:
-            return per_call
-        every = self.ctx.stop_check_every
-        return min(per_call, every - done % every)
+        if per_call == 1:
+            return 1
+        return min(per_call, self.checks.steps_to_next(done, self.global_step(epoch, done)))
+
+    def after_steps(self, epoch: int, totals: EpochTotals, started: float) -> bool:
+        """At an update boundary: checkpoint the half-done epoch where one is due (its training time counted from
+        `started`); True when the ranks agreed to stop. Collective."""
+        stop, checkpoint = self.checks(totals.steps, self.global_step(epoch, totals.steps))
+        if checkpoint and not stop:
+            self.report_step(epoch, replace(totals, train_s=totals.train_s + time.perf_counter() - started))
+        return stop
 
     def end_epoch(self, epoch: int, totals: EpochTotals) -> bool:
         """Evaluate, reduce the metrics over the ranks, checkpoint, report, and log (rank 0). Collective. True when
@@ -210,6 +228,7 @@ class TrainLoop:
         self.state = self.state.after_epoch(epoch, metrics, self.ctx.monitor)
         callbacks.on_phase(epoch, totals.steps, "checkpoint")
         self._checkpoint_and_report({**metrics, REPORTED_EPOCH: epoch}, self.state)
+        self.checks.checkpointed(self.global_step(epoch + 1, 0))
         extras[EPOCH_END] = time.perf_counter() - began  # evaluation, metrics, checkpoint: the run's goodput counts it
         if self.ctx.rank == 0:
             say(epoch_line(epoch, self.ctx.epochs, metrics))
@@ -226,6 +245,22 @@ class TrainLoop:
         self._checkpoint_and_report({**stop_metrics(epoch, totals.steps), monitor.metric: monitor.worst()}, state)
         self.ctx.logger.flush()  # the stopped epoch's step losses
 
+    def report_step(self, epoch: int, totals: EpochTotals) -> None:
+        """A checkpoint of the half-done epoch, training going on (`run.checkpoint_every_n_steps`, `_every_s`): a run
+        restarted from it trains the rest of the epoch. Saved here, written to storage in the background; its
+        report scores the monitored metric worst, so Ray Train never keeps it as a best one. The step losses up to
+        here are sent first: a restart from it logs only the steps after it."""
+        self.callbacks.on_phase(epoch, totals.steps, "checkpoint")
+        self.step_losses.settle()
+        if self.diverged_at is not None:  # no checkpoint of a diverged state: the loop ends the run at the next step
+            return
+        self.ctx.logger.flush()
+        state = replace(self.state, partial=partial_over_ranks(totals, self.adapter.reduce))
+        monitor = self.ctx.monitor
+        self._checkpoint_and_report({**step_checkpoint_metrics(epoch, totals.steps), monitor.metric: monitor.worst()},
+                                    state, background=True)
+        self.checks.checkpointed(self.global_step(epoch, totals.steps))
+
     def report_diverged(self, epoch: int) -> None:
         """The loss stopped being a number: report where (every rank, no checkpoint: the last one reported is the
         last finite state) and train no more; the driver sees DIVERGED_METRICS and fails the run."""
@@ -235,10 +270,16 @@ class TrainLoop:
         monitor = self.ctx.monitor
         self.ctx.report({**where, monitor.metric: monitor.worst()}, None)
 
-    def _checkpoint_and_report(self, metrics: dict[str, float], state: TrainState) -> None:
-        with tempfile.TemporaryDirectory() as directory:
-            self.adapter.save(directory)  # every rank: saving may be collective
+    def _checkpoint_and_report(self, metrics: dict[str, float], state: TrainState, background: bool = False) -> None:
+        """Every rank saves into a folder of its own (saving may be collective) and reports it; `background`: the
+        report's upload to storage goes on while training does, and removes the folder when done."""
+        directory = tempfile.mkdtemp(prefix="rtp-checkpoint-")
+        reports_folder = self.ctx.rank == 0 or self.adapter.sharded_checkpoint
+        try:
+            self.adapter.save(directory)
             if self.ctx.rank == 0:  # the one state file: Ray Train merges every rank's folder of a sharded checkpoint
                 state.write(directory, self.ctx.origin)
-            reports_folder = self.ctx.rank == 0 or self.adapter.sharded_checkpoint
-            self.ctx.report(metrics, directory if reports_folder else None)
+            self.ctx.report(metrics, directory if reports_folder else None, background)
+        finally:
+            if not (background and reports_folder):
+                shutil.rmtree(directory, ignore_errors=True)

@@ -108,6 +108,7 @@ def ray_context(config: dict[str, Any], cfg: DictConfig, device: Any = None, pea
     return WorkerContext(
         rank=rank, world_size=world_size, report=ray_report, epochs=cfg.trainer.epochs, restored=restored,
         logger=logger, stop_file=stop_file(cfg.run.resume_dir), log_every_n_steps=cfg.trainer.log_every_n_steps,
+        checkpoint_every_n_steps=cfg.run.checkpoint_every_n_steps, checkpoint_every_s=cfg.run.checkpoint_every_s,
         nan_patience=cfg.run.nan_patience, origin=checkpoint_origin(cfg.trainer.backend, cfg.model.name),
         monitor=monitor_of(cfg.run), evaluated=eval_metric(worker_inputs(config).target.task), device=device,
         callbacks=callbacks)
@@ -183,11 +184,15 @@ def ray_step_bar(description: str, total: int, done: int) -> StepBar:
     return bar
 
 
-def ray_report(metrics: dict[str, float], directory: str | None) -> None:
+def ray_report(metrics: dict[str, float], directory: str | None, background: bool = False) -> None:
+    """Ray Train's report of `metrics` and this rank's checkpoint folder, if any: copied to storage before it
+    returns, or (`background`) by a thread of Ray Train's while training goes on, which then removes the folder."""
     import ray.train
+    from ray.train import CheckpointUploadMode
 
     checkpoint = ray.train.Checkpoint.from_directory(directory) if directory else None
-    ray.train.report(metrics, checkpoint=checkpoint)
+    mode = CheckpointUploadMode.ASYNC if background else CheckpointUploadMode.SYNC
+    ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=mode)
 
 
 def scaling_config(cfg: DictConfig, resources: dict[str, float] | None = None, use_gpu: bool | None = None) -> Any:
@@ -211,10 +216,11 @@ def run_config(cfg: DictConfig, run_id: str, callbacks: list | None, env: dict[s
     # Waiting for resources longer than `fault.resource_timeout_s` (pipelines/fit.py sets Ray Train's start timeout)
     # is a controller failure; with no retries of those the run fails instead of waiting forever.
     patient = cfg.fault.resource_timeout_s <= 0
-    # Ray Train keeps the 2 best checkpoints by `run.monitor` and always the latest (to resume from): the best
-    # epoch's model survives for `run.final_model=best`.
+    # Ray Train keeps the `run.keep_checkpoints` best checkpoints by `run.monitor` and always the latest (to resume
+    # from): the best epoch's model survives for `run.final_model=best`. A checkpoint inside an epoch reports the
+    # monitored metric as its worst: it is kept only while it is the latest.
     monitor = monitor_of(cfg.run)
-    checkpoints = CheckpointConfig(num_to_keep=2, checkpoint_score_attribute=monitor.metric,
+    checkpoints = CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints, checkpoint_score_attribute=monitor.metric,
                                    checkpoint_score_order=monitor.mode)
     return RunConfig(name=ray_run_name(run_id, cfg.run.resume_from), storage_path=cfg.run.storage_path,
                      failure_config=FailureConfig(max_failures=cfg.fault.max_failures,

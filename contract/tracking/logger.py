@@ -82,10 +82,14 @@ class EpochLogger:
             self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-step-losses")
         self._sending = self._sender.submit(self.spool.write, record)
 
-    def resumed_from(self, epoch: int) -> None:
-        """Record a restart from the checkpoint of `epoch` (tag `resumed_from_epoch`, comma-separated)."""
+    def resumed_from(self, epoch: int, steps: int = 0) -> None:
+        """Record a restart from the checkpoint of `epoch` (tag `resumed_from_epoch`, comma-separated), one taken
+        `steps` steps into the next epoch too (tag `resumed_from_step`: "epoch E step S", comma-separated)."""
         self.flush()
         self.spool.write({"op": "append_tag", "key": "resumed_from_epoch", "value": str(epoch)})
+        if steps:
+            self.spool.write({"op": "append_tag", "key": "resumed_from_step",
+                              "value": f"epoch {epoch + 1} step {steps}"})
 
     def log_extra(self, epoch: int, metrics: Mapping[str, float]) -> None:
         """Per-epoch diagnostics (per-rank stats) logged as they come, without the once-per-epoch check."""

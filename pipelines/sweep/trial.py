@@ -23,6 +23,7 @@ from contract import resume, tracking
 from contract.checkpoint import TrainState
 from contract.console import say
 from contract.config import typed_config
+from contract.metrics import STEP_CHECKPOINT_METRICS
 from pipelines.fit import fit_backend
 from pipelines.sweep.runs import child_run, note_trial_time
 import trainers  # noqa: F401  (registers the built-in backends and models: a trial types its config)
@@ -89,6 +90,8 @@ def train_trial(config: dict[str, Any], spec: dict[str, Any], index: int, note_t
     thread.start()
     while (item := reports.get()) != DONE:
         metrics, path = item
+        if STEP_CHECKPOINT_METRICS[0] in metrics:  # inside an epoch: Ray Train's to restart from, not Tune's
+            continue
         note_time()
         tune.report(metrics, checkpoint=tune_checkpoint(path, index, spec["run_id"])
                     if path and spec["tune_checkpoints"] else None)

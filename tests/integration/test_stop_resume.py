@@ -3,10 +3,12 @@ head, a real MLflow server, 2 DDP workers, exit code 3, the KILLED run continued
 checkpoint, every step trained and logged once. That the resumed curve is the uninterrupted one, step for step, is
 checked in-process for every backend's loop (tests/unit/test_loop.py, test_loop_backends.py,
 tests/parallel/test_tp_loop.py), on the same shard class the workers use; that a worker's ordered shard is the
-same rows in the same order on every attempt is tests/integration/test_shards.py."""
+same rows in the same order on every attempt is tests/integration/test_shards.py. Also a failure inside an epoch:
+Ray Train restarts the workers from the last checkpoint taken inside it (`run.checkpoint_every_n_steps`)."""
 from __future__ import annotations
 
 import re
+from collections import defaultdict
 
 import pytest
 import torch
@@ -61,3 +63,33 @@ def test_stop_request_checkpoints_mid_epoch_and_resumes_every_step_once(tmp_path
     after = step_loss_curve(client, run_id)  # every step once: none retrained, none skipped
     assert len(after) == 64 and torch.equal(after[:10], before)
     assert client.get_run(run_id).data.tags["resumed_from_epoch"] == "0"
+
+
+def test_a_failure_inside_an_epoch_restarts_from_its_last_step_checkpoint(tmp_path, tiny_mnist, mlflow_server,
+                                                                           ray_head):
+    """A checkpoint every 10 steps of a 32-step epoch, uploaded while training goes on; the last worker fails
+    before step 15. Ray Train restarts both workers from the checkpoint of step 10, which train steps 11 to 32,
+    and the run finishes with every step's loss logged: those up to the checkpoint once (sent with it), those of
+    steps 11 to 14 twice at most (the second time alike) where the first attempt sent them before failing."""
+    env = pipeline_env(mlflow_server, ray_head)
+    marker = tmp_path / "failed-once"
+    done = run_pipeline([f"data.path={tiny_mnist}", "trainer.epochs=1", "trainer.batch_size=16",
+                         "trainer.optimizer=sgd", "trainer.lr=0.01", "trainer.log_every_n_steps=1",
+                         "model.hidden=[64]", "model.dropout=0", "run.checkpoint_every_n_steps=10",
+                         "run.keep_checkpoints=1", "fault.max_failures=1", "fault.inject_at_step=15",
+                         f"fault.inject_marker={marker}", f"run.storage_path={tmp_path / 'ray'}"], env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert marker.read_text() == "failed at step 15 in rank 1\n"
+    client = MlflowClient(mlflow_server)
+    run_id = run_id_from(done.stdout)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["resumed_from_step"] == "epoch 1 step 10"
+    assert metric_steps(client, run_id, "train_loss") == [1]
+    losses: dict[int, list[float]] = defaultdict(list)
+    for m in client.get_metric_history(run_id, "step_loss"):
+        losses[m.step].append(m.value)
+    assert sorted(losses) == list(range(1, 33))
+    again = {step: values for step, values in losses.items() if len(values) > 1}
+    assert set(again) <= set(range(11, 15)), sorted(again)  # only the steps trained after the checkpoint, once more
+    for step, values in again.items():  # the same model, batches and order: the same losses
+        torch.testing.assert_close(values[0], values[1], rtol=1e-6, atol=0, msg=f"step {step}")

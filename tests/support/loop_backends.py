@@ -211,10 +211,10 @@ def ps_cluster(cfg, train):
 
 
 def ps_dropout_draws(folder: Path) -> dict[int, list[list[float]]]:
-    """The model tf_ps trains (trainers/tf/tf_ps.py `ParameterServers.build_adapter`: MNIST MLP, dropout 0.5, 2 workers, 1 parameter
-    server) applied to one all-ones image in training mode by functions the coordinator schedules, until each worker has
-    run at least 4: {worker index: the logits of each of its functions, in the order they ran}. The weights do not
-    change, so two draws differ only by their dropout masks."""
+    """The model tf_ps trains (trainers/tf/tf_ps.py `ParameterServers.build_adapter`: MNIST MLP, dropout 0.5, 2
+    workers, 1 parameter server) applied to one all-ones image in training mode by functions the coordinator
+    schedules, until each worker has run at least 4: {worker index: the logits of each of its functions, in the
+    order they ran}. The weights do not change, so two draws differ only by their dropout masks."""
     import tensorflow as tf
 
     from trainers.adapter import WorkerData

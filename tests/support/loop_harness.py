@@ -47,7 +47,7 @@ class Recorder:
     def flush(self) -> None:
         pass
 
-    def resumed_from(self, epoch: int) -> None:
+    def resumed_from(self, epoch: int, steps: int = 0) -> None:
         self.resumed.append(epoch)
 
     def log_artifacts(self, folder: str, path: str) -> None:
@@ -92,10 +92,12 @@ def make_context(rank: int, world_size: int, epochs: int, folder: Path, recorder
     one, merged as Ray Train merges them) to `folder/checkpoint_<n>`."""
     from ray.train import Checkpoint
 
-    def report(metrics: dict[str, float], directory: str | None) -> None:
+    def report(metrics: dict[str, float], directory: str | None, background: bool = False) -> None:
         reports.append(dict(metrics))
         if directory is not None:
             shutil.copytree(directory, folder / f"checkpoint_{len(reports)}", dirs_exist_ok=True)
+            if background:  # the folder is the report's to remove once written, as Ray Train's upload does
+                shutil.rmtree(directory)
         _wait_for_every_rank()
 
     return WorkerContext(rank=rank, world_size=world_size, report=report, epochs=epochs,

@@ -63,6 +63,11 @@ def test_defaults_compose_and_flatten(data_override):
     ("run.progress=yes", r"^run\.progress: unknown 'yes'"),
     ("run.register_model=team/mnist", r"^run\.register_model: 'team/mnist' is not a model name MLflow accepts"),
     ("run.patience=0", r"^run\.patience: must be >= 1"),
+    ("run.checkpoint_every_n_steps=-1", r"^run\.checkpoint_every_n_steps: must be >= 0"),
+    ("run.keep_checkpoints=0", r"^run\.keep_checkpoints: must be >= 1"),
+    ("trainer=tf_mwms run.checkpoint_every_s=600", r"^run\.checkpoint_every_s: Keras fit checkpoints at epoch ends "
+                                                  r"only; use trainer\.tf_loop=custom"),
+    ("fault.inject_at_step=3", r"^fault\.inject_at_step: needs fault\.inject_marker"),
     ("trainer.profile_steps=-1", r"^trainer\.profile_steps: must be >= 0"),
     ("trainer=tf_mwms trainer.compile=true", r"^trainer\.compile: torch\.compile is for the PyTorch backends"),
     ("trainer=lightning trainer.strategy=fsdp", r"^trainer\.strategy: Lightning's fsdp strategy runs on GPUs only"),

@@ -18,7 +18,7 @@ from contract.metrics import PendingReduce
 from tests.support.loop_harness import (STOP_AT, Recorder, check_metric_set, check_stop_resume_parity, config,
                                 make_context, mnist_columns, run_attempt, with_callbacks)
 from contract.recipe import Monitor
-from contract.resume import StopAgreement
+from contract.resume import StepChecks
 from contract.startup import STARTUP_PARTS, STARTUP_TOTAL, StartupMarks
 from trainers.adapter import Adapter
 from trainers.callbacks.mfu import Utilisation
@@ -230,18 +230,26 @@ def test_stop_waits_for_the_update_boundary(tmp_path):
     assert attempt.finished and adapter.updates == 9
 
 
-def test_stop_agreement_is_collective_and_periodic(tmp_path):
-    """A rank that has not seen STOP yet stops with the others (max over ranks), only every `every` steps."""
+def test_stop_and_timed_checkpoints_are_agreed_every_few_steps_step_counted_ones_need_no_collective(tmp_path):
+    """A rank that has not seen STOP yet, or whose clock says no checkpoint is due, acts with the others (max over
+    ranks), only every `every` steps; a checkpoint every n steps is due on every rank alike, with no collective."""
     calls = []
 
     def reduce(values, op):
         calls.append((values, op))
-        return [max(values[0], 1.0)]  # another rank sees the file
+        return [max(values[0], 1.0), values[1]]  # another rank sees the file
 
-    agree = StopAgreement(tmp_path / "STOP", reduce, every=5)
-    assert [agree(step) for step in range(1, 11)] == [False] * 4 + [True] + [False] * 4 + [True]
-    assert calls == [([0.0], "max")] * 2
-    assert not StopAgreement(None, reduce, every=1)(5)
+    checks = StepChecks(tmp_path / "STOP", reduce, every=5)
+    assert [checks(step, step)[0] for step in range(1, 11)] == [False] * 4 + [True] + [False] * 4 + [True]
+    assert calls == [([0.0, 0.0], "max")] * 2
+    assert StepChecks(None, reduce, every=1)(5, 5) == (False, False) and len(calls) == 2
+    counted = StepChecks(None, reduce, every=5, every_n_steps=4)
+    assert [counted(step, step)[1] for step in range(1, 5)] == [False, False, False, True]
+    counted.checkpointed(4)
+    assert counted.steps_to_next(5, 5) == 3 and not counted(7, 7)[1] and counted(8, 8)[1]
+    assert len(calls) == 2
+    timed = StepChecks(None, lambda values, op: [values[0], 1.0], every=5, every_s=3600.0)  # another rank is due
+    assert timed(4, 4) == (False, False) and timed(5, 5) == (False, True)
 
 
 def test_step_loss_all_reduce_runs_while_the_next_steps_train(tmp_path):
@@ -393,3 +401,25 @@ def test_stragglers_are_ranks_whose_own_time_exceeds_the_others_median():
         gathered(own, rank, 3, lambda vector: contributed.append(vector) or vector)
     summed = [sum(column) for column in zip(*contributed)]
     assert gathered(each[0], 0, 3, lambda vector: summed) == each
+
+
+def test_checkpoints_inside_epochs_resume_at_their_step(tmp_path):
+    """`run.checkpoint_every_n_steps=7`: a checkpoint of the half-done epoch every 7 steps since the last one (an
+    epoch's end counting as one), its report never a best one; a run restarted from one trains the rest of the
+    epoch, and its loss curve and epoch metrics are the uninterrupted run's."""
+    run = lambda ctx: TrainLoop(LineAdapter(), replace(ctx, checkpoint_every_n_steps=7)).run()  # noqa: E731
+    straight = run_attempt(run, 0, 1, 2, tmp_path / "straight")
+    inside = {(int(report["checkpoint_at_epoch"]), int(report["checkpoint_at_step"])): number
+              for number, report in enumerate(straight.reports, 1) if "checkpoint_at_step" in report}
+    assert list(inside) == [(1, 7), (1, 14), (1, 21), (2, 7), (2, 14), (2, 21)]  # 25 steps an epoch
+    worst = Monitor("test_accuracy").worst()
+    assert {straight.reports[number - 1]["test_accuracy"] for number in inside.values()} == {worst}
+    checkpoint = tmp_path / "straight" / f"checkpoint_{inside[(2, 14)]}"
+    state = TrainState.read(checkpoint)
+    assert (state.epoch, state.partial.steps) == (1, 14)
+    resumed = run_attempt(run, 0, 1, 2, tmp_path / "resumed", restored=checkpoint)
+    assert resumed.finished and sorted(resumed.recorder.step_losses) == list(range(40, 51))  # the rest of epoch 2
+    assert [resumed.recorder.step_losses[step] for step in range(40, 51)] == \
+        [straight.recorder.step_losses[step] for step in range(40, 51)]
+    for key in ("train_loss", "test_accuracy"):
+        assert resumed.recorder.epochs[2][key] == pytest.approx(straight.recorder.epochs[2][key], rel=1e-12)

@@ -10,7 +10,8 @@ from trainers.callbacks.base import LoopCallback
 
 
 class FaultInjection(LoopCallback):
-    """`fault.inject_at_epoch` and `fault.inject_hang_at_step` for rank `rank` of `world_size`."""
+    """`fault.inject_at_epoch`, `fault.inject_at_step` and `fault.inject_hang_at_step` for rank `rank` of
+    `world_size`."""
 
     def __init__(self, fault: Any, rank: int, world_size: int):
         self.fault, self.rank, self.world_size = fault, rank, world_size
@@ -19,6 +20,8 @@ class FaultInjection(LoopCallback):
         maybe_inject_failure(self.fault, epoch, self.rank, self.world_size)
 
     def on_step_start(self, epoch: int, step: int) -> None:
+        if self.fault.inject_at_step == step:
+            maybe_inject_failure_at_step(self.fault, step, self.rank, self.world_size)
         if self.fault.inject_hang_at_step is not None:
             maybe_inject_hang(self.fault, step, self.rank, self.world_size)
 
@@ -58,3 +61,20 @@ def maybe_inject_hang(fault: Any, step: int, rank: int, world_size: int) -> None
     import ray.train.collective
 
     ray.train.collective.barrier()
+
+
+def maybe_inject_failure_at_step(fault: Any, step: int, rank: int, world_size: int) -> None:
+    """Testing hook: fail once, in the last rank, before the run's global step `fault.inject_at_step`. Every rank
+    first makes an empty report: Ray Train takes a rank's reports in their order, so the checkpoints reported before
+    it (written to storage in the background, inside the epoch) are registered first and the restart resumes from
+    the latest, whatever the speed of their upload."""
+    marker = Path(fault.inject_marker)
+    if marker.exists():
+        return
+    import ray.train
+
+    ray.train.report({})
+    if rank != world_size - 1:
+        return
+    marker.write_text(f"failed at step {step} in rank {rank}\n")
+    raise RuntimeError(f"injected failure at step {step} (rank {rank})")

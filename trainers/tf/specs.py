@@ -58,9 +58,19 @@ def keras_layout(trainer: Any) -> Layout:
     return Layout(dp=trainer.num_workers, full_batches=FULL_BATCHES)
 
 
+def check_fit_checkpoints(cfg: Any) -> None:
+    """Keras `fit` runs an epoch in one call: it checkpoints at epoch ends only."""
+    if cfg.trainer.tf_loop == "fit":
+        for key in ("checkpoint_every_n_steps", "checkpoint_every_s"):
+            if cfg.run[key]:
+                raise ConfigError(f"run.{key}: Keras fit checkpoints at epoch ends only; use trainer.tf_loop=custom "
+                                  f"for checkpoints inside an epoch")
+
+
 def check_tf_mwms(cfg: Any, model: ModelSpec, inputs: DataSchema | None) -> None:
     trainer = cfg.trainer
     choice("trainer", "tf_loop", trainer.tf_loop, TF_LOOPS)
+    check_fit_checkpoints(cfg)
     choice("trainer", "tf_communication", trainer.tf_communication, TF_COMMUNICATIONS)
     if trainer.devices_per_worker > 1 and trainer.num_workers > 1 and not trainer.use_gpu:
         raise ConfigError("trainer.devices_per_worker: several CPU replicas per worker need num_workers=1 "
@@ -138,6 +148,7 @@ def check_tf_ps(cfg: Any, model: ModelSpec, inputs: DataSchema | None) -> None:
     """ParameterServerStrategy's options, and the fault injection that kills one of its servers."""
     trainer = cfg.trainer
     choice("trainer", "tf_loop", trainer.tf_loop, TF_LOOPS)
+    check_fit_checkpoints(cfg)
     if trainer.tf_loop == "fit":  # tf-keras has no batch-level callbacks under ParameterServerStrategy
         for key, wanted in (("trainer.log_every_n_steps", trainer.log_every_n_steps > 0),
                             ("trainer.profile_steps", trainer.profile_steps > 0),

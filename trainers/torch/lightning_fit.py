@@ -194,7 +194,7 @@ class HandToLoop(pl.Callback):
             return
         loop.callbacks.on_steps_end(self.epoch, totals.steps, 1)
         boundary = totals.steps % self.passes == 0  # Lightning stepped the optimizer after this batch
-        if boundary and loop.should_stop(totals.steps):
+        if boundary and loop.after_steps(self.epoch, totals, self.start):  # a step checkpoint, or STOP
             self._end(trainer)
             self.stopped = True
             loop.report_stop(self.epoch, self._closed_totals())
