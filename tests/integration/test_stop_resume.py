@@ -14,6 +14,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from contract.checkpoint import TrainState
 from tests.conftest import metric_steps, pipeline_env, run_id_from, run_pipeline
 
 pytestmark = pytest.mark.slow
@@ -93,3 +94,9 @@ def test_a_failure_inside_an_epoch_restarts_from_its_last_step_checkpoint(tmp_pa
     assert set(again) <= set(range(11, 15)), sorted(again)  # only the steps trained after the checkpoint, once more
     for step, values in again.items():  # the same model, batches and order: the same losses
         torch.testing.assert_close(values[0], values[1], rtol=1e-6, atol=0, msg=f"step {step}")
+    # run.keep_checkpoints=1: the best and the latest, here both the epoch's end; the step checkpoints are gone
+    folders = sorted(p for p in (tmp_path / "ray" / f"run-{run_id}").glob("checkpoint_*") if p.is_dir())
+    assert len(folders) == 1, [(f.name, sorted(p.name for p in f.iterdir())) for f in folders]
+    (kept,) = folders
+    state = TrainState.read(kept)
+    assert (state.epoch, state.partial) == (1, None)
