@@ -22,6 +22,7 @@ from mlflow.tracking import MlflowClient
 
 from contract.metrics import EPOCH_METRICS, FIRST_EPOCH_METRICS, TEXT_METRICS
 from contract.tracking import epoch_values
+from pipelines.data.imdb import clean_text
 from pipelines.data.raw_inputs import read_texts
 from pipelines.data.shards import read_manifest
 from pipelines.data.tokenize import Tokenise
@@ -236,7 +237,7 @@ def check_text_prediction(model_uri: str, data: Path, mlflow_server: str, ray_he
                            f"input={data.parent / 'src'}", f"output={output}"], cwd=ROOT,
                           env=pipeline_env(mlflow_server, ray_head), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    sources, texts = read_texts(data.parent / "src")
+    sources, texts = read_texts(data.parent / "src", clean=clean_text)  # as the IMDb preparation cleaned them
     tokenise = Tokenise((data / "tokenizer.json").read_text(), 48, read_manifest(data)["head_tokens"])
     ids = tokenise(pa.table({"text": texts})).column("input_ids")
     model = mlflow.pytorch.load_model(model_uri)  # MLflow 3 logs torch.export programs: already in eval mode
