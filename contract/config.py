@@ -54,7 +54,10 @@ class DataConfig:
     path: str = MISSING             # its prepared folder (manifest.json and Parquet shards): `rtp prepare`
     eval_split: Optional[str] = None  # the split each epoch's evaluation (test_accuracy, test_mse) is measured on,
                                       # which picks the best epoch; null: validation where the data has one, else test
-    cache_in_worker: bool = True    # each worker pulls its shard into memory once (else streams every epoch)
+    cache_in_worker: Any = "auto"   # true: each worker holds its shard in memory; false: streamed from the files
+                                    # a window at a time; auto: true when a worker's shard is under cache_max_bytes
+    cache_max_bytes: int = 2 << 30  # auto caches a worker's shard up to this size (its stored bytes)
+    shuffle_buffer: int = 100_000   # streamed: rows of the window each epoch is shuffled within (memory per worker)
     bucket_by_length: bool = False  # text: batches of similar length, cut to their longest row (contract/data.py)
 
 

@@ -92,6 +92,20 @@ class DataSchema:
         """Token ids per row (0 for other features)."""
         return self.features.shape[0] if self.features.kind == "tokens" else 0
 
+    def row_bytes(self) -> int:
+        """A row's bytes as a worker holds it: its features (FEATURE_DTYPES), label and any length and id."""
+        features = self.features.width * np.dtype(FEATURE_DTYPES[self.features.kind]).itemsize
+        extras = sum(8 for column in (self.features.length_column, self.features.id_column) if column)
+        return features + np.dtype(LABEL_DTYPES[self.target.task]).itemsize + extras
+
+    def stored_columns(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A batch of stored columns (as Ray Data gives them) in the dtypes workers hold: features [N, width]
+        (FEATURE_DTYPES), labels LABEL_DTYPES, lengths and ids int64."""
+        features, target = self.features, self.target
+        held = {features.column: features.stored(batch[features.column]),
+                target.column: np.asarray(batch[target.column], dtype=LABEL_DTYPES[target.task])}
+        return {**held, **{c: np.asarray(batch[c], dtype=np.int64) for c in batch if c not in held}}
+
     def to_dict(self) -> dict[str, Any]:
         return {"dataset": self.dataset, "features": asdict(self.features), "target": asdict(self.target)}
 

@@ -49,7 +49,7 @@ def check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.placement_strategy: unknown strategy '{cfg.trainer.placement_strategy}' "
                           f"(choices: {PLACEMENT_STRATEGIES})")
     _check_installed(cfg.trainer)
-    _check_buckets(cfg.data)
+    _check_data_reading(cfg.data)
     _check_recipe(cfg)
     if cfg.trainer.max_steps_per_epoch is not None and cfg.trainer.max_steps_per_epoch < 1:
         raise ConfigError(f"trainer.max_steps_per_epoch: must be >= 1, got {cfg.trainer.max_steps_per_epoch}")
@@ -181,10 +181,13 @@ def _manifest_json(path: Path) -> dict:
     return loaded if isinstance(loaded, dict) else {}
 
 
-def _check_buckets(data: DictConfig) -> None:
-    if data.bucket_by_length and not data.cache_in_worker:
-        raise ConfigError("data.bucket_by_length: grouping an epoch by length needs its rows in memory "
-                          "(data.cache_in_worker=true), or set data.bucket_by_length=false to stream")
+def _check_data_reading(data: DictConfig) -> None:
+    if data.cache_in_worker not in (True, False, "auto"):
+        raise ConfigError(f"data.cache_in_worker: must be true, false or auto, got {data.cache_in_worker!r}")
+    if data.cache_max_bytes < 0:
+        raise ConfigError(f"data.cache_max_bytes: must be >= 0, got {data.cache_max_bytes}")
+    if data.shuffle_buffer < 1:
+        raise ConfigError(f"data.shuffle_buffer: must be >= 1 (rows), got {data.shuffle_buffer}")
 
 
 def _check_recipe(cfg: DictConfig) -> None:
@@ -211,11 +214,6 @@ def _check_recipe(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.grad_clip: must be > 0 (null: no clipping), got {trainer.grad_clip}")
     if trainer.precision == "fp16" and not trainer.use_gpu:
         raise ConfigError("trainer.precision: fp16 needs GPUs (loss scaling, fast half kernels); on CPU use bf16")
-    scheduled = trainer.lr_schedule != "constant" or trainer.warmup_steps > 0 or trainer.warmup_fraction > 0
-    torch_backend = framework_of(trainer) == "torch"
-    if scheduled and not cfg.data.cache_in_worker and torch_backend:
-        raise ConfigError("trainer.lr_schedule: a schedule needs the epoch's length, known only with "
-                          "data.cache_in_worker=true (PyTorch backends stream otherwise)")
     if run.monitor_mode is not None:
         choice("run", "monitor_mode", run.monitor_mode, recipe.MONITOR_MODES)
     choice("run", "final_model", run.final_model, recipe.FINAL_MODELS)

@@ -78,6 +78,8 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
     inputs = data_schema(read_manifest(cfg.data.path))
     if materialized is not None:
         datasets = materialized.result(patience)
+    elif backend.streams_files:  # its workers read the files through Ray Data themselves (trainers/streamed.py)
+        datasets = {}
     if cfg.fault.resource_timeout_s > 0:  # read by Ray Train's controller (trainers/worker.py: run_config)
         os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.fault.resource_timeout_s)
     # Ray Train's preemption watcher (an actor per run, CPU time to start) polls Ray for nodes being drained

@@ -213,14 +213,13 @@ def mlflow_server(tmp_path_factory) -> str:
         stop_mlflow_server(proc)
 
 
-@pytest.fixture(scope="session")
-def ray_head(tmp_path_factory) -> dict[str, str]:
-    """A real Ray head started by the project's own script (own temp dir and ports); env to reach it."""
-    state = tmp_path_factory.mktemp("ray_state")
+@contextlib.contextmanager
+def started_ray_head(state: Path, cpus: int, **settings: str) -> Iterator[dict[str, str]]:
+    """A real Ray head started by the project's own script (own temp dir and ports; `settings`: more of its
+    variables, e.g. RAY_OBJECT_STORE_MEMORY); the env to reach it. Stopped on exit."""
     script = ROOT / "cluster" / "local" / "ray-local.sh"
-    env = {**os.environ, "RAY_BASE_PORT": str(free_port_block())}
-    # 6 logical CPUs on 2 cores: 4 one-thread workers of the 2D test plus room for Ray Data tasks.
-    subprocess.run(["bash", str(script), "start", str(state), "6"], env=env, check=True, timeout=120)
+    env = {**os.environ, "RAY_BASE_PORT": str(free_port_block()), **settings}
+    subprocess.run(["bash", str(script), "start", str(state), str(cpus)], env=env, check=True, timeout=120)
     try:
         values = {}
         for line in (state / "ray.env").read_text().splitlines():
@@ -230,6 +229,14 @@ def ray_head(tmp_path_factory) -> dict[str, str]:
         yield values
     finally:
         subprocess.run(["bash", str(script), "stop", str(state)], env=env, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory) -> dict[str, str]:
+    """The session's Ray head; 6 logical CPUs on 2 cores: 4 one-thread workers of the 2D test plus room for Ray
+    Data tasks."""
+    with started_ray_head(tmp_path_factory.mktemp("ray_state"), 6) as values:
+        yield values
 
 
 CLIENT_SETTINGS = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")  # ray.env's

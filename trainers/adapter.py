@@ -27,8 +27,8 @@ class StepProfiler(Protocol):
 class WorkerData:
     """What a worker trains on: the data's features and target as its manifest describes them (`DataSchema`),
     and its shards. `shards(seed)` -> (train, evaluation) in the framework's form (PyTorch: `ShardBatches`,
-    shuffled by `seed`; TensorFlow: `ShardArrays`, which the adapter shuffles): a run's Ray Data shards, or data
-    a test made."""
+    shuffled by `seed`, or `StreamedBatches`; TensorFlow: `ShardArrays`, which the adapter shuffles): a run's Ray
+    Data shards or streamed files, or data a test made."""
     inputs: DataSchema
     shards: Callable[[int], tuple[Any, Any]]
 

@@ -29,6 +29,10 @@ class Backend:
     """A backend on the shared loop. Subclasses give `build_adapter`; a framework's family base gives `shards` and
     `log_final_model`, and `ray_setup` where its backends share one (the torch process group)."""
 
+    # Streamed data (`data.cache_in_worker=false`): True when `shards` reads the prepared files itself
+    # (trainers/streamed.py), so Ray Train is handed no datasets; else its workers stream Ray Train's shards.
+    streams_files = False
+
     # What every backend gives: the worker's adapter.
     def build_adapter(self, cfg: DictConfig, ctx: WorkerContext, data: WorkerData) -> Adapter:
         """The adapter this worker hands to the shared loop: its model (from the model spec, laid out as the backend

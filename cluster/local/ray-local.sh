@@ -9,6 +9,7 @@
 # token (STATE_DIR/ray_auth_token, readable by this user only), since a laptop's or login node's loopback is
 # shared by all of its users. Clients get both settings by sourcing STATE_DIR/ray.env.
 # Ports: the block of 400 from RAY_BASE_PORT (default 26000), laid out in cluster/lib/ray-ports.sh.
+# RAY_OBJECT_STORE_MEMORY (bytes), when set, sizes the head's object store (Ray's default: 30% of the memory).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source cluster/lib/ray-ports.sh
@@ -39,6 +40,7 @@ start() {
   OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} setsid bash -c 'echo $$ > "$0"; exec "$@"' "$state_dir/sid" \
     ray start --head --disable-usage-stats \
     --node-ip-address 127.0.0.1 --dashboard-host 127.0.0.1 --temp-dir "$temp_dir" --num-cpus "$cpus" \
+    ${RAY_OBJECT_STORE_MEMORY:+--object-store-memory "$RAY_OBJECT_STORE_MEMORY"} \
     $(ray_head_port_flags "$base") > "$state_dir/ray-start.log" 2>&1 \
     || { cat "$state_dir/ray-start.log" >&2; stop; exit 1; }
   cat > "$state_dir/ray.env" <<ENV

@@ -63,6 +63,8 @@ def test_defaults_compose_and_flatten(data_override):
     ("run.progress=yes", r"^run\.progress: unknown 'yes'"),
     ("run.register_model=team/mnist", r"^run\.register_model: 'team/mnist' is not a model name MLflow accepts"),
     ("run.patience=0", r"^run\.patience: must be >= 1"),
+    ("data.cache_in_worker=sometimes", r"^data\.cache_in_worker: must be true, false or auto, got 'sometimes'"),
+    ("data.shuffle_buffer=0", r"^data\.shuffle_buffer: must be >= 1"),
     ("run.checkpoint_every_n_steps=-1", r"^run\.checkpoint_every_n_steps: must be >= 0"),
     ("run.keep_checkpoints=0", r"^run\.keep_checkpoints: must be >= 1"),
     ("trainer=tf_mwms run.checkpoint_every_s=600", r"^run\.checkpoint_every_s: Keras fit checkpoints at epoch ends "
@@ -236,12 +238,22 @@ def test_impossible_parallelism_is_rejected(fake_imdb, overrides, message):
         load_config(["trainer=tp", "data=imdb", "model=bert_tiny", fake_imdb, *overrides])
 
 
-def test_imdb_groups_batches_by_length_only_from_memory(fake_imdb):
-    assert load_config(["data=imdb", "model=bert_tiny", fake_imdb]).data.bucket_by_length  # IMDb's default
-    with pytest.raises(ConfigError, match=r"^data\.bucket_by_length: grouping an epoch by length needs its rows"):
-        load_config(["data=imdb", "model=bert_tiny", fake_imdb, "data.cache_in_worker=false"])
-    assert not load_config(["data=imdb", "model=bert_tiny", fake_imdb, "data.cache_in_worker=false",
-                            "data.bucket_by_length=false"]).data.cache_in_worker
+def test_auto_holds_a_shard_under_cache_max_bytes_and_streams_a_larger_one(tmp_path):
+    """`data.cache_in_worker=auto` weighs a worker's part of the train split (rows x a row's bytes as workers hold
+    them / the ranks an epoch is divided among) against `data.cache_max_bytes`; the config carries the answer."""
+    import json
+
+    from pipelines.data.imdb import imdb_schema
+
+    (tmp_path / "manifest.json").write_text(json.dumps({**imdb_schema(1000, 256).to_dict(),
+                                                        "splits": {"train": {"rows": 1000}}}))
+    row = 256 * 4 + 3 * 8  # 256 int32 token ids; the int64 label, length and id
+    load = lambda *more: load_config(["data=imdb", "model=bert_tiny", f"data.path={tmp_path}", *more])  # noqa: E731
+    assert load().data.cache_in_worker is True and load().data.bucket_by_length  # IMDb's default, streamed too
+    assert load(f"data.cache_max_bytes={1000 * row // 2}").data.cache_in_worker is True  # 2 workers: half each
+    assert load(f"data.cache_max_bytes={1000 * row // 2 - 1}").data.cache_in_worker is False
+    assert load("trainer.num_workers=4", f"data.cache_max_bytes={1000 * row // 4}").data.cache_in_worker is True
+    assert load("data.cache_in_worker=false").data.bucket_by_length  # grouped inside the stream's windows
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -17,7 +17,7 @@ from torch import nn
 from contract.metrics import AsyncReducer, PendingReduce, peak_rss_bytes
 from trainers.adapter import Adapter
 from trainers.loop import WorkerContext
-from trainers.torch.data import Batch, ShardBatches
+from trainers.torch.data import Batch, Batches
 from trainers.torch.parallel.comm import collective_device
 from trainers.torch.parallel.data_parallel import average_gradients
 from trainers.torch.parallel.memory import rank_memory
@@ -106,7 +106,7 @@ class TorchAdapter(Adapter):
     applies the mean gradient over those batches, as one larger batch would. A DDP model skips its all-reduce
     (`no_sync`) on all but the last batch of a step."""
 
-    def __init__(self, model: nn.Module, recipe: TorchRecipe, train: ShardBatches, evaluation: ShardBatches,
+    def __init__(self, model: nn.Module, recipe: TorchRecipe, train: Batches, evaluation: Batches,
                  device: torch.device, rank: int, reduce_later: AsyncReducer = dist_reduce_later,
                  sync_gradients: Callable[[], None] | None = None, ranks_per_sample: int = 1,
                  clip: Callable[[float], Any] | None = None):

@@ -1,8 +1,9 @@
 """`TorchBackend`: what every PyTorch backend shares on Ray Train (ddp, fsdp, tp, deepspeed, lightning, horovod
-torch). Its workers set torch's threads and device, read their data as `ShardBatches` (trainers/torch/data.py) and
-run the shared loop (through `torch.compile` with `trainer.compile`); a torch process group (gloo on CPU, NCCL on
-GPU) is set up before they start (trainers/torch/process_group.py); the final checkpoint's dense model is logged to
-MLflow in the PyTorch flavour, taking the inputs evaluate and predict give it."""
+torch). Its workers set torch's threads and device, read their data as `ShardBatches` or `StreamedBatches`
+(trainers/torch/data.py) and run the shared loop (through `torch.compile` with `trainer.compile`); a torch process
+group (gloo on CPU, NCCL on GPU) is set up before they start (trainers/torch/process_group.py); the final
+checkpoint's dense model is logged to MLflow in the PyTorch flavour, taking the inputs evaluate and predict give
+it."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,7 +22,7 @@ from trainers.backend import Backend
 from trainers.loop import WorkerContext
 from trainers.models import build_model
 from trainers.torch.adapter import TorchAdapter, load_state_file
-from trainers.torch.data import ShardBatches, ray_batches
+from trainers.torch.data import Batches, ray_batches
 
 
 class TorchBackend(Backend):
@@ -55,8 +56,10 @@ class TorchBackend(Backend):
         return ray_context(config, cfg, device=device, on_hang=[dump_flight_recorder],
                            peak_flops=peak_flops(torch.cuda.get_device_name(device), cfg.trainer.precision))
 
-    def shards(self, cfg: DictConfig, inputs: DataSchema, seed: int) -> tuple[ShardBatches, ShardBatches]:
-        return ray_batches(cfg, inputs, seed)
+    streams_files = True
+
+    def shards(self, cfg: DictConfig, inputs: DataSchema, seed: int) -> tuple[Batches, Batches]:
+        return ray_batches(cfg, inputs, seed, self.batch_group(cfg))
 
     def train(self, cfg: DictConfig, ctx: WorkerContext, adapter: Adapter) -> bool:
         """The shared loop, through `torch.compile` with `trainer.compile`."""

@@ -37,7 +37,7 @@ from trainers.torch.parallel.comm import collective_device
 from trainers.torch.parallel.grad_norm import clip_dtensor_grad_norm
 from trainers.torch.parallel.memory import rank_memory
 from trainers.torch.parallel.mesh import ParallelDims, build_nd_mesh
-from trainers.torch.data import Batch, ShardBatches
+from trainers.torch.data import Batch, Batches
 from trainers.torch.recipe import AUTOCAST_DTYPES, TorchRecipe, build_recipe, task_loss
 
 RECIPE_FILE = "recipe.pt"  # the schedule's (and scaler's) state, from rank 0, beside DCP's files
@@ -55,8 +55,8 @@ class FSDPAdapter(TorchAdapter):
 
     sharded_checkpoint = True
 
-    def __init__(self, parts: list[nn.Module], recipe: TorchRecipe, train: ShardBatches,
-                 evaluation: ShardBatches, device: torch.device, rank: int, ranks_per_sample: int,
+    def __init__(self, parts: list[nn.Module], recipe: TorchRecipe, train: Batches,
+                 evaluation: Batches, device: torch.device, rank: int, ranks_per_sample: int,
                  pp_group: ProcessGroup | None = None):
         self.parts = nn.ModuleList(parts)  # names "<part>.<dense name>": `_dense_key` drops the part
         model = parts[0] if len(parts) == 1 else self.parts
@@ -123,7 +123,7 @@ class PipelineAdapter(FSDPAdapter):
     errors)."""
 
     def __init__(self, parts: list[nn.Module], schedule: Any, stages: list[int], n_stages: int,
-                 pp_group: ProcessGroup, recipe: TorchRecipe, train: ShardBatches, evaluation: ShardBatches,
+                 pp_group: ProcessGroup, recipe: TorchRecipe, train: Batches, evaluation: Batches,
                  device: torch.device, rank: int, ranks_per_sample: int, batch_size: int):
         super().__init__(parts, recipe, train, evaluation, device, rank, ranks_per_sample, pp_group)
         self.schedule, self.pp_group, self.batch_size = schedule, pp_group, batch_size

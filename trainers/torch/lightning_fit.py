@@ -30,7 +30,7 @@ from trainers.loop import TrainLoop, WorkerContext
 from trainers.models import build_lightning_module, build_model, has_builder
 from trainers.torch.adapter import (TorchProfiler, batch_score, dist_reduce_later, gathered_stats, place_model,
                                     seed_dropout, worker_device)
-from trainers.torch.data import ShardBatches
+from trainers.torch.data import Batches
 from trainers.torch.lightning_checkpoint import CHECKPOINT_FILE
 from trainers.torch.lightning_hyperparameters import ConfiguredHyperparameters
 from trainers.torch.lightning_module import RecipeModule
@@ -42,13 +42,13 @@ Strategy = Callable[[DictConfig, WorkerContext], pl.strategies.Strategy]
 
 
 class EpochLoader:
-    """Lightning's training data: this worker's shard in the loop's fixed order per epoch (`ShardBatches`), as
+    """Lightning's training data: this worker's batches in the loop's fixed order per epoch (`Batches`), as
     (inputs, targets) batches Lightning moves to the device. The epoch is the Trainer's (`epoch_now`); a resumed
     epoch skips the steps trained before its stop (`skip`, from the checkpoint's train_state.json). Keeps each
     batch's token count and the time spent waiting for batches, for the loop's metrics. A `state_dict` makes
     Lightning treat it as resumable: the position is the loop's."""
 
-    def __init__(self, shard: ShardBatches, epoch_now: Callable[[], int], skip: int):
+    def __init__(self, shard: Batches, epoch_now: Callable[[], int], skip: int):
         self.shard, self.epoch_now, self.skip = shard, epoch_now, skip
         self.tokens: collections.deque[int] = collections.deque()  # of batches handed over, not yet trained
         self.wait_s = 0.0
@@ -81,7 +81,7 @@ class LightningAdapter(Adapter):
     """The loop's side of a Lightning run: evaluation, the all-reduce, checkpoints through Lightning's Trainer and
     per-rank memory. Training steps are Lightning's (`HandToLoop` reports them)."""
 
-    def __init__(self, module: pl.LightningModule, train: ShardBatches, evaluation: ShardBatches,
+    def __init__(self, module: pl.LightningModule, train: Batches, evaluation: Batches,
                  device: torch.device, rank: int, passes: int):
         self.module, self.train, self.evaluation, self.device, self.rank = module, train, evaluation, device, rank
         self.passes = passes  # batches per optimizer step (Lightning's accumulate_grad_batches)

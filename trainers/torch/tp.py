@@ -125,8 +125,6 @@ class TP(TorchBackend):
                          sync_gradients=lambda: average_gradients(model, dp_group),
                          clip=lambda max_norm: clip_grad_norm(model, max_norm, tp_group))
 
-    def dataset_config(self, cfg: DictConfig) -> Any:
-        """Ordered shards always: a TP group's ranks must read identical batches."""
-        from trainers.data_split import OrderedSplit
-
-        return OrderedSplit(dp=cfg.trainer.dp, group=cfg.trainer.tp)
+    def batch_group(self, cfg: DictConfig) -> int:
+        """A TP group's ranks read identical batches."""
+        return cfg.trainer.tp

@@ -1,0 +1,130 @@
+"""A worker's rows of a split streamed from its Parquet files (`data.cache_in_worker=false`), in the epoch's order of
+contract/stream_order.py: Ray Data reads the files (its read tasks, anywhere in the cluster, a few blocks ahead),
+the worker keeps one window of rows (`data.shuffle_buffer`), permutes it, and hands out its part of each global
+batch. Its memory is a window and Ray Data's prefetched blocks, whatever the dataset's size. Each rank reads every
+file of the split and keeps its rows: reading grows with the data-parallel ranks, memory does not.
+
+Framework-free: batches are {column: numpy array}; trainers/torch/data.py and trainers/tf/data.py make them
+tensors."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+
+from contract.stream_order import StreamOrder, Window, epoch_steps, rank_rows
+
+Columns = dict[str, np.ndarray]
+PREFETCH_BLOCKS = 4  # Ray Data blocks read ahead of the window being filled
+READ_TASKS = 2       # a rank's Ray Data read tasks at once
+
+
+@dataclass(frozen=True)
+class SplitFiles:
+    """A split's Parquet files and the rows each holds (its manifest's)."""
+    paths: list[str]
+    rows: list[int]
+
+    @classmethod
+    def from_manifest(cls, data_dir: str, manifest: dict[str, Any], split: str) -> "SplitFiles":
+        shards = manifest["splits"][split]["shards"]
+        return cls([f"{data_dir}/{shard['file']}" for shard in shards], [int(shard["rows"]) for shard in shards])
+
+
+def ray_read(paths: list[str], columns: list[str]) -> Iterator[Columns]:
+    """The files' `columns`, in file order, block by block, read by Ray Data's tasks (the first Parquet datasource:
+    pipelines/data/readers.py says why) with PREFETCH_BLOCKS blocks read ahead; no progress bars. The tasks reserve
+    no CPU: the training workers hold the ones they asked for, and a read that waited for a free one could wait
+    forever; READ_TASKS at once per rank bounds what they take."""
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    context.use_datasource_v2 = False
+    context.enable_progress_bars = False
+    dataset = ray.data.read_parquet(paths, columns=columns, num_cpus=0,
+                                   override_num_blocks=len(paths), concurrency=min(READ_TASKS, len(paths)))
+    dataset.context.execution_options.preserve_order = True
+    yield from dataset.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=PREFETCH_BLOCKS)
+
+
+class StreamedRows:
+    """Data-parallel rank `dp_rank` of `dp`'s batches of `batch_size` rows (its part of a global batch of
+    batch_size x dp) of the split `files`, each epoch in `order`'s sequence. `bucket_column`: the lengths by which a
+    shuffled window's rows are grouped per global batch (`data.bucket_by_length`). `read(paths, columns)`: the
+    files' rows in file order (Ray Data in a run; anything in tests), each block made `stored` (the dtypes a worker
+    holds: `DataSchema.stored_columns`)."""
+
+    def __init__(self, files: SplitFiles, columns: list[str], order: StreamOrder, batch_size: int, dp: int,
+                 dp_rank: int, max_steps: int | None = None, drop_last: bool = False,
+                 bucket_column: str | None = None,
+                 read: Callable[[list[str], list[str]], Iterable[Columns]] = ray_read,
+                 stored: Callable[[Columns], Columns] = dict):
+        self.files, self.columns, self.order, self.read, self.stored = files, columns, order, read, stored
+        self.global_batch, self.dp, self.dp_rank = batch_size * dp, dp, dp_rank
+        self.max_steps, self.drop_last, self.bucket_column = max_steps, drop_last, bucket_column
+        self.wait_s = 0.0  # time spent waiting for Ray Data's blocks
+
+    def steps(self) -> int:
+        """Batches per epoch, from the files' row counts (the same on every rank)."""
+        steps = epoch_steps(self.order.total_rows, self.global_batch, self.dp, self.drop_last)
+        return min(steps, self.max_steps) if self.max_steps else steps
+
+    def epoch(self, epoch: int, skip: int = 0) -> Iterator[Columns]:
+        """This rank's batches of `epoch` after its first `skip`: only the windows from the first one it needs are
+        read."""
+        steps = self.steps()
+        if skip >= steps:
+            return
+        windows = self.order.windows(epoch)
+        first, _ = rank_rows(skip, self.global_batch, self.order.total_rows, self.dp, self.dp_rank)
+        start = next(i for i, window in enumerate(windows) if first < window.start + window.rows)
+        paths = [self.files.paths[f] for window in windows[start:] for f in window.files]
+        filled = WindowFill(iter(self.read(paths, self.columns)), self)
+        index, window, rows = start - 1, None, None
+        for step in range(skip, steps):
+            begin, stop = rank_rows(step, self.global_batch, self.order.total_rows, self.dp, self.dp_rank)
+            parts = []
+            while begin < stop:
+                if window is None or begin >= window.start + window.rows:
+                    index += 1
+                    window = windows[index]
+                    rows = self._ordered(epoch, index, window, filled.take(window.rows))
+                end = min(stop, window.start + window.rows)
+                parts.append({c: values[begin - window.start:end - window.start] for c, values in rows.items()})
+                begin = end
+            yield parts[0] if len(parts) == 1 else {c: np.concatenate([p[c] for p in parts]) for c in self.columns}
+
+    def _ordered(self, epoch: int, index: int, window: Window, rows: Columns) -> Columns:
+        lengths = rows[self.bucket_column] if self.bucket_column else None
+        order = self.order.window_order(epoch, window, index, lengths, self.global_batch)
+        return {c: values[order] for c, values in rows.items()}
+
+
+class WindowFill:
+    """Rows taken from a stream of blocks in windows of a given size; a block that spans two windows is split."""
+
+    def __init__(self, blocks: Iterator[Columns], rows: StreamedRows):
+        self.blocks, self.owner = blocks, rows
+        self.left: Columns | None = None
+
+    def take(self, count: int) -> Columns:
+        parts, held = [], 0
+        while held < count:
+            block = self.left if self.left is not None else self._next()
+            size = len(next(iter(block.values())))
+            need = count - held
+            parts.append({c: v[:need] for c, v in block.items()} if size > need else block)
+            self.left = {c: v[need:] for c, v in block.items()} if size > need else None
+            held += min(size, need)
+        return {c: np.concatenate([p[c] for p in parts]) for c in parts[0]}
+
+    def _next(self) -> Columns:
+        start = time.perf_counter()
+        try:
+            block = next(self.blocks)
+        except StopIteration:
+            raise RuntimeError("the split's files hold fewer rows than its manifest says") from None
+        self.owner.wait_s += time.perf_counter() - start
+        return self.owner.stored(block)
