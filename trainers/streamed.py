@@ -8,7 +8,6 @@ Framework-free: batches are {column: numpy array}; trainers/torch/data.py and tr
 tensors."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -64,7 +63,6 @@ class StreamedRows:
         self.files, self.columns, self.order, self.read, self.stored = files, columns, order, read, stored
         self.global_batch, self.dp, self.dp_rank = batch_size * dp, dp, dp_rank
         self.max_steps, self.drop_last, self.bucket_column = max_steps, drop_last, bucket_column
-        self.wait_s = 0.0  # time spent waiting for Ray Data's blocks
 
     def steps(self) -> int:
         """Batches per epoch, from the files' row counts (the same on every rank)."""
@@ -81,7 +79,7 @@ class StreamedRows:
         first, _ = rank_rows(skip, self.global_batch, self.order.total_rows, self.dp, self.dp_rank)
         start = next(i for i, window in enumerate(windows) if first < window.start + window.rows)
         paths = [self.files.paths[f] for window in windows[start:] for f in window.files]
-        filled = WindowFill(iter(self.read(paths, self.columns)), self)
+        filled = WindowFill((self.stored(block) for block in self.read(paths, self.columns)))
         index, window, rows = start - 1, None, None
         for step in range(skip, steps):
             begin, stop = rank_rows(step, self.global_batch, self.order.total_rows, self.dp, self.dp_rank)
@@ -105,8 +103,8 @@ class StreamedRows:
 class WindowFill:
     """Rows taken from a stream of blocks in windows of a given size; a block that spans two windows is split."""
 
-    def __init__(self, blocks: Iterator[Columns], rows: StreamedRows):
-        self.blocks, self.owner = blocks, rows
+    def __init__(self, blocks: Iterator[Columns]):
+        self.blocks = blocks
         self.left: Columns | None = None
 
     def take(self, count: int) -> Columns:
@@ -121,10 +119,7 @@ class WindowFill:
         return {c: np.concatenate([p[c] for p in parts]) for c in parts[0]}
 
     def _next(self) -> Columns:
-        start = time.perf_counter()
         try:
-            block = next(self.blocks)
+            return next(self.blocks)
         except StopIteration:
             raise RuntimeError("the split's files hold fewer rows than its manifest says") from None
-        self.owner.wait_s += time.perf_counter() - start
-        return self.owner.stored(block)
