@@ -93,7 +93,7 @@ def same_processes(rank: int, port: int, args: argparse.Namespace) -> None:
     from pipelines.data.mnist import mnist_schema
     from pipelines.config import load_config
     from trainers.adapter import WorkerData
-    from trainers.loop import WorkerContext
+    from trainers.context import WorkerContext
     from trainers.torch import deepspeed as ours
     from trainers.torch.data import ShardBatches
     from trainers.torch.recipe import make_optimizer

@@ -45,7 +45,7 @@ def build(cfg: DictConfig, data: Callable, device: torch.device) -> Any:
     """The backend's adapter on this one rank, as its worker builds it (ddp's model in DDP, as on a worker of
     several)."""
     from trainers.adapter import WorkerData
-    from trainers.loop import WorkerContext
+    from trainers.context import WorkerContext
     from trainers.torch import ddp as torch_ddp
     from trainers.torch import fsdp as torch_fsdp
     from trainers.torch import tp as torch_tp

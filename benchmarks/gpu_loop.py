@@ -30,7 +30,7 @@ from pipelines.data.mnist import MNIST_MEAN, MNIST_STD, mnist_schema
 from benchmarks.common import MNIST, ensure_mnist, mnist_arrays, steady_rate
 from pipelines.config import load_config
 from trainers.adapter import WorkerData
-from trainers.loop import WorkerContext
+from trainers.context import WorkerContext
 from trainers.models import build_model
 from trainers.torch.data import ShardBatches
 from trainers.torch.ddp import DDP

@@ -21,7 +21,8 @@ from omegaconf import DictConfig
 
 from contract.data import DataSchema
 from trainers.adapter import Adapter, WorkerData
-from trainers.loop import WorkerContext, train
+from trainers.context import WorkerContext
+from trainers.loop import train
 from trainers.worker import loop_config, ray_context, run_config, scaling_config, worker_config, worker_inputs
 
 

@@ -1,14 +1,15 @@
 """The one training loop every backend runs, framework-free (no torch, TensorFlow or Ray imported here).
 
 A backend supplies an `Adapter` (trainers/adapter.py: model, optimizer, data shard, one training step, evaluation,
-state files, an all-reduce) and a `WorkerContext` (rank, how to report, the checkpoint to resume from;
-trainers/worker.py builds it from Ray Train). The loop owns what the contract promises: epochs and the resume point,
-skipping the steps a stopped epoch already trained on, the STOP agreement between ranks, `step_loss`
-(trainers/step_losses.py), the epoch metrics (contract/metrics.py), the best epoch and early stopping (`run.monitor`,
-`run.patience`), the checkpoint schema (contract/checkpoint.py) and what rank 0 logs. Side concerns (hang marks,
-the step bar, profiling, start-up metrics, per-rank step times, MFU, fault injection) are `LoopCallback`s told at
-named hooks (trainers/callbacks/). The optimizer-step recipe (schedule, clipping, accumulation, precision) is the
-adapter's. Keras `fit` and Lightning keep their own loops and hand their steps and epochs to this one.
+state files, an all-reduce) and a `WorkerContext` (trainers/context.py: rank, how to report, the checkpoint to resume
+from; trainers/worker.py builds it from Ray Train). The loop owns what the contract promises: epochs and the resume
+point, skipping the steps a stopped epoch already trained on, the STOP agreement between ranks, checkpoints inside
+epochs, `step_loss` (trainers/step_losses.py), the epoch metrics (contract/metrics.py), the best epoch and early
+stopping (`run.monitor`, `run.patience`), the checkpoint schema (contract/checkpoint.py) and what rank 0 logs. Side
+concerns (hang marks, the step bar, profiling, start-up metrics, per-rank step times, MFU, fault injection) are
+`LoopCallback`s told at named hooks (trainers/callbacks/). The optimizer-step recipe (schedule, clipping,
+accumulation, precision) is the adapter's. Keras `fit` and Lightning keep their own loops and hand their steps and
+epochs to this one.
 """
 from __future__ import annotations
 
@@ -17,61 +18,18 @@ import math
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, Callable, Protocol
+from dataclasses import replace
 
 from contract.checkpoint import EpochTotals, TrainState, partial_over_ranks
 from contract.console import say
 from contract.metrics import (DIVERGED_METRICS, EPOCH_END, REPORTED_EPOCH, epoch_line, epoch_metrics,
                               step_checkpoint_metrics, stop_metrics)
-from contract.recipe import Monitor
-from contract.resume import STOP_CHECK_EVERY, StepChecks
+from contract.resume import StepChecks
 from contract.stragglers import StepClock
 from trainers.adapter import Adapter
-from trainers.callbacks.base import Callbacks, LoopCallback
+from trainers.callbacks.base import Callbacks
+from trainers.context import WorkerContext
 from trainers.step_losses import StepLosses
-
-
-class MetricsSink(Protocol):
-    """Rank 0's MLflow logging (contract.tracking.EpochLogger); `NoMetrics` on the other ranks."""
-
-    def log(self, epoch: int, metrics: dict[str, float]) -> None: ...
-    def log_extra(self, epoch: int, metrics: dict[str, float]) -> None: ...
-    def log_step_loss(self, step: int, loss: float) -> None: ...
-    def flush(self) -> None: ...
-    def resumed_from(self, epoch: int, steps: int = 0) -> None: ...
-    def log_artifacts(self, folder: str, path: str) -> None: ...
-    def tag(self, key: str, value: str) -> None: ...
-
-
-class NoMetrics:
-    """What a rank other than 0 logs: nothing."""
-
-    def __getattr__(self, name: str) -> Callable[..., None]:
-        return lambda *args, **kwargs: None
-
-
-@dataclass
-class WorkerContext:
-    """What the loop needs from the cluster: Ray Train in a run (trainers/worker.py), plain objects in tests."""
-    rank: int
-    world_size: int
-    report: Callable[..., None]  # (metrics, this rank's checkpoint folder or None, background: upload it later)
-    epochs: int
-    restored: Any = None                  # a checkpoint with `as_directory()` to resume from, or None
-    logger: MetricsSink = field(default_factory=NoMetrics)  # rank 0's MLflow logger
-    stop_file: Path | None = None         # STOP in `run.resume_dir` (contract/resume.py)
-    log_every_n_steps: int = 0            # `step_loss` every n global steps; 0: off
-    stop_check_every: int = STOP_CHECK_EVERY
-    checkpoint_every_n_steps: int = 0     # `run.checkpoint_every_n_steps`: a checkpoint inside the epoch; 0: none
-    checkpoint_every_s: float = 0.0       # `run.checkpoint_every_s`: or after this long; 0: none
-    nan_patience: int = 3                 # `run.nan_patience`: non-finite logged step losses in a row that end a run
-    origin: dict[str, Any] | None = None  # what wrote the checkpoints (contract/checkpoint.py checkpoint_origin)
-    monitor: Monitor = Monitor()          # the best epoch and early stopping (`run.monitor`, `run.patience`)
-    evaluated: str = "test_accuracy"      # the task's evaluation metric (contract/metrics.py EVAL_METRICS)
-    device: Any = None                    # what the worker computes on (PyTorch: its torch.device; None: the CPU)
-    callbacks: list[LoopCallback] = field(default_factory=list)  # the side concerns (trainers/callbacks/)
 
 
 def train(adapter: Adapter, ctx: WorkerContext, dump_dir: str | None) -> bool:

@@ -10,7 +10,7 @@ from contract.metrics import PendingReduce
 
 if TYPE_CHECKING:
     from trainers.adapter import Adapter
-    from trainers.loop import WorkerContext
+    from trainers.context import WorkerContext
 
 
 class StepLosses:

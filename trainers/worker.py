@@ -34,7 +34,7 @@ from trainers.callbacks.startup import StartupMetrics
 from trainers.callbacks.step_bar import StepBars
 from trainers.callbacks.step_times import StepTimes
 from trainers.hang_watch import HangWatch
-from trainers.loop import MetricsSink, NoMetrics, WorkerContext
+from trainers.context import MetricsSink, NoMetrics, WorkerContext
 from trainers.model_flops import run_flops_per_sample
 
 

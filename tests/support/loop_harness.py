@@ -19,7 +19,7 @@ import numpy as np
 from contract.metrics import FIRST_EPOCH_METRICS, STOP_METRICS, metric_names
 from trainers.callbacks.base import LoopCallback
 from trainers.callbacks.step_times import StepTimes
-from trainers.loop import NoMetrics, WorkerContext
+from trainers.context import NoMetrics, WorkerContext
 
 STOP_AT = 10  # contract.resume.STOP_CHECK_EVERY: the first step at which the ranks agree on STOP
 

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from contract.metrics import AsyncReducer, PendingReduce
 from trainers.adapter import WorkerData
 from trainers.horovod.common import import_horovod, init_horovod, record_init
-from trainers.loop import WorkerContext
+from trainers.context import WorkerContext
 from trainers.tf.adapter import (KerasAdapter, build_compiled_model, compiled_steps, keras_loss, seed_dropout,
                                  set_threads)
 from trainers.tf.backend import TFBackend, require_legacy_keras

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from contract.metrics import AsyncReducer, PendingReduce
 from trainers.adapter import WorkerData
 from trainers.horovod.common import import_horovod, init_horovod, record_init
-from trainers.loop import WorkerContext
+from trainers.context import WorkerContext
 from trainers.models import build_model
 from trainers.torch.adapter import TorchAdapter, place_model, seed_dropout
 from trainers.torch.backend import TorchBackend

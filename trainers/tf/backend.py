@@ -15,7 +15,7 @@ from contract.console import import_tensorflow, quiet_keras_predict
 from contract.data import DataSchema
 from trainers.adapter import Adapter
 from trainers.backend import Backend
-from trainers.loop import WorkerContext
+from trainers.context import WorkerContext
 from trainers.tf.adapter import LEGACY_KERAS_ENV, compiled_model_from, input_example
 from trainers.tf.data import ShardArrays, ray_arrays
 

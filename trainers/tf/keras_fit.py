@@ -12,7 +12,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from contract.checkpoint import EpochTotals
-from trainers.loop import TrainLoop, WorkerContext
+from trainers.context import WorkerContext
+from trainers.loop import TrainLoop
 
 
 class FitAdapter(Protocol):

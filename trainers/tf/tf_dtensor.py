@@ -31,7 +31,7 @@ from trainers.tf.backend import TFBackend, device_scaling
 from trainers.tf.specs import mesh_dims
 from trainers.tf.data import ShardArrays
 from trainers.adapter import Adapter, WorkerData
-from trainers.loop import WorkerContext
+from trainers.context import WorkerContext
 
 MODEL_FILE, OPTIMIZER_FILE = "dtensor_model.npz", "dtensor_optimizer.npz"
 EVAL_BATCH = 256  # rows per batch coordinate

@@ -23,7 +23,7 @@ from trainers.tf.backend import KerasFit, device_scaling
 from trainers.tf.data import EpochStream, chained_epochs
 from trainers.tf import recipe as tfr
 from trainers.adapter import WorkerData
-from trainers.loop import WorkerContext
+from trainers.context import WorkerContext
 
 def make_strategy(tf: Any, trainer: DictConfig) -> Any:
     """Threads, then the strategy: it must exist before any other TF op ("Collective ops must be configured

@@ -44,7 +44,7 @@ from trainers.tf.adapter import (KerasAdapter, build_compiled_model, keras_loss,
 from trainers.tf.backend import KerasFit
 from trainers.tf.data import ShardArrays, model_input_fn
 from trainers.adapter import WorkerData
-from trainers.loop import WorkerContext
+from trainers.context import WorkerContext
 from trainers.tf.ps.cluster import CHIEF, FEATURES, LABELS, Chief, PublishedShards, board, serve, task_of_this_worker
 
 POSITIONS = "ps_positions.json"  # a stopped epoch: where each worker is (beside tf_mwms' state files)

@@ -16,7 +16,7 @@ from torch import nn
 
 from contract.metrics import AsyncReducer, PendingReduce, peak_rss_bytes
 from trainers.adapter import Adapter
-from trainers.loop import WorkerContext
+from trainers.context import WorkerContext
 from trainers.torch.data import Batch, Batches
 from trainers.torch.parallel.comm import collective_device
 from trainers.torch.parallel.data_parallel import average_gradients

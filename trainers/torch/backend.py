@@ -19,7 +19,7 @@ from contract.data import PAD_ID, DataSchema
 from contract.mfu import peak_flops
 from trainers.adapter import Adapter
 from trainers.backend import Backend
-from trainers.loop import WorkerContext
+from trainers.context import WorkerContext
 from trainers.models import build_model
 from trainers.torch.adapter import TorchAdapter, load_state_file
 from trainers.torch.data import Batches, ray_batches

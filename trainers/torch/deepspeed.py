@@ -30,7 +30,7 @@ import torch
 from omegaconf import DictConfig
 
 from trainers.adapter import WorkerData
-from trainers.loop import WorkerContext
+from trainers.context import WorkerContext
 from trainers.models import build_model
 from trainers.torch.adapter import TorchAdapter, place_model, seed_dropout, worker_device
 from trainers.torch.backend import TorchBackend

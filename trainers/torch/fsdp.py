@@ -29,7 +29,7 @@ from torch.distributed import ProcessGroup
 
 from contract.registry import MODELS
 from trainers.adapter import WorkerData
-from trainers.loop import WorkerContext
+from trainers.context import WorkerContext
 from trainers.models import build_model
 from trainers.torch.adapter import TorchAdapter, batch_score, seed_dropout, worker_device
 from trainers.torch.backend import TorchBackend

@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from contract.data import DataSchema
 from trainers.adapter import WorkerData
-from trainers.loop import WorkerContext
+from trainers.context import WorkerContext
 from trainers.models import build_lightning_module, has_builder
 from trainers.torch.backend import TorchBackend, log_torch_model
 from trainers.torch.lightning_checkpoint import module_state, plain_model_state

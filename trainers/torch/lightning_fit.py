@@ -26,7 +26,8 @@ from omegaconf import DictConfig
 from contract.console import quiet_lightning_logs
 from contract.metrics import PendingReduce
 from trainers.adapter import Adapter, WorkerData
-from trainers.loop import TrainLoop, WorkerContext
+from trainers.context import WorkerContext
+from trainers.loop import TrainLoop
 from trainers.models import build_lightning_module, build_model, has_builder
 from trainers.torch.adapter import (TorchProfiler, batch_score, dist_reduce_later, gathered_stats, place_model,
                                     seed_dropout, worker_device)

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from contract.registry import MODELS, resolve
 from trainers.adapter import WorkerData
-from trainers.loop import WorkerContext
+from trainers.context import WorkerContext
 from trainers.models import build_model
 from trainers.torch.adapter import TorchAdapter, seed_dropout, worker_device
 from trainers.torch.backend import TorchBackend

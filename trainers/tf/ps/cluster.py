@@ -39,7 +39,7 @@ from contract.hang import Progress
 from trainers.callbacks.base import LoopCallback
 from trainers.callbacks.faults import FaultInjection
 from trainers.callbacks.hang_marks import HangMarks
-from trainers.loop import WorkerContext
+from trainers.context import WorkerContext
 from trainers.preflight import PreflightConfig, check_workers_reachable
 from trainers.worker import dataset_shards, free_addresses, set_worker_envs
 
