@@ -109,3 +109,13 @@ def test_a_short_last_batch_is_trained_when_every_rank_gets_a_row(total, batch, 
         assert all(stop > start for start, stop in parts) and max(s - t for t, s in parts) - \
             min(s - t for t, s in parts) <= 1
     assert epoch_steps(365, 24, 1, drop_last=True) == 15
+
+
+def test_a_streamed_epoch_has_the_steps_of_the_same_data_held_in_memory():
+    """Held in memory, each of dp ranks holds rows // dp rows (Ray's equal split) and trains ceil(that / batch)
+    steps; streamed, an epoch has as many: a learning-rate schedule (its length in steps) is the same, step for
+    step, whichever way the data is read."""
+    for rows in range(1, 400, 7):
+        for dp in (1, 2, 3, 4):
+            for batch in (1, 5, 8, 32):
+                assert epoch_steps(rows, batch * dp, dp) == -(-(rows // dp) // batch), (rows, dp, batch)
