@@ -8,7 +8,10 @@ Framework-free: batches are {column: numpy array}; trainers/torch/data.py and tr
 tensors."""
 from __future__ import annotations
 
+import copy
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -30,6 +33,15 @@ class SplitFiles:
     def from_manifest(cls, data_dir: str, manifest: dict[str, Any], split: str) -> "SplitFiles":
         shards = manifest["splits"][split]["shards"]
         return cls([f"{data_dir}/{shard['file']}" for shard in shards], [int(shard["rows"]) for shard in shards])
+
+
+def ray_data_parallel(group: int = 1) -> tuple[int, int]:
+    """This Ray Train worker's (data-parallel ranks, its data-parallel rank) when each `group` of consecutive ranks
+    (a TP group or a pipeline) reads the same batches."""
+    import ray.train
+
+    context = ray.train.get_context()
+    return context.get_world_size() // group, context.get_world_rank() // group
 
 
 def ray_read(paths: list[str], columns: list[str]) -> Iterator[Columns]:
@@ -63,6 +75,27 @@ class StreamedRows:
         self.files, self.columns, self.order, self.read, self.stored = files, columns, order, read, stored
         self.global_batch, self.dp, self.dp_rank = batch_size * dp, dp, dp_rank
         self.max_steps, self.drop_last, self.bucket_column = max_steps, drop_last, bucket_column
+
+    @classmethod
+    def of_split(cls, data_dir: str, split: str, seed: int, window_rows: int, shuffle: bool,
+                 **kwargs: Any) -> "StreamedRows":
+        """The split `split` of the dataset prepared in `data_dir` (its manifest's files and rows), each epoch in
+        the order of `seed` (files and windows of `window_rows` rows shuffled, or as stored); `kwargs`: the rest of
+        the constructor's arguments."""
+        manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
+        files = SplitFiles.from_manifest(data_dir, manifest, split)
+        return cls(files, order=StreamOrder(files.rows, window_rows, seed, shuffle=shuffle), **kwargs)
+
+    def only(self, columns: list[str]) -> "StreamedRows":
+        """The same batches of `columns` alone, as read (a pass over a small column, e.g. the lengths)."""
+        rows = copy.copy(self)
+        rows.columns, rows.stored = columns, dict
+        return rows
+
+    def rank_rows(self) -> int:
+        """This rank's rows in an epoch."""
+        return sum(stop - start for start, stop in (rank_rows(step, self.global_batch, self.order.total_rows,
+                                                              self.dp, self.dp_rank) for step in range(self.steps())))
 
     def steps(self) -> int:
         """Batches per epoch, from the files' row counts (the same on every rank)."""

@@ -1,10 +1,12 @@
 """Streamed data (`data.cache_in_worker=false`, trainers/streamed.py) read by Ray Data from real Parquet files:
 a rank's batches are the files' rows in the order contract/stream_order.py says, every row once an epoch, the same
 global batches at 1 and 2 ranks; and a run through `rtp train` on a generated dataset several times a deliberately
-small object store finishes, each worker's memory bounded by the window, not the dataset."""
+small object store finishes, each worker's memory bounded by the window, not the dataset; a streamed TensorFlow run
+resumes inside an epoch."""
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -13,7 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from contract.stream_order import StreamOrder
 from pipelines.prepare import main as prepare_main
-from tests.conftest import pipeline_env, ray_init_on, run_id_from, run_pipeline, started_ray_head
+from tests.conftest import check_finished_run, pipeline_env, ray_init_on, run_id_from, run_pipeline, started_ray_head
 from trainers.streamed import SplitFiles, StreamedRows, ray_read
 
 pytestmark = pytest.mark.slow  # starts Ray
@@ -80,3 +82,38 @@ def test_a_dataset_five_times_the_object_store_streams_in_less_memory_than_the_d
     assert run.info.status == "FINISHED" and run.data.params["data.cache_in_worker"] == "False"  # auto: too big
     assert run.data.metrics["test_accuracy"] > 0.2, run.data.metrics  # it learned (10 classes: 0.1 by chance)
     assert run.data.metrics["peak_memory_bytes"] < min(2**30, train_bytes), run.data.metrics
+
+
+def test_tf_mwms_streams_on_two_workers_and_resumes_inside_an_epoch(tmp_path, mlflow_server, ray_head):
+    """tf_mwms's custom loop on 2 workers streaming a generated dataset (`data.cache_in_worker=false`), a checkpoint
+    every 10 steps; the last worker fails before step 15 and both restart from step 10's checkpoint. The run keeps
+    the contract every backend keeps, the replicas end identical, the steps trained twice have the same losses (the
+    same batches again, streamed from step 10), and the model learned the data's rule."""
+    data, marker = tmp_path / "data", tmp_path / "failed-once"
+    assert prepare_main(["synthetic", "--rows", "3000", "--features", "8", "--classes", "2", "--rows-per-shard", "300",
+                         "--out", str(data)]) == 0
+    done = run_pipeline([f"data.path={data}", "trainer=tf_mwms", "trainer.tf_loop=custom",
+                         "trainer.tf_communication=ring", "trainer.threads_per_worker=1", "trainer.batch_size=32",
+                         "trainer.epochs=2", "model=mlp", "model.hidden=[32]", "data.cache_in_worker=false",
+                         "data.shuffle_buffer=500", "trainer.log_every_n_steps=1", "run.checkpoint_every_n_steps=10",
+                         "fault.max_failures=1", "fault.inject_at_step=15", f"fault.inject_marker={marker}",
+                         f"run.dump_params_dir={tmp_path / 'params'}", f"run.storage_path={tmp_path / 'ray'}"],
+                        pipeline_env(mlflow_server, ray_head))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert marker.read_text() == "failed at step 15 in rank 1\n"
+    client = MlflowClient(mlflow_server)
+    run_id = run_id_from(done.stdout)
+    check_finished_run(client, run_id, "tf_mwms", 2)
+    run = client.get_run(run_id)
+    assert run.data.params["data.cache_in_worker"] == "False"
+    assert run.data.tags["resumed_from_step"] == "epoch 1 step 10"
+    losses: dict[int, list[float]] = defaultdict(list)
+    for m in client.get_metric_history(run_id, "step_loss"):
+        losses[m.step].append(m.value)
+    assert sorted(losses) == list(range(1, 2 * 37 + 1))  # 2,400 train rows: 37 global batches of 64 an epoch
+    for step, values in losses.items():
+        np.testing.assert_allclose(values, values[0], rtol=1e-6, err_msg=f"step {step}")
+    rank0, rank1 = (np.load(tmp_path / "params" / f"rank{r}.npz") for r in (0, 1))
+    for key in rank0.files:
+        np.testing.assert_array_equal(rank0[key], rank1[key])
+    assert run.data.metrics["test_accuracy"] > 0.7, run.data.metrics  # a linear rule of 2 classes

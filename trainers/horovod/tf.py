@@ -159,6 +159,8 @@ class HorovodTF(TFBackend):
     """trainer=horovod, trainer.framework=tf: plain single-device TensorFlow workers joined by Horovod's Gloo
     rendezvous; the shared loop drives a custom step."""
 
+    streams_files = True
+
     def ray_setup(self, cfg: DictConfig, run_id: str) -> Any:
         from trainers.horovod.rendezvous import RendezvousConfig
         from trainers.preflight import preflight_config

@@ -21,10 +21,9 @@ import numpy as np
 from contract.data import DataSchema
 from contract.metrics import PendingReduce, reduce_at_once
 from trainers.adapter import Adapter
-from trainers.tf.data import ShardArrays
+from trainers.tf.data import EVAL_BATCH, TrainArrays
 
 LEGACY_KERAS_ENV = {"TF_USE_LEGACY_KERAS": "1"}
-EVAL_BATCH = 256
 WEIGHTS, OPTIMIZER = "model.weights.h5", "optimizer.npz"
 
 
@@ -181,7 +180,7 @@ class KerasAdapter(Adapter):
     batch_hooks = True  # Keras fit may call batch-level callbacks (trainers/tf/keras_fit.py)
     several_steps: Any = None  # a custom loop's `compiled_steps` (up to `steps_per_call` a call), where it has them
 
-    def __init__(self, tf: Any, strategy: Any, model: Any, train: ShardArrays, evaluation: ShardArrays,
+    def __init__(self, tf: Any, strategy: Any, model: Any, train: TrainArrays, evaluation: TrainArrays,
                  batch_size: int, rank: int, seed: int, max_steps: int | None, local_replicas: int = 1,
                  save_on_every_rank: bool = False, grad_accum: int = 1, bucket_by_length: bool = False):
         self.tf, self.strategy, self.model, self.train, self.evaluation = tf, strategy, model, train, evaluation
@@ -201,12 +200,11 @@ class KerasAdapter(Adapter):
     def epoch_dataset(self, epoch: int, skip: int = 0) -> Any:
         """The epoch's per-replica batches for this worker (`steps` for each of its replicas), without those of
         the first `skip` steps."""
-        ds = self.train.dataset(self.tf, self.batch_size, seed=self.seed + epoch,
-                                steps=self.steps * self.local_replicas)
-        return ds.skip(skip * self.local_replicas) if skip else ds
+        return self.train.dataset(self.tf, self.batch_size, seed=self.seed, epoch=epoch,
+                                  steps=self.steps * self.local_replicas, skip=skip * self.local_replicas)
 
     def epoch_tokens(self, epoch: int) -> np.ndarray:
-        return self.train.step_tokens(self.rows_per_step, self.seed + epoch, self.steps)
+        return self.train.step_tokens(self.rows_per_step, self.seed, self.steps, epoch)
 
     def streamed_turns(self, epoch: int, skip: int) -> Iterator[tuple[Iterator[Any], int]]:
         """The custom loops' (tf_mwms custom, horovod tf): the epoch's steps after its first `skip`, each the
@@ -241,11 +239,12 @@ class KerasAdapter(Adapter):
         if self.eval_batches is None:
             self.eval_batches = iter(self.evaluation.dataset(self.tf, EVAL_BATCH).repeat())
         score, regression = 0.0, self.evaluation.schema.target.task == "regression"
-        for _ in range(-(-len(self.evaluation.labels) // EVAL_BATCH)):  # the batches of one pass
+        rows = self.evaluation.rows
+        for _ in range(-(-rows // EVAL_BATCH)):  # the batches of one pass
             features, labels = next(self.eval_batches)
             outputs = model(features, training=False)
             score += batch_score(outputs.numpy(), labels.numpy(), regression)
-        return score, len(self.evaluation.labels)
+        return score, rows
 
     def reduce_later(self, values: list[float], op: str) -> PendingReduce:
         return reduce_at_once(self.reduce, values, op)  # TF's collectives are called synchronously here

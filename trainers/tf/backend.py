@@ -1,6 +1,7 @@
 """`TFBackend`: what every TensorFlow backend shares on Ray Train (tf_mwms, tf_dtensor, tf_ps, horovod tf). Its
 worker processes start with tf-keras owning `tf.keras` (trainers/tf/adapter.py says why) and import TensorFlow
-first, its start-up lines filtered; each worker holds its part of the data in memory (`ShardArrays`); the final
+first, its start-up lines filtered; each worker holds its part of the data in memory (`ShardArrays`), or, in a
+backend that `streams_files`, streams its part of every global batch (`StreamedArrays`); the final
 checkpoint's model is logged to MLflow in the Keras flavour, from a Ray task started with tf-keras (never in the
 driver, which imports no TensorFlow). `KerasFit` adds the choice of Keras `fit` or the shared loop
 (`trainer.tf_loop`)."""
@@ -17,7 +18,7 @@ from trainers.adapter import Adapter
 from trainers.backend import Backend
 from trainers.context import WorkerContext
 from trainers.tf.adapter import LEGACY_KERAS_ENV, compiled_model_from, input_example
-from trainers.tf.data import ShardArrays, ray_arrays
+from trainers.tf.data import TrainArrays, ray_arrays, streamed_arrays
 
 
 class TFBackend(Backend):
@@ -33,14 +34,21 @@ class TFBackend(Backend):
         import_tensorflow()  # first, with its start-up lines filtered
         super().train_loop_per_worker(config)
 
-    def shards(self, cfg: DictConfig, inputs: DataSchema, seed: int) -> tuple[ShardArrays, ShardArrays]:
+    def shards(self, cfg: DictConfig, inputs: DataSchema, seed: int) -> tuple[TrainArrays, TrainArrays]:
         """This worker's part of the data as arrays (the adapter shuffles it), pulled when the adapter asks: after
-        the worker has set TensorFlow's threads."""
+        the worker has set TensorFlow's threads; or streamed from the files (`data.cache_in_worker=false`, where
+        the backend `streams_files`)."""
+        if self.streams_files and not cfg.data.cache_in_worker:
+            return streamed_arrays(cfg, inputs)
         return ray_arrays(inputs)
 
     def dataset_config(self, cfg: DictConfig) -> Any:
-        """An ordered split always: every TensorFlow worker caches its part (`ShardArrays`)."""
+        """An ordered split whenever the worker holds its part (`ShardArrays`), which a backend that does not
+        `streams_files` always does."""
         from trainers.data_split import OrderedSplit
+
+        if self.streams_files and not cfg.data.cache_in_worker:
+            return super().dataset_config(cfg)  # no datasets are handed to Ray Train
 
         group = self.batch_group(cfg)
         return OrderedSplit(dp=cfg.trainer.num_workers // group, group=group)

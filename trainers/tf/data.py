@@ -1,18 +1,21 @@
-"""TensorFlow input from a worker's data shard: the Ray Data shard pulled into memory once as numpy
-(`ShardArrays`), each epoch a `tf.data` pipeline over it in a fixed shuffled order, and an attempt's epochs read
-through one iterator (`EpochStream`). Shared by every TensorFlow backend; imports no TensorFlow itself (the
-adapters hand it in, once tf-keras owns `tf.keras`)."""
+"""TensorFlow input from a worker's part of the data: its Ray Data shard pulled into memory once as numpy
+(`ShardArrays`), each epoch a `tf.data` pipeline over it in a fixed shuffled order; or its part of every global
+batch streamed from the files (`StreamedArrays`); and an attempt's epochs read through one iterator
+(`EpochStream`). Shared by every TensorFlow backend; imports no TensorFlow itself (the adapters hand it in, once
+tf-keras owns `tf.keras`)."""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from contract.data import LABEL_DTYPES, DataSchema, bucketed_order, shuffled_order
+from contract.data import FEATURE_DTYPES, LABEL_DTYPES, DataSchema, bucketed_order, shuffled_order
+from trainers.streamed import Columns, StreamedRows, ray_data_parallel, ray_read
 from trainers.worker import dataset_shards
 
 LOAD_BATCH = 8192  # rows per Ray Data batch when pulling a shard into memory
+EVAL_BATCH = 256  # rows per evaluation batch
 
 
 class ShardArrays:
@@ -51,6 +54,10 @@ class ShardArrays:
         self.bucket_rows = 0
         self._tensors: tuple[Any, Any] | None = None  # features and labels in TensorFlow, once asked for
 
+    @property
+    def rows(self) -> int:
+        return len(self.labels)
+
     def steps(self, batch_size: int, max_steps: int | None) -> int:
         # Every worker must run the same number of steps (each is a collective): Ray's DataConfig splits
         # with equal=True (same rows per worker), and only full batches are used.
@@ -66,9 +73,9 @@ class ShardArrays:
         order = shuffled_order(rows, seed)
         return bucketed_order(order, self.lengths, self.bucket_rows, seed) if self.bucket_rows else order
 
-    def step_tokens(self, rows_per_step: int, seed: int, steps: int) -> np.ndarray:
-        """Real tokens in each of an epoch's `steps` steps of `rows_per_step` rows (in `order(seed)`)."""
-        return self.lengths[self.order(seed)][:steps * rows_per_step].reshape(steps, rows_per_step).sum(axis=1)
+    def step_tokens(self, rows_per_step: int, seed: int, steps: int, epoch: int = 0) -> np.ndarray:
+        """Real tokens in each of an epoch's `steps` steps of `rows_per_step` rows (in `order(seed + epoch)`)."""
+        return self.lengths[self.order(seed + epoch)][:steps * rows_per_step].reshape(steps, rows_per_step).sum(axis=1)
 
     def tensors(self, tf: Any) -> tuple[Any, Any]:
         """The shard's features and labels as TensorFlow tensors, made once: every epoch's dataset gathers its
@@ -79,24 +86,106 @@ class ShardArrays:
                 self._tensors = (tf.constant(self.features), tf.constant(self.labels))
         return self._tensors
 
-    def dataset(self, tf: Any, batch_size: int, seed: int | None = None, steps: int | None = None) -> Any:
-        """One epoch as a `tf.data.Dataset` of (features, labels [B]); shuffled with `seed` (per epoch) when
-        given. TF's auto-sharding is off: Ray already gave each worker its shard."""
-        ds = tf.data.Dataset.from_tensor_slices(self.order(seed))
+    def dataset(self, tf: Any, batch_size: int, seed: int | None = None, steps: int | None = None, epoch: int = 0,
+                skip: int = 0) -> Any:
+        """One epoch as a `tf.data.Dataset` of (features, labels [B]), its first `steps` batches (all when None)
+        but the first `skip`; shuffled with `seed` + `epoch` when a seed is given. TF's auto-sharding is off: Ray
+        already gave each worker its shard."""
+        ds = tf.data.Dataset.from_tensor_slices(self.order(None if seed is None else seed + epoch))
         ds = ds.batch(batch_size, drop_remainder=steps is not None)
         if steps is not None:
             ds = ds.take(steps)
+        if skip:
+            ds = ds.skip(skip)
         features, labels = self.tensors(tf)
         ds = ds.map(lambda rows: (tf.gather(features, rows), tf.gather(labels, rows)))
-        scale = model_input_fn(tf, self.schema)
-        ds = ds.map(lambda x, y: (scale(x), y))
-        options = tf.data.Options()
-        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-        # tf.data's default graph rewrites, made when an iterator opens, copy the shard into every epoch's part of
-        # a chained dataset (tests/unit/test_tf_recipe.py counts the memory); a pipeline this small gains nothing
-        # from them, and reads faster without (benchmarks/README.md).
-        options.experimental_optimization.apply_default_optimizations = False
-        return ds.with_options(options).prefetch(2)
+        return model_dataset(tf, ds, self.schema)
+
+
+def model_dataset(tf: Any, ds: Any, schema: DataSchema) -> Any:
+    """A dataset of stored (features, labels) batches as the model takes them (`model_input_fn`), prefetched."""
+    scale = model_input_fn(tf, schema)
+    ds = ds.map(lambda x, y: (scale(x), y))
+    options = tf.data.Options()  # TF's auto-sharding off: each worker's dataset is its part already
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    # tf.data's default graph rewrites, made when an iterator opens, copy the shard into every epoch's part of
+    # a chained dataset (tests/unit/test_tf_recipe.py counts the memory); a pipeline this small gains nothing
+    # from them, and reads faster without (benchmarks/README.md).
+    options.experimental_optimization.apply_default_optimizations = False
+    return ds.with_options(options).prefetch(2)
+
+
+class StreamedArrays:
+    """A worker's part of a split streamed from its files (trainers/streamed.py `StreamedRows`: its part of each
+    global batch, in the epoch's order of contract/stream_order.py), in the form the TF adapters take
+    `ShardArrays`: each epoch a `tf.data` pipeline over a generator of its batches, one window of rows in memory.
+    A step is this worker's part of a global batch of `rows_per_step` x workers rows, fixed by the first `steps`
+    call (`dataset` cuts it into per-replica batches); the training split drops a short last global batch, as the
+    held arrays do. The order is the run seed's and the epoch's, the same on every worker: the adapters' per-rank
+    `seed` is not used."""
+
+    def __init__(self, data_dir: str, split: str, schema: DataSchema, seed: int, window_rows: int, shuffle: bool,
+                 workers: int, rank: int, rows_per_step: int | None = None,
+                 read: Callable[[list[str], list[str]], Iterable[Columns]] = ray_read):
+        self.schema, self.load_s, self.shuffle, self.read = schema, 0.0, shuffle, read
+        features, target = schema.features, schema.target
+        self.columns = [features.column, target.column]
+        self.split = (data_dir, split, seed, window_rows, shuffle)
+        self.workers, self.rank = workers, rank
+        self.bucket_rows = 0  # grouped by length when set (by the adapter, as `ShardArrays.bucket_rows`)
+        self.rows_per_step = rows_per_step  # known from the start for evaluation, else from `steps`
+        self.max_steps: int | None = None
+
+    def streamed_rows(self, rows_per_step: int) -> StreamedRows:
+        length = self.schema.features.length_column
+        bucket = length if self.bucket_rows else None
+        columns = self.columns + ([length] if bucket else [])
+        return StreamedRows.of_split(*self.split, columns=columns, batch_size=rows_per_step, dp=self.workers,
+                                     dp_rank=self.rank, max_steps=self.max_steps, drop_last=self.shuffle,
+                                     bucket_column=bucket, stored=self.schema.stored_columns, read=self.read)
+
+    @property
+    def rows(self) -> int:
+        """This worker's rows in a pass of `rows_per_step` rows a step (of the batches `dataset` gives without
+        `steps`)."""
+        if self.rows_per_step is None:
+            raise ValueError("a streamed split's rows depend on its rows per step: give them first")
+        return self.streamed_rows(self.rows_per_step).rank_rows()
+
+    def steps(self, rows_per_step: int, max_steps: int | None) -> int:
+        self.rows_per_step, self.max_steps = rows_per_step, max_steps
+        return self.streamed_rows(rows_per_step).steps()
+
+    def step_tokens(self, rows_per_step: int, seed: int, steps: int, epoch: int = 0) -> np.ndarray:
+        """Real tokens in each of the epoch's first `steps` steps: a pass over the lengths column alone."""
+        length = self.schema.features.length_column
+        if not length:
+            return np.zeros(steps, dtype=np.int64)
+        rows = self.streamed_rows(rows_per_step).only([length])
+        return np.array([int(batch[length].sum()) for batch in rows.epoch(epoch)][:steps], dtype=np.int64)
+
+    def dataset(self, tf: Any, batch_size: int, seed: int | None = None, steps: int | None = None, epoch: int = 0,
+                skip: int = 0) -> Any:
+        """The epoch's batches of `batch_size` rows as `ShardArrays.dataset` gives them, its first `steps` (all when
+        None) but the first `skip`; only the windows from the first batch it gives are read."""
+        rows = self.streamed_rows(self.rows_per_step or batch_size)
+        replicas = max(1, rows.global_batch // rows.dp // batch_size)
+        features, label = self.schema.features.column, self.schema.target.column
+
+        def batches() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+            index = skip - skip % replicas  # of the epoch's batches: the first of step skip // replicas
+            for step in rows.epoch(epoch, skip // replicas):
+                for start in range(0, len(step[label]), batch_size):
+                    if steps is not None and index >= steps:
+                        return
+                    if index >= skip:
+                        yield step[features][start:start + batch_size], step[label][start:start + batch_size]
+                    index += 1
+
+        width, task = self.schema.features.width, self.schema.target.task
+        signature = (tf.TensorSpec([None, width], tf.as_dtype(FEATURE_DTYPES[self.schema.features.kind])),
+                     tf.TensorSpec([None], tf.as_dtype(LABEL_DTYPES[task])))
+        return model_dataset(tf, tf.data.Dataset.from_generator(batches, output_signature=signature), self.schema)
 
 
 def model_input_fn(tf: Any, schema: DataSchema) -> Callable[[Any], Any]:
@@ -107,6 +196,19 @@ def model_input_fn(tf: Any, schema: DataSchema) -> Callable[[Any], Any]:
     if divisor == 1.0:
         return lambda x: (tf.cast(x, tf.float32) - mean) / std
     return lambda x: (tf.cast(x, tf.float32) / divisor - mean) / std
+
+
+TrainArrays = ShardArrays | StreamedArrays  # what a TF adapter reads its data from
+
+
+def streamed_arrays(cfg: Any, schema: DataSchema) -> tuple[StreamedArrays, StreamedArrays]:
+    """This worker's train and eval arrays streamed from the prepared files: every worker takes its part of each
+    global batch, the training order a function of `run.seed` and the epoch alone, the evaluation in stored order."""
+    workers, rank = ray_data_parallel()
+    split = (schema, cfg.run.seed, cfg.data.shuffle_buffer)
+    return (StreamedArrays(cfg.data.path, "train", *split, shuffle=True, workers=workers, rank=rank),
+            StreamedArrays(cfg.data.path, cfg.data.eval_split, *split, shuffle=False, workers=workers, rank=rank,
+                           rows_per_step=EVAL_BATCH))
 
 
 def ray_arrays(schema: DataSchema) -> tuple[ShardArrays, ShardArrays]:

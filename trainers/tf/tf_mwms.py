@@ -282,6 +282,8 @@ class MWMS(KerasFit):
     """trainer=tf_mwms: MultiWorkerMirroredStrategy over the workers (each worker's TF_CONFIG:
     trainers/tf/tf_config.py), a replica per device."""
 
+    streams_files = True
+
     def build_adapter(self, cfg: DictConfig, ctx: WorkerContext, data: WorkerData,
                       strategy: Any = None) -> MirroredAdapter:
         """The strategy first (before any other TF op; `strategy`: one made already, for a second model in the same

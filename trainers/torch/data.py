@@ -4,17 +4,14 @@ the files (`StreamedBatches`). Shared by every PyTorch backend."""
 from __future__ import annotations
 
 import itertools
-import json
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 
 from contract.data import DataSchema, bucketed_order, shuffled_order
-from contract.stream_order import StreamOrder
-from trainers.streamed import SplitFiles, StreamedRows
+from trainers.streamed import StreamedRows, ray_data_parallel
 from trainers.worker import dataset_shards
 
 LOAD_BATCH = 8192  # rows per Ray Data batch when pulling a shard into memory
@@ -164,20 +161,15 @@ def streamed_batches(cfg: Any, schema: DataSchema, group: int) -> tuple[Streamed
     """This worker's train and eval batches streamed from the prepared files: every data-parallel rank takes its
     part of each global batch (the ranks of one `group`, a TP group or a pipeline, the same part), the training
     order a function of `run.seed` and the epoch alone, the evaluation in stored order."""
-    import ray.train
-
-    context = ray.train.get_context()
-    dp, dp_rank = context.get_world_size() // group, context.get_world_rank() // group
-    manifest = json.loads((Path(cfg.data.path) / "manifest.json").read_text())
+    dp, dp_rank = ray_data_parallel(group)
     pipeline = cfg.trainer.get("pp", 1) > 1
     columns = list(BatchInputs(schema).columns)
     bucket = schema.features.length_column if cfg.data.bucket_by_length else None
 
     def split(name: str, batch_size: int, shuffle: bool, **kwargs: Any) -> StreamedRows:
-        files = SplitFiles.from_manifest(cfg.data.path, manifest, name)
-        order = StreamOrder(files.rows, cfg.data.shuffle_buffer, cfg.run.seed, shuffle=shuffle)
-        return StreamedRows(files, columns, order, batch_size, dp, dp_rank, drop_last=pipeline,
-                            stored=schema.stored_columns, **kwargs)
+        return StreamedRows.of_split(cfg.data.path, name, cfg.run.seed, cfg.data.shuffle_buffer, shuffle,
+                                     columns=columns, batch_size=batch_size, dp=dp, dp_rank=dp_rank,
+                                     drop_last=pipeline, stored=schema.stored_columns, **kwargs)
 
     train = split("train", cfg.trainer.batch_size, True, max_steps=cfg.trainer.max_steps_per_epoch,
                   bucket_column=bucket)
