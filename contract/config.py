@@ -59,6 +59,8 @@ class DataConfig:
     cache_max_bytes: int = 2 << 30  # auto caches a worker's shard up to this size (its stored bytes)
     shuffle_buffer: int = 100_000   # streamed: rows of the window each epoch is shuffled within (memory per worker)
     bucket_by_length: bool = False  # text: batches of similar length, cut to their longest row (contract/data.py)
+    augment: bool = False           # training batches through the model spec's `augment` (the CNN: random shifts),
+                                    # seeded per sample: reproducible, and exact on resume (contract/augment.py)
 
 
 @dataclass

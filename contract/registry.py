@@ -51,7 +51,9 @@ class ModelSpec:
     (`inputs` is None when no data is known yet). `flops_per_sample(cfg, inputs)`: the training FLOPs of one
     sample (contract/mfu.py), where the `torch` model cannot be counted on the meta device (trainers/model_flops.py).
     `mutable`: keys of its config that change only how training continues from a checkpoint, never what the
-    checkpoint holds (a `lightning` module's own learning rate), which a PBT sweep may mutate (`model.<key>`)."""
+    checkpoint holds (a `lightning` module's own learning rate), which a PBT sweep may mutate (`model.<key>`).
+    `augment(columns, keys, schema) -> columns`: a transform of each training batch (numpy; random shifts, crops,
+    flips), seeded per sample (contract/augment.py), applied with `data.augment=true`."""
     name: str
     config: type
     description: str = ""
@@ -68,6 +70,7 @@ class ModelSpec:
     check: Ref | None = None
     flops_per_sample: Ref | None = None
     mutable: tuple[str, ...] = ()
+    augment: Ref | None = None
 
 
 @dataclass(frozen=True)

@@ -166,6 +166,10 @@ def check_data(cfg: DictConfig, inputs: DataSchema) -> None:
     if cfg.data.bucket_by_length and not inputs.features.length_column:
         raise ConfigError(f"data.bucket_by_length: only token data has lengths to group by; '{inputs.dataset}' has "
                           f"{features} features")
+    if cfg.data.augment and spec.augment is None:
+        having = [name for name, other in MODELS.specs.items() if other.augment is not None]
+        raise ConfigError(f"data.augment: model '{spec.name}' has no augmentation (a model spec's `augment`; "
+                          f"models with one: {', '.join(having) or 'none'})")
     choice("run", "monitor", cfg.run.monitor, metric_names(task, text=features == "tokens"))
     _check_steps_fit(cfg, _manifest_json(Path(cfg.data.path) / "manifest.json"))
 

@@ -92,6 +92,10 @@ class StreamedRows:
         rows.columns, rows.stored = columns, dict
         return rows
 
+    def positions(self, step: int) -> np.ndarray:
+        """The epoch's global indices of this rank's rows at `step` (in the order `epoch` gives them)."""
+        return np.arange(*rank_rows(step, self.global_batch, self.order.total_rows, self.dp, self.dp_rank))
+
     def rank_rows(self) -> int:
         """This rank's rows in an epoch."""
         return sum(stop - start for start, stop in (rank_rows(step, self.global_batch, self.order.total_rows,

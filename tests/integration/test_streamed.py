@@ -86,9 +86,10 @@ def test_a_dataset_five_times_the_object_store_streams_in_less_memory_than_the_d
 
 def test_tf_mwms_streams_on_two_workers_and_resumes_inside_an_epoch(tmp_path, mlflow_server, ray_head):
     """tf_mwms's custom loop on 2 workers streaming a generated dataset (`data.cache_in_worker=false`), a checkpoint
-    every 10 steps; the last worker fails before step 15 and both restart from step 10's checkpoint. The run keeps
-    the contract every backend keeps, the replicas end identical, the steps trained twice have the same losses (the
-    same batches again, streamed from step 10), and the model learned the data's rule."""
+    every 10 steps; the last worker fails before step 19 (compiled calls of up to 8 steps: 11-18, 19-20) and both
+    restart from step 10's checkpoint. The run keeps the contract every backend keeps, the replicas end identical,
+    the steps trained twice have the same losses (the same batches again, streamed from step 10), and the model
+    learned the data's rule."""
     data, marker = tmp_path / "data", tmp_path / "failed-once"
     assert prepare_main(["synthetic", "--rows", "3000", "--features", "8", "--classes", "2", "--rows-per-shard", "300",
                          "--out", str(data)]) == 0
@@ -96,11 +97,11 @@ def test_tf_mwms_streams_on_two_workers_and_resumes_inside_an_epoch(tmp_path, ml
                          "trainer.tf_communication=ring", "trainer.threads_per_worker=1", "trainer.batch_size=32",
                          "trainer.epochs=2", "model=mlp", "model.hidden=[32]", "data.cache_in_worker=false",
                          "data.shuffle_buffer=500", "trainer.log_every_n_steps=1", "run.checkpoint_every_n_steps=10",
-                         "fault.max_failures=1", "fault.inject_at_step=15", f"fault.inject_marker={marker}",
+                         "fault.max_failures=1", "fault.inject_at_step=19", f"fault.inject_marker={marker}",
                          f"run.dump_params_dir={tmp_path / 'params'}", f"run.storage_path={tmp_path / 'ray'}"],
                         pipeline_env(mlflow_server, ray_head))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert marker.read_text() == "failed at step 15 in rank 1\n"
+    assert marker.read_text() == "failed at step 19 in rank 1\n"
     client = MlflowClient(mlflow_server)
     run_id = run_id_from(done.stdout)
     check_finished_run(client, run_id, "tf_mwms", 2)

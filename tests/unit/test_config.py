@@ -82,6 +82,10 @@ def test_defaults_compose_and_flatten(data_override):
      r"^trainer\.deepspeed_config: cannot read '/no/ds\.json'"),
     ("run.resume_from=/no/checkpoint", r"^run\.resume_from: no checkpoint at '/no/checkpoint' \(missing train_state"),
     ("data.bucket_by_length=true", r"^data\.bucket_by_length: only token data has lengths to group by; 'mnist'"),
+    ("data.augment=true", r"^data\.augment: model 'mlp' has no augmentation \(a model spec's `augment`; models with "
+                          r"one: cnn\)$"),
+    ("trainer=tf_ps model=cnn data.augment=true", r"^data\.augment: tf_ps feeds its workers from its own input "
+                                                  r"pipeline, which applies no augmentation"),
 ])
 def test_bad_config_names_the_key(data_override, override, message):
     with pytest.raises(ConfigError, match=message):

@@ -356,6 +356,33 @@ def test_ddp_adapter_stop_resume_parity(tmp_path):
     check_metric_set(runs["resumed"].recorder, 2, text=False)
 
 
+def test_an_augmented_cnn_resumes_its_shifted_batches_exactly(tmp_path):
+    """`model=cnn data.augment=true` (random shifts): the run stopped at step 10 and resumed trains the uninterrupted
+    run's loss curve exactly (each sample's shift comes from its key, whichever attempt draws it), which is not the
+    curve of the same run without shifts."""
+    from trainers.adapter import WorkerData
+    from trainers.models import training_augment
+    from trainers.torch.ddp import DDP
+    from trainers.torch.data import ShardBatches
+
+    overrides = ["model=cnn", "model.channels=[4,8]", "model.hidden=16", "model.dropout=0", "trainer.batch_size=16",
+                 "trainer.optimizer=sgd", "trainer.lr=0.05", "trainer.epochs=2", "trainer.num_workers=1"]
+    columns = {k: torch.from_numpy(v) for k, v in mnist_columns(320).items()}
+    evaluation = {k: torch.from_numpy(v) for k, v in mnist_columns(64, seed=1).items()}
+
+    def runner(cfg):
+        def data(seed):
+            return (ShardBatches.from_columns(columns, mnist_schema(), 16, seed, augment=training_augment(cfg)),
+                    ShardBatches.from_columns(evaluation, mnist_schema(), 64, seed))
+        return lambda ctx: DDP().run_worker(cfg, ctx, WorkerData(mnist_schema(), data))
+
+    augmented = config(tmp_path / "augmented", [*overrides, "data.augment=true"])
+    runs = check_stop_resume_parity(runner(augmented), tmp_path / "augmented", rtol=0, atol=0)
+    plain = run_attempt(runner(config(tmp_path / "plain", overrides)), 0, 1, 2, tmp_path / "plain")
+    shifted = runs["straight"].recorder.step_losses
+    assert len(shifted) == 40 and all(shifted[step] != plain.recorder.step_losses[step] for step in range(1, 41))
+
+
 def test_rank0_profiles_its_first_steps_into_the_run(tmp_path):
     """`trainer.profile_steps=3` with the PyTorch adapter: rank 0 records 3 training steps (forward, backward,
     optimizer) after a warmup step with torch.profiler, writes a Chrome trace and hands the folder to its logger for the

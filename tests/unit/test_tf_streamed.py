@@ -105,4 +105,5 @@ def test_evaluation_streams_each_workers_part_of_the_stored_rows(tokens):
         parts.append(np.concatenate([b["row"] for b in expected]))
         np.testing.assert_array_equal(np.concatenate([x for x, _ in got]),
                                       np.concatenate([b["features"] for b in expected]))
-    assert sorted(np.concatenate(parts).tolist()) == list(range(70))  # every validation row (ids count per split; 70 = 68 + a tail of 2)
+    # every validation row (ids count per split; 70 = 68 + a tail of 2)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(70))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from contract.augment import Augment
 from contract.data import DataSchema
 from contract.registry import MODELS, ModelSpec, resolve
 from trainers.models import specs  # noqa: F401  (registers the built-in models)
@@ -31,6 +32,11 @@ def build_model(model_cfg: Any, inputs: DataSchema, seed: int | None = None) -> 
 def has_builder(model_cfg: Any, framework: str) -> bool:
     """Whether the model's spec has a builder for `framework` (torch, keras, dtensor, lightning)."""
     return getattr(MODELS.get(model_cfg.name), framework) is not None
+
+
+def training_augment(cfg: Any) -> Augment | None:
+    """The model spec's augmentation of training batches (contract/augment.py) when `data.augment`, else None."""
+    return resolve(MODELS.get(cfg.model.name).augment) if cfg.data.augment else None
 
 
 def build_lightning_module(model_cfg: Any, inputs: DataSchema, seed: int | None = None) -> Any:

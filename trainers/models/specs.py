@@ -151,7 +151,7 @@ for _spec in (
     ModelSpec("cnn", CNNConfig, "convolutional net for images of any size and channels: two conv blocks and a dense "
               "layer", ("image",),
               torch="trainers.models.mlp_cnn:build_cnn", keras="trainers.models.keras_models:build_cnn",
-              check=check_cnn),
+              check=check_cnn, augment="trainers.models.augment:random_shift"),
     ModelSpec("bert", BertModelConfig, "BERT-style encoder classifier, tensor- and pipeline-parallel", ("tokens",),
               torch="trainers.models.bert:build_bert",
               tensor_parallel="trainers.models.bert_parallel:parallelize_bert",

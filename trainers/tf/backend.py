@@ -17,6 +17,7 @@ from contract.data import DataSchema
 from trainers.adapter import Adapter
 from trainers.backend import Backend
 from trainers.context import WorkerContext
+from trainers.models import training_augment
 from trainers.tf.adapter import LEGACY_KERAS_ENV, compiled_model_from, input_example
 from trainers.tf.data import TrainArrays, ray_arrays, streamed_arrays
 
@@ -38,9 +39,10 @@ class TFBackend(Backend):
         """This worker's part of the data as arrays (the adapter shuffles it), pulled when the adapter asks: after
         the worker has set TensorFlow's threads; or streamed from the files (`data.cache_in_worker=false`, where
         the backend `streams_files`)."""
-        if self.streams_files and not cfg.data.cache_in_worker:
-            return streamed_arrays(cfg, inputs)
-        return ray_arrays(inputs)
+        train, evaluation = streamed_arrays(cfg, inputs) if self.streams_files and not cfg.data.cache_in_worker \
+            else ray_arrays(inputs)
+        train.augment = training_augment(cfg)
+        return train, evaluation
 
     def dataset_config(self, cfg: DictConfig) -> Any:
         """An ordered split whenever the worker holds its part (`ShardArrays`), which a backend that does not

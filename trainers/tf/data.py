@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+from contract.augment import Augment, sample_keys
 from contract.data import FEATURE_DTYPES, LABEL_DTYPES, DataSchema, bucketed_order, shuffled_order
 from trainers.streamed import Columns, StreamedRows, ray_data_parallel, ray_read
 from trainers.worker import dataset_shards
@@ -52,6 +53,7 @@ class ShardArrays:
         # Rows per step when shuffled epochs are grouped by length (`data.bucket_by_length`, set by the adapter;
         # the batches keep their stored width, so only the order changes: the same one as PyTorch's); 0: off.
         self.bucket_rows = 0
+        self.augment: Augment | None = None  # of shuffled epochs (`data.augment`, set by the backend)
         self._tensors: tuple[Any, Any] | None = None  # features and labels in TensorFlow, once asked for
 
     @property
@@ -95,11 +97,33 @@ class ShardArrays:
         ds = ds.batch(batch_size, drop_remainder=steps is not None)
         if steps is not None:
             ds = ds.take(steps)
-        if skip:
-            ds = ds.skip(skip)
+        ds = ds.enumerate().skip(skip)  # each batch with its index in the epoch
         features, labels = self.tensors(tf)
-        ds = ds.map(lambda rows: (tf.gather(features, rows), tf.gather(labels, rows)))
+        ds = ds.map(lambda index, rows: (index, tf.gather(features, rows), tf.gather(labels, rows)))
+        if seed is not None and self.augment is not None:
+            ds = ds.map(augment_fn(tf, self.augment, self.schema, seed, epoch, batch_size))
+        else:
+            ds = ds.map(lambda index, x, y: (x, y))
         return model_dataset(tf, ds, self.schema)
+
+
+def augment_fn(tf: Any, augment: Augment, schema: DataSchema, seed: int, epoch: int,
+               batch_size: int) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
+    """(batch index, features, labels) -> the batch through `augment` (numpy, keyed by the seed, the epoch and each
+    row's position in the epoch: index x batch_size onwards)."""
+    feature, label = schema.features.column, schema.target.column
+
+    def run(index: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        keys = sample_keys(seed, epoch, int(index) * batch_size + np.arange(len(y)))
+        columns = augment({feature: x, label: y}, keys, schema)
+        return columns[feature], columns[label]
+
+    def apply(index: Any, x: Any, y: Any) -> tuple[Any, Any]:
+        ax, ay = tf.numpy_function(run, [index, x, y], [x.dtype, y.dtype])
+        ax.set_shape(x.shape)
+        ay.set_shape(y.shape)
+        return ax, ay
+    return apply
 
 
 def model_dataset(tf: Any, ds: Any, schema: DataSchema) -> Any:
@@ -133,6 +157,7 @@ class StreamedArrays:
         self.split = (data_dir, split, seed, window_rows, shuffle)
         self.workers, self.rank = workers, rank
         self.bucket_rows = 0  # grouped by length when set (by the adapter, as `ShardArrays.bucket_rows`)
+        self.augment: Augment | None = None  # of the training split (`data.augment`, set by the backend)
         self.rows_per_step = rows_per_step  # known from the start for evaluation, else from `steps`
         self.max_steps: int | None = None
 
@@ -174,7 +199,10 @@ class StreamedArrays:
 
         def batches() -> Iterator[tuple[np.ndarray, np.ndarray]]:
             index = skip - skip % replicas  # of the epoch's batches: the first of step skip // replicas
-            for step in rows.epoch(epoch, skip // replicas):
+            for number, step in enumerate(rows.epoch(epoch, skip // replicas), start=skip // replicas):
+                if self.augment is not None:  # keyed by each row's global position in the epoch
+                    step = self.augment(step, sample_keys(rows.order.seed, epoch, rows.positions(number)),
+                                        self.schema)
                 for start in range(0, len(step[label]), batch_size):
                     if steps is not None and index >= steps:
                         return

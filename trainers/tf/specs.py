@@ -123,12 +123,19 @@ def check_tf_dtensor(cfg: Any, model: ModelSpec, inputs: DataSchema | None) -> N
     if problem := mesh_dims(trainer).problem():
         raise ConfigError(f"trainer.mesh: {problem}")
     _require_fp32_without_accumulation(trainer, "")
+    _refuse_augment(cfg)
     if model.dtensor is not None and model.keras_twin is None and model.keras is None:
         raise ConfigError(f"model.name: tf_dtensor logs the trained model as a Keras twin; model '{model.name}' has "
                           f"none (keras_twin=, or keras=)")
     if inputs is not None and inputs.target.task != "classification":
         raise ConfigError(f"trainer.backend: tf_dtensor trains classifiers only; '{inputs.dataset}' is a "
                           f"{inputs.target.task} dataset")
+
+
+def _refuse_augment(cfg: Any) -> None:
+    if cfg.data.augment:
+        raise ConfigError(f"data.augment: {cfg.trainer.backend} feeds its workers from its own input pipeline, "
+                          f"which applies no augmentation; use tf_mwms or a PyTorch backend")
 
 
 def _require_fp32_without_accumulation(trainer: Any, why: str) -> None:
@@ -149,6 +156,7 @@ def check_tf_ps(cfg: Any, model: ModelSpec, inputs: DataSchema | None) -> None:
     trainer = cfg.trainer
     choice("trainer", "tf_loop", trainer.tf_loop, TF_LOOPS)
     check_fit_checkpoints(cfg)
+    _refuse_augment(cfg)
     if trainer.tf_loop == "fit":  # tf-keras has no batch-level callbacks under ParameterServerStrategy
         for key, wanted in (("trainer.log_every_n_steps", trainer.log_every_n_steps > 0),
                             ("trainer.profile_steps", trainer.profile_steps > 0),

@@ -10,7 +10,9 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from contract.augment import Augment, sample_keys
 from contract.data import DataSchema, bucketed_order, shuffled_order
+from trainers.models import training_augment
 from trainers.streamed import StreamedRows, ray_data_parallel
 from trainers.worker import dataset_shards
 
@@ -61,8 +63,10 @@ class ShardBatches:
     """
 
     def __init__(self, shard: Any, schema: DataSchema, batch_size: int, seed: int, max_steps: int | None = None,
-                 drop_last: bool = False, bucket_by_length: bool = False, trim: bool = False):
+                 drop_last: bool = False, bucket_by_length: bool = False, trim: bool = False,
+                 augment: Augment | None = None):
         self.adapt = BatchInputs(schema)
+        self.augment = augment  # of shuffled (training) epochs, keyed by the seed, the epoch and the row's position
         self.schema, self.columns, self.label = schema, self.adapt.columns, schema.target.column
         self.length, self.feature_column = schema.features.length_column, schema.features.column
         self.batch_size, self.seed, self.max_steps = batch_size, seed, max_steps
@@ -83,10 +87,10 @@ class ShardBatches:
     @classmethod
     def from_columns(cls, columns: dict[str, torch.Tensor], schema: DataSchema, batch_size: int, seed: int,
                      max_steps: int | None = None, drop_last: bool = False, bucket_by_length: bool = False,
-                     trim: bool = False) -> "ShardBatches":
+                     trim: bool = False, augment: Augment | None = None) -> "ShardBatches":
         """A shard already in memory (in-process tests, benchmarks): what pulling a Ray Data shard gives."""
         batches = cls(None, schema, batch_size, seed, max_steps=max_steps, drop_last=drop_last,
-                      bucket_by_length=bucket_by_length, trim=trim)
+                      bucket_by_length=bucket_by_length, trim=trim, augment=augment)
         batches.cached = {c: columns[c] for c in batches.columns}
         return batches
 
@@ -114,6 +118,9 @@ class ShardBatches:
         for start in range(0, end, self.batch_size):
             idx = order[start:start + self.batch_size]
             batch = {c: t[idx] for c, t in self.cached.items()}
+            if shuffle and self.augment is not None:
+                keys = sample_keys(self.seed, epoch, np.arange(start, start + len(idx)))
+                batch = augmented(self.augment, batch, keys, self.schema)
             yield self.adapt(trimmed(batch, self.feature_column, self.length) if self.trim else batch)
 
     def row_keys(self) -> torch.Tensor | None:
@@ -124,6 +131,14 @@ class ShardBatches:
             return None
         classes = max(len(self.schema.target.classes), 1)
         return (self.cached[id_column].long() * classes + self.cached[self.label].long()).sort().values.cpu()
+
+
+def augmented(augment: Augment, batch: dict[str, torch.Tensor], keys: np.ndarray,
+              schema: DataSchema) -> dict[str, torch.Tensor]:
+    """The batch through `augment` (numpy, on the host), back on its device."""
+    device = next(iter(batch.values())).device
+    columns = augment({c: t.cpu().numpy() for c, t in batch.items()}, keys, schema)
+    return {c: torch.from_numpy(np.ascontiguousarray(v)).to(device) for c, v in columns.items()}
 
 
 def trimmed(batch: dict[str, torch.Tensor], feature_column: str, length_column: str | None) -> dict[str, torch.Tensor]:
@@ -139,8 +154,9 @@ class StreamedBatches:
     of each global batch, in the epoch's order of contract/stream_order.py), as (model inputs, labels, tokens):
     what `ShardBatches` gives, with one window of rows in memory instead of the shard."""
 
-    def __init__(self, rows: StreamedRows, schema: DataSchema, trim: bool = False):
+    def __init__(self, rows: StreamedRows, schema: DataSchema, trim: bool = False, augment: Augment | None = None):
         self.rows, self.schema, self.adapt, self.trim = rows, schema, BatchInputs(schema), trim
+        self.augment = augment  # keyed by the run's seed, the epoch and the row's global position in the epoch
         self.feature_column, self.length = schema.features.column, schema.features.length_column
         self.load_s = 0.0  # nothing is read before the first epoch: waiting for blocks is each epoch's data wait
 
@@ -149,7 +165,10 @@ class StreamedBatches:
 
     def epoch(self, epoch: int, shuffle: bool = True, skip: int = 0) -> Iterator[Batch]:
         """The epoch's batches after the first `skip` (the order is the rows' own: shuffled or not when made)."""
-        for columns in self.rows.epoch(epoch, skip):
+        for step, columns in enumerate(self.rows.epoch(epoch, skip), start=skip):
+            if self.augment is not None:
+                columns = self.augment(columns, sample_keys(self.rows.order.seed, epoch, self.rows.positions(step)),
+                                       self.schema)
             batch = {c: torch.from_numpy(np.ascontiguousarray(v)) for c, v in columns.items()}
             yield self.adapt(trimmed(batch, self.feature_column, self.length) if self.trim else batch)
 
@@ -174,7 +193,7 @@ def streamed_batches(cfg: Any, schema: DataSchema, group: int) -> tuple[Streamed
     train = split("train", cfg.trainer.batch_size, True, max_steps=cfg.trainer.max_steps_per_epoch,
                   bucket_column=bucket)
     evaluation = split(cfg.data.eval_split, cfg.trainer.batch_size if pipeline else EVAL_BATCH, False)
-    return (StreamedBatches(train, schema, trim=not pipeline),
+    return (StreamedBatches(train, schema, trim=not pipeline, augment=training_augment(cfg)),
             StreamedBatches(evaluation, schema, trim=not pipeline))
 
 
@@ -190,7 +209,8 @@ def ray_batches(cfg: Any, schema: DataSchema, seed: int, group: int = 1) -> tupl
     pipeline = cfg.trainer.get("pp", 1) > 1
     (train_shard, eval_shard), waited_s = dataset_shards("train", "eval")
     train = ShardBatches(train_shard, schema, cfg.trainer.batch_size, seed, cfg.trainer.max_steps_per_epoch,
-                         drop_last=pipeline, bucket_by_length=cfg.data.bucket_by_length, trim=not pipeline)
+                         drop_last=pipeline, bucket_by_length=cfg.data.bucket_by_length, trim=not pipeline,
+                         augment=training_augment(cfg))
     evaluation = ShardBatches(eval_shard, schema, cfg.trainer.batch_size if pipeline else EVAL_BATCH, seed,
                               trim=not pipeline)
     train.load_s += waited_s
