@@ -8,8 +8,9 @@
 Each round runs the reference (held in memory; or no step checkpoints) then the other, on a Ray of their own, one
 thread per worker; throughput is global samples/s, the mean of epochs 2..N (epoch 1 pulls the shard, or starts Ray
 Data's first reads). Printed per round: both rates, their ratio, and the streamed run's `data_wait_fraction` (the
-share of the epoch spent waiting for batches). Last line per worker count: the median of the rounds' ratios.
-`--checkpoint-every N` compares the held-in-memory run without and with a checkpoint every N steps instead.
+share of the epoch spent waiting for batches). Per worker count: the median of the rounds' ratios; the last line,
+`ratio=`, that median at the last worker count. `--checkpoint-every N` compares the held-in-memory run without and
+with a checkpoint every N steps instead.
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def main() -> None:
                   f"samples/s, ratio {ratios[-1]:.3f}, {names[1]}'s data wait {wait:.1%}", flush=True)
         print(f"{workers} worker(s): {names[1]} / {names[0]} = {np.median(ratios):.3f} (median of {args.repeats}, "
               f"{min(ratios):.3f}-{max(ratios):.3f})", flush=True)
+    print(f"ratio={np.median(ratios):.3f}")
 
 
 if __name__ == "__main__":

@@ -86,6 +86,10 @@ def test_defaults_compose_and_flatten(data_override):
                           r"one: cnn\)$"),
     ("trainer=tf_ps model=cnn data.augment=true", r"^data\.augment: tf_ps feeds its workers from its own input "
                                                   r"pipeline, which applies no augmentation"),
+    ("trainer=tf_dtensor data.cache_in_worker=false", r"^data\.cache_in_worker: tf_dtensor holds each worker's part "
+                                                      r"of the data in memory and cannot stream it; set "
+                                                      r"data\.cache_in_worker=true"),
+    ("trainer=tf_ps data.cache_max_bytes=1000", r"^data\.cache_in_worker: tf_ps holds each worker's part"),
 ])
 def test_bad_config_names_the_key(data_override, override, message):
     with pytest.raises(ConfigError, match=message):

@@ -123,7 +123,7 @@ def check_tf_dtensor(cfg: Any, model: ModelSpec, inputs: DataSchema | None) -> N
     if problem := mesh_dims(trainer).problem():
         raise ConfigError(f"trainer.mesh: {problem}")
     _require_fp32_without_accumulation(trainer, "")
-    _refuse_augment(cfg)
+    _refuse_augment_and_streaming(cfg)
     if model.dtensor is not None and model.keras_twin is None and model.keras is None:
         raise ConfigError(f"model.name: tf_dtensor logs the trained model as a Keras twin; model '{model.name}' has "
                           f"none (keras_twin=, or keras=)")
@@ -132,10 +132,18 @@ def check_tf_dtensor(cfg: Any, model: ModelSpec, inputs: DataSchema | None) -> N
                           f"{inputs.target.task} dataset")
 
 
-def _refuse_augment(cfg: Any) -> None:
+def _refuse_augment_and_streaming(cfg: Any) -> None:
+    """tf_dtensor and tf_ps feed their workers from the part each holds (`ShardArrays`), through input pipelines
+    of their own: no streamed path, no augmentation. Streaming is refused whether asked for or chosen by `auto`
+    for data over `data.cache_max_bytes` (a part that would not fit is refused before it fills a worker's memory)."""
+    backend = cfg.trainer.backend
     if cfg.data.augment:
-        raise ConfigError(f"data.augment: {cfg.trainer.backend} feeds its workers from its own input pipeline, "
-                          f"which applies no augmentation; use tf_mwms or a PyTorch backend")
+        raise ConfigError(f"data.augment: {backend} feeds its workers from its own input pipeline, which applies "
+                          f"no augmentation; use tf_mwms or a PyTorch backend")
+    if cfg.data.cache_in_worker is False:
+        raise ConfigError(f"data.cache_in_worker: {backend} holds each worker's part of the data in memory and "
+                          f"cannot stream it; set data.cache_in_worker=true (or a data.cache_max_bytes above a "
+                          f"worker's part) to hold it, or use tf_mwms or a PyTorch backend to stream")
 
 
 def _require_fp32_without_accumulation(trainer: Any, why: str) -> None:
@@ -156,7 +164,7 @@ def check_tf_ps(cfg: Any, model: ModelSpec, inputs: DataSchema | None) -> None:
     trainer = cfg.trainer
     choice("trainer", "tf_loop", trainer.tf_loop, TF_LOOPS)
     check_fit_checkpoints(cfg)
-    _refuse_augment(cfg)
+    _refuse_augment_and_streaming(cfg)
     if trainer.tf_loop == "fit":  # tf-keras has no batch-level callbacks under ParameterServerStrategy
         for key, wanted in (("trainer.log_every_n_steps", trainer.log_every_n_steps > 0),
                             ("trainer.profile_steps", trainer.profile_steps > 0),
