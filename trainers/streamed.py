@@ -34,6 +34,11 @@ class SplitFiles:
         shards = manifest["splits"][split]["shards"]
         return cls([f"{data_dir}/{shard['file']}" for shard in shards], [int(shard["rows"]) for shard in shards])
 
+    @classmethod
+    def of_split(cls, data_dir: str, split: str) -> "SplitFiles":
+        """The split's files of the dataset prepared in `data_dir`, from its manifest."""
+        return cls.from_manifest(data_dir, json.loads((Path(data_dir) / "manifest.json").read_text()), split)
+
 
 def ray_data_parallel(group: int = 1) -> tuple[int, int]:
     """This Ray Train worker's (data-parallel ranks, its data-parallel rank) when each `group` of consecutive ranks
@@ -82,8 +87,7 @@ class StreamedRows:
         """The split `split` of the dataset prepared in `data_dir` (its manifest's files and rows), each epoch in
         the order of `seed` (files and windows of `window_rows` rows shuffled, or as stored); `kwargs`: the rest of
         the constructor's arguments."""
-        manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
-        files = SplitFiles.from_manifest(data_dir, manifest, split)
+        files = SplitFiles.of_split(data_dir, split)
         return cls(files, order=StreamOrder(files.rows, window_rows, seed, shuffle=shuffle), **kwargs)
 
     def only(self, columns: list[str]) -> "StreamedRows":

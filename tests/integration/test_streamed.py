@@ -5,7 +5,6 @@ small object store finishes, each worker's memory bounded by the window, not the
 resumes inside an epoch."""
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 
 import numpy as np
@@ -33,7 +32,7 @@ def ray_driver(ray_head):
 def test_ray_data_hands_each_rank_its_part_of_the_same_global_batches(tmp_path, ray_driver):
     assert prepare_main(["synthetic", "--rows", "3000", "--features", "4", "--rows-per-shard", "300",
                          "--out", str(tmp_path)]) == 0
-    files = SplitFiles.from_manifest(str(tmp_path), json.loads((tmp_path / "manifest.json").read_text()), "train")
+    files = SplitFiles.of_split(str(tmp_path), "train")
     assert len(files.paths) == 8  # 2400 train rows
     order = StreamOrder(files.rows, 500, seed=3)
     on_disk = {path: pq.read_table(path).column("row").to_numpy() for path in files.paths}

@@ -36,9 +36,7 @@ def tokens(tmp_path_factory):
 
 def reference(folder, schema, split: str, batch: int, workers: int, rank: int, shuffle: bool, bucket: bool):
     """The same worker's batches as the PyTorch backends stream them, with the row ids."""
-    import json
-
-    files = SplitFiles.from_manifest(str(folder), json.loads((folder / "manifest.json").read_text()), split)
+    files = SplitFiles.of_split(str(folder), split)
     return StreamedRows(files, ["features", "label", "length", "row"], StreamOrder(files.rows, WINDOW, SEED, shuffle),
                         batch, workers, rank, drop_last=shuffle, bucket_column="length" if bucket else None,
                         read=read, stored=schema.stored_columns)

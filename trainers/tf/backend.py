@@ -47,13 +47,10 @@ class TFBackend(Backend):
     def dataset_config(self, cfg: DictConfig) -> Any:
         """An ordered split whenever the worker holds its part (`ShardArrays`), which a backend that does not
         `streams_files` always does."""
-        from trainers.data_split import OrderedSplit
+        from trainers.data_split import split_config
 
-        if self.streams_files and not cfg.data.cache_in_worker:
-            return super().dataset_config(cfg)  # no datasets are handed to Ray Train
-
-        group = self.batch_group(cfg)
-        return OrderedSplit(dp=cfg.trainer.num_workers // group, group=group)
+        held = cfg.data.cache_in_worker or not self.streams_files
+        return split_config(cfg.trainer.num_workers, held, self.batch_group(cfg))
 
     def model_from(self, keras: Any, cfg: Any, inputs: DataSchema, directory: str) -> Any:
         """The Keras model a checkpoint folder holds, for inference (default: tf-keras' weights file)."""

@@ -12,7 +12,8 @@ import numpy as np
 
 from contract.augment import Augment, sample_keys
 from contract.data import FEATURE_DTYPES, LABEL_DTYPES, DataSchema, bucketed_order, shuffled_order
-from trainers.streamed import Columns, StreamedRows, ray_data_parallel, ray_read
+from contract.stream_order import StreamOrder
+from trainers.streamed import Columns, SplitFiles, StreamedRows, ray_data_parallel, ray_read
 from trainers.worker import dataset_shards
 
 LOAD_BATCH = 8192  # rows per Ray Data batch when pulling a shard into memory
@@ -97,13 +98,16 @@ class ShardArrays:
         ds = ds.batch(batch_size, drop_remainder=steps is not None)
         if steps is not None:
             ds = ds.take(steps)
-        ds = ds.enumerate().skip(skip)  # each batch with its index in the epoch
         features, labels = self.tensors(tf)
-        ds = ds.map(lambda index, rows: (index, tf.gather(features, rows), tf.gather(labels, rows)))
-        if seed is not None and self.augment is not None:
-            ds = ds.map(augment_fn(tf, self.augment, self.schema, seed, epoch, batch_size))
-        else:
-            ds = ds.map(lambda index, x, y: (x, y))
+
+        def gathered(rows: Any) -> tuple[Any, Any]:
+            return tf.gather(features, rows), tf.gather(labels, rows)
+
+        if seed is None or self.augment is None:
+            ds = (ds.skip(skip) if skip else ds).map(gathered)
+        else:  # each batch with its index in the epoch: its rows' positions, which key their augmentation
+            augmented = augment_fn(tf, self.augment, self.schema, seed, epoch, batch_size)
+            ds = ds.enumerate().skip(skip).map(lambda index, rows: augmented(index, *gathered(rows)))
         return model_dataset(tf, ds, self.schema)
 
 
@@ -154,7 +158,8 @@ class StreamedArrays:
         self.schema, self.load_s, self.shuffle, self.read = schema, 0.0, shuffle, read
         features, target = schema.features, schema.target
         self.columns = [features.column, target.column]
-        self.split = (data_dir, split, seed, window_rows, shuffle)
+        self.files = SplitFiles.of_split(data_dir, split)
+        self.order = StreamOrder(self.files.rows, window_rows, seed, shuffle=shuffle)
         self.workers, self.rank = workers, rank
         self.bucket_rows = 0  # grouped by length when set (by the adapter, as `ShardArrays.bucket_rows`)
         self.augment: Augment | None = None  # of the training split (`data.augment`, set by the backend)
@@ -165,9 +170,9 @@ class StreamedArrays:
         length = self.schema.features.length_column
         bucket = length if self.bucket_rows else None
         columns = self.columns + ([length] if bucket else [])
-        return StreamedRows.of_split(*self.split, columns=columns, batch_size=rows_per_step, dp=self.workers,
-                                     dp_rank=self.rank, max_steps=self.max_steps, drop_last=self.shuffle,
-                                     bucket_column=bucket, stored=self.schema.stored_columns, read=self.read)
+        return StreamedRows(self.files, columns, self.order, rows_per_step, self.workers, self.rank,
+                            max_steps=self.max_steps, drop_last=self.shuffle, bucket_column=bucket,
+                            stored=self.schema.stored_columns, read=self.read)
 
     @property
     def rows(self) -> int:
