@@ -73,6 +73,12 @@ class Adapter:
     def load(self, directory: str) -> None:
         raise NotImplementedError
 
+    def save_in_background(self, directory: str) -> Callable[[], Any] | None:
+        """`save` begun now and finished while training goes on (a checkpoint inside an epoch); returns what waits
+        until `directory` is written, or None when it already is. Collective. This default: `save`, at once."""
+        self.save(directory)
+        return None
+
     def profiler(self, folder: str, steps: int) -> StepProfiler:
         """A profiler recording `steps` training steps into `folder` (`trainer.profile_steps`)."""
         raise NotImplementedError

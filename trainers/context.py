@@ -35,7 +35,9 @@ class WorkerContext:
     """What the loop needs from the cluster: Ray Train in a run (trainers/worker.py), plain objects in tests."""
     rank: int
     world_size: int
-    report: Callable[..., None]  # (metrics, this rank's checkpoint folder or None, background: upload it later)
+    # (metrics, this rank's checkpoint folder or None, background: upload it later, written: waits until the
+    # adapter has written the folder (`Adapter.save_in_background`), or None when it has)
+    report: Callable[..., None]
     epochs: int
     restored: Any = None                  # a checkpoint with `as_directory()` to resume from, or None
     logger: MetricsSink = field(default_factory=NoMetrics)  # rank 0's MLflow logger

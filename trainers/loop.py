@@ -230,14 +230,21 @@ class TrainLoop:
 
     def _checkpoint_and_report(self, metrics: dict[str, float], state: TrainState, background: bool = False) -> None:
         """Every rank saves into a folder of its own (saving may be collective) and reports it; `background`: the
-        report's upload to storage goes on while training does, and removes the folder when done."""
+        adapter may finish writing the folder while training goes on (`save_in_background`), and the report's
+        upload to storage, which waits for it, too; the upload removes the folder when done."""
         directory = tempfile.mkdtemp(prefix="rtp-checkpoint-")
         reports_folder = self.ctx.rank == 0 or self.adapter.sharded_checkpoint
+        written = None
         try:
-            self.adapter.save(directory)
+            if background:
+                written = self.adapter.save_in_background(directory)
+            else:
+                self.adapter.save(directory)
             if self.ctx.rank == 0:  # the one state file: Ray Train merges every rank's folder of a sharded checkpoint
                 state.write(directory, self.ctx.origin)
-            self.ctx.report(metrics, directory if reports_folder else None, background)
+            self.ctx.report(metrics, directory if reports_folder else None, background, written)
         finally:
             if not (background and reports_folder):
+                if written is not None:
+                    written()
                 shutil.rmtree(directory, ignore_errors=True)

@@ -184,15 +184,24 @@ def ray_step_bar(description: str, total: int, done: int) -> StepBar:
     return bar
 
 
-def ray_report(metrics: dict[str, float], directory: str | None, background: bool = False) -> None:
+def ray_report(metrics: dict[str, float], directory: str | None, background: bool = False,
+               written: Callable[[], Any] | None = None) -> None:
     """Ray Train's report of `metrics` and this rank's checkpoint folder, if any: copied to storage before it
-    returns, or (`background`) by a thread of Ray Train's while training goes on, which then removes the folder."""
+    returns, or (`background`) by a thread of Ray Train's while training goes on, which then removes the folder.
+    `written`: the copy waits for it first (the adapter still writes the folder)."""
     import ray.train
     from ray.train import CheckpointUploadMode
 
     checkpoint = ray.train.Checkpoint.from_directory(directory) if directory else None
     mode = CheckpointUploadMode.ASYNC if background else CheckpointUploadMode.SYNC
-    ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=mode)
+    upload = None
+    if checkpoint is not None and written is not None:
+        storage = ray.train.get_context().get_storage()
+
+        def upload(local: Any, name: str) -> Any:
+            written()
+            return storage.persist_current_checkpoint(local, name)  # Ray Train's own copy to storage
+    ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=mode, checkpoint_upload_fn=upload)
 
 
 def scaling_config(cfg: DictConfig, resources: dict[str, float] | None = None, use_gpu: bool | None = None) -> Any:

@@ -256,13 +256,14 @@ def test_a_tracking_server_away_at_the_end_loses_nothing_and_the_replay_finishes
     command, and the replay, with the server back, leaves the run as if nothing happened: every epoch once, the
     model, FINISHED. Also the end-to-end run of FSDP, with two pipeline stages (BERT tiny on IMDb): its sharded
     checkpoints, reported by both workers and merged by Ray Train, restore the workers after a failure at epoch 2
-    and give the final model (exported dense)."""
+    and give the final model (exported dense); a checkpoint inside each epoch is written in the background (DCP's
+    `async_save`, uploaded once written)."""
     base, port = tmp_path / "mlflow", free_port()
     uri = f"http://127.0.0.1:{port}"
     server = start_mlflow_server(base, port)
     cmd = [sys.executable, "-m", "pipelines.train", "trainer=fsdp", "data=imdb", "model=bert_tiny",
            f"data.path={tiny_imdb}", "trainer.pp=2", "trainer.batch_size=32", "trainer.epochs=3",
-           f"run.storage_path={tmp_path / 'ray'}", "fault.inject_at_epoch=2",
+           f"run.storage_path={tmp_path / 'ray'}", "fault.inject_at_epoch=2", "run.checkpoint_every_n_steps=2",
            f"fault.inject_marker={tmp_path / 'failed-once'}", "trainer.threads_per_worker=1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=pipeline_env(uri, ray_head), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

@@ -1,12 +1,13 @@
 """The FSDP2 adapter on the shared loop, on gloo ranks (no Ray), in float64: 2 sharded ranks train exactly what the
 dense model trains on both ranks' batches (step losses and final weights), stop/resume parity through the sharded
 DCP checkpoint (Adam's moments and the schedule kept), activation checkpointing changes no step, the dense
-export of that checkpoint is the trained model, a
-checkpoint saved at 2 ranks loads at 1 (resharded: model and optimizer state equal), each rank holds half of
+export of that checkpoint is the trained model, a checkpoint inside the epoch written in the background resumes
+exactly, a checkpoint saved at 2 ranks loads at 1 (resharded: model and optimizer state equal), each rank holds half of
 the parameters, gradients and optimizer state; and HSDP (2 replicas x 2 shards) and FSDP x TP (2 x 2) train the
 dense model too; so does the MNIST CNN (float32)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -122,6 +123,34 @@ def _load_at_one_rank(rank: int, world_size: int, tmp: str) -> None:
     torch.set_default_dtype(torch.float32)
 
 
+def _step_checkpoints(rank: int, world_size: int, tmp: str) -> None:
+    """Checkpoints inside the epoch every 7 steps, saved by DCP's `async_save` while the ranks train on (the state
+    copied at the step, written by a thread): a run restarted from the one at step 14 trains steps 15-20 as the
+    uninterrupted run did, to the same final model. A save that caught a later step's state would not."""
+    from contract.metrics import STEP_CHECKPOINT_METRICS
+    from trainers.torch.fsdp import FSDP
+
+    torch.set_default_dtype(torch.float64)
+    tmp_path = Path(tmp) / "steps"
+    cfg = config(tmp_path / f"cfg{rank}", [*OVERRIDES, "trainer.num_workers=2", "trainer.epochs=1"])
+    run = _fsdp_run(cfg, rank, world_size)
+    straight = run_attempt(lambda ctx: run(replace(ctx, checkpoint_every_n_steps=7)), rank, world_size, 1,
+                           tmp_path / "straight")
+    dist.barrier()
+    restarted = run_attempt(run, rank, world_size, 1, tmp_path / "restarted",
+                            restored=tmp_path / "straight" / "checkpoint_2")
+    if rank == 0:
+        steps = [[r[key] for key in STEP_CHECKPOINT_METRICS] for r in straight.reports[:2]]
+        assert steps == [[1.0, 7.0], [1.0, 14.0]] and len(straight.reports) == 3  # and the epoch's end
+        assert sorted(restarted.recorder.step_losses) == list(range(15, 21))
+        for step, loss in restarted.recorder.step_losses.items():
+            assert loss == pytest.approx(straight.recorder.step_losses[step], rel=1e-12), step
+        final = FSDP().dense_state(str(straight.checkpoint))
+        for name, value in FSDP().dense_state(str(restarted.checkpoint)).items():
+            torch.testing.assert_close(value, final[name], rtol=1e-12, atol=1e-14, msg=name)
+    torch.set_default_dtype(torch.float32)
+
+
 def _four_ranks(rank: int, world_size: int, tmp: str, layout: str) -> None:
     """HSDP (2 replicas of the model sharded over 2 ranks each; 4 data shards) or FSDP x TP (TP over pairs of
     ranks, FSDP over the 2 pairs; 2 data shards): one epoch, then the dense model's weights again, and each rank's
@@ -149,6 +178,7 @@ def _four_ranks(rank: int, world_size: int, tmp: str, layout: str) -> None:
 
 def test_fsdp_trains_the_dense_model_and_its_sharded_checkpoint_reshards(run_ranks: RankPools, tmp_path):
     run_ranks(_train_two_ranks, 2, str(tmp_path))
+    run_ranks(_step_checkpoints, 2, str(tmp_path))
     run_ranks(_load_at_one_rank, 1, str(tmp_path))
 
 

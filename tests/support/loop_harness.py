@@ -92,8 +92,11 @@ def make_context(rank: int, world_size: int, epochs: int, folder: Path, recorder
     one, merged as Ray Train merges them) to `folder/checkpoint_<n>`."""
     from ray.train import Checkpoint
 
-    def report(metrics: dict[str, float], directory: str | None, background: bool = False) -> None:
+    def report(metrics: dict[str, float], directory: str | None, background: bool = False,
+               written: Callable[[], Any] | None = None) -> None:
         reports.append(dict(metrics))
+        if written is not None:  # the adapter still writes the folder (a save in the background)
+            written()
         if directory is not None:
             shutil.copytree(directory, folder / f"checkpoint_{len(reports)}", dirs_exist_ok=True)
             if background:  # the folder is the report's to remove once written, as Ray Train's upload does
@@ -113,7 +116,7 @@ def with_callbacks(ctx: WorkerContext, *callbacks: LoopCallback) -> WorkerContex
 
 def plain_context(rank: int = 0, world_size: int = 1, device: Any = None) -> WorkerContext:
     """A context for building an adapter outside a run (nothing is reported)."""
-    return WorkerContext(rank=rank, world_size=world_size, report=lambda metrics, directory: None, epochs=1,
+    return WorkerContext(rank=rank, world_size=world_size, report=lambda *report: None, epochs=1,
                          device=device)
 
 

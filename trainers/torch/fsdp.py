@@ -12,14 +12,17 @@ of the pipeline schedule (`PipelineAdapter`): PP x TP x FSDP on one mesh.
 Checkpoints are sharded: `torch.distributed.checkpoint` (DCP) writes each rank's shards of the model and optimizer
 state into that rank's folder (no gather to rank 0) and Ray Train merges the folders; the schedule's state and
 `train_state.json` come from rank 0. DCP's metadata places every shard, so a checkpoint loads at another number of
-workers (resharded on load). The final model is exported dense from the checkpoint for MLflow.
+workers (resharded on load). A checkpoint inside an epoch is DCP's `async_save`: the state copied to host memory
+at the step, written by a thread while training goes on. The final model is exported dense from the checkpoint for
+MLflow.
 """
 from __future__ import annotations
 
 import os
 import tempfile
 from dataclasses import replace
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -62,6 +65,8 @@ class FSDPAdapter(TorchAdapter):
         model = parts[0] if len(parts) == 1 else self.parts
         super().__init__(model, recipe, train, evaluation, device, rank, ranks_per_sample=ranks_per_sample,
                          clip=lambda max_norm: clip_dtensor_grad_norm(self.parts, max_norm, pp_group))
+        self._saving: Future | None = None  # the background save under way
+        self._save_group: ProcessGroup | None = None  # its collectives' own gloo group, made at its first use
 
     def _state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(model state, flattened optimizer state) of this rank's parts, keyed "<part>.<dense name>"."""
@@ -72,9 +77,34 @@ class FSDPAdapter(TorchAdapter):
     def save(self, directory: str) -> None:
         import torch.distributed.checkpoint as dcp
 
+        self._wait_for_saving()
+        dcp.save(self._checkpoint_state(), checkpoint_id=directory)
+        self._save_recipe(directory)
+
+    def save_in_background(self, directory: str) -> Callable[[], Any]:
+        """DCP's `async_save`: the shards copied to host memory now, written by a thread while training goes on.
+        The thread's collectives (the save plan, the metadata) run on a gloo group of their own, so they never
+        interleave with the training's on the default group."""
+        import torch.distributed.checkpoint as dcp
+
+        self._wait_for_saving()  # one save at a time: each holds a copy of the state
+        if self._save_group is None:
+            self._save_group = dist.new_group(backend="gloo")
+        self._saving = dcp.async_save(self._checkpoint_state(), checkpoint_id=directory,
+                                      process_group=self._save_group)
+        self._save_recipe(directory)
+        return self._saving.result
+
+    def _wait_for_saving(self) -> None:
+        if self._saving is not None:
+            self._saving.result()
+            self._saving = None
+
+    def _checkpoint_state(self) -> dict[str, Any]:
         model_state, optimizer_state = self._state()
-        dcp.save({"model": _by_dense_name(model_state, 0), "optimizer": _by_dense_name(optimizer_state, 1)},
-                 checkpoint_id=directory)
+        return {"model": _by_dense_name(model_state, 0), "optimizer": _by_dense_name(optimizer_state, 1)}
+
+    def _save_recipe(self, directory: str) -> None:
         if self.rank == 0:
             torch.save(self.recipe.state_dict(), os.path.join(directory, RECIPE_FILE))
 

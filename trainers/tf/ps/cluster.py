@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, replace
 from itertools import count
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import ray
@@ -234,9 +234,10 @@ class Chief:
         """The loop's context on the chief: its only rank, watched for hangs (`progress`); each report goes to the
         server roles too (Ray Train wants one from every rank); `fault.inject_at_epoch` fails the chief,
         `fault.kill_servers` fire halfway through an epoch (`KillServers`)."""
-        def report(metrics: dict[str, float], directory: str | None, background: bool = False) -> None:
+        def report(metrics: dict[str, float], directory: str | None, background: bool = False,
+                   written: Callable[[], Any] | None = None) -> None:
             self.post("report", metrics=metrics)
-            ctx.report(metrics, directory, background)
+            ctx.report(metrics, directory, background, written)
 
         callbacks = [HangMarks(progress), FaultInjection(fault, 0, 1), KillServers(fault, self), *ctx.callbacks]
         return replace(ctx, world_size=1, report=report, callbacks=callbacks)
