@@ -110,6 +110,7 @@ class FaultConfig:
     inject_marker: Optional[str] = None    # ... unless this file exists (created when the failure fires)
     inject_at_step: Optional[int] = None  # testing: the last rank raises once before this global step, after the
                                           # checkpoints reported before are registered (inject_marker)
+    inject_kill: bool = False             # testing: the injected failure kills the rank's process (SIGKILL) instead
     inject_hang_at_step: Optional[int] = None  # testing: the last rank blocks in a collective at this global
                                                # step, once (inject_marker): the hang watchdog's case
     inject_unreachable_rank: Optional[int] = None  # testing: the preflight gives the others an address of this

@@ -1,7 +1,9 @@
-"""Testing hooks (`fault.*`), injected through the loop's callbacks: a rank that fails once at an epoch's start, a
-rank that hangs once at a step. The integration tests and benchmarks/chaos.py drive them."""
+"""Testing hooks (`fault.*`), injected through the loop's callbacks: a rank that fails once at an epoch's start or
+at a step (raising, or killed), a rank that hangs once at a step. The integration tests and benchmarks/chaos.py drive them."""
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -64,7 +66,8 @@ def maybe_inject_hang(fault: Any, step: int, rank: int, world_size: int) -> None
 
 
 def maybe_inject_failure_at_step(fault: Any, step: int, rank: int, world_size: int) -> None:
-    """Testing hook: fail once, in the last rank, before the run's global step `fault.inject_at_step`. Every rank
+    """Testing hook: fail once, in the last rank, before the run's global step `fault.inject_at_step` (raise, or
+    with `fault.inject_kill` be killed). Every rank
     first makes an empty report: Ray Train takes a rank's reports in their order, so the checkpoints reported before
     it (written to storage in the background, inside the epoch) are registered first and the restart resumes from
     the latest, whatever the speed of their upload."""
@@ -77,4 +80,6 @@ def maybe_inject_failure_at_step(fault: Any, step: int, rank: int, world_size: i
     if rank != world_size - 1:
         return
     marker.write_text(f"failed at step {step} in rank {rank}\n")
+    if fault.inject_kill:  # as a lost node or the OOM killer would: no exception, nothing cleaned up
+        os.kill(os.getpid(), signal.SIGKILL)
     raise RuntimeError(f"injected failure at step {step} (rank {rank})")
