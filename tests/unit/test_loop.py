@@ -450,3 +450,56 @@ def test_checkpoints_inside_epochs_resume_at_their_step(tmp_path):
         [straight.recorder.step_losses[step] for step in range(40, 51)]
     for key in ("train_loss", "test_accuracy"):
         assert resumed.recorder.epochs[2][key] == pytest.approx(straight.recorder.epochs[2][key], rel=1e-12)
+
+
+def test_a_streamed_run_takes_the_learning_rates_of_the_cached_run_step_for_step(tmp_path):
+    """A cosine schedule with warmup over 2 epochs, the same 330 rows held in memory (`ShardBatches`) or streamed
+    from 4 files (`StreamedBatches`: the epoch's length known from the files' row counts, not from reading them):
+    the learning rate of every step, the short last batch's included, is the cached run's."""
+    from contract.stream_order import StreamOrder
+    from trainers.adapter import WorkerData
+    from trainers.callbacks.base import LoopCallback
+    from trainers.streamed import SplitFiles, StreamedRows
+    from trainers.torch.ddp import DDP
+    from trainers.torch.data import ShardBatches, StreamedBatches
+
+    file_rows, schema = [100, 60, 120, 50], mnist_schema()
+    columns = mnist_columns(sum(file_rows))
+    starts = np.cumsum([0, *file_rows])
+    files = {f"f{i}": {c: v[starts[i]:starts[i + 1]] for c, v in columns.items()} for i in range(len(file_rows))}
+
+    def read(paths: list[str], names: list[str]) -> Iterator[dict[str, np.ndarray]]:
+        yield {c: np.concatenate([files[p][c] for p in paths]) for c in names}
+
+    def streamed(seed: int) -> StreamedBatches:
+        rows = StreamedRows(SplitFiles(list(files), file_rows), ["image", "label"], StreamOrder(file_rows, 100, seed),
+                            16, 1, 0, read=read, stored=schema.stored_columns)
+        return StreamedBatches(rows, schema)
+
+    def held(seed: int) -> ShardBatches:
+        return ShardBatches.from_columns({c: torch.from_numpy(v) for c, v in columns.items()}, schema, 16, seed)
+
+    cfg = config(tmp_path, ["trainer.batch_size=16", "trainer.optimizer=sgd", "trainer.lr=0.05", "model.hidden=[16]",
+                            "trainer.epochs=2", "trainer.num_workers=1", "trainer.lr_schedule=cosine",
+                            "trainer.warmup_steps=5"])
+
+    class LearningRates(LoopCallback):
+        def __init__(self):
+            self.adapter, self.rates = None, []
+
+        def on_step_start(self, epoch: int, step: int) -> None:
+            self.rates.append(self.adapter.optimizer.param_groups[0]["lr"])
+
+    def rates(batches) -> list[float]:
+        recorded = LearningRates()
+
+        def run(ctx):
+            recorded.adapter = DDP().build_adapter(cfg, ctx, WorkerData(schema, lambda seed: (batches(seed),
+                                                                                               held(seed))))
+            return DDP().train(cfg, with_callbacks(ctx, recorded), recorded.adapter)
+        assert run_attempt(run, 0, 1, 2, tmp_path / batches.__name__).finished
+        return recorded.rates
+
+    cached = rates(held)
+    assert len(cached) == 2 * 21 and cached[0] < cached[4] and cached[-1] < cached[21]  # warmup, then decay
+    assert rates(streamed) == cached
