@@ -22,6 +22,8 @@ EVAL_METRICS = {"classification": "test_accuracy", "regression": "test_mse"}
 ALL_EPOCH_METRICS = (*EPOCH_METRICS, *(m for m in EVAL_METRICS.values() if m not in EPOCH_METRICS), *TEXT_METRICS)
 FIRST_EPOCH_METRICS = ("data_load_s",)
 EPOCH_END = "epoch_end_s"  # per epoch (rank 0): its evaluation, metrics and checkpoint, for the run's goodput
+# per epoch with checkpoints inside it (rank 0): the seconds they held training up, and how many they were
+STEP_CHECKPOINTS_S, STEP_CHECKPOINTS = "step_checkpoints_s", "step_checkpoints"
 # once, by the driver: exporting, logging and registering the final model; scoring it on the held-out test split
 FINAL_MODEL_LOG, FINAL_MODEL_TEST = "final_model.log_s", "final_model.test_s"
 STEP_METRIC = "step_loss"

@@ -92,7 +92,8 @@ def run_training(cfg: DictConfig, uri: str, run_id: str, first_attempt: bool = T
         score_held_out_test(cfg, uri, run_id)
         figures = log_goodput(uri, run_id)
         say(f"goodput {figures['goodput']:.2f}: training {figures['goodput.training_s']:.0f} s of "
-            f"{figures['goodput.wall_s']:.0f} s (start-up {figures['goodput.startup_s']:.0f} s, epoch ends "
+            f"{figures['goodput.wall_s']:.0f} s (start-up {figures['goodput.startup_s']:.0f} s, "
+            f"checkpoints inside epochs {figures['goodput.checkpoint_s']:.0f} s, epoch ends "
             f"{figures['goodput.epoch_end_s']:.0f} s, final model {figures['goodput.final_s']:.0f} s, the rest "
             f"{figures['goodput.other_s']:.0f} s)")
         return None

@@ -22,7 +22,8 @@ from dataclasses import replace
 
 from contract.checkpoint import EpochTotals, TrainState, partial_over_ranks
 from contract.console import say
-from contract.metrics import (DIVERGED_METRICS, EPOCH_END, REPORTED_EPOCH, epoch_line, epoch_metrics,
+from contract.metrics import (DIVERGED_METRICS, EPOCH_END, REPORTED_EPOCH, STEP_CHECKPOINTS, STEP_CHECKPOINTS_S,
+                              epoch_line, epoch_metrics,
                               step_checkpoint_metrics, stop_metrics)
 from contract.resume import StepChecks
 from contract.stragglers import StepClock
@@ -54,6 +55,7 @@ class TrainLoop:
         self.first_epoch = self.state.epoch + 1  # of this attempt
         self.checks.checkpointed(self.global_step(self.first_epoch, self.state.totals_for(self.first_epoch).steps))
         self.clock: StepClock | None = None  # this attempt's step times of the epoch (None: Keras `fit` ran it)
+        self.step_checkpoints: list[float] = []  # the seconds each checkpoint inside the epoch held training up
         self.callbacks.on_start(self)
 
     def _restore(self) -> TrainState:
@@ -162,7 +164,9 @@ class TrainLoop:
         `started`); True when the ranks agreed to stop. Collective."""
         stop, checkpoint = self.checks(totals.steps, self.global_step(epoch, totals.steps))
         if checkpoint and not stop:
-            self.report_step(epoch, replace(totals, train_s=totals.train_s + time.perf_counter() - started))
+            began = time.perf_counter()
+            self.report_step(epoch, replace(totals, train_s=began - started + totals.train_s))
+            self.step_checkpoints.append(time.perf_counter() - began)
         return stop
 
     def end_epoch(self, epoch: int, totals: EpochTotals) -> bool:
@@ -188,6 +192,9 @@ class TrainLoop:
         self._checkpoint_and_report({**metrics, REPORTED_EPOCH: epoch}, self.state)
         self.checks.checkpointed(self.global_step(epoch + 1, 0))
         extras[EPOCH_END] = time.perf_counter() - began  # evaluation, metrics, checkpoint: the run's goodput counts it
+        if self.step_checkpoints:  # inside the epoch's time: the run's goodput counts them apart
+            extras.update({STEP_CHECKPOINTS_S: sum(self.step_checkpoints), STEP_CHECKPOINTS: len(self.step_checkpoints)})
+            self.step_checkpoints = []
         if self.ctx.rank == 0:
             say(epoch_line(epoch, self.ctx.epochs, metrics))
         self.ctx.logger.log(epoch, metrics)

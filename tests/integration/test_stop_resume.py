@@ -85,6 +85,7 @@ def test_a_failure_inside_an_epoch_restarts_from_its_last_step_checkpoint(tmp_pa
     run_id = run_id_from(done.stdout)
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["resumed_from_step"] == "epoch 1 step 10"
+    assert run.data.metrics["goodput.checkpoint_s"] > 0  # the restarted attempt's checkpoints at steps 20 and 30
     assert metric_steps(client, run_id, "train_loss") == [1]
     losses: dict[int, list[float]] = defaultdict(list)
     for m in client.get_metric_history(run_id, "step_loss"):

@@ -441,11 +441,15 @@ def test_checkpoints_inside_epochs_resume_at_their_step(tmp_path):
     assert list(inside) == [(1, 7), (1, 14), (1, 21), (2, 7), (2, 14), (2, 21)]  # 25 steps an epoch
     worst = Monitor("test_accuracy").worst()
     assert {straight.reports[number - 1]["test_accuracy"] for number in inside.values()} == {worst}
+    for epoch in (1, 2):  # what they held training up, apart from the epoch end's checkpoint
+        assert straight.recorder.extras[epoch]["step_checkpoints"] == 3
+        assert 0 < straight.recorder.extras[epoch]["step_checkpoints_s"] < straight.recorder.epochs[epoch]["epoch_time_s"]
     checkpoint = tmp_path / "straight" / f"checkpoint_{inside[(2, 14)]}"
     state = TrainState.read(checkpoint)
     assert (state.epoch, state.partial.steps) == (1, 14)
     resumed = run_attempt(run, 0, 1, 2, tmp_path / "resumed", restored=checkpoint)
     assert resumed.finished and sorted(resumed.recorder.step_losses) == list(range(40, 51))  # the rest of epoch 2
+    assert resumed.recorder.extras[2]["step_checkpoints"] == 1  # at step 21 of epoch 2
     assert [resumed.recorder.step_losses[step] for step in range(40, 51)] == \
         [straight.recorder.step_losses[step] for step in range(40, 51)]
     for key in ("train_loss", "test_accuracy"):

@@ -67,18 +67,16 @@ def maybe_inject_hang(fault: Any, step: int, rank: int, world_size: int) -> None
 
 def maybe_inject_failure_at_step(fault: Any, step: int, rank: int, world_size: int) -> None:
     """Testing hook: fail once, in the last rank, before the run's global step `fault.inject_at_step` (raise, or
-    with `fault.inject_kill` be killed). Every rank
-    first makes an empty report: Ray Train takes a rank's reports in their order, so the checkpoints reported before
-    it (written to storage in the background, inside the epoch) are registered first and the restart resumes from
-    the latest, whatever the speed of their upload."""
+    with `fault.inject_kill` be killed). It first waits until Ray Train has registered every checkpoint reported
+    before (uploaded in the background, inside the epoch), so the restart resumes from the latest whatever the
+    speed of the uploads: Ray Train registers a checkpoint once it has collected every rank's report of it, and a
+    rank killed first takes its report, and that checkpoint, with it."""
     marker = Path(fault.inject_marker)
-    if marker.exists():
+    if rank != world_size - 1 or marker.exists():
         return
     import ray.train
 
-    ray.train.report({})
-    if rank != world_size - 1:
-        return
+    ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
     marker.write_text(f"failed at step {step} in rank {rank}\n")
     if fault.inject_kill:  # as a lost node or the OOM killer would: no exception, nothing cleaned up
         os.kill(os.getpid(), signal.SIGKILL)
