@@ -21,7 +21,10 @@ from contract.registry import BACKENDS, MODELS, Layout, load_plugins
 class TrainerConfig:
     """Keys every backend has: the training contract's recipe and resources."""
     backend: str = "ddp"                # the backend (`trainer=<name>` picks it with its keys)
-    num_workers: int = 2                # Ray Train workers (the world size)
+    num_workers: int = 2                # Ray Train workers (the world size; an elastic run's most)
+    min_workers: int = 0                # elastic: go on with down to this many workers while nodes are lost, and
+                                        # grow back to num_workers as they return (0: always num_workers)
+    resize_check_s: float = 60.0        # elastic: how often Ray Train looks for room to grow the group
     threads_per_worker: int = 1         # CPU threads (and Ray CPUs) each worker takes
     use_gpu: bool = False               # a GPU per worker (NCCL for the PyTorch backends)
     batch_size: int = 128               # rows per batch on each data-parallel rank
@@ -147,6 +150,19 @@ def typed_config(plain: dict[str, Any], plugin_roots: Iterable[str] = ()) -> Dic
     cfg = OmegaConf.merge(schema(plain["trainer"]["backend"], plain["model"]["name"]), plain)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def at_world_size(cfg: DictConfig, world_size: int) -> DictConfig:
+    """An elastic run's config (`trainer.min_workers`) for a group of `world_size` workers: the configured global
+    batch (`batch_size` x `num_workers` rows) in per-rank batches of global / world_size rows, so that an epoch's
+    steps, each step's rows and loss, and the learning-rate schedule are the same at any size."""
+    trainer = cfg.trainer
+    if world_size == trainer.num_workers:
+        return cfg
+    sized = OmegaConf.merge(cfg, {"trainer": {"num_workers": world_size,
+                                              "batch_size": trainer.batch_size * trainer.num_workers // world_size}})
+    OmegaConf.set_readonly(sized, True)
+    return sized
 
 
 def monitor_of(run: DictConfig) -> Monitor:

@@ -123,7 +123,9 @@ class BackendSpec:
       `complete(trainer)` fills the keys whose default follows from others (before the config is read-only);
       `ignored_keys(cfg, model) -> (keys, why)`: training keys this backend and model do not read (a sweep over
         one would train the same trial again);
-      `fault_keys`: the `fault.*` testing hooks of its own it takes (other backends refuse them)."""
+      `fault_keys`: the `fault.*` testing hooks of its own it takes (other backends refuse them);
+      `elastic`: a run may change its number of workers (`trainer.min_workers`): its checkpoints load at any
+        number and its data is streamed in an order of the global batch alone."""
     name: str
     backend: Ref | dict[str, Ref]
     config: type
@@ -137,6 +139,7 @@ class BackendSpec:
     complete: Ref | None = None
     ignored_keys: Ref | None = None
     fault_keys: tuple[str, ...] = ()
+    elastic: bool = False
 
     def layout_of(self, trainer: Any) -> Layout:
         return resolve(self.layout or data_parallel)(trainer)

@@ -57,6 +57,7 @@ def check_values(cfg: DictConfig) -> None:
         raise ConfigError("trainer.compile: torch.compile is for the PyTorch backends (TensorFlow compiles its "
                           "training step with tf.function already)")
     spec = MODELS.get(cfg.model.name)
+    _check_elastic(cfg)
     _check_backend(cfg, spec, None)  # its keys and layout
     _check_model(cfg, spec, None)  # its keys, and the layout against its sizes
     if cfg.run.nan_patience < 1:
@@ -93,6 +94,32 @@ def check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"run.resume_from: no checkpoint at '{cfg.run.resume_from}' (missing {STATE_FILE})")
     if cfg.run.resume_from and (why := checkpoint_mismatch(cfg.run.resume_from, cfg.trainer.backend, cfg.model.name)):
         raise ConfigError(f"run.resume_from: {cfg.run.resume_from}: {why}")
+
+
+def _check_elastic(cfg: DictConfig) -> None:
+    """An elastic run (`trainer.min_workers`): a backend that can change its number of workers, a global batch that
+    splits evenly at every size between min_workers and num_workers, and streamed data."""
+    trainer = cfg.trainer
+    if not trainer.min_workers:
+        return
+    if not 1 <= trainer.min_workers < trainer.num_workers:
+        raise ConfigError(f"trainer.min_workers: must be between 1 and num_workers - 1 = {trainer.num_workers - 1} "
+                          f"(0: not elastic), got {trainer.min_workers}")
+    if not BACKENDS.get(trainer.backend).elastic:
+        elastic = ", ".join(name for name in BACKENDS.names() if BACKENDS.get(name).elastic)
+        raise ConfigError(f"trainer.min_workers: trainer={trainer.backend} keeps the number of workers it starts "
+                          f"with (its layout or its checkpoints are made for one); elastic runs: {elastic}")
+    rows = trainer.batch_size * trainer.num_workers
+    uneven = [size for size in range(trainer.min_workers, trainer.num_workers) if rows % size]
+    if uneven:
+        raise ConfigError(f"trainer.min_workers: the global batch of {rows} rows (batch_size x num_workers) does not "
+                          f"split evenly over {', '.join(map(str, uneven))} worker(s), which an elastic run keeps at "
+                          f"any size; pick a batch_size it does")
+    if cfg.data.cache_in_worker is True:
+        raise ConfigError("data.cache_in_worker: an elastic run streams its data (false, or auto): a part held in "
+                          "memory is cut for one number of workers")
+    if trainer.resize_check_s <= 0:
+        raise ConfigError(f"trainer.resize_check_s: must be > 0, got {trainer.resize_check_s}")
 
 
 RUN_FOLDERS = ("resume_dir", "storage_path", "dump_params_dir")  # run keys naming folders the run writes

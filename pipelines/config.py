@@ -199,8 +199,8 @@ def load_config(overrides: list[str]) -> DictConfig:
     cfg.data.name = inputs.dataset
     if cfg.data.eval_split is None:
         cfg.data.eval_split = default_eval_split(cfg.data)
-    if cfg.data.cache_in_worker == "auto":
-        cfg.data.cache_in_worker = shard_bytes(cfg, inputs) <= cfg.data.cache_max_bytes
+    if cfg.data.cache_in_worker == "auto":  # an elastic run streams (pipelines/checks.py says why)
+        cfg.data.cache_in_worker = not cfg.trainer.min_workers and shard_bytes(cfg, inputs) <= cfg.data.cache_max_bytes
     if cfg.run.monitor is None:
         cfg.run.monitor = eval_metric(inputs.target.task)
     check_data(cfg, inputs)

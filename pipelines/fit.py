@@ -26,6 +26,7 @@ from pipelines.data import data_schema
 from pipelines.data.shards import read_manifest
 from pipelines.ray_session import start_local_ray
 from trainers.preflight import PREFLIGHT_FILE, PreflightFailed
+from trainers.worker import placement_patience
 
 
 def init_ray(num_cpus: int, verbose: bool = False) -> None:
@@ -80,8 +81,9 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
         datasets = materialized.result(patience)
     elif backend.streams_files:  # its workers read the files through Ray Data themselves (trainers/streamed.py)
         datasets = {}
-    if cfg.fault.resource_timeout_s > 0:  # read by Ray Train's controller (trainers/worker.py: run_config)
-        os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(cfg.fault.resource_timeout_s)
+    placement_wait, _ = placement_patience(cfg)
+    if placement_wait is not None:  # read by Ray Train's controller (trainers/worker.py: run_config)
+        os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(placement_wait)
     # Ray Train's preemption watcher (an actor per run, CPU time to start) polls Ray for nodes being drained
     # (cloud autoscalers) and tells `ray.train.get_preemption_info`, which nothing here reads: a Slurm preemption
     # stops a run through its STOP file (contract/resume.py). Off unless the user turns it on.

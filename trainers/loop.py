@@ -193,7 +193,8 @@ class TrainLoop:
         self.checks.checkpointed(self.global_step(epoch + 1, 0))
         extras[EPOCH_END] = time.perf_counter() - began  # evaluation, metrics, checkpoint: the run's goodput counts it
         if self.step_checkpoints:  # inside the epoch's time: the run's goodput counts them apart
-            extras.update({STEP_CHECKPOINTS_S: sum(self.step_checkpoints), STEP_CHECKPOINTS: len(self.step_checkpoints)})
+            taken = self.step_checkpoints
+            extras[STEP_CHECKPOINTS_S], extras[STEP_CHECKPOINTS] = sum(taken), len(taken)
             self.step_checkpoints = []
         if self.ctx.rank == 0:
             say(epoch_line(epoch, self.ctx.epochs, metrics))

@@ -21,6 +21,7 @@ from contract.stream_order import StreamOrder, Window, epoch_steps, rank_rows
 Columns = dict[str, np.ndarray]
 PREFETCH_BLOCKS = 4  # Ray Data blocks read ahead of the window being filled
 READ_TASKS = 2       # a rank's Ray Data read tasks at once
+READ_AHEAD_BYTES = 512 << 20  # the object store a rank's reads may fill ahead of it
 
 
 @dataclass(frozen=True)
@@ -50,19 +51,32 @@ def ray_data_parallel(group: int = 1) -> tuple[int, int]:
 
 
 def ray_read(paths: list[str], columns: list[str]) -> Iterator[Columns]:
-    """The files' `columns`, in file order, block by block, read by Ray Data's tasks (the first Parquet datasource:
-    pipelines/data/readers.py says why) with PREFETCH_BLOCKS blocks read ahead; no progress bars. The tasks reserve
-    no CPU: the training workers hold the ones they asked for, and a read that waited for a free one could wait
-    forever; READ_TASKS at once per rank bounds what they take."""
+    """The files' `columns`, in file order, a block per file, read by Ray Data's tasks with PREFETCH_BLOCKS blocks
+    read ahead; no progress bars. The tasks reserve no CPU: the training workers hold the ones they asked for, and a
+    read that waited for a free one could wait forever; READ_TASKS at once per rank bounds what they take, and
+    READ_AHEAD_BYTES what their blocks may hold of the object store (Ray Data's default, a share of the whole
+    store, lets a rank's reads run ahead by gigabytes). A map of the paths rather than `read_parquet`, whose
+    datasource first samples files with tasks of a CPU each."""
     import ray.data
 
     context = ray.data.DataContext.get_current()
-    context.use_datasource_v2 = False
     context.enable_progress_bars = False
-    dataset = ray.data.read_parquet(paths, columns=columns, num_cpus=0,
-                                   override_num_blocks=len(paths), concurrency=min(READ_TASKS, len(paths)))
+    files = ray.data.from_items([{"path": path} for path in paths], override_num_blocks=len(paths))
+    dataset = files.map_batches(_read_parquet_files, fn_kwargs={"columns": columns}, batch_size=None,
+                                batch_format="pyarrow", num_cpus=0,
+                                compute=ray.data.TaskPoolStrategy(size=min(READ_TASKS, len(paths))))
     dataset.context.execution_options.preserve_order = True
+    limits = ray.data.ExecutionResources(object_store_memory=READ_AHEAD_BYTES)
+    dataset.context.execution_options.resource_limits = limits
     yield from dataset.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=PREFETCH_BLOCKS)
+
+
+def _read_parquet_files(batch: Any, columns: list[str]) -> Any:
+    """A Ray Data task's block: the `columns` of the files a block of paths names, in order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    return pa.concat_tables([pq.read_table(path, columns=columns) for path in batch.column("path").to_pylist()])
 
 
 class StreamedRows:

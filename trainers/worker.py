@@ -3,6 +3,7 @@ and the Ray Train run and scaling settings every trainer is built with."""
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import random
 import socket
@@ -15,7 +16,7 @@ from typing import Any, Callable, Iterable
 from omegaconf import DictConfig, OmegaConf
 
 from contract.checkpoint import checkpoint_origin
-from contract.config import monitor_of, typed_config
+from contract.config import at_world_size, monitor_of, typed_config
 from contract.console import quiet_ray_logs
 from contract.data import DataSchema
 from contract.hang import NoProgress, Progress
@@ -33,9 +34,13 @@ from trainers.callbacks.profiling import Profiling
 from trainers.callbacks.startup import StartupMetrics
 from trainers.callbacks.step_bar import StepBars
 from trainers.callbacks.step_times import StepTimes
+from trainers.callbacks.world_sizes import WorldSizes
 from trainers.hang_watch import HangWatch
 from trainers.context import MetricsSink, NoMetrics, WorkerContext
 from trainers.model_flops import run_flops_per_sample
+
+
+ELASTIC_PLACEMENT_S = 20.0  # an elastic run's wait for one placement of its workers before it sizes the group again
 
 
 def loop_config(cfg: DictConfig, run_id: str, tracking_uri: str, inputs: DataSchema) -> dict[str, Any]:
@@ -52,8 +57,13 @@ def loop_config(cfg: DictConfig, run_id: str, tracking_uri: str, inputs: DataSch
 
 def worker_config(config: dict[str, Any]) -> DictConfig:
     """The validated config as the driver resolved it: typed by the backend's and model's schemas, read-only, the
-    run's plugins imported (`typed_config`)."""
-    return typed_config(config["cfg"], config.get("plugin_roots", []))
+    run's plugins imported (`typed_config`); an elastic run's at the size of this worker group (`at_world_size`)."""
+    cfg = typed_config(config["cfg"], config.get("plugin_roots", []))
+    if not cfg.trainer.min_workers:
+        return cfg
+    import ray.train
+
+    return at_world_size(cfg, ray.train.get_context().get_world_size())
 
 
 def worker_inputs(config: dict[str, Any]) -> DataSchema:
@@ -120,6 +130,8 @@ def ray_callbacks(cfg: DictConfig, run_folder: Path, rank: int, config: dict[str
     rank 0 the divergence file, the step bar (when the driver wants progress), the profiler
     (`trainer.profile_steps`) and, on the run's first attempt, the start-up metrics."""
     callbacks: list[LoopCallback] = [StepTimes(cfg.run.straggler_ratio)]
+    if cfg.trainer.min_workers:
+        callbacks.append(WorldSizes())
     if config.get("flops_per_sample"):
         callbacks.append(Utilisation(config["flops_per_sample"], peak_flops))
     if rank != 0:
@@ -205,13 +217,31 @@ def ray_report(metrics: dict[str, float], directory: str | None, background: boo
 
 
 def scaling_config(cfg: DictConfig, resources: dict[str, float] | None = None, use_gpu: bool | None = None) -> Any:
-    """One CPU per worker thread (plus `resources`), placed by `trainer.placement_strategy`."""
+    """One CPU per worker thread (plus `resources`), placed by `trainer.placement_strategy`; an elastic run's
+    group between `trainer.min_workers` and `num_workers` workers, resized by Ray Train as nodes go and come."""
     from ray.train import ScalingConfig
 
     trainer = cfg.trainer
-    return ScalingConfig(num_workers=trainer.num_workers, use_gpu=trainer.use_gpu if use_gpu is None else use_gpu,
+    workers = (trainer.min_workers, trainer.num_workers) if trainer.min_workers else trainer.num_workers
+    return ScalingConfig(num_workers=workers, use_gpu=trainer.use_gpu if use_gpu is None else use_gpu,
                          resources_per_worker=resources or {"CPU": trainer.threads_per_worker},
-                         placement_strategy=trainer.placement_strategy)
+                         placement_strategy=trainer.placement_strategy,
+                         elastic_resize_monitor_interval_s=trainer.resize_check_s)
+
+
+def placement_patience(cfg: DictConfig) -> tuple[float | None, int]:
+    """(How long Ray Train waits to place a worker group, how many times it may give up and try again), None: its
+    default. Giving up is a controller failure. A fixed-size run waits `fault.resource_timeout_s` once, or forever
+    (0). An elastic run waits ELASTIC_PLACEMENT_S at a time, up to `fault.resource_timeout_s` in all: a group
+    sized from a stale view of the cluster (a node lost moments ago, not yet known dead) cannot be placed, and
+    the next try sizes it again."""
+    timeout = cfg.fault.resource_timeout_s
+    if not cfg.trainer.min_workers:
+        return (timeout, 0) if timeout > 0 else (None, -1)
+    if timeout <= 0:
+        return ELASTIC_PLACEMENT_S, -1
+    wait = min(ELASTIC_PLACEMENT_S, timeout)
+    return wait, math.ceil(timeout / wait) - 1
 
 
 def run_config(cfg: DictConfig, run_id: str, callbacks: list | None, env: dict[str, str] | None = None) -> Any:
@@ -222,9 +252,7 @@ def run_config(cfg: DictConfig, run_id: str, callbacks: list | None, env: dict[s
 
     from contract.tracking import ray_run_name
 
-    # Waiting for resources longer than `fault.resource_timeout_s` (pipelines/fit.py sets Ray Train's start timeout)
-    # is a controller failure; with no retries of those the run fails instead of waiting forever.
-    patient = cfg.fault.resource_timeout_s <= 0
+    _, controller_retries = placement_patience(cfg)
     # Ray Train keeps the `run.keep_checkpoints` best checkpoints by `run.monitor` and always the latest (to resume
     # from): the best epoch's model survives for `run.final_model=best`. A checkpoint inside an epoch reports the
     # monitored metric as its worst: it is kept only while it is the latest.
@@ -233,7 +261,7 @@ def run_config(cfg: DictConfig, run_id: str, callbacks: list | None, env: dict[s
                                    checkpoint_score_order=monitor.mode)
     return RunConfig(name=ray_run_name(run_id, cfg.run.resume_from), storage_path=cfg.run.storage_path,
                      failure_config=FailureConfig(max_failures=cfg.fault.max_failures,
-                                                  controller_failure_limit=-1 if patient else 0),
+                                                  controller_failure_limit=controller_retries),
                      checkpoint_config=checkpoints, callbacks=list(callbacks or []),
                      logging_config=LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING"),
                      worker_runtime_env={"env_vars": env} if env else None)

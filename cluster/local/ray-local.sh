@@ -3,7 +3,12 @@
 # beside other Ray clusters on the same machine (we never run `ray stop`: it stops every cluster).
 #
 #   ray-local.sh start STATE_DIR [NUM_CPUS]   writes STATE_DIR/ray.env (RAY_ADDRESS, RAY_DASHBOARD_ADDRESS, ...)
-#   ray-local.sh stop STATE_DIR               stops exactly the processes of that head, removes its temp dir
+#   ray-local.sh stop STATE_DIR               stops exactly the processes of that head (and its nodes), removes its
+#                                             temp dir
+#   ray-local.sh join STATE_DIR SLOT ADDR [NUM_CPUS]  adds a node to that head: another loopback address ADDR
+#                                             (127.0.0.2, ...), port slot SLOT (1-3), its own temp dir; to try
+#                                             several nodes, and elastic runs, on one machine
+#   ray-local.sh lose STATE_DIR SLOT          kills that node at once (SIGKILL), as a lost machine
 #
 # Only this user can use the head: every port listens on 127.0.0.1 alone, and every request must carry the head's
 # token (STATE_DIR/ray_auth_token, readable by this user only), since a laptop's or login node's loopback is
@@ -33,6 +38,9 @@ start() {
   (umask 077; python -c 'import secrets; print(secrets.token_hex(32))' > "$token")
   unset RAY_AUTH_TOKEN
   export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$token
+  # RAY_LOCAL_NODES=1: a head that nodes on other loopback addresses can join (`join`): a multi-node cluster, whose
+  # services listen on the node's address; every request still needs the token.
+  [ "${RAY_LOCAL_NODES:-0}" = 1 ] && export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1
   # `ray job stop` sends SIGTERM, then SIGKILL after this many seconds (Ray's default: 3); a pipeline needs longer to
   # end its MLflow runs KILLED (a sweep: every child run), read by the job supervisors the head starts.
   export RAY_JOB_STOP_WAIT_TIME_S=${RAY_JOB_STOP_WAIT_TIME_S:-60}
@@ -47,7 +55,7 @@ start() {
 export RAY_ADDRESS=127.0.0.1:$base
 export RAY_DASHBOARD_ADDRESS=http://127.0.0.1:$((base + 1))
 export RAY_TEMP_DIR=$temp_dir
-export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=$RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER
 export RAY_AUTH_MODE=token
 export RAY_AUTH_TOKEN_PATH=$token
 unset RAY_AUTH_TOKEN
@@ -75,8 +83,35 @@ stop() {
   echo "ray head stopped ($temp_dir)"
 }
 
+join() {
+  local slot=${1:?usage: ray-local.sh join STATE_DIR SLOT ADDR [NUM_CPUS]} addr=${2:?usage: ray-local.sh join STATE_DIR SLOT ADDR [NUM_CPUS]}
+  local cpus=${3:-1} base=${RAY_BASE_PORT:-26000} temp_dir
+  [ -f "$state_dir/ray.env" ] || { echo "no head in $state_dir: ray-local.sh start it first" >&2; exit 1; }
+  source "$state_dir/ray.env"
+  temp_dir=$(mktemp -d /tmp/ray-XXXXXX)
+  echo "$temp_dir" > "$state_dir/node$slot.temp_dir"
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} setsid bash -c 'echo $$ > "$0"; exec "$@"' "$state_dir/node$slot.sid" \
+    ray start --address "$RAY_ADDRESS" --disable-usage-stats --node-ip-address "$addr" --temp-dir "$temp_dir" \
+    --num-cpus "$cpus" $(ray_node_port_flags "$base" "$slot") > "$state_dir/node$slot.log" 2>&1 \
+    || { cat "$state_dir/node$slot.log" >&2; lose "$slot"; exit 1; }
+  echo "ray node $addr (slot $slot, $cpus CPUs) joined $RAY_ADDRESS"
+}
+
+lose() {
+  local slot=$1 sid temp_dir
+  [ -f "$state_dir/node$slot.sid" ] || return 0
+  sid=$(cat "$state_dir/node$slot.sid")
+  temp_dir=$(cat "$state_dir/node$slot.temp_dir" 2>/dev/null || true)
+  pkill -KILL -s "$sid" 2>/dev/null || true
+  [ -n "$temp_dir" ] && rm -rf "$temp_dir"
+  rm -f "$state_dir/node$slot.sid" "$state_dir/node$slot.temp_dir"
+  echo "ray node of slot $slot killed"
+}
+
 case "$action" in
   start) start "${3:-}" ;;
-  stop) stop ;;
-  *) echo "unknown action '$action' (start|stop)" >&2; exit 2 ;;
+  stop) for sid_file in "$state_dir"/node*.sid; do [ -f "$sid_file" ] && lose "$(basename "$sid_file" .sid | tr -d node)"; done; stop ;;
+  join) join "${3:-}" "${4:-}" "${5:-}" ;;
+  lose) lose "${3:?usage: ray-local.sh lose STATE_DIR SLOT}" ;;
+  *) echo "unknown action '$action' (start|stop|join|lose)" >&2; exit 2 ;;
 esac

@@ -100,6 +100,10 @@ class EpochLogger:
     def tag(self, key: str, value: str) -> None:
         self.spool.write({"op": "tag", "key": key, "value": value})
 
+    def append_tag(self, key: str, value: str) -> None:
+        """`value` added to the tag `key` (comma-separated): one part per attempt."""
+        self.spool.write({"op": "append_tag", "key": key, "value": value})
+
     def log_artifacts(self, folder: str, path: str) -> None:
         """The files in `folder` (on this worker's node) as the run's artifacts under `path`."""
         self.flush()

@@ -69,16 +69,18 @@ def test_stop_request_checkpoints_mid_epoch_and_resumes_every_step_once(tmp_path
 def test_a_failure_inside_an_epoch_restarts_from_its_last_step_checkpoint(tmp_path, tiny_mnist, mlflow_server,
                                                                            ray_head):
     """A checkpoint every 10 steps of a 32-step epoch, uploaded while training goes on; the last worker's process
-    is killed (SIGKILL, as a lost node's) before step 15. Ray Train restarts both workers from the checkpoint of step 10, which train steps 11 to 32,
-    and the run finishes with every step's loss logged: those up to the checkpoint once (sent with it), those of
-    steps 11 to 14 twice at most (the second time alike) where the first attempt sent them before failing."""
+    is killed (SIGKILL, as a lost node's) before step 15. Ray Train restarts both workers from the checkpoint of
+    step 10, which train steps 11 to 32, and the run finishes with every step's loss logged: those up to the
+    checkpoint once (sent with it), those of steps 11 to 14 twice at most (the second time alike) where the first
+    attempt sent them before failing."""
     env = pipeline_env(mlflow_server, ray_head)
     marker = tmp_path / "failed-once"
     done = run_pipeline([f"data.path={tiny_mnist}", "trainer.epochs=1", "trainer.batch_size=16",
                          "trainer.optimizer=sgd", "trainer.lr=0.01", "trainer.log_every_n_steps=1",
                          "model.hidden=[64]", "model.dropout=0", "run.checkpoint_every_n_steps=10",
                          "run.keep_checkpoints=1", "fault.max_failures=1", "fault.inject_at_step=15",
-                         "fault.inject_kill=true", f"fault.inject_marker={marker}", f"run.storage_path={tmp_path / 'ray'}"], env)
+                         "fault.inject_kill=true", f"fault.inject_marker={marker}",
+                         f"run.storage_path={tmp_path / 'ray'}"], env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert marker.read_text() == "failed at step 15 in rank 1\n"
     client = MlflowClient(mlflow_server)

@@ -56,6 +56,9 @@ class Recorder:
     def tag(self, key: str, value: str) -> None:
         self.tags[key] = value
 
+    def append_tag(self, key: str, value: str) -> None:
+        self.tags[key] = f"{self.tags[key]},{value}" if key in self.tags else value
+
     def curve(self) -> np.ndarray:
         steps = sorted(self.step_losses)
         assert steps == list(range(1, len(steps) + 1)), steps

@@ -90,6 +90,15 @@ def test_defaults_compose_and_flatten(data_override):
                                                       r"of the data in memory and cannot stream it; set "
                                                       r"data\.cache_in_worker=true"),
     ("trainer=tf_ps data.cache_max_bytes=1000", r"^data\.cache_in_worker: tf_ps holds each worker's part"),
+    ("trainer.min_workers=2", r"^trainer\.min_workers: must be between 1 and num_workers - 1 = 1 \(0: not elastic\), "
+                              r"got 2$"),
+    ("trainer=tp model=bert_tiny trainer.min_workers=1", r"^trainer\.min_workers: trainer=tp keeps the number of "
+                                                         r"workers it starts with .*; elastic runs: ddp, fsdp$"),
+    ("trainer.num_workers=4 trainer.batch_size=5 trainer.min_workers=2", r"^trainer\.min_workers: the global batch "
+                                                                         r"of 20 rows .* over 3 worker\(s\)"),
+    ("trainer.min_workers=1 data.cache_in_worker=true", r"^data\.cache_in_worker: an elastic run streams its data"),
+    ("trainer=fsdp trainer.num_workers=4 trainer.batch_size=6 trainer.dp_replicate=2 trainer.min_workers=2",
+     r"^trainer\.min_workers: an elastic fsdp run shards the model over all its workers"),
 ])
 def test_bad_config_names_the_key(data_override, override, message):
     with pytest.raises(ConfigError, match=message):
@@ -401,6 +410,24 @@ def test_every_backend_is_a_trainer_choice_with_its_keys_defaults():
         assert spec.config().backend == name
         assert OmegaConf.to_container(compose([f"trainer={name}"]).trainer) == \
             OmegaConf.to_container(OmegaConf.structured(spec.config))
+
+
+def test_an_elastic_run_streams_and_keeps_its_global_batch_at_every_size(data_override):
+    """`trainer.min_workers`: the data streamed (a part held in memory is one size's), Ray Train's group between
+    min_workers and num_workers, and a group of another size the same global batch in bigger or smaller parts."""
+    from contract.config import at_world_size
+    from trainers.worker import scaling_config
+
+    cfg = load_config([data_override, "trainer.num_workers=3", "trainer.min_workers=2", "trainer.batch_size=16",
+                       "trainer.resize_check_s=5"])
+    assert cfg.data.cache_in_worker is False
+    scaling = scaling_config(cfg)
+    assert scaling.num_workers == (2, 3) and scaling.elastic_resize_monitor_interval_s == 5
+    assert at_world_size(cfg, 3) is cfg
+    smaller = at_world_size(cfg, 2)
+    assert (smaller.trainer.num_workers, smaller.trainer.batch_size) == (2, 24) and OmegaConf.is_readonly(smaller)
+    assert OmegaConf.get_type(smaller.trainer).__name__ == "DDPConfig" and smaller.model == cfg.model
+    assert load_config([data_override]).data.cache_in_worker is True  # a fixed-size run holds MNIST
 
 
 def test_a_worker_rebuilds_the_typed_read_only_config(data_override):

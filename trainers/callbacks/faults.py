@@ -1,5 +1,6 @@
 """Testing hooks (`fault.*`), injected through the loop's callbacks: a rank that fails once at an epoch's start or
-at a step (raising, or killed), a rank that hangs once at a step. The integration tests and benchmarks/chaos.py drive them."""
+at a step (raising, or killed), a rank that hangs once at a step. The integration tests and benchmarks/chaos.py
+drive them."""
 from __future__ import annotations
 
 import os

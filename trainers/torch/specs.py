@@ -113,6 +113,9 @@ def check_fsdp(cfg: Any, model: ModelSpec, inputs: DataSchema | None) -> None:
     if trainer.precision == "fp16":
         raise ConfigError("trainer.precision: fp16 (loss scaling over sharded gradients) is not supported with fsdp; "
                           "use bf16")
+    if trainer.min_workers and (trainer.tp, trainer.pp, trainer.dp_replicate, trainer.dp_shard) != (1, 1, 1, None):
+        raise ConfigError("trainer.min_workers: an elastic fsdp run shards the model over all its workers, whatever "
+                          "their number (tp=1, pp=1, dp_replicate=1, dp_shard unset)")
     if trainer.pp > 1:
         _check_pipeline(trainer)
     _require_plan(trainer, model)
@@ -192,10 +195,10 @@ def check_deepspeed(cfg: Any, model: ModelSpec, inputs: DataSchema | None) -> No
 
 for _spec in (
     BackendSpec("ddp", "trainers.torch.ddp:DDP", DDPConfig, ("torch",),
-                "PyTorch DistributedDataParallel (gloo on CPU, NCCL on GPU)"),
+                "PyTorch DistributedDataParallel (gloo on CPU, NCCL on GPU)", elastic=True),
     BackendSpec("fsdp", "trainers.torch.fsdp:FSDP", FSDPConfig, ("torch",),
                 "PyTorch FSDP2 sharded data parallelism; HSDP, FSDP x TP and pipeline stages (PP x TP x FSDP)",
-                check=check_fsdp, layout=fsdp_layout),
+                check=check_fsdp, layout=fsdp_layout, elastic=True),
     BackendSpec("tp", "trainers.torch.tp:TP", TPConfig, ("torch",),
                 "tensor parallelism (Megatron-style layers or DTensor plans) x data parallelism",
                 check=check_tp, layout=tp_layout, complete=complete_tp),
