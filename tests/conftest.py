@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from pipelines.data.idx import write_idx
+from tests.support.ports import free_port_block
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -59,19 +60,6 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def free_port_block(size: int = 400) -> int:  # cluster/lib/ray-ports.sh RAY_PORT_BLOCK
-    """A base port whose whole block [base, base+size) is free right now."""
-    rng = np.random.default_rng()
-    for _ in range(50):
-        base = int(rng.integers(20000, 32768 - size))  # below the ephemeral range (outgoing connections)
-        try:
-            for port in range(base, base + size, 7):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port block")
 
 
 def make_mnist_like(folder: Path, n_train: int, n_test: int, seed: int = 0) -> Path:
