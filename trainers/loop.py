@@ -23,8 +23,7 @@ from dataclasses import replace
 from contract.checkpoint import EpochTotals, TrainState, partial_over_ranks
 from contract.console import say
 from contract.metrics import (DIVERGED_METRICS, EPOCH_END, REPORTED_EPOCH, STEP_CHECKPOINTS, STEP_CHECKPOINTS_S,
-                              epoch_line, epoch_metrics,
-                              step_checkpoint_metrics, stop_metrics)
+                              epoch_line, epoch_metrics, step_checkpoint_metrics, stop_metrics)
 from contract.resume import StepChecks
 from contract.stragglers import StepClock
 from trainers.adapter import Adapter

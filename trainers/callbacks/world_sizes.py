@@ -1,5 +1,5 @@
 """An elastic run's sizes (`trainer.min_workers`): rank 0 adds each attempt's number of workers and where it took
-over to the run's `workers` tag ("3 from the start, 2 from epoch 1 step 20, 3 from epoch 2 step 10") and logs
+over to the run's `workers` tag ("3 from the start,2 from epoch 1 step 20,3 from epoch 2 step 10") and logs
 `world_size` each epoch (the size that ended it)."""
 from __future__ import annotations
 
