@@ -24,24 +24,12 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 from benchmarks.common import QUIET_ENV, ROOT, mlflow_server
-from tests.support.ports import free_port_block
-
-SCRIPT = ROOT / "cluster" / "local" / "ray-local.sh"
-NODES = {1: "127.0.0.2", 2: "127.0.0.3", 3: "127.0.0.4"}  # port slot -> address
-
-
-def cluster_env(state: Path, base: int) -> dict[str, str]:
-    env = {**os.environ, **QUIET_ENV, "RAY_BASE_PORT": str(base), "RAY_LOCAL_NODES": "1",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    for line in (state / "ray.env").read_text().splitlines():
-        if line.startswith("export "):
-            key, value = line.removeprefix("export ").split("=", 1)
-            env[key] = value
-    return env
+from tests.support.local_ray import LOOPBACK_NODES, join_node, lose_node, started_ray_head
 
 
 def train(args: list[str], env: dict[str, str], lose: tuple[Path, dict[str, str], float] | None) -> tuple[str, float]:
-    """Run `rtp train args`; with `lose` (ray state, its env, seconds), kill node 3 that long after the first step.
+    """Run `rtp train args`; with `lose` (the head's state and env, seconds), kill node 3 that long after the first
+    step.
     Returns the MLflow run id and the kill's time (0: none)."""
     proc = subprocess.Popen([sys.executable, "-m", "pipelines.train", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -54,25 +42,11 @@ def train(args: list[str], env: dict[str, str], lose: tuple[Path, dict[str, str]
             time.sleep(1)
         time.sleep(after_s)
         killed = time.time()
-        subprocess.run(["bash", str(SCRIPT), "lose", str(state), "3"], env=cluster, check=True, timeout=60,
-                       capture_output=True)
+        lose_node(state, cluster, 3)
     proc.communicate(timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"rtp train {' '.join(args)} exited {proc.returncode}")
     return run_id, killed
-
-
-def cluster_env_start(state: Path, base: int) -> dict[str, str]:
-    """A head (no CPUs for workers) and three nodes of one CPU each; their env."""
-    env = {**os.environ, "RAY_BASE_PORT": str(base), "RAY_LOCAL_NODES": "1",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    subprocess.run(["bash", str(SCRIPT), "start", str(state), "0"], env=env, check=True, timeout=120,
-                   capture_output=True)
-    cluster = cluster_env(state, base)
-    for slot, address in NODES.items():
-        subprocess.run(["bash", str(SCRIPT), "join", str(state), str(slot), address, "1"], env=cluster, check=True,
-                       timeout=120, capture_output=True)
-    return cluster
 
 
 def main() -> None:
@@ -93,15 +67,14 @@ def main() -> None:
                   f"run.checkpoint_every_n_steps={args.checkpoint_every}", "run.system_metrics=false"]
         goodputs, client = {}, MlflowClient(uri)
         for name in ("without a loss", "one node lost"):
-            state, base = Path(tmp) / f"ray-{len(goodputs)}", free_port_block()
-            started = cluster_env_start(state, base)
-            try:
-                env = {**started, "MLFLOW_TRACKING_URI": uri}
-                lose = (state, started, args.lose_after_s) if goodputs else None
+            state = Path(tmp) / f"ray-{len(goodputs)}"
+            # A head without CPUs for workers, and three nodes of one CPU each.
+            with started_ray_head(state, 0, RAY_LOCAL_NODES="1") as values:
+                for slot in LOOPBACK_NODES:
+                    join_node(state, values, slot)
+                env = {**os.environ, **QUIET_ENV, **values, "MLFLOW_TRACKING_URI": uri}
+                lose = (state, values, args.lose_after_s) if goodputs else None
                 run_id, killed = train([*common, f"run.storage_path={tmp}/{name.replace(' ', '-')}"], env, lose)
-            finally:
-                subprocess.run(["bash", str(SCRIPT), "stop", str(state)], env=started, timeout=120,
-                               capture_output=True)
             goodputs[name] = client.get_run(run_id).data.metrics["goodput"]
         steps = client.get_metric_history(run_id, "step_loss")
         after = min((m for m in steps if m.timestamp / 1000 > killed), key=lambda m: m.timestamp)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from pipelines.data.idx import write_idx
-from tests.support.ports import free_port_block
+from tests.support.local_ray import started_ray_head
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -199,24 +199,6 @@ def mlflow_server(tmp_path_factory) -> str:
         yield f"http://127.0.0.1:{port}"
     finally:
         stop_mlflow_server(proc)
-
-
-@contextlib.contextmanager
-def started_ray_head(state: Path, cpus: int, **settings: str) -> Iterator[dict[str, str]]:
-    """A real Ray head started by the project's own script (own temp dir and ports; `settings`: more of its
-    variables, e.g. RAY_OBJECT_STORE_MEMORY); the env to reach it. Stopped on exit."""
-    script = ROOT / "cluster" / "local" / "ray-local.sh"
-    env = {**os.environ, "RAY_BASE_PORT": str(free_port_block()), **settings}
-    subprocess.run(["bash", str(script), "start", str(state), str(cpus)], env=env, check=True, timeout=120)
-    try:
-        values = {}
-        for line in (state / "ray.env").read_text().splitlines():
-            if line.startswith("export "):
-                key, value = line.removeprefix("export ").split("=", 1)
-                values[key] = value
-        yield values
-    finally:
-        subprocess.run(["bash", str(script), "stop", str(state)], env=env, timeout=120)
 
 
 @pytest.fixture(scope="session")

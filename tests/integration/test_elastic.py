@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 import mlflow
 import pytest
@@ -16,14 +15,10 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from pipelines.prepare import main as prepare_main
-from tests.conftest import (ROOT, check_finished_run, pipeline_env, run_id_from, run_pipeline, started_ray_head,
-                            wait_until)
+from tests.conftest import ROOT, check_finished_run, pipeline_env, run_id_from, run_pipeline, wait_until
+from tests.support.local_ray import LOOPBACK_NODES, join_node, lose_node, started_ray_head
 
 pytestmark = pytest.mark.slow  # a Ray of four nodes
-
-SCRIPT = ROOT / "cluster" / "local" / "ray-local.sh"
-NODES = {1: "127.0.0.2", 2: "127.0.0.3", 3: "127.0.0.4"}  # port slot -> address
-
 
 @pytest.fixture
 def three_nodes(tmp_path):
@@ -31,15 +26,9 @@ def three_nodes(tmp_path):
     CPU each: one worker per node."""
     state = tmp_path / "ray_state"
     with started_ray_head(state, 0, RAY_LOCAL_NODES="1") as values:
-        env = {**pipeline_env("unused", values), "RAY_BASE_PORT": values["RAY_ADDRESS"].rsplit(":", 1)[1]}
-        for slot, address in NODES.items():
-            join(state, slot, env)
-        yield state, values, env
-
-
-def join(state: Path, slot: int, env: dict[str, str]) -> None:
-    subprocess.run(["bash", str(SCRIPT), "join", str(state), str(slot), NODES[slot], "1"], env=env, check=True,
-                   timeout=120, capture_output=True)
+        for slot in LOOPBACK_NODES:
+            join_node(state, values, slot)
+        yield state, values
 
 
 def step_losses(client: MlflowClient, run_id: str) -> dict[int, list[float]]:
@@ -50,7 +39,7 @@ def step_losses(client: MlflowClient, run_id: str) -> dict[int, list[float]]:
 
 
 def test_a_run_that_loses_a_node_goes_on_smaller_and_grows_back(tmp_path, three_nodes, mlflow_server):
-    state, ray_env, env = three_nodes
+    state, ray_env = three_nodes
     data = tmp_path / "data"
     assert prepare_main(["synthetic", "--rows", "6000", "--features", "16", "--rows-per-shard", "600",
                          "--out", str(data)]) == 0
@@ -70,10 +59,10 @@ def test_a_run_that_loses_a_node_goes_on_smaller_and_grows_back(tmp_path, three_
     try:
         run_id = next(line.split()[2] for line in proc.stdout if line.startswith("MLflow run "))
         wait_until(lambda: max(step_losses(client, run_id), default=0) >= 17, 300, "step 17")
-        subprocess.run(["bash", str(SCRIPT), "lose", str(state), "3"], env=env, check=True, timeout=60)
+        lose_node(state, ray_env, 3)
         tags = lambda: client.get_run(run_id).data.tags.get("workers", "")  # noqa: E731
         wait_until(lambda: "2 from" in tags(), 300, "the run going on with 2 workers")
-        join(state, 3, env)
+        join_node(state, ray_env, 3)
         proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:

@@ -14,7 +14,8 @@ from mlflow.tracking import MlflowClient
 
 from contract.stream_order import StreamOrder
 from pipelines.prepare import main as prepare_main
-from tests.conftest import check_finished_run, pipeline_env, ray_init_on, run_id_from, run_pipeline, started_ray_head
+from tests.conftest import check_finished_run, pipeline_env, ray_init_on, run_id_from, run_pipeline
+from tests.support.local_ray import started_ray_head
 from trainers.streamed import SplitFiles, StreamedRows, ray_read
 
 pytestmark = pytest.mark.slow  # starts Ray

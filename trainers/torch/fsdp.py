@@ -101,8 +101,7 @@ class FSDPAdapter(TorchAdapter):
             self._saving = None
 
     def _checkpoint_state(self) -> dict[str, Any]:
-        model_state, optimizer_state = self._state()
-        return {"model": _by_dense_name(model_state, 0), "optimizer": _by_dense_name(optimizer_state, 1)}
+        return _by_dense_names(*self._state())
 
     def _save_recipe(self, directory: str) -> None:
         if self.rank == 0:
@@ -113,7 +112,7 @@ class FSDPAdapter(TorchAdapter):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         model_state, optimizer_state = self._state()
-        state = {"model": _by_dense_name(model_state, 0), "optimizer": _by_dense_name(optimizer_state, 1)}
+        state = _by_dense_names(model_state, optimizer_state)
         dcp.load(state, checkpoint_id=directory)  # into this rank's shards, whatever the saving layout was
         # Back under the parts' keys (DCP replaces the non-tensor entries, e.g. the learning rates, in `state`).
         set_state_dict(self.parts, self.optimizer,
@@ -130,6 +129,11 @@ class FSDPAdapter(TorchAdapter):
 
         state = get_model_state_dict(self.parts, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return _by_dense_name(state, 0)
+
+
+def _by_dense_names(model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint holds: the model's and the optimizer's states of this rank's parts, by dense name."""
+    return {"model": _by_dense_name(model_state, 0), "optimizer": _by_dense_name(optimizer_state, 1)}
 
 
 def _by_dense_name(state: dict[str, Any], at: int) -> dict[str, Any]:
