@@ -4,10 +4,12 @@ checkpoint without waiting for the node; a node joins and the run grows back. Th
 it trains what a run that never resized trains."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -38,6 +40,17 @@ def step_losses(client: MlflowClient, run_id: str) -> dict[int, list[float]]:
     return losses
 
 
+def committed_checkpoint(storage: Path, run_id: str) -> bool:
+    """Whether Ray Train has committed a checkpoint of the run: its checkpoint manager's snapshot names the latest
+    one. A rank's report is committed once every rank's report of that step has reached the controller, some
+    steps after the rank trained it; a node lost before that takes the run back to its start."""
+    snapshot = storage / f"run-{run_id}" / "checkpoint_manager_snapshot.json"
+    try:
+        return json.loads(snapshot.read_text())["latest_checkpoint_result"] is not None
+    except (OSError, ValueError):  # not written yet, or being written
+        return False
+
+
 def test_a_run_that_loses_a_node_goes_on_smaller_and_grows_back(tmp_path, three_nodes, mlflow_server):
     state, ray_env = three_nodes
     data = tmp_path / "data"
@@ -59,6 +72,7 @@ def test_a_run_that_loses_a_node_goes_on_smaller_and_grows_back(tmp_path, three_
     try:
         run_id = next(line.split()[2] for line in proc.stdout if line.startswith("MLflow run "))
         wait_until(lambda: max(step_losses(client, run_id), default=0) >= 17, 300, "step 17")
+        wait_until(lambda: committed_checkpoint(tmp_path / "elastic", run_id), 300, "a committed checkpoint")
         lose_node(state, ray_env, 3)
         tags = lambda: client.get_run(run_id).data.tags.get("workers", "")  # noqa: E731
         wait_until(lambda: "2 from" in tags(), 300, "the run going on with 2 workers")

@@ -44,6 +44,8 @@ def test_training_goes_on_through_a_killed_worker_and_restarts_after_a_killed_ps
     # A restart from epoch 2's checkpoint (the parameter server); none for the worker
     assert run.data.tags["resumed_from_epoch"] == "2", said
     assert metric_steps(client, run_id, "test_accuracy") == [1, 2, 3]
+    losses = [m.value for m in sorted(client.get_metric_history(run_id, "train_loss"), key=lambda m: m.step)]
+    assert losses[2] < losses[1] < losses[0], (losses, said)  # the failures did not throw training off
     with np.load(tmp_path / "params" / "rank0.npz") as dump:
         weights = [dump[f"arr_{i}"] for i in range(4)]  # whole: Dense(784 -> 32) was split over no server (1 ps)
     check_evaluation(client, run_id, weights, tiny_mnist, pipeline_env(mlflow_server, ray_head))
