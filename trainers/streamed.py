@@ -1,8 +1,11 @@
 """A worker's rows of a split streamed from its Parquet files (`data.cache_in_worker=false`), in the epoch's order of
-contract/stream_order.py: Ray Data reads the files (its read tasks, anywhere in the cluster, a few blocks ahead),
-the worker keeps one window of rows (`data.shuffle_buffer`), permutes it, and hands out its part of each global
-batch. Its memory is a window and Ray Data's prefetched blocks, whatever the dataset's size. Each rank reads every
-file of the split and keeps its rows: reading grows with the data-parallel ranks, memory does not.
+contract/stream_order.py: Ray Data's tasks (anywhere in the cluster, a few blocks ahead) read each file, keep the
+rows this rank trains (`RankPart`: every task computes them from the epoch's order, as the worker does), make them
+the dtypes workers hold and augment training rows (`RowPrep`); the worker puts one window's rows in their order and
+hands out its part of each global batch. Its memory is its part of a window and Ray Data's prefetched blocks,
+whatever the dataset's size; what a rank receives, holds and augments shrinks with the data-parallel ranks, though
+each rank's tasks still read every file. Length bucketing orders a window by its rows' lengths, known only once
+read: a bucketed rank receives the whole window and augments its rows itself.
 
 Framework-free: batches are {column: numpy array}; trainers/torch/data.py and trainers/tf/data.py make them
 tensors."""
@@ -16,6 +19,9 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+from contract.augment import sample_keys
+from contract.data import DataSchema
+from contract.registry import MODELS, Ref, load_plugins, plugin_roots, ref_name, resolve
 from contract.stream_order import StreamOrder, Window, epoch_steps, rank_rows
 
 Columns = dict[str, np.ndarray]
@@ -50,50 +56,156 @@ def ray_data_parallel(group: int = 1) -> tuple[int, int]:
     return context.get_world_size() // group, context.get_world_rank() // group
 
 
-def ray_read(paths: list[str], columns: list[str]) -> Iterator[Columns]:
-    """The files' `columns`, in file order, a block per file, read by Ray Data's tasks with PREFETCH_BLOCKS blocks
-    read ahead; no progress bars. The tasks reserve no CPU: the training workers hold the ones they asked for, and a
-    read that waited for a free one could wait forever; READ_TASKS at once per rank bounds what they take, and
-    READ_AHEAD_BYTES what their blocks may hold of the object store (Ray Data's default, a share of the whole
-    store, lets a rank's reads run ahead by gigabytes). A map of the paths rather than `read_parquet`, whose
+@dataclass(frozen=True)
+class FileRead:
+    """One file of a window, as a read task takes it: its place in the epoch's window `index` (the window's first
+    global row `start`, its `rows`), and where its rows begin among the window's as read (`offset`)."""
+    path: str
+    index: int
+    start: int
+    rows: int
+    offset: int
+    file_rows: int
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """The rows data-parallel rank `dp_rank` of `dp` trains of an epoch in `order`: its part of each global batch of
+    `global_batch` rows, from the epoch's global row `first` (a resumed epoch) to `stop` (the end of its last step).
+    Worker and read tasks compute it alike."""
+    order: StreamOrder
+    global_batch: int
+    dp: int
+    dp_rank: int
+    first: int
+    stop: int
+
+    def of_window(self, epoch: int, index: int, window: Window) -> tuple[np.ndarray, np.ndarray]:
+        """(Window `index`'s rows it takes, as indices into the window as read, ascending; each one's global
+        position.)"""
+        batch = self.global_batch
+        low, high = max(window.start, self.first), min(window.start + window.rows, self.stop)
+        spans = [rank_rows(step, batch, self.order.total_rows, self.dp, self.dp_rank)
+                 for step in range(low // batch, (high - 1) // batch + 1)] if low < high else []
+        positions = np.concatenate([np.arange(max(a, low), min(b, high)) for a, b in spans] or [np.zeros(0, int)])
+        read_at = self.order.window_order(epoch, window, index)[positions - window.start]
+        by_read = np.argsort(read_at, kind="stable")
+        return read_at[by_read], positions[by_read]
+
+    def of_file(self, epoch: int, read: FileRead) -> tuple[np.ndarray, np.ndarray]:
+        """(The file's rows it takes, ascending; each one's global position.)"""
+        read_at, positions = self.of_window(epoch, read.index, Window((), read.start, read.rows))
+        mine = (read_at >= read.offset) & (read_at < read.offset + read.file_rows)
+        return read_at[mine] - read.offset, positions[mine]
+
+
+@dataclass(frozen=True)
+class Augmenting:
+    """A model spec's augmentation of training rows (contract/augment.py) as a read task runs it: named
+    ("module:function"), imported there, from the folders of the run's plugins too (`roots`)."""
+    ref: str
+    schema: DataSchema
+    roots: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, ref: Ref, schema: DataSchema, roots: Iterable[str] = ()) -> "Augmenting":
+        return cls(ref_name(ref), schema, tuple(roots))
+
+    @classmethod
+    def of_run(cls, cfg: Any, schema: DataSchema) -> "Augmenting | None":
+        """The model spec's augmentation with `data.augment`, else None."""
+        return cls.of(MODELS.get(cfg.model.name).augment, schema, plugin_roots(cfg.plugins)) \
+            if cfg.data.augment else None
+
+    def __call__(self, columns: Columns, keys: np.ndarray) -> Columns:
+        load_plugins((), self.roots)
+        return resolve(self.ref)(columns, keys, self.schema)
+
+
+@dataclass(frozen=True)
+class RowPrep:
+    """What becomes of a file's rows where they are read: the dtypes workers hold (`stored`), then the training
+    augmentation of rows whose positions are known, keyed by the seed, the epoch and each row's position."""
+    stored: Callable[[Columns], Columns] = dict
+    augment: Augmenting | None = None
+    seed: int = 0
+    epoch: int = 0
+
+    def __call__(self, columns: Columns, positions: np.ndarray | None) -> Columns:
+        columns = self.stored(columns)
+        return columns if positions is None else self.augmented(columns, positions)
+
+    def augmented(self, columns: Columns, positions: np.ndarray) -> Columns:
+        if self.augment is None:
+            return columns
+        return self.augment(columns, sample_keys(self.seed, self.epoch, positions))
+
+
+def file_rows(columns: Columns, read: FileRead, part: RankPart | None, prep: RowPrep) -> Columns:
+    """A file's rows (`columns`, all of them, as read) as a rank receives them: its own (`part`; every row when None),
+    made by `prep`; {} when it takes none."""
+    if part is None:
+        return prep(columns, None)
+    rows, positions = part.of_file(prep.epoch, read)
+    return prep({c: values[rows] for c, values in columns.items()}, positions) if len(rows) else {}
+
+
+Reader = Callable[[list[FileRead], list[str], "RankPart | None", RowPrep], Iterable[Columns]]
+
+
+def ray_read(reads: list[FileRead], columns: list[str], part: RankPart | None, prep: RowPrep) -> Iterator[Columns]:
+    """The files' `columns` as `file_rows` makes them, in file order, read by Ray Data's tasks with PREFETCH_BLOCKS
+    blocks read ahead; no progress bars. The tasks reserve no CPU: the training workers hold the ones they asked
+    for, and a read that waited for a free one could wait forever; READ_TASKS at once per rank bounds what they
+    take, and READ_AHEAD_BYTES what their blocks may hold of the object store (Ray Data's default, a share of the
+    whole store, lets a rank's reads run ahead by gigabytes). A map of the files rather than `read_parquet`, whose
     datasource first samples files with tasks of a CPU each."""
     import ray.data
 
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
-    files = ray.data.from_items([{"path": path} for path in paths], override_num_blocks=len(paths))
-    dataset = files.map_batches(_read_parquet_files, fn_kwargs={"columns": columns}, batch_size=None,
-                                batch_format="pyarrow", num_cpus=0,
-                                compute=ray.data.TaskPoolStrategy(size=min(READ_TASKS, len(paths))))
+    files = ray.data.from_items([vars(read) for read in reads], override_num_blocks=len(reads))
+    dataset = files.map_batches(_read_files, fn_kwargs={"columns": columns, "part": part, "prep": prep},
+                                batch_size=None, batch_format="pyarrow", num_cpus=0,
+                                compute=ray.data.TaskPoolStrategy(size=min(READ_TASKS, len(reads))))
     dataset.context.execution_options.preserve_order = True
     limits = ray.data.ExecutionResources(object_store_memory=READ_AHEAD_BYTES)
     dataset.context.execution_options.resource_limits = limits
     yield from dataset.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=PREFETCH_BLOCKS)
 
 
-def _read_parquet_files(batch: Any, columns: list[str]) -> Any:
-    """A Ray Data task's block: the `columns` of the files a block of paths names, in order."""
+def _read_files(batch: Any, columns: list[str], part: RankPart | None, prep: RowPrep) -> Columns:
+    """A Ray Data task's block: the rows of the files a block of `FileRead`s names, in order, as `file_rows`
+    makes them."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from ray.data.block import BlockAccessor
 
-    return pa.concat_tables([pq.read_table(path, columns=columns) for path in batch.column("path").to_pylist()])
+    blocks = []
+    for item in batch.to_pylist():
+        table = pq.read_table(item["path"], columns=columns)
+        block = file_rows(BlockAccessor.for_block(table).to_numpy(), FileRead(**item), part, prep)
+        blocks += [block] if block else []
+    if not blocks:
+        return pa.table({})  # an empty block, which the worker passes over
+    return {c: np.concatenate([block[c] for block in blocks]) for c in blocks[0]}
 
 
 class StreamedRows:
     """Data-parallel rank `dp_rank` of `dp`'s batches of `batch_size` rows (its part of a global batch of
     batch_size x dp) of the split `files`, each epoch in `order`'s sequence. `bucket_column`: the lengths by which a
-    shuffled window's rows are grouped per global batch (`data.bucket_by_length`). `read(paths, columns)`: the
-    files' rows in file order (Ray Data in a run; anything in tests), each block made `stored` (the dtypes a worker
-    holds: `DataSchema.stored_columns`)."""
+    shuffled window's rows are grouped per global batch (`data.bucket_by_length`). `read`: the files' rows as
+    `file_rows` makes them (Ray Data's tasks in a run; anything in tests): made `stored` (the dtypes a worker holds:
+    `DataSchema.stored_columns`) and, with `augment`, augmented."""
 
     def __init__(self, files: SplitFiles, columns: list[str], order: StreamOrder, batch_size: int, dp: int,
                  dp_rank: int, max_steps: int | None = None, drop_last: bool = False,
-                 bucket_column: str | None = None,
-                 read: Callable[[list[str], list[str]], Iterable[Columns]] = ray_read,
-                 stored: Callable[[Columns], Columns] = dict):
+                 bucket_column: str | None = None, read: Reader = ray_read,
+                 stored: Callable[[Columns], Columns] = dict, augment: Augmenting | None = None):
         self.files, self.columns, self.order, self.read, self.stored = files, columns, order, read, stored
         self.global_batch, self.dp, self.dp_rank = batch_size * dp, dp, dp_rank
         self.max_steps, self.drop_last, self.bucket_column = max_steps, drop_last, bucket_column
+        self.augment = augment
 
     @classmethod
     def of_split(cls, data_dir: str, split: str, seed: int, window_rows: int, shuffle: bool,
@@ -105,9 +217,10 @@ class StreamedRows:
         return cls(files, order=StreamOrder(files.rows, window_rows, seed, shuffle=shuffle), **kwargs)
 
     def only(self, columns: list[str]) -> "StreamedRows":
-        """The same batches of `columns` alone, as read (a pass over a small column, e.g. the lengths)."""
+        """The same batches of `columns` alone, as read, not augmented (a pass over a small column, e.g. the
+        lengths)."""
         rows = copy.copy(self)
-        rows.columns, rows.stored = columns, dict
+        rows.columns, rows.stored, rows.augment = columns, dict, None
         return rows
 
     def positions(self, step: int) -> np.ndarray:
@@ -126,33 +239,54 @@ class StreamedRows:
 
     def epoch(self, epoch: int, skip: int = 0) -> Iterator[Columns]:
         """This rank's batches of `epoch` after its first `skip`: only the windows from the first one it needs are
-        read."""
+        read, and of those only its rows from that step on (all of a window's with length bucketing)."""
         steps = self.steps()
         if skip >= steps:
             return
         windows = self.order.windows(epoch)
         first, _ = rank_rows(skip, self.global_batch, self.order.total_rows, self.dp, self.dp_rank)
         start = next(i for i, window in enumerate(windows) if first < window.start + window.rows)
-        paths = [self.files.paths[f] for window in windows[start:] for f in window.files]
-        filled = WindowFill((self.stored(block) for block in self.read(paths, self.columns)))
-        index, window, rows = start - 1, None, None
+        part = None if self.bucket_column else RankPart(self.order, self.global_batch, self.dp, self.dp_rank, first,
+                                                        min(steps * self.global_batch, self.order.total_rows))
+        prep = RowPrep(self.stored, self.augment, self.order.seed, epoch)
+        filled = WindowFill(iter(self.read(self._reads(windows, start), self.columns, part, prep)))
+        index, held = start - 1, None
         for step in range(skip, steps):
             begin, stop = rank_rows(step, self.global_batch, self.order.total_rows, self.dp, self.dp_rank)
             parts = []
             while begin < stop:
-                if window is None or begin >= window.start + window.rows:
-                    index += 1
-                    window = windows[index]
-                    rows = self._ordered(epoch, index, window, filled.take(window.rows))
-                end = min(stop, window.start + window.rows)
-                parts.append({c: values[begin - window.start:end - window.start] for c, values in rows.items()})
+                while index < start or begin >= windows[index].start + windows[index].rows:
+                    index += 1  # a window this rank takes nothing of is still read past
+                    held = self._window(epoch, index, windows[index], filled, part)
+                end = min(stop, windows[index].start + windows[index].rows)
+                positions, rows = held
+                a, b = np.searchsorted(positions, [begin, end])
+                parts.append({c: values[a:b] for c, values in rows.items()})
                 begin = end
-            yield parts[0] if len(parts) == 1 else {c: np.concatenate([p[c] for p in parts]) for c in self.columns}
+            batch = parts[0] if len(parts) == 1 else {c: np.concatenate([p[c] for p in parts]) for c in parts[0]}
+            yield prep.augmented(batch, self.positions(step)) if part is None else batch
 
-    def _ordered(self, epoch: int, index: int, window: Window, rows: Columns) -> Columns:
-        lengths = rows[self.bucket_column] if self.bucket_column else None
-        order = self.order.window_order(epoch, window, index, lengths, self.global_batch)
-        return {c: values[order] for c, values in rows.items()}
+    def _reads(self, windows: list[Window], start: int) -> list[FileRead]:
+        reads = []
+        for index, window in enumerate(windows[start:], start):
+            offsets = np.cumsum([0, *(self.files.rows[f] for f in window.files)])
+            reads += [FileRead(self.files.paths[f], index, window.start, window.rows, int(offset), self.files.rows[f])
+                      for f, offset in zip(window.files, offsets)]
+        return reads
+
+    def _window(self, epoch: int, index: int, window: Window, filled: "WindowFill",
+                part: RankPart | None) -> tuple[np.ndarray, Columns]:
+        """(The global positions this rank holds of window `index`, ascending; their rows, in that order.) With
+        `part`, its own rows; else (length bucketing) the whole window, ordered here by its rows' lengths."""
+        if part is None:
+            rows = filled.take(window.rows)
+            order = self.order.window_order(epoch, window, index, rows[self.bucket_column], self.global_batch)
+            return np.arange(window.start, window.start + window.rows), {c: v[order] for c, v in rows.items()}
+        _, positions = part.of_window(epoch, index, window)
+        if not len(positions):
+            return positions, {}
+        rows, by_position = filled.take(len(positions)), np.argsort(positions)
+        return positions[by_position], {c: values[by_position] for c, values in rows.items()}
 
 
 class WindowFill:
@@ -166,7 +300,10 @@ class WindowFill:
         parts, held = [], 0
         while held < count:
             block = self.left if self.left is not None else self._next()
-            size = len(next(iter(block.values())))
+            size = len(next(iter(block.values()))) if block else 0
+            if not size:  # a file none of whose rows this rank takes
+                self.left = None
+                continue
             need = count - held
             parts.append({c: v[:need] for c, v in block.items()} if size > need else block)
             self.left = {c: v[need:] for c, v in block.items()} if size > need else None

@@ -5,6 +5,8 @@ small object store finishes, each worker's memory bounded by the window, not the
 resumes inside an epoch."""
 from __future__ import annotations
 
+import json
+import os
 from collections import defaultdict
 
 import numpy as np
@@ -12,11 +14,13 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow.tracking import MlflowClient
 
+from contract.augment import sample_keys
+from contract.data import DataSchema
 from contract.stream_order import StreamOrder
 from pipelines.prepare import main as prepare_main
 from tests.conftest import check_finished_run, pipeline_env, ray_init_on, run_id_from, run_pipeline
 from tests.support.local_ray import started_ray_head
-from trainers.streamed import SplitFiles, StreamedRows, ray_read
+from trainers.streamed import Augmenting, SplitFiles, StreamedRows, ray_read
 
 pytestmark = pytest.mark.slow  # starts Ray
 
@@ -53,6 +57,43 @@ def test_ray_data_hands_each_rank_its_part_of_the_same_global_batches(tmp_path, 
         np.testing.assert_array_equal(mine, theirs)
     for mine, theirs in zip(global_batches(2, skip=20), one[20:]):  # a resumed epoch reads from its window
         np.testing.assert_array_equal(mine, theirs)
+
+
+AUGMENT_PLUGIN = '''
+import os
+import numpy as np
+
+def add_keys(columns, keys, schema):
+    """Each row's features plus its key modulo 1000, and the process that augmented it."""
+    return {**columns, "features": columns["features"] + (keys % 1000).astype(np.float32)[:, None],
+            "pid": np.full(len(keys), os.getpid())}
+'''
+
+
+def test_read_tasks_send_each_rank_its_rows_only_augmented_where_read(tmp_path, ray_driver):
+    """Each rank's Ray Data tasks read the files, keep the rank's rows and augment them (a plugin's function, from a
+    folder only the plugin's roots name): the ranks receive disjoint parts whose union is the global batches, each
+    row's features shifted by its position's key, in processes other than the rank's."""
+    data, plugins = tmp_path / "data", tmp_path / "plugins"
+    assert prepare_main(["synthetic", "--rows", "1500", "--features", "4", "--rows-per-shard", "150",
+                         "--out", str(data)]) == 0
+    plugins.mkdir()
+    (plugins / "row_keys_plugin.py").write_text(AUGMENT_PLUGIN)
+    files = SplitFiles.of_split(str(data), "train")
+    schema = DataSchema.from_manifest(json.loads((data / "manifest.json").read_text()))
+    order = StreamOrder(files.rows, 300, seed=5)
+    augment = Augmenting("row_keys_plugin:add_keys", schema, (str(plugins),))
+    columns = ["row", "features", "label"]
+    ranks = [list(StreamedRows(files, columns, order, 16, 2, rank, read=ray_read, stored=schema.stored_columns,
+                               augment=augment).epoch(1)) for rank in range(2)]
+    plain = list(StreamedRows(files, columns, order, 32, 1, 0, read=ray_read, stored=schema.stored_columns).epoch(1))
+    assert len(ranks[0]) == len(ranks[1]) == len(plain) == 38  # 1200 rows = 37 x 32 + 16
+    for step, (a, b, whole) in enumerate(zip(*ranks, plain)):
+        np.testing.assert_array_equal(np.concatenate([a["row"], b["row"]]), whole["row"])
+        keys = sample_keys(5, 1, np.arange(step * 32, step * 32 + len(whole["row"])))
+        got = np.concatenate([a["features"], b["features"]])
+        np.testing.assert_allclose(got, whole["features"] + (keys % 1000).astype(np.float32)[:, None], rtol=1e-6)
+        assert os.getpid() not in np.concatenate([a["pid"], b["pid"]])
 
 
 @pytest.fixture

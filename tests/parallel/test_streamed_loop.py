@@ -27,6 +27,7 @@ OVERRIDES = ["trainer.optimizer=sgd", "trainer.lr=0.05", "trainer.momentum=0.9",
 def _data(rank: int, dp: int):
     """(train, evaluation) StreamedBatches of rank `rank` of `dp` over the files, as `streamed_batches` makes them."""
     from contract.stream_order import StreamOrder
+    from tests.support.streamed import in_process
     from trainers.streamed import SplitFiles, StreamedRows
     from trainers.torch.data import StreamedBatches
 
@@ -48,7 +49,7 @@ def _data(rank: int, dp: int):
     def rows(columns, file_rows, batch, shuffle):
         split, read = files(columns, file_rows)
         order = StreamOrder(file_rows, 100, seed=0, shuffle=shuffle)
-        return StreamedRows(split, ["image", "label"], order, batch, dp, rank, read=read,
+        return StreamedRows(split, ["image", "label"], order, batch, dp, rank, read=in_process(read),
                             stored=schema.stored_columns)
 
     return lambda seed: (StreamedBatches(rows(train, FILE_ROWS, GLOBAL_BATCH // dp, True), schema),

@@ -13,7 +13,8 @@ from contract.stream_order import StreamOrder
 from pipelines.data.mnist import mnist_schema
 from tests.support.loop_harness import mnist_columns
 from trainers.models.augment import MAX_SHIFT, random_shift
-from trainers.streamed import SplitFiles, StreamedRows
+from tests.support.streamed import in_process
+from trainers.streamed import Augmenting, SplitFiles, StreamedRows
 from trainers.torch.data import ShardBatches, StreamedBatches
 
 FILE_ROWS = [40, 25, 60, 35]  # 160 rows
@@ -84,7 +85,7 @@ def test_held_batches_are_augmented_per_epoch_and_a_resumed_epoch_alike():
     torch.testing.assert_close(evaluated[0], plain_eval[0], rtol=0, atol=0)  # evaluation is not augmented
 
 
-def _streamed(dp: int, rank: int, columns: dict[str, np.ndarray]) -> StreamedBatches:
+def _streamed(dp: int, rank: int, columns: dict[str, np.ndarray], augment: bool = True) -> StreamedBatches:
     starts = np.cumsum([0, *FILE_ROWS])
     paths = [f"f{i}" for i in range(len(FILE_ROWS))]
     held = {p: {c: v[starts[i]:starts[i + 1]] for c, v in columns.items()} for i, p in enumerate(paths)}
@@ -93,15 +94,16 @@ def _streamed(dp: int, rank: int, columns: dict[str, np.ndarray]) -> StreamedBat
         for name in names:
             yield {c: held[name][c] for c in wanted}
     rows = StreamedRows(SplitFiles(paths, FILE_ROWS), ["image", "label"], StreamOrder(FILE_ROWS, 50, 9), 16 // dp,
-                        dp, rank, read=read, stored=mnist_schema().stored_columns)
-    return StreamedBatches(rows, mnist_schema(), augment=random_shift)
+                        dp, rank, read=in_process(read), stored=mnist_schema().stored_columns,
+                        augment=Augmenting.of(random_shift, mnist_schema()) if augment else None)
+    return StreamedBatches(rows, mnist_schema())
 
 
 def test_streamed_batches_are_augmented_alike_at_any_rank_count_and_on_resume():
     columns = mnist_columns(160, seed=1)
 
-    def global_batches(dp: int, skip: int = 0) -> list[torch.Tensor]:
-        ranks = [list(_streamed(dp, rank, columns).epoch(2, skip=skip)) for rank in range(dp)]
+    def global_batches(dp: int, skip: int = 0, augment: bool = True) -> list[torch.Tensor]:
+        ranks = [list(_streamed(dp, rank, columns, augment).epoch(2, skip=skip)) for rank in range(dp)]
         return [torch.cat([r[step][0][0] for r in ranks]) for step in range(len(ranks[0]))]
 
     one = global_batches(1)
@@ -110,9 +112,17 @@ def test_streamed_batches_are_augmented_alike_at_any_rank_count_and_on_resume():
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
     for mine, theirs in zip(global_batches(2, skip=4), one[4:]):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
-    plain = _streamed(1, 0, columns)
-    plain.augment = None
-    assert not torch.equal(next(iter(plain.epoch(2)))[0][0], one[0])  # the shifts changed the images
+    # The reference: each step's rows (found by streaming their indices in place of the images), shifted by the
+    # keys of their positions in the epoch.
+    indices = {**columns, "image": np.repeat(np.arange(160, dtype=np.uint8)[:, None], 784, axis=1)}
+    which = [step["image"][:, 0] for step in _streamed(1, 0, indices, augment=False).rows.epoch(2)]
+    for step, (got, rows) in enumerate(zip(_streamed(1, 0, columns).rows.epoch(2), which)):
+        positions = np.arange(step * 16, step * 16 + len(rows))
+        want = random_shift({"image": columns["image"][rows], "label": columns["label"][rows]},
+                            sample_keys(9, 2, positions), mnist_schema())
+        np.testing.assert_array_equal(got["label"], columns["label"][rows])
+        np.testing.assert_array_equal(got["image"], want["image"])
+        assert not np.array_equal(got["image"], columns["image"][rows])  # the shifts changed the images
 
 
 def test_tensorflow_batches_are_the_same_augmentation_of_the_same_rows():

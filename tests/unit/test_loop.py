@@ -464,6 +464,7 @@ def test_a_streamed_run_takes_the_learning_rates_of_the_cached_run_step_for_step
     from contract.stream_order import StreamOrder
     from trainers.adapter import WorkerData
     from trainers.callbacks.base import LoopCallback
+    from tests.support.streamed import in_process
     from trainers.streamed import SplitFiles, StreamedRows
     from trainers.torch.ddp import DDP
     from trainers.torch.data import ShardBatches, StreamedBatches
@@ -478,7 +479,7 @@ def test_a_streamed_run_takes_the_learning_rates_of_the_cached_run_step_for_step
 
     def streamed(seed: int) -> StreamedBatches:
         rows = StreamedRows(SplitFiles(list(files), file_rows), ["image", "label"], StreamOrder(file_rows, 100, seed),
-                            16, 1, 0, read=read, stored=schema.stored_columns)
+                            16, 1, 0, read=in_process(read), stored=schema.stored_columns)
         return StreamedBatches(rows, schema)
 
     def held(seed: int) -> ShardBatches:

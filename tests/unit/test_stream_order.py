@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from contract.stream_order import StreamOrder, epoch_steps, rank_rows
+from tests.support.streamed import in_process
 from trainers.streamed import SplitFiles, StreamedRows
 
 FILE_ROWS = [50, 7, 120, 33, 64, 1, 90]  # 365 rows in files of uneven sizes
@@ -36,7 +37,7 @@ def streamed(files: Files, dp: int, rank: int, batch: int, seed: int = 0, window
              bucket: bool = False) -> StreamedRows:
     order = StreamOrder(FILE_ROWS, window, seed)
     return StreamedRows(SplitFiles(files.paths, FILE_ROWS), ["row", "length"], order, batch, dp, rank,
-                        bucket_column="length" if bucket else None, read=files.read)
+                        bucket_column="length" if bucket else None, read=in_process(files.read))
 
 
 def global_batches(dp: int, batch: int, epoch: int, skip: int = 0, **kwargs) -> list[np.ndarray]:

@@ -13,6 +13,7 @@ from pipelines.data import data_schema
 from pipelines.data.shards import read_manifest
 from contract.stream_order import StreamOrder
 from pipelines.prepare import main as prepare_main
+from tests.support.streamed import in_process
 from trainers.streamed import SplitFiles, StreamedRows
 from trainers.tf.data import StreamedArrays
 
@@ -39,11 +40,12 @@ def reference(folder, schema, split: str, batch: int, workers: int, rank: int, s
     files = SplitFiles.of_split(str(folder), split)
     return StreamedRows(files, ["features", "label", "length", "row"], StreamOrder(files.rows, WINDOW, SEED, shuffle),
                         batch, workers, rank, drop_last=shuffle, bucket_column="length" if bucket else None,
-                        read=read, stored=schema.stored_columns)
+                        read=in_process(read), stored=schema.stored_columns)
 
 
 def arrays(folder, schema, split: str, workers: int, rank: int, shuffle: bool = True, **kwargs) -> StreamedArrays:
-    return StreamedArrays(str(folder), split, schema, SEED, WINDOW, shuffle, workers, rank, read=read, **kwargs)
+    return StreamedArrays(str(folder), split, schema, SEED, WINDOW, shuffle, workers, rank, read=in_process(read),
+                          **kwargs)
 
 
 def batches(dataset) -> list[tuple[np.ndarray, np.ndarray]]:

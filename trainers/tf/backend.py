@@ -39,8 +39,9 @@ class TFBackend(Backend):
         """This worker's part of the data as arrays (the adapter shuffles it), pulled when the adapter asks: after
         the worker has set TensorFlow's threads; or streamed from the files (`data.cache_in_worker=false`, where
         the backend `streams_files`)."""
-        train, evaluation = streamed_arrays(cfg, inputs) if self.streams_files and not cfg.data.cache_in_worker \
-            else ray_arrays(inputs)
+        if self.streams_files and not cfg.data.cache_in_worker:
+            return streamed_arrays(cfg, inputs)  # augmented where read
+        train, evaluation = ray_arrays(inputs)
         train.augment = training_augment(cfg)
         return train, evaluation
 

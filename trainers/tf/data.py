@@ -6,14 +6,14 @@ tf-keras owns `tf.keras`)."""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from contract.augment import Augment, sample_keys
 from contract.data import FEATURE_DTYPES, LABEL_DTYPES, DataSchema, bucketed_order, shuffled_order
 from contract.stream_order import StreamOrder
-from trainers.streamed import Columns, SplitFiles, StreamedRows, ray_data_parallel, ray_read
+from trainers.streamed import Augmenting, Reader, SplitFiles, StreamedRows, ray_data_parallel, ray_read
 from trainers.worker import dataset_shards
 
 LOAD_BATCH = 8192  # rows per Ray Data batch when pulling a shard into memory
@@ -154,7 +154,7 @@ class StreamedArrays:
 
     def __init__(self, data_dir: str, split: str, schema: DataSchema, seed: int, window_rows: int, shuffle: bool,
                  workers: int, rank: int, rows_per_step: int | None = None,
-                 read: Callable[[list[str], list[str]], Iterable[Columns]] = ray_read):
+                 read: Reader = ray_read):
         self.schema, self.load_s, self.shuffle, self.read = schema, 0.0, shuffle, read
         features, target = schema.features, schema.target
         self.columns = [features.column, target.column]
@@ -162,7 +162,7 @@ class StreamedArrays:
         self.order = StreamOrder(self.files.rows, window_rows, seed, shuffle=shuffle)
         self.workers, self.rank = workers, rank
         self.bucket_rows = 0  # grouped by length when set (by the adapter, as `ShardArrays.bucket_rows`)
-        self.augment: Augment | None = None  # of the training split (`data.augment`, set by the backend)
+        self.augment: Augmenting | None = None  # of the training split where read (`data.augment`, by the backend)
         self.rows_per_step = rows_per_step  # known from the start for evaluation, else from `steps`
         self.max_steps: int | None = None
 
@@ -172,7 +172,7 @@ class StreamedArrays:
         columns = self.columns + ([length] if bucket else [])
         return StreamedRows(self.files, columns, self.order, rows_per_step, self.workers, self.rank,
                             max_steps=self.max_steps, drop_last=self.shuffle, bucket_column=bucket,
-                            stored=self.schema.stored_columns, read=self.read)
+                            stored=self.schema.stored_columns, read=self.read, augment=self.augment)
 
     @property
     def rows(self) -> int:
@@ -204,10 +204,7 @@ class StreamedArrays:
 
         def batches() -> Iterator[tuple[np.ndarray, np.ndarray]]:
             index = skip - skip % replicas  # of the epoch's batches: the first of step skip // replicas
-            for number, step in enumerate(rows.epoch(epoch, skip // replicas), start=skip // replicas):
-                if self.augment is not None:  # keyed by each row's global position in the epoch
-                    step = self.augment(step, sample_keys(rows.order.seed, epoch, rows.positions(number)),
-                                        self.schema)
+            for step in rows.epoch(epoch, skip // replicas):
                 for start in range(0, len(step[label]), batch_size):
                     if steps is not None and index >= steps:
                         return
@@ -239,9 +236,10 @@ def streamed_arrays(cfg: Any, schema: DataSchema) -> tuple[StreamedArrays, Strea
     global batch, the training order a function of `run.seed` and the epoch alone, the evaluation in stored order."""
     workers, rank = ray_data_parallel()
     split = (schema, cfg.run.seed, cfg.data.shuffle_buffer)
-    return (StreamedArrays(cfg.data.path, "train", *split, shuffle=True, workers=workers, rank=rank),
-            StreamedArrays(cfg.data.path, cfg.data.eval_split, *split, shuffle=False, workers=workers, rank=rank,
-                           rows_per_step=EVAL_BATCH))
+    train = StreamedArrays(cfg.data.path, "train", *split, shuffle=True, workers=workers, rank=rank)
+    train.augment = Augmenting.of_run(cfg, schema)
+    return train, StreamedArrays(cfg.data.path, cfg.data.eval_split, *split, shuffle=False, workers=workers,
+                                 rank=rank, rows_per_step=EVAL_BATCH)
 
 
 def ray_arrays(schema: DataSchema) -> tuple[ShardArrays, ShardArrays]:

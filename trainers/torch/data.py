@@ -13,7 +13,7 @@ import torch
 from contract.augment import Augment, sample_keys
 from contract.data import DataSchema, bucketed_order, shuffled_order
 from trainers.models import training_augment
-from trainers.streamed import StreamedRows, ray_data_parallel
+from trainers.streamed import Augmenting, StreamedRows, ray_data_parallel
 from trainers.worker import dataset_shards
 
 LOAD_BATCH = 8192  # rows per Ray Data batch when pulling a shard into memory
@@ -154,9 +154,8 @@ class StreamedBatches:
     of each global batch, in the epoch's order of contract/stream_order.py), as (model inputs, labels, tokens):
     what `ShardBatches` gives, with one window of rows in memory instead of the shard."""
 
-    def __init__(self, rows: StreamedRows, schema: DataSchema, trim: bool = False, augment: Augment | None = None):
+    def __init__(self, rows: StreamedRows, schema: DataSchema, trim: bool = False):
         self.rows, self.schema, self.adapt, self.trim = rows, schema, BatchInputs(schema), trim
-        self.augment = augment  # keyed by the run's seed, the epoch and the row's global position in the epoch
         self.feature_column, self.length = schema.features.column, schema.features.length_column
         self.load_s = 0.0  # nothing is read before the first epoch: waiting for blocks is each epoch's data wait
 
@@ -165,10 +164,7 @@ class StreamedBatches:
 
     def epoch(self, epoch: int, shuffle: bool = True, skip: int = 0) -> Iterator[Batch]:
         """The epoch's batches after the first `skip` (the order is the rows' own: shuffled or not when made)."""
-        for step, columns in enumerate(self.rows.epoch(epoch, skip), start=skip):
-            if self.augment is not None:
-                columns = self.augment(columns, sample_keys(self.rows.order.seed, epoch, self.rows.positions(step)),
-                                       self.schema)
+        for columns in self.rows.epoch(epoch, skip):  # augmented where read (`data.augment`)
             batch = {c: torch.from_numpy(np.ascontiguousarray(v)) for c, v in columns.items()}
             yield self.adapt(trimmed(batch, self.feature_column, self.length) if self.trim else batch)
 
@@ -191,9 +187,9 @@ def streamed_batches(cfg: Any, schema: DataSchema, group: int) -> tuple[Streamed
                                      drop_last=pipeline, stored=schema.stored_columns, **kwargs)
 
     train = split("train", cfg.trainer.batch_size, True, max_steps=cfg.trainer.max_steps_per_epoch,
-                  bucket_column=bucket)
+                  bucket_column=bucket, augment=Augmenting.of_run(cfg, schema))
     evaluation = split(cfg.data.eval_split, cfg.trainer.batch_size if pipeline else EVAL_BATCH, False)
-    return (StreamedBatches(train, schema, trim=not pipeline, augment=training_augment(cfg)),
+    return (StreamedBatches(train, schema, trim=not pipeline),
             StreamedBatches(evaluation, schema, trim=not pipeline))
 
 
