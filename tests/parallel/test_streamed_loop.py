@@ -1,7 +1,7 @@
-"""Streamed data (`data.cache_in_worker=false`, trainers/streamed.py) on the shared loop under real DDP (gloo, no
-Ray): a run stopped at step 10 on 2 ranks and resumed on 1 rank with the same global batch continues the
-uninterrupted 2-rank run step for step, its learning-rate schedule included (known from the files' row counts), and
-ends with the same model. The files are held in memory and read in blocks that cross them; Ray Data reading real
+"""Streamed data (`data.cache_in_worker=false`, trainers/streamed.py) on the shared loop under each backend that can
+change its number of workers (ddp, fsdp, deepspeed; gloo, no Ray): a run stopped at step 10 on 2 ranks and resumed
+on 1 rank with the same global batch continues the uninterrupted 2-rank run step for step, its learning-rate
+schedule included (known from the files' row counts), and ends with the same model. The files are held in memory and read in blocks that cross them; Ray Data reading real
 Parquet for the same class is tests/integration/test_streamed.py."""
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -22,6 +23,8 @@ GLOBAL_BATCH = 16
 OVERRIDES = ["trainer.optimizer=sgd", "trainer.lr=0.05", "trainer.momentum=0.9", "model.dropout=0",
              "model.hidden=[32]", "trainer.epochs=1", "trainer.lr_schedule=cosine", "trainer.warmup_steps=3",
              "data.cache_in_worker=false", "data.shuffle_buffer=100"]
+# DeepSpeed resumes at another world size through its universal checkpoint, which converts Adam's states only.
+BACKEND_OVERRIDES = {"deepspeed": ["trainer.optimizer=adam", "trainer.lr=0.002"]}
 
 
 def _data(rank: int, dp: int):
@@ -56,18 +59,24 @@ def _data(rank: int, dp: int):
                          StreamedBatches(rows(evaluation, [20, 28], 8, False), schema))
 
 
-def _attempt(rank: int, world_size: int, tmp: str, name: str, stop: bool, restored: str | None) -> None:
+def _attempt(rank: int, world_size: int, tmp: str, name: str, stop: bool, restored: str | None,
+             backend: str) -> None:
+    import os
+
+    from contract.registry import BACKENDS, resolve
     from trainers.adapter import WorkerData
-    from trainers.torch.ddp import DDP
 
     torch.set_default_dtype(torch.float32)
-    cfg = config(Path(tmp) / f"cfg-{name}{rank}", [*OVERRIDES, f"trainer.num_workers={world_size}",
-                                                    f"trainer.batch_size={GLOBAL_BATCH // world_size}"])
-    adapters = []
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_WORLD_SIZE": str(world_size)})  # what Ray Train sets and DeepSpeed reads
+    overrides = [*OVERRIDES, f"trainer={backend}", *BACKEND_OVERRIDES.get(backend, []),
+                 f"trainer.num_workers={world_size}", f"trainer.batch_size={GLOBAL_BATCH // world_size}"]
+    cfg = config(Path(tmp) / f"cfg-{name}{rank}", overrides)
+    trainer, adapters = resolve(BACKENDS.get(backend).backend_ref("torch"))(), []
 
     def run(ctx):
-        adapters.append(DDP().build_adapter(cfg, ctx, WorkerData(mnist_schema(), _data(rank, world_size))))
-        return DDP().train(cfg, ctx, adapters[-1])
+        adapters.append(trainer.build_adapter(cfg, ctx, WorkerData(mnist_schema(), _data(rank, world_size))))
+        return trainer.train(cfg, ctx, adapters[-1])
     attempt = run_attempt(run, rank, world_size, 1, Path(tmp) / name, restored=Path(restored) if restored else None,
                           stop=stop)
     state = adapters[0].dense_model_state()
@@ -81,10 +90,12 @@ def _read(tmp: Path, name: str):
     return attempt_from_json(json.loads((tmp / f"{name}.json").read_text())), torch.load(tmp / f"{name}.pt")
 
 
-def test_a_streamed_run_stopped_on_2_ranks_resumes_on_1_rank_in_the_same_sequence(run_ranks: RankPools, tmp_path):
-    run_ranks(_attempt, 2, str(tmp_path), "straight", False, None)
-    run_ranks(_attempt, 2, str(tmp_path), "stopped", True, None)
-    run_ranks(_attempt, 1, str(tmp_path), "resumed", False, str(last_checkpoint(tmp_path / "stopped")))
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", "deepspeed"])  # the elastic ones (`BackendSpec.elastic`)
+def test_a_streamed_run_stopped_on_2_ranks_resumes_on_1_rank_in_the_same_sequence(run_ranks: RankPools, tmp_path,
+                                                                                  backend: str):
+    run_ranks(_attempt, 2, str(tmp_path), "straight", False, None, backend)
+    run_ranks(_attempt, 2, str(tmp_path), "stopped", True, None, backend)
+    run_ranks(_attempt, 1, str(tmp_path), "resumed", False, str(last_checkpoint(tmp_path / "stopped")), backend)
     (straight, straight_model), (stopped, _), (resumed, resumed_model) = (
         _read(tmp_path, name) for name in ("straight", "stopped", "resumed"))
     assert straight.finished and not stopped.finished and resumed.finished

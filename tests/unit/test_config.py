@@ -93,12 +93,15 @@ def test_defaults_compose_and_flatten(data_override):
     ("trainer.min_workers=2", r"^trainer\.min_workers: must be between 1 and num_workers - 1 = 1 \(0: not elastic\), "
                               r"got 2$"),
     ("trainer=tp model=bert_tiny trainer.min_workers=1", r"^trainer\.min_workers: trainer=tp keeps the number of "
-                                                         r"workers it starts with .*; elastic runs: ddp, fsdp$"),
+                                                         r"workers it starts with .*; elastic runs: ddp, deepspeed, fsdp$"),
     ("trainer.num_workers=4 trainer.batch_size=5 trainer.min_workers=2", r"^trainer\.min_workers: the global batch "
                                                                          r"of 20 rows .* over 3 worker\(s\)"),
     ("trainer.min_workers=1 data.cache_in_worker=true", r"^data\.cache_in_worker: an elastic run streams its data"),
     ("trainer=fsdp trainer.num_workers=4 trainer.batch_size=6 trainer.dp_replicate=2 trainer.min_workers=2",
      r"^trainer\.min_workers: an elastic fsdp run shards the model over all its workers"),
+    ("trainer=deepspeed trainer.optimizer=sgd trainer.min_workers=1",
+     r"^trainer\.min_workers: an elastic deepspeed run resumes at another size through DeepSpeed's universal "
+     r"checkpoint, which converts Adam's states only; trainer\.optimizer=sgd cannot resize"),
 ])
 def test_bad_config_names_the_key(data_override, override, message):
     with pytest.raises(ConfigError, match=message):

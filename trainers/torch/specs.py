@@ -191,6 +191,10 @@ def check_deepspeed(cfg: Any, model: ModelSpec, inputs: DataSchema | None) -> No
         raise ConfigError(str(err)) from err
     if trainer.compile:
         raise ConfigError("trainer.compile: not supported with deepspeed (its engine wraps the model)")
+    if trainer.min_workers and trainer.optimizer not in ("adam", "adamw"):
+        raise ConfigError(f"trainer.min_workers: an elastic deepspeed run resumes at another size through DeepSpeed's "
+                          f"universal checkpoint, which converts Adam's states only; trainer.optimizer="
+                          f"{trainer.optimizer} cannot resize (use adam or adamw)")
 
 
 for _spec in (
@@ -208,6 +212,6 @@ for _spec in (
                 check=check_lightning, ignored_keys=lightning_ignored_keys),
     BackendSpec("deepspeed", "trainers.torch.deepspeed:DeepSpeed", DeepSpeedConfig, ("torch",),
                 "DeepSpeed's engine: ZeRO stage 1, 2 or 3 (gloo on CPU, NCCL on GPU)", needs=("deepspeed",),
-                extra="deepspeed", check=check_deepspeed),
+                extra="deepspeed", check=check_deepspeed, elastic=True),
 ):
     register_backend(_spec)
