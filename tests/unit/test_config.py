@@ -92,8 +92,9 @@ def test_defaults_compose_and_flatten(data_override):
     ("trainer=tf_ps data.cache_max_bytes=1000", r"^data\.cache_in_worker: tf_ps holds each worker's part"),
     ("trainer.min_workers=2", r"^trainer\.min_workers: must be between 1 and num_workers - 1 = 1 \(0: not elastic\), "
                               r"got 2$"),
-    ("trainer=tp model=bert_tiny trainer.min_workers=1", r"^trainer\.min_workers: trainer=tp keeps the number of "
-                                                         r"workers it starts with .*; elastic runs: ddp, deepspeed, fsdp$"),
+    ("trainer=tp model=bert_tiny trainer.min_workers=1",
+     r"^trainer\.min_workers: trainer=tp keeps the number of workers it starts with .*; elastic runs: ddp, deepspeed, "
+     r"fsdp$"),
     ("trainer.num_workers=4 trainer.batch_size=5 trainer.min_workers=2", r"^trainer\.min_workers: the global batch "
                                                                          r"of 20 rows .* over 3 worker\(s\)"),
     ("trainer.min_workers=1 data.cache_in_worker=true", r"^data\.cache_in_worker: an elastic run streams its data"),
