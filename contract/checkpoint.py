@@ -87,10 +87,15 @@ class TrainState:
         return TrainState(epoch=epoch, metrics=metrics, best_epoch=self.best_epoch, best_value=self.best_value)
 
 
-def checkpoint_origin(backend: str, model: str) -> dict[str, Any]:
-    """What a checkpoint records of the run that wrote it: its backend (each has its own checkpoint format) and
-    model (the weights' shapes)."""
-    return {"backend": backend, "model": model}
+def checkpoint_origin(backend: str, model: str, world_size: int | None = None) -> dict[str, Any]:
+    """What a checkpoint records of the run that wrote it: its backend (each has its own checkpoint format), model
+    (the weights' shapes) and number of workers."""
+    return {"backend": backend, "model": model, **({"world_size": world_size} if world_size else {})}
+
+
+def checkpoint_world_size(directory: str | Path) -> int | None:
+    """How many workers wrote the checkpoint in `directory` (None: not recorded)."""
+    return json.loads(Path(directory, STATE_FILE).read_text()).get(ORIGIN_KEY, {}).get("world_size")
 
 
 def checkpoint_mismatch(directory: str | Path, backend: str, model: str) -> str | None:

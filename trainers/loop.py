@@ -20,7 +20,7 @@ import tempfile
 import time
 from dataclasses import replace
 
-from contract.checkpoint import EpochTotals, TrainState, partial_over_ranks
+from contract.checkpoint import EpochTotals, TrainState, checkpoint_world_size, partial_over_ranks
 from contract.console import say
 from contract.metrics import (DIVERGED_METRICS, EPOCH_END, REPORTED_EPOCH, STEP_CHECKPOINTS, STEP_CHECKPOINTS_S,
                               epoch_line, epoch_metrics, step_checkpoint_metrics, stop_metrics)
@@ -50,6 +50,7 @@ class TrainLoop:
         self.checks = StepChecks(ctx.stop_file, adapter.reduce, ctx.stop_check_every, ctx.checkpoint_every_n_steps,
                                  ctx.checkpoint_every_s)
         self.step_losses = StepLosses(adapter, ctx)
+        self.restored_world_size: int | None = None  # the workers that wrote the checkpoint it resumed from
         self.state = self._restore()
         self.first_epoch = self.state.epoch + 1  # of this attempt
         self.checks.checkpointed(self.global_step(self.first_epoch, self.state.totals_for(self.first_epoch).steps))
@@ -64,6 +65,7 @@ class TrainLoop:
         with self.ctx.restored.as_directory() as directory:
             self.adapter.load(directory)
             state = TrainState.read(directory)
+            self.restored_world_size = checkpoint_world_size(directory)
         self.ctx.logger.resumed_from(state.epoch, state.partial.steps if state.partial is not None else 0)
         if state.metrics is not None:  # the failure may have hit between the report and the log
             self.ctx.logger.log(state.epoch, state.metrics)

@@ -119,7 +119,7 @@ def ray_context(config: dict[str, Any], cfg: DictConfig, device: Any = None, pea
         rank=rank, world_size=world_size, report=ray_report, epochs=cfg.trainer.epochs, restored=restored,
         logger=logger, stop_file=stop_file(cfg.run.resume_dir), log_every_n_steps=cfg.trainer.log_every_n_steps,
         checkpoint_every_n_steps=cfg.run.checkpoint_every_n_steps, checkpoint_every_s=cfg.run.checkpoint_every_s,
-        nan_patience=cfg.run.nan_patience, origin=checkpoint_origin(cfg.trainer.backend, cfg.model.name),
+        nan_patience=cfg.run.nan_patience, origin=checkpoint_origin(cfg.trainer.backend, cfg.model.name, world_size),
         monitor=monitor_of(cfg.run), evaluated=eval_metric(worker_inputs(config).target.task), device=device,
         callbacks=callbacks)
 

@@ -40,15 +40,16 @@ def step_losses(client: MlflowClient, run_id: str) -> dict[int, list[float]]:
     return losses
 
 
-def committed_checkpoint(storage: Path, run_id: str) -> bool:
-    """Whether Ray Train has committed a checkpoint of the run: its checkpoint manager's snapshot names the latest
-    one. A rank's report is committed once every rank's report of that step has reached the controller, some
-    steps after the rank trained it; a node lost before that takes the run back to its start."""
+def committed_checkpoint(storage: Path, run_id: str) -> str | None:
+    """The run's latest checkpoint Ray Train has committed (its folder's name), as its checkpoint manager's snapshot
+    names it; None: none yet. A rank's report is committed once every rank's report of that step has reached the
+    controller, some steps after the rank trained it; a node lost before that takes the run back to its start."""
     snapshot = storage / f"run-{run_id}" / "checkpoint_manager_snapshot.json"
     try:
-        return json.loads(snapshot.read_text())["latest_checkpoint_result"] is not None
+        latest = json.loads(snapshot.read_text())["latest_checkpoint_result"]
     except (OSError, ValueError):  # not written yet, or being written
-        return False
+        return None
+    return latest["checkpoint_dir_name"] if latest else None
 
 
 def test_a_run_that_loses_a_node_goes_on_smaller_and_grows_back(tmp_path, three_nodes, mlflow_server):
@@ -72,10 +73,13 @@ def test_a_run_that_loses_a_node_goes_on_smaller_and_grows_back(tmp_path, three_
     try:
         run_id = next(line.split()[2] for line in proc.stdout if line.startswith("MLflow run "))
         wait_until(lambda: max(step_losses(client, run_id), default=0) >= 17, 300, "step 17")
-        wait_until(lambda: committed_checkpoint(tmp_path / "elastic", run_id), 300, "a committed checkpoint")
+        committed = lambda: committed_checkpoint(tmp_path / "elastic", run_id)  # noqa: E731
+        wait_until(committed, 300, "a committed checkpoint")
         lose_node(state, ray_env, 3)
         tags = lambda: client.get_run(run_id).data.tags.get("workers", "")  # noqa: E731
         wait_until(lambda: "2 from" in tags(), 300, "the run going on with 2 workers")
+        by_three = committed()
+        wait_until(lambda: committed() != by_three, 300, "a checkpoint of the 2 workers")
         join_node(state, ray_env, 3)
         proc.communicate(timeout=600)
     finally:
@@ -86,8 +90,10 @@ def test_a_run_that_loses_a_node_goes_on_smaller_and_grows_back(tmp_path, three_
     run = client.get_run(run_id)
     sizes = run.data.tags["workers"].split(",")
     assert len(sizes) == 3 and sizes[0] == "3 from the start", sizes
-    lost, grown = (re.fullmatch(r"(\d) from epoch (\d) step (\d+)", size) for size in sizes[1:])
-    assert lost and lost[1] == "2" and grown and grown[1] == "3", sizes
+    took_over = r"(\d) from epoch (\d) step (\d+) \((\w+) from (\d): [^)]*\)"  # and from the size that wrote it
+    lost, grown = (re.fullmatch(took_over, size) for size in sizes[1:])
+    assert lost and lost[1] == "2" and lost.group(4, 5) == ("shrunk", "3"), sizes
+    assert grown and grown[1] == "3" and grown.group(4, 5) == ("grown", "2"), sizes
     for where in (lost, grown):  # each took over at a checkpoint: inside an epoch (every 5 steps), or its start
         assert int(where[3]) % 5 == 0, sizes
     losses = step_losses(client, run_id)

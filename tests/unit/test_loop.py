@@ -25,6 +25,7 @@ from trainers.callbacks.mfu import Utilisation
 from trainers.callbacks.profiling import Profiling
 from trainers.callbacks.startup import StartupMetrics
 from trainers.callbacks.step_bar import StepBars
+from trainers.callbacks.world_sizes import WorldSizes
 from trainers.loop import TrainLoop
 
 
@@ -282,17 +283,23 @@ def test_step_loss_all_reduce_runs_while_the_next_steps_train(tmp_path):
 
 
 def test_a_checkpoint_records_what_wrote_it(tmp_path):
-    """The backend and model of the run (`WorkerContext.origin`) and the size of every file beside the state, which
-    a run resuming from it is checked against (pipelines/checks.py)."""
+    """The backend, model and number of workers of the run (`WorkerContext.origin`) and the size of every file
+    beside the state, which a run resuming from it is checked against (pipelines/checks.py)."""
     from contract.checkpoint import checkpoint_mismatch, checkpoint_origin
 
-    ctx = replace(make_context(0, 1, 1, tmp_path, Recorder(), []), origin=checkpoint_origin("ddp", "line"))
+    ctx = replace(make_context(0, 1, 1, tmp_path, Recorder(), []), origin=checkpoint_origin("ddp", "line", 3))
     assert TrainLoop(LineAdapter(), ctx).run()
     origin = json.loads((tmp_path / "checkpoint_1" / STATE_FILE).read_text())["origin"]
     files = {p.name: p.stat().st_size for p in (tmp_path / "checkpoint_1").iterdir() if p.name != STATE_FILE}
-    assert origin == {"backend": "ddp", "model": "line", "files": files} and files
+    assert origin == {"backend": "ddp", "model": "line", "world_size": 3, "files": files} and files
     assert checkpoint_mismatch(tmp_path / "checkpoint_1", "ddp", "line") is None
     assert "written by trainer=ddp model=line" in checkpoint_mismatch(tmp_path / "checkpoint_1", "fsdp", "line")
+    # An elastic run's group taking over from it says its size, where it took over and why (`workers` tag).
+    recorder = Recorder()
+    resumed = with_callbacks(make_context(0, 1, 2, tmp_path / "resumed", recorder, [],
+                                          restored=tmp_path / "checkpoint_1"), WorldSizes())
+    assert TrainLoop(LineAdapter(), resumed).run()
+    assert recorder.tags["workers"] == "1 from epoch 2 step 0 (shrunk from 3: workers lost)"
 
 
 class DivergingAdapter(LineAdapter):
