@@ -12,6 +12,7 @@ tensors."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +22,9 @@ import numpy as np
 
 from contract.augment import sample_keys
 from contract.data import DataSchema
-from contract.registry import MODELS, Ref, load_plugins, plugin_roots, ref_name, resolve
+from contract.registry import Ref, load_plugins, plugin_roots, ref_name, resolve
 from contract.stream_order import StreamOrder, Window, epoch_steps, rank_rows
+from trainers.models import augment_ref
 
 Columns = dict[str, np.ndarray]
 PREFETCH_BLOCKS = 4  # Ray Data blocks read ahead of the window being filled
@@ -114,8 +116,8 @@ class Augmenting:
     @classmethod
     def of_run(cls, cfg: Any, schema: DataSchema) -> "Augmenting | None":
         """The model spec's augmentation with `data.augment`, else None."""
-        return cls.of(MODELS.get(cfg.model.name).augment, schema, plugin_roots(cfg.plugins)) \
-            if cfg.data.augment else None
+        ref = augment_ref(cfg)
+        return None if ref is None else cls.of(ref, schema, plugin_roots(cfg.plugins))
 
     def __call__(self, columns: Columns, keys: np.ndarray) -> Columns:
         load_plugins((), self.roots)
@@ -141,13 +143,14 @@ class RowPrep:
         return self.augment(columns, sample_keys(self.seed, self.epoch, positions))
 
 
-def file_rows(columns: Columns, read: FileRead, part: RankPart | None, prep: RowPrep) -> Columns:
-    """A file's rows (`columns`, all of them, as read) as a rank receives them: its own (`part`; every row when None),
-    made by `prep`; {} when it takes none."""
+def file_rows(take: Callable[[np.ndarray | None], Columns], read: FileRead, part: RankPart | None,
+              prep: RowPrep) -> Columns:
+    """A file's rows as a rank receives them: its own (`part`; every row when None), taken from the file by
+    `take(rows)` (those rows as numpy columns; None: all of them), made by `prep`; {} when it takes none."""
     if part is None:
-        return prep(columns, None)
+        return prep(take(None), None)
     rows, positions = part.of_file(prep.epoch, read)
-    return prep({c: values[rows] for c, values in columns.items()}, positions) if len(rows) else {}
+    return prep(take(rows), positions) if len(rows) else {}
 
 
 Reader = Callable[[list[FileRead], list[str], "RankPart | None", RowPrep], Iterable[Columns]]
@@ -181,10 +184,13 @@ def _read_files(batch: Any, columns: list[str], part: RankPart | None, prep: Row
     import pyarrow.parquet as pq
     from ray.data.block import BlockAccessor
 
+    def numpy_rows(table: pa.Table, rows: np.ndarray | None) -> Columns:  # selected before Arrow's conversion
+        return BlockAccessor.for_block(table if rows is None else table.take(rows)).to_numpy()
+
     blocks = []
     for item in batch.to_pylist():
         table = pq.read_table(item["path"], columns=columns)
-        block = file_rows(BlockAccessor.for_block(table).to_numpy(), FileRead(**item), part, prep)
+        block = file_rows(functools.partial(numpy_rows, table), FileRead(**item), part, prep)
         blocks += [block] if block else []
     if not blocks:
         return pa.table({})  # an empty block, which the worker passes over

@@ -13,5 +13,7 @@ def in_process(read_files: Callable[[list[str], list[str]], Iterable[Columns]]) 
     def read(reads: list[FileRead], columns: list[str], part: RankPart | None, prep: RowPrep) -> Iterator[Columns]:
         blocks = WindowFill(iter(read_files([r.path for r in reads], columns)))
         for file in reads:
-            yield file_rows(blocks.take(file.file_rows), file, part, prep)
+            held = blocks.take(file.file_rows)
+            yield file_rows(lambda rows: held if rows is None else {c: v[rows] for c, v in held.items()}, file, part,
+                            prep)
     return read

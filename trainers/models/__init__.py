@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from contract.augment import Augment
 from contract.data import DataSchema
-from contract.registry import MODELS, ModelSpec, resolve
+from contract.registry import MODELS, ModelSpec, Ref, resolve
 from trainers.models import specs  # noqa: F401  (registers the built-in models)
 
 if TYPE_CHECKING:
@@ -34,9 +34,15 @@ def has_builder(model_cfg: Any, framework: str) -> bool:
     return getattr(MODELS.get(model_cfg.name), framework) is not None
 
 
+def augment_ref(cfg: Any) -> Ref | None:
+    """What the model spec names as its augmentation of training batches when `data.augment`, else None."""
+    return MODELS.get(cfg.model.name).augment if cfg.data.augment else None
+
+
 def training_augment(cfg: Any) -> Augment | None:
     """The model spec's augmentation of training batches (contract/augment.py) when `data.augment`, else None."""
-    return resolve(MODELS.get(cfg.model.name).augment) if cfg.data.augment else None
+    ref = augment_ref(cfg)
+    return None if ref is None else resolve(ref)
 
 
 def build_lightning_module(model_cfg: Any, inputs: DataSchema, seed: int | None = None) -> Any:
