@@ -95,6 +95,8 @@ class RunSection:
     preflight: Optional[bool] = None  # before the first step: workers reach each other, links measured (preflight.*
                                       # metrics), a node far slower than the rest fails the run; null: on under Slurm
     preflight_timeout_s: float = 30.0  # a worker not reached in this long fails the run at once, naming it
+    preflight_leave_out: Optional[bool] = None  # a node the preflight finds at fault has its Ray stopped and the
+                                      # run starts again without it (unless it is the head's); null: under Slurm
     register_model: Optional[str] = None  # register the logged model as a new version of this registered model
     system_metrics: bool = True       # MLflow system metrics of the driver and rank 0 (contract/tracking/system.py)
     tensorboard: bool = False         # rank 0 also writes TensorBoard event files: the run's tensorboard/ artifacts
@@ -118,6 +120,7 @@ class FaultConfig:
                                                # step, once (inject_marker): the hang watchdog's case
     inject_unreachable_rank: Optional[int] = None  # testing: the preflight gives the others an address of this
                                                    # rank that routes nowhere
+    inject_unreachable_node: Optional[str] = None  # testing: ... of every rank on the node of this IP
     kill_servers: list[str] = field(default_factory=list)  # tf_ps: "<worker|ps|chief>:<i>@<epoch>": kill that
                                             # server (fail the chief) halfway through that epoch, once (inject_marker)
 

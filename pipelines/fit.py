@@ -25,7 +25,7 @@ from contract.registry import plugin_roots
 from pipelines.data import data_schema
 from pipelines.data.shards import read_manifest
 from pipelines.ray_session import start_local_ray
-from trainers.preflight import PREFLIGHT_FILE, PreflightFailed
+from trainers.preflight import LEFT_OUT_FILE, PREFLIGHT_FILE, PreflightFailed, read_left_out
 from trainers.worker import placement_patience
 
 
@@ -99,6 +99,7 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
     for earlier in (HANG_DIR, PROGRESS_DIR):  # the hang watchdog's, of an earlier job (already logged)
         shutil.rmtree(run_folder / earlier, ignore_errors=True)
     (run_folder / PREFLIGHT_FILE).unlink(missing_ok=True)
+    (run_folder / LEFT_OUT_FILE).unlink(missing_ok=True)
     trainer = backend.build_trainer(cfg, datasets, run_id, uri, inputs, callbacks=callbacks)
     system = tracking.SystemMetrics(uri, run_id, "driver", cfg.run.system_metrics_interval_s) \
         if cfg.run.system_metrics else None
@@ -113,6 +114,7 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
         if system is not None:
             system.stop()
         log_preflight(uri, run_id, run_folder)
+        report_left_out(uri, run_id, run_folder)
     if (hung := log_hangs(uri, run_id, run_folder)) is not None:
         say(f"{hung}; Ray Train restarted the workers from the last checkpoint")
     diverged = run_folder / DIVERGED_FILE
@@ -265,6 +267,28 @@ def log_preflight(uri: str, run_id: str, run_folder: Path) -> None:
         tracking.log_metrics(uri, run_id, json.loads(measured.read_text())["metrics"])
     except Exception as err:  # the server away: the measurements stay in the run's folder
         say(f"warning: the preflight's measurements were not logged ({type(err).__name__}); they are in {measured}")
+
+
+LEFT_OUT_TAG = "preflight.left_out"
+
+
+def report_left_out(uri: str, run_id: str, run_folder: Path) -> None:
+    """The nodes the preflight left out (trainers/preflight.py), said on the console, in the run's tag
+    `preflight.left_out`, and appended (one IP a line) to the file PIPELINE_LEFT_OUT_FILE names: the Slurm script
+    leaves them out of the job when it requeues it. Best effort, as `log_preflight`."""
+    left_out = read_left_out(run_folder)
+    if not left_out:
+        return
+    ips = sorted({entry["node"] for entry in left_out})
+    for entry in left_out:
+        say(f"preflight left out node {entry['node']}: {entry['why']}")
+    if listing := os.environ.get("PIPELINE_LEFT_OUT_FILE"):
+        with open(listing, "a") as out:
+            out.writelines(f"{ip}\n" for ip in ips)
+    try:
+        tracking.set_tags(uri, run_id, {LEFT_OUT_TAG: ",".join(ips)})
+    except Exception as err:  # the server away: the console and the run's folder have them
+        say(f"warning: the left-out nodes were not tagged ({type(err).__name__}); they are in {run_folder}")
 
 
 def preflight_failed(err: Exception) -> str | None:

@@ -14,7 +14,7 @@ import time
 from omegaconf import DictConfig, OmegaConf
 
 from contract import resume, tracking
-from contract.config import layout_of, monitor_of, worker_resources
+from contract.config import at_world_size, layout_of, monitor_of, worker_resources
 from contract.console import one_line, say
 from contract.metrics import FINAL_MODEL_TEST
 from contract.startup import DRIVER_BEFORE_RUN, started_at
@@ -60,18 +60,21 @@ def validate(argv: list[str]) -> tuple[DictConfig, dict, str]:
 
 
 def check_cluster_fits(cfg: DictConfig) -> None:
-    """The whole Ray cluster can hold the run's workers (Ray Train would otherwise wait for them forever)."""
+    """The whole Ray cluster can hold the run's workers (Ray Train would otherwise wait for them forever): an
+    elastic run's fewest, `trainer.min_workers`."""
     import ray
 
     trainer = cfg.trainer
+    fewest = at_world_size(cfg, trainer.min_workers).trainer if trainer.min_workers else trainer
     total = ray.cluster_resources()
-    cpus, gpus = worker_resources(trainer)
+    cpus, gpus = worker_resources(fewest)
     if cpus > total.get("CPU", 0) or gpus > total.get("GPU", 0):
-        raise ConfigError(f"trainer.num_workers: {trainer.num_workers} workers need {cpus} CPUs and {gpus} GPUs, "
+        key = "trainer.min_workers" if trainer.min_workers else "trainer.num_workers"
+        raise ConfigError(f"{key}: {fewest.num_workers} workers need {cpus} CPUs and {gpus} GPUs, "
                           f"the Ray cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs")
-    nodes, workers = len([node for node in ray.nodes() if node["Alive"]]), layout_of(trainer).ray_workers
+    nodes, workers = len([node for node in ray.nodes() if node["Alive"]]), layout_of(fewest).ray_workers
     if trainer.placement_strategy == "STRICT_SPREAD" and workers > nodes:
-        what = "workers" if workers == trainer.num_workers else "Ray workers (the chief, parameter servers, workers)"
+        what = "workers" if workers == fewest.num_workers else "Ray workers (the chief, parameter servers, workers)"
         raise ConfigError(f"trainer.placement_strategy: STRICT_SPREAD puts each of the {workers} {what} on its own "
                           f"node, the Ray cluster has {nodes}")
 

@@ -199,8 +199,8 @@ def check_evaluation(client: MlflowClient, run_id: str, model_uri: str, model: t
 
 
 def test_a_run_the_cluster_can_never_hold_exits_2_before_opening_a_run(tmp_path, tiny_mnist, mlflow_server, ray_head):
-    """The session's cluster has one node of 6 CPUs: 8 one-thread workers, or 2 workers on distinct nodes, would
-    wait forever in Ray Train; the driver says so once connected, before any MLflow run exists."""
+    """The session's cluster has one node of 6 CPUs: 8 one-thread workers (an elastic run's fewest too), or 2
+    workers on distinct nodes, would wait forever in Ray Train; the driver says so once connected, before any MLflow run exists."""
     env = pipeline_env(mlflow_server, ray_head)
     experiment = f"never-fits-{tmp_path.name}"
     base = [f"data.path={tiny_mnist}", f"run.experiment={experiment}", *TINY]
@@ -208,6 +208,11 @@ def test_a_run_the_cluster_can_never_hold_exits_2_before_opening_a_run(tmp_path,
     assert too_many.returncode == 2, too_many.stderr[-3000:]
     assert too_many.stderr.strip().splitlines()[-1] == (
         "error: trainer.num_workers: 8 workers need 8 CPUs and 0 GPUs, the Ray cluster has 6 CPUs and 0 GPUs")
+    elastic = run_pipeline([*base, "trainer.num_workers=9", "trainer.min_workers=8", "trainer.batch_size=8",
+                            "data.cache_in_worker=false"], env)  # an elastic run needs room for its fewest
+    assert elastic.returncode == 2, elastic.stderr[-3000:]
+    assert elastic.stderr.strip().splitlines()[-1] == (
+        "error: trainer.min_workers: 8 workers need 8 CPUs and 0 GPUs, the Ray cluster has 6 CPUs and 0 GPUs")
     spread = run_pipeline([*base, "trainer.placement_strategy=STRICT_SPREAD"], env)
     assert spread.returncode == 2
     assert spread.stderr.strip().splitlines()[-1] == ("error: trainer.placement_strategy: STRICT_SPREAD puts each "
@@ -218,9 +223,10 @@ def test_a_run_the_cluster_can_never_hold_exits_2_before_opening_a_run(tmp_path,
 def test_a_worker_the_others_cannot_reach_fails_the_run_at_once(tmp_path, tiny_mnist, mlflow_server, ray_head):
     """The preflight gives rank 0 an address of rank 1 that routes nowhere (TEST-NET-1): before the process group
     is made (which would wait `fault.collective_timeout_s` for it), the run fails with one line naming rank 1 and
-    its address, FAILED in MLflow."""
+    its address, FAILED in MLflow. Rank 1's node is the head's: never left out (tests/slurm leaves one out)."""
     proc = run_pipeline([f"data.path={tiny_mnist}", "trainer.epochs=1", f"run.storage_path={tmp_path / 'ray'}",
-                         "run.preflight=true", "run.preflight_timeout_s=5", "fault.inject_unreachable_rank=1", *TINY],
+                         "run.preflight=true", "run.preflight_timeout_s=5", "run.preflight_leave_out=true",
+                         "fault.inject_unreachable_rank=1", *TINY],
                         pipeline_env(mlflow_server, ray_head))
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     error = proc.stderr.strip().splitlines()[-1]

@@ -1,7 +1,8 @@
 """cluster/slurm/ray-cluster.sbatch on a real 2-node Slurm (cluster/dev/slurm-local.sh): the data-parallel backends
 with one worker on each node (ddp in a preempted sweep requeued and continued; tf_mwms and horovod, restarting after
-a failure, in two concurrent jobs, one of them finding its port block taken), a node that never joins, and a
-port lock held by another process or owned by another user. (A
+a failure, in two concurrent jobs, one of them finding its port block taken), a node the preflight leaves out of an
+elastic run and of its requeue, a node that never joins, and a port lock held by another process or owned by
+another user. (A
 training run's stop and resume, exit code 3, is the same protocol: tests/integration/test_stop_resume.py runs it
 through the driver. TP's collectives run over the same Gloo process groups as DDP's: tests/integration and
 tests/parallel cover it.)"""
@@ -145,6 +146,56 @@ def test_preempted_sweep_requeues_and_continues_into_the_same_runs(slurm, tmp_pa
     stop = re.fullmatch(r"epoch ([234]) step (\d+)", child.data.tags["preempted_at"])  # mid-trial, as recorded
     assert stop, child.data.tags["preempted_at"]
     assert child.data.tags["resumed_from_epoch"] == str(int(stop[1]) - 1)  # from the checkpoint of the stop
+    wait_gone(job)
+
+
+def live_client(out: Path, job: str, monkeypatch) -> mlflow.MlflowClient:
+    """A client of the job's own MLflow server while the job runs, with the job's credential (cluster.env)."""
+    env_file = out / f"job-{job}" / "cluster.env"
+    wait_until(env_file.exists, 600, "cluster.env")
+    exported = dict(word.split("=", 1) for word in env_file.read_text().split() if "=" in word)
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.setenv(name, exported[name])
+    return mlflow.MlflowClient(exported["MLFLOW_TRACKING_URI"])
+
+
+def test_a_node_the_preflight_finds_at_fault_is_left_out_of_the_run_and_of_the_requeue(slurm, tmp_path,
+                                                                                        monkeypatch):
+    """An elastic ddp run (2 workers, down to 1) on two nodes, each worker taking 2 of a node's 3 CPUs, so one on
+    each. The preflight gives the others an address of n2's worker that routes nowhere: n2 is left out (its Ray
+    stopped), and the run starts again on n1 alone, without a requeue, and trains. Preempted, the job requeues
+    itself with n2 in its ExcNodeList (as `--exclude`): in this 2-node cluster it then waits for a node."""
+    out, data = tmp_path / "slurm", prepared_mnist(tmp_path / "mnist", 8192)
+    # 8192 rows in global batches of 16: 512 steps an epoch, 4 epochs (as the preempted sweep's, above)
+    command = ["python", "-m", "pipelines.train", "trainer=ddp", "trainer.num_workers=2", "trainer.min_workers=1",
+               "trainer.threads_per_worker=2", "trainer.batch_size=8", "trainer.epochs=4", "model.hidden=[32]",
+               f"data.path={data}", "data.cache_in_worker=false", "run.checkpoint_every_n_steps=100",
+               "run.preflight_timeout_s=5", "fault.inject_unreachable_node=127.0.0.3"]
+    job = sbatch(slurm, out, command, sbatch_args=["--cpus-per-task=3"])
+    live = live_client(out, job, monkeypatch)
+    run_file = out / f"job-{job}" / "resume" / "mlflow_run_id"
+    wait_until(run_file.exists, 600, "the run to open its MLflow run")
+    run_id = run_file.read_text().strip()
+    wait_until(lambda: live.get_metric_history(run_id, "train_loss"), 600, "the first epoch to be logged")
+    subprocess.run(["scancel", "--batch", "--signal=TERM", job], env=slurm, check=True)
+    try:
+        wait_until(lambda: job_info(slurm, job).get("ExcNodeList") == "n2", 600, "the job requeued without n2")
+        info = job_info(slurm, job)
+    finally:
+        subprocess.run(["scancel", job], env=slurm)
+    log = job_output(out, job)
+    assert info["Restarts"] == "1" and info["JobState"] == "PENDING", log
+    assert re.search(r"\npreflight left out node 127\.0\.0\.3: preflight: workers cannot reach each other: "
+                     r"rank \d at 192\.0\.2\.1:\d+ from rank \d", log), log  # n2's rank: 0 or 1
+    assert "the requeued job leaves out n2 (the preflight found them at fault)" in log
+    assert "ray-node: worker on n2 (127.0.0.3) stopped" in (out / f"job-{job}" / "ray-workers.log").read_text()
+    assert (out / f"job-{job}" / "left_out").read_text().split() == ["127.0.0.3"]
+
+    client = local_store(out)
+    run = client.get_run(run_id)
+    assert run.data.tags["preflight.left_out"] == "127.0.0.3" and run.data.tags["workers"] == "1 from the start"
+    assert run.data.tags["rank0.node"] == "127.0.0.2" and "preempted_at" in run.data.tags
+    assert [m.step for m in client.get_metric_history(run_id, "train_loss")][0] == 1  # it trained on n1 alone
     wait_gone(job)
 
 

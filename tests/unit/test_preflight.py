@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import socket
 
-from trainers.preflight import SLOW_FACTOR, open_probe, reach_all, slow_node_line, unreachable_line
+import pytest
+
+from trainers.preflight import (SLOW_FACTOR, PreflightConfig, PreflightFailed, fail, open_probe, reach_all,
+                                read_left_out, record_left_out, slow_node_line, slow_nodes, unreachable_line)
 from trainers.torch.preflight import node_labels
 
 
@@ -33,6 +36,20 @@ def test_a_node_is_slow_when_its_links_are_far_slower_than_those_between_the_oth
     three = {("a", "b"): fast, ("a", "c"): slow, ("b", "c"): slow}
     assert slow_node_line(three).startswith("preflight: slow node(s): c (")
     assert slow_node_line({("a", "b"): slow}) is None  # two nodes: which end is slow cannot be told
+    assert list(slow_nodes(links)) == ["d"] and slow_nodes({**links, ("a", "d"): fast, ("b", "d"): fast,
+                                                             ("c", "d"): fast}) == {}
+
+
+def test_left_out_nodes_are_recorded_with_why_and_only_where_the_cluster_is_the_runs(tmp_path):
+    record_left_out(tmp_path, ["10.0.0.3", "10.0.0.3"], "preflight: slow node(s): 10.0.0.3 (...)")
+    record_left_out(tmp_path, ["10.0.0.4"], "preflight: workers cannot reach each other: ...")
+    assert read_left_out(tmp_path) == [{"node": "10.0.0.3", "why": "preflight: slow node(s): 10.0.0.3 (...)"},
+                                       {"node": "10.0.0.4", "why": "preflight: workers cannot reach each other: ..."}]
+    assert read_left_out(tmp_path / "other") == []
+    # Not the run's own cluster (run.preflight_leave_out off): the verdict ends the run, no node is touched
+    with pytest.raises(PreflightFailed, match="^preflight: slow"):
+        fail("preflight: slow node(s): 10.0.0.5", {"abc": "10.0.0.5"}, PreflightConfig(5, str(tmp_path / "x")))
+    assert read_left_out(tmp_path / "x") == []
 
 
 def test_nodes_are_labelled_by_address_and_told_apart_when_they_share_one():

@@ -12,15 +12,16 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from trainers.preflight import PREFLIGHT_FILE, slow_node_line
+from trainers.preflight import PREFLIGHT_FILE, slow_node_line, slow_nodes
 from trainers.torch.parallel.comm import collective_device
 
 LATENCY_REPEATS, BANDWIDTH_REPEATS = 20, 5
 
 
-def measure_links(world_rank: int, node_ids: list[str], node_ips: list[str], run_folder: str) -> str | None:
+def measure_links(world_rank: int, node_ids: list[str], node_ips: list[str],
+                  run_folder: str) -> tuple[str | None, list[str]]:
     """Collective. Rank 0 writes the metrics into the run's folder (`PREFLIGHT_FILE`); every rank returns the
-    slow-node line (or None), the same on each."""
+    slow-node line (or None) and the slow nodes' ids, the same on each."""
     rank = world_rank
     device = collective_device()
     big = (64 if device.type == "cuda" else 4) * 2 ** 20  # bytes
@@ -46,11 +47,11 @@ def measure_links(world_rank: int, node_ids: list[str], node_ips: list[str], run
              for i, (a, b) in enumerate(pairs)}
     for (x, y), (latency_ms, gb_per_s) in links.items():
         metrics[f"preflight.{x}-{y}.latency_ms"], metrics[f"preflight.{x}-{y}.gb_per_s"] = latency_ms, gb_per_s
-    slow = slow_node_line(links)
+    slow, slow_labels = slow_node_line(links), slow_nodes(links)
     if rank == 0:
         Path(run_folder).mkdir(parents=True, exist_ok=True)
         (Path(run_folder) / PREFLIGHT_FILE).write_text(json.dumps({"metrics": metrics, "slow": slow}))
-    return slow
+    return slow, sorted({node_ids[r] for r, label in labels.items() if label in slow_labels})
 
 
 def node_labels(node_ids: list[str], node_ips: list[str]) -> dict[int, str]:

@@ -18,7 +18,7 @@ from ray.train.backend import Backend, BackendConfig
 from ray.train.constants import DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
 from ray.train.v2._internal.util import TrainingFramework
 
-from trainers.preflight import PreflightConfig, PreflightFailed, check_workers_reachable
+from trainers.preflight import PreflightConfig, check_workers_reachable, fail
 from trainers.worker import on_worker, set_env, worker_place
 
 logger = logging.getLogger(__name__)
@@ -79,12 +79,12 @@ class TorchGroupBackend(Backend):
         self.make_group(worker_group, backend_config)
         if preflight is not None and len(worker_group) > 1:
             places = worker_group.execute(worker_place)
-            slow = ray.get([worker_group.execute_single_async(
+            slow, nodes = ray.get([worker_group.execute_single_async(
                 rank, on_worker, "trainers.torch.preflight", "measure_links", world_rank=rank,
                 node_ids=[p.node_id for p in places], node_ips=[p.node_ip for p in places],
                 run_folder=preflight.run_folder) for rank in range(len(places))])[0]
             if slow:
-                raise PreflightFailed(slow)
+                fail(slow, {p.node_id: p.node_ip for p in places if p.node_id in nodes}, preflight, worker_group)
 
     def make_group(self, worker_group: Any, backend_config: TorchGroupConfig) -> None:
         """Rank 0 opens the group's store on a port it binds as it picks it (`open_store`); every rank joins the
