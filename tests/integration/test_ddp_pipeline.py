@@ -200,7 +200,8 @@ def check_evaluation(client: MlflowClient, run_id: str, model_uri: str, model: t
 
 def test_a_run_the_cluster_can_never_hold_exits_2_before_opening_a_run(tmp_path, tiny_mnist, mlflow_server, ray_head):
     """The session's cluster has one node of 6 CPUs: 8 one-thread workers (an elastic run's fewest too), or 2
-    workers on distinct nodes, would wait forever in Ray Train; the driver says so once connected, before any MLflow run exists."""
+    workers on distinct nodes, would wait forever in Ray Train; the driver says so once connected, before any MLflow
+    run exists."""
     env = pipeline_env(mlflow_server, ray_head)
     experiment = f"never-fits-{tmp_path.name}"
     base = [f"data.path={tiny_mnist}", f"run.experiment={experiment}", *TINY]
