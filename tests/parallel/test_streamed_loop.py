@@ -1,5 +1,5 @@
 """Streamed data (`data.cache_in_worker=false`, trainers/streamed.py) on the shared loop under each backend that can
-change its number of workers (ddp, fsdp, deepspeed; gloo, no Ray): a run stopped at step 10 on 2 ranks and resumed
+change its number of workers (ddp, fsdp, deepspeed, lightning; gloo, no Ray): a run stopped at step 10 on 2 ranks and resumed
 on 1 rank with the same global batch continues the uninterrupted 2-rank run step for step, its learning-rate
 schedule included (known from the files' row counts), and ends with the same model. The files are held in memory
 and read in blocks that cross them; Ray Data reading real Parquet for the same class is
@@ -66,6 +66,7 @@ def _attempt(rank: int, world_size: int, tmp: str, name: str, stop: bool, restor
 
     from contract.registry import BACKENDS, resolve
     from trainers.adapter import WorkerData
+    from trainers.torch import lightning_fit
 
     torch.set_default_dtype(torch.float32)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
@@ -76,11 +77,15 @@ def _attempt(rank: int, world_size: int, tmp: str, name: str, stop: bool, restor
     trainer, adapters = resolve(BACKENDS.get(backend).backend_ref("torch"))(), []
 
     def run(ctx):
-        adapters.append(trainer.build_adapter(cfg, ctx, WorkerData(mnist_schema(), _data(rank, world_size))))
+        data = WorkerData(mnist_schema(), _data(rank, world_size))
+        if backend == "lightning":  # Lightning's own loop (its Trainer.fit), the shared loop's callbacks
+            return lightning_fit.run_worker(cfg, ctx, data)
+        adapters.append(trainer.build_adapter(cfg, ctx, data))
         return trainer.train(cfg, ctx, adapters[-1])
     attempt = run_attempt(run, rank, world_size, 1, Path(tmp) / name, restored=Path(restored) if restored else None,
                           stop=stop)
-    state = adapters[0].dense_model_state()
+    state = trainer.dense_state(str(last_checkpoint(Path(tmp) / name))) if backend == "lightning" else \
+        adapters[0].dense_model_state()
     if rank == 0:
         torch.save(state, Path(tmp) / f"{name}.pt")
         (Path(tmp) / f"{name}.json").write_text(json.dumps(attempt_to_json(attempt)))
@@ -91,7 +96,7 @@ def _read(tmp: Path, name: str):
     return attempt_from_json(json.loads((tmp / f"{name}.json").read_text())), torch.load(tmp / f"{name}.pt")
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp", "deepspeed"])  # the elastic ones (`BackendSpec.elastic`)
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", "deepspeed", "lightning"])  # the elastic ones
 def test_a_streamed_run_stopped_on_2_ranks_resumes_on_1_rank_in_the_same_sequence(run_ranks: RankPools, tmp_path,
                                                                                   backend: str):
     run_ranks(_attempt, 2, str(tmp_path), "straight", False, None, backend)

@@ -209,7 +209,7 @@ for _spec in (
     BackendSpec("lightning", "trainers.torch.lightning:Lightning", LightningConfig, ("torch",),
                 "PyTorch Lightning's Trainer (ddp, or fsdp on GPUs) through Ray Train's Lightning integration",
                 model_builders=("lightning", "torch"), needs=("lightning",), extra="lightning",
-                check=check_lightning, ignored_keys=lightning_ignored_keys),
+                check=check_lightning, ignored_keys=lightning_ignored_keys, elastic=True),
     BackendSpec("deepspeed", "trainers.torch.deepspeed:DeepSpeed", DeepSpeedConfig, ("torch",),
                 "DeepSpeed's engine: ZeRO stage 1, 2 or 3 (gloo on CPU, NCCL on GPU)", needs=("deepspeed",),
                 extra="deepspeed", check=check_deepspeed, elastic=True),
