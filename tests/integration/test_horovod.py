@@ -8,9 +8,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import ROOT, check_finished_run, check_step_losses_are_global, pipeline_env, train_ok
+from tests.conftest import (ROOT, check_finished_run, check_step_losses_are_global, pipeline_env, run_id_from,
+                            run_pipeline, train_ok)
 from tests.support.horovod_checks import BATCHES_PER_EPOCH, check_replicas_identical, init_log, optimizer_steps
 
 pytestmark = pytest.mark.slow
@@ -97,3 +99,36 @@ def test_tf_runs_several_steps_per_compiled_call_across_ranks(tmp_path, tiny_mni
     check_step_losses_are_global(client, run_id, epochs=2)
     check_replicas_identical(params, "tf")
     assert optimizer_steps(tmp_path / "ray", "tf") == 2 * BATCHES_PER_EPOCH
+
+
+def test_torch_streamed_run_stopped_on_2_workers_continues_on_1_in_the_same_sequence(tmp_path, tiny_mnist,
+                                                                                     mlflow_server, ray_head):
+    """What an elastic horovod run (`trainer.min_workers`) does when it shrinks: a streamed torch run stopped at step
+    10 of 32 on 2 workers, continued on 1 worker with the same global batch (a rendezvous of one), trains the steps
+    of the uninterrupted 2-worker run to the same losses. Ray Train's resizing itself is tests/integration/
+    test_elastic.py's (ddp); the other elastic backends' loops are tests/parallel/test_streamed_loop.py's."""
+    env = pipeline_env(mlflow_server, ray_head)
+    common = ["trainer=horovod", "trainer.framework=torch", f"data.path={tiny_mnist}", "trainer.epochs=1",
+              "model.hidden=[32]", "model.dropout=0", "trainer.optimizer=sgd", "trainer.lr=0.05",
+              "trainer.log_every_n_steps=1", "trainer.threads_per_worker=1", "data.cache_in_worker=false",
+              "data.shuffle_buffer=256"]
+    two = ["trainer.num_workers=2", "trainer.batch_size=16"]  # 1024 rows in global batches of 32: 32 steps
+    straight = train([*two, f"run.storage_path={tmp_path / 'straight'}"], env, base=common)
+    resume_dir = tmp_path / "resume"
+    resume_dir.mkdir()
+    (resume_dir / "STOP").touch()
+    storage = f"run.storage_path={tmp_path / 'elastic'}"
+    stopped = run_pipeline([*common, *two, storage, f"run.resume_dir={resume_dir}"], env)
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    (resume_dir / "STOP").unlink()
+    resumed = train(["trainer.num_workers=1", "trainer.batch_size=32", storage, f"run.resume_dir={resume_dir}"], env,
+                    base=common)
+    client = MlflowClient(mlflow_server)
+    assert resumed == run_id_from(stopped.stdout)
+    assert client.get_run(resumed).data.tags["resumed_from_step"] == "epoch 1 step 10"
+    losses = {name: {m.step: m.value for m in client.get_metric_history(run, "step_loss")}
+              for name, run in (("straight", straight), ("resumed", resumed))}
+    assert sorted(losses["resumed"]) == sorted(losses["straight"]) == list(range(1, 33))
+    for step in range(1, 33):  # one rank's mean over 32 rows against two ranks' over 16 each, averaged
+        torch.testing.assert_close(losses["resumed"][step], losses["straight"][step], rtol=1e-5, atol=1e-7,
+                                   msg=f"step {step}")

@@ -94,7 +94,9 @@ def test_defaults_compose_and_flatten(data_override):
                               r"got 2$"),
     ("trainer=tp model=bert_tiny trainer.min_workers=1",
      r"^trainer\.min_workers: trainer=tp keeps the number of workers it starts with .*; elastic runs: ddp, deepspeed, "
-     r"fsdp, lightning$"),
+     r"fsdp, horovod, lightning$"),
+    ("trainer=horovod trainer.framework=tf trainer.min_workers=1",
+     r"^trainer\.min_workers: an elastic horovod run takes trainer\.framework=torch; the TensorFlow binding keeps "),
     ("trainer.num_workers=4 trainer.batch_size=5 trainer.min_workers=2", r"^trainer\.min_workers: the global batch "
                                                                          r"of 20 rows .* over 3 worker\(s\)"),
     ("trainer.min_workers=1 data.cache_in_worker=true", r"^data\.cache_in_worker: an elastic run streams its data"),

@@ -36,6 +36,9 @@ def check_horovod(cfg: Any, model: ModelSpec, inputs: DataSchema | None) -> None
     choice("trainer", "compression", trainer.compression, COMPRESSIONS)
     if trainer.use_gpu:
         raise ConfigError("trainer.use_gpu: our horovod build has Gloo CPU operations only (no NCCL)")
+    if trainer.min_workers and trainer.framework == "tf":
+        raise ConfigError("trainer.min_workers: an elastic horovod run takes trainer.framework=torch; the TensorFlow "
+                          "binding keeps the number of workers it starts with, as every TensorFlow backend")
     if not installed("horovod"):
         raise ConfigError("trainer.backend: horovod is not installed; build it with "
                           "`bash cluster/local/build-horovod.sh`")
@@ -44,4 +47,4 @@ def check_horovod(cfg: Any, model: ModelSpec, inputs: DataSchema | None) -> None
 register_backend(BackendSpec(
     "horovod", {"torch": "trainers.horovod.torch:HorovodTorch", "tf": "trainers.horovod.tf:HorovodTF"}, HorovodConfig,
     FRAMEWORKS, "Horovod over Gloo, PyTorch or TensorFlow binding (`trainer.framework`)",
-    check=check_horovod, layout=horovod_layout))
+    check=check_horovod, layout=horovod_layout, elastic=True))
