@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -100,11 +100,10 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
         shutil.rmtree(run_folder / earlier, ignore_errors=True)
     (run_folder / PREFLIGHT_FILE).unlink(missing_ok=True)
     (run_folder / LEFT_OUT_FILE).unlink(missing_ok=True)
-    trainer = backend.build_trainer(cfg, datasets, run_id, uri, inputs, callbacks=callbacks)
     system = tracking.SystemMetrics(uri, run_id, "driver", cfg.run.system_metrics_interval_s) \
         if cfg.run.system_metrics else None
     try:
-        result = fit_in_thread(trainer)
+        result = fit_leaving_out(lambda: backend.build_trainer(cfg, datasets, run_id, uri, inputs, callbacks=callbacks))
     except Exception as err:
         waited, hung, preflight = resource_wait(err, cfg), log_hangs(uri, run_id, run_folder), preflight_failed(err)
         if waited or hung or preflight:
@@ -164,6 +163,30 @@ def fit_in_thread(trainer: Any) -> Any:
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]
+
+
+MAX_FITS = 16  # fits of one run when the preflight leaves nodes out (each time one node at least)
+
+
+def fit_leaving_out(build: Callable[[], Any]) -> Any:
+    """`fit_in_thread` of the trainer `build` makes, and of a new one (the same Ray Train run, on the nodes left)
+    each time the preflight left nodes out and Ray Train did not start the workers again itself: a run of a fixed
+    size gives up on its first failed start (trainers/worker.py: placement_patience)."""
+    for _ in range(MAX_FITS - 1):
+        try:
+            return fit_in_thread(build())
+        except Exception as err:
+            if not nodes_left_out(err):
+                raise
+            say("the preflight left nodes out; starting the workers again without them")
+    return fit_in_thread(build())
+
+
+def nodes_left_out(err: Exception) -> bool:
+    """Whether `err` is Ray Train giving up on a start the preflight failed to leave nodes out."""
+    from trainers.nodes_left_out import NodesLeftOut
+
+    return isinstance(getattr(err, "controller_failure", None), NodesLeftOut)
 
 
 def checkpoint_state(checkpoint: Any) -> TrainState:

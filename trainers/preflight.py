@@ -16,9 +16,9 @@ nodes about equally fast? Framework-free; the measurement over a framework's own
 A node at fault (one the others cannot reach, or a slow one) is left out where the cluster is the run's own
 (`run.preflight_leave_out`; on under Slurm, whose job starts a Ray cluster for itself): its Ray node is stopped
 (Ray's GCS drains it, as Ray's autoscaler stops a node), it is recorded in the run's folder (`LEFT_OUT_FILE`), and
-the attempt fails as a failed start of the worker group, which Ray Train retries (without counting it against
-`fault.max_failures`) on the nodes left: an elastic run at the size they
-hold, a fixed one where spare nodes can hold it. Never the node of Ray's head or of the run's controller, which
+the attempt fails as a failed start of the worker group (`NodesLeftOut`), started again on the nodes left (not
+counted against `fault.max_failures`): an elastic run at the size they hold, a fixed one where spare nodes can hold
+it. Never the node of Ray's head or of the run's controller, which
 end the run with them; nor when every node is at fault (nothing says which end of a link is broken).
 """
 from __future__ import annotations
@@ -98,9 +98,11 @@ def check_workers_reachable(worker_group: Any, config: PreflightConfig) -> None:
 def fail(line: str, at_fault: dict[str, str], config: PreflightConfig, worker_group: Any = None) -> NoReturn:
     """The preflight's verdict `line` on the nodes `at_fault` (Ray node id -> IP): once they are stopped and
     recorded (`config.leave_out`, and none of them is the head's or the controller's node, the caller's) and
-    `worker_group` released, Ray Train's failed start, which it retries; else PreflightFailed, which ends the run."""
+    `worker_group` released, NodesLeftOut (a failed start, started again); else PreflightFailed, which ends the
+    run."""
     import ray
-    from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
+
+    from trainers.nodes_left_out import NodesLeftOut
 
     if not config.leave_out or not at_fault:
         raise PreflightFailed(line)
@@ -113,8 +115,7 @@ def fail(line: str, at_fault: dict[str, str], config: PreflightConfig, worker_gr
     stop_nodes(list(at_fault))
     release(worker_group)
     ips = ", ".join(sorted(set(at_fault.values())))
-    raise WorkerGroupStartupFailedError(f"{line}; left out node(s) {ips} (their Ray stopped), starting again "
-                                        "without them")
+    raise NodesLeftOut(f"{line}; left out node(s) {ips} (their Ray stopped), starting again without them")
 
 
 def record_left_out(run_folder: Path, ips: Iterable[str], why: str) -> None:

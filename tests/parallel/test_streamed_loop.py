@@ -1,9 +1,9 @@
 """Streamed data (`data.cache_in_worker=false`, trainers/streamed.py) on the shared loop under each backend that can
-change its number of workers (ddp, fsdp, deepspeed, lightning; gloo, no Ray): a run stopped at step 10 on 2 ranks and resumed
-on 1 rank with the same global batch continues the uninterrupted 2-rank run step for step, its learning-rate
-schedule included (known from the files' row counts), and ends with the same model. The files are held in memory
-and read in blocks that cross them; Ray Data reading real Parquet for the same class is
-tests/integration/test_streamed.py."""
+change its number of workers (ddp, fsdp, deepspeed, lightning; gloo, no Ray; horovod's is
+tests/integration/test_horovod.py's): a run stopped at step 10 on 2 ranks and resumed on 1 rank with the same global
+batch continues the uninterrupted 2-rank run step for step, its learning-rate schedule included (known from the files'
+row counts), and ends with the same model. The files are held in memory and read in blocks that cross them; Ray Data
+reading real Parquet for the same class is tests/integration/test_streamed.py."""
 from __future__ import annotations
 
 import json

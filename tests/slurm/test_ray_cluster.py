@@ -1,11 +1,10 @@
-"""cluster/slurm/ray-cluster.sbatch on a real 2-node Slurm (cluster/dev/slurm-local.sh): the data-parallel backends
-with one worker on each node (ddp in a preempted sweep requeued and continued; tf_mwms and horovod, restarting after
-a failure, in two concurrent jobs, one of them finding its port block taken), a node the preflight leaves out of an
-elastic run and of its requeue, a node that never joins, and a port lock held by another process or owned by
-another user. (A
-training run's stop and resume, exit code 3, is the same protocol: tests/integration/test_stop_resume.py runs it
-through the driver. TP's collectives run over the same Gloo process groups as DDP's: tests/integration and
-tests/parallel cover it.)"""
+"""cluster/slurm/ray-cluster.sbatch on a real 2-node Slurm (cluster/dev/slurm-local.sh): the data-parallel backends with
+one worker on each node (ddp in a preempted sweep requeued and continued; tf_mwms and horovod, restarting after a
+failure, in two concurrent jobs, one of them finding its port block taken), a node the preflight leaves out (of an
+elastic run and of its requeue, of a run of a fixed size), a node that never joins, and a port lock held by another
+process or owned by another user. (A training run's stop and resume, exit code 3, is the same protocol:
+tests/integration/test_stop_resume.py runs it through the driver. TP's collectives run over the same Gloo process groups
+as DDP's: tests/integration and tests/parallel cover it.)"""
 from __future__ import annotations
 
 import json
@@ -196,6 +195,29 @@ def test_a_node_the_preflight_finds_at_fault_is_left_out_of_the_run_and_of_the_r
     assert run.data.tags["preflight.left_out"] == "127.0.0.3" and run.data.tags["workers"] == "1 from the start"
     assert run.data.tags["rank0.node"] == "127.0.0.2" and "preempted_at" in run.data.tags
     assert [m.step for m in client.get_metric_history(run_id, "train_loss")][0] == 1  # it trained on n1 alone
+    wait_gone(job)
+
+
+def test_a_run_of_a_fixed_size_leaves_a_node_at_fault_out_where_the_others_can_hold_it(slurm, tiny_mnist, tmp_path):
+    """A ddp run of 2 one-thread workers spread over two nodes of 3 CPUs, n2's worker unreachable: Ray Train gives up
+    on that start (a run of a fixed size does not retry its starts), the driver fits again on n1 alone, which holds
+    both workers, and the run finishes; the job says what to exclude next time."""
+    out = tmp_path / "slurm"
+    command = ["python", "-m", "pipelines.train", "trainer=ddp", "trainer.num_workers=2",
+               "trainer.placement_strategy=SPREAD", f"data.path={tiny_mnist}", "trainer.batch_size=32",
+               "trainer.epochs=1", "model.hidden=[32]", "run.preflight_timeout_s=5",
+               "fault.inject_unreachable_node=127.0.0.3"]
+    job = sbatch(slurm, out, command, sbatch_args=["--cpus-per-task=3"])
+    info = wait_job(slurm, job, 900)
+    log = job_output(out, job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
+    assert "the preflight left nodes out; starting the workers again without them" in log
+    assert "the preflight left out n2: sbatch --exclude=n2 leaves them out of the next job" in log
+    client = local_store(out)
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.info.status == "FINISHED" and run.data.tags["preflight.left_out"] == "127.0.0.3"
+    assert {run.data.tags["rank0.node"], run.data.tags["rank1.node"]} == {"127.0.0.2"}
+    assert_each_epoch_once(client, run.info.run_id, 1)
     wait_gone(job)
 
 
