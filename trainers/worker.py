@@ -40,7 +40,7 @@ from trainers.context import MetricsSink, NoMetrics, WorkerContext
 from trainers.model_flops import run_flops_per_sample
 
 
-ELASTIC_PLACEMENT_S = 20.0  # an elastic run's wait for one placement of its workers before it sizes the group again
+ELASTIC_PLACEMENT_S = 10.0  # an elastic run's wait for one placement of its workers before it sizes the group again
 
 
 def loop_config(cfg: DictConfig, run_id: str, tracking_uri: str, inputs: DataSchema) -> dict[str, Any]:
