@@ -183,7 +183,7 @@ def fit_leaving_out(build: Callable[[], Any]) -> Any:
 
 
 def nodes_left_out(err: Exception) -> bool:
-    """Whether `err` is Ray Train giving up on a start the preflight failed to leave nodes out."""
+    """Whether `err` is Ray Train giving up after a start that the preflight failed, leaving nodes out."""
     from trainers.nodes_left_out import NodesLeftOut
 
     return isinstance(getattr(err, "controller_failure", None), NodesLeftOut)

@@ -18,8 +18,8 @@ A node at fault (one the others cannot reach, or a slow one) is left out where t
 (Ray's GCS drains it, as Ray's autoscaler stops a node), it is recorded in the run's folder (`LEFT_OUT_FILE`), and
 the attempt fails as a failed start of the worker group (`NodesLeftOut`), started again on the nodes left (not
 counted against `fault.max_failures`): an elastic run at the size they hold, a fixed one where spare nodes can hold
-it. Never the node of Ray's head or of the run's controller, which
-end the run with them; nor when every node is at fault (nothing says which end of a link is broken).
+it. Never the node of Ray's head or of the run's controller, which end the run with them; nor when every node is at
+fault (nothing says which end of a link is broken).
 """
 from __future__ import annotations
 

@@ -198,6 +198,39 @@ def test_a_node_the_preflight_finds_at_fault_is_left_out_of_the_run_and_of_the_r
     wait_gone(job)
 
 
+def test_a_node_lost_from_a_no_kill_job_leaves_an_elastic_run_going_without_a_requeue(slurm, tmp_path, monkeypatch):
+    """`sbatch --no-kill`: an elastic ddp run on two nodes (a worker of 2 threads on each, down to 1 worker) whose
+    node n2 Slurm sets DOWN mid-run, as a failed node: Slurm keeps the job and ends its step on n2 (that node's
+    Ray), Ray Train goes on with 1 worker on n1 from the last checkpoint, and the run finishes in the same job."""
+    out, data = tmp_path / "slurm", prepared_mnist(tmp_path / "mnist", 8192)
+    command = ["python", "-m", "pipelines.train", "trainer=ddp", "trainer.num_workers=2", "trainer.min_workers=1",
+               "trainer.threads_per_worker=2", "trainer.batch_size=8", "trainer.epochs=3", "model.hidden=[32]",
+               f"data.path={data}", "data.cache_in_worker=false", "run.checkpoint_every_n_steps=100",
+               "fault.max_failures=2"]
+    job = sbatch(slurm, out, command, sbatch_args=["--no-kill", "--cpus-per-task=3"])
+    live = live_client(out, job, monkeypatch)
+    run_file = out / f"job-{job}" / "resume" / "mlflow_run_id"
+    wait_until(run_file.exists, 600, "the run to open its MLflow run")
+    run_id = run_file.read_text().strip()
+    wait_until(lambda: live.get_metric_history(run_id, "train_loss"), 600, "the first epoch to be logged")
+    try:
+        subprocess.run(["scontrol", "update", "NodeName=n2", "State=DOWN", "Reason=test-lost-node"], env=slurm,
+                       check=True)
+        info = wait_job(slurm, job, 900)
+    finally:
+        subprocess.run(["scontrol", "update", "NodeName=n2", "State=RESUME"], env=slurm, check=True)
+    log = job_output(out, job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "0", log
+    client = local_store(out)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED", log
+    sizes = run.data.tags["workers"].split(",")
+    assert sizes[0] == "2 from the start" and re.fullmatch(r"1 from epoch \d step \d+ \(shrunk from 2: workers "
+                                                            r"lost\)", sizes[1]), sizes
+    assert_each_epoch_once(client, run_id, 3)
+    wait_gone(job)
+
+
 def test_a_run_of_a_fixed_size_leaves_a_node_at_fault_out_where_the_others_can_hold_it(slurm, tiny_mnist, tmp_path):
     """A ddp run of 2 one-thread workers spread over two nodes of 3 CPUs, n2's worker unreachable: Ray Train gives up
     on that start (a run of a fixed size does not retry its starts), the driver fits again on n1 alone, which holds
