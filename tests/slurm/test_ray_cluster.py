@@ -1,15 +1,16 @@
 """cluster/slurm/ray-cluster.sbatch on a real 2-node Slurm (cluster/dev/slurm-local.sh): the data-parallel backends with
 one worker on each node (ddp in a preempted sweep requeued and continued; tf_mwms and horovod, restarting after a
 failure, in two concurrent jobs, one of them finding its port block taken), a node the preflight leaves out (of an
-elastic run and of its requeue, of a run of a fixed size), a node that never joins, and a port lock held by another
-process or owned by another user. (A training run's stop and resume, exit code 3, is the same protocol:
-tests/integration/test_stop_resume.py runs it through the driver. TP's collectives run over the same Gloo process groups
-as DDP's: tests/integration and tests/parallel cover it.)"""
+elastic run and of its requeue, of a run of a fixed size), a node lost from a --no-kill job, a node that never joins,
+and a port lock held by another process or owned by another user. (A training run's stop and resume, exit code 3, is the
+same protocol: tests/integration/test_stop_resume.py runs it through the driver. TP's collectives run over the same Gloo
+process groups as DDP's: tests/integration and tests/parallel cover it.)"""
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -198,6 +199,11 @@ def test_a_node_the_preflight_finds_at_fault_is_left_out_of_the_run_and_of_the_r
     wait_gone(job)
 
 
+def node_state(env: dict[str, str], node: str) -> str:
+    out = subprocess.run(["scontrol", "show", "node", node], env=env, capture_output=True, text=True).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out)).get("State", "")
+
+
 def test_a_node_lost_from_a_no_kill_job_leaves_an_elastic_run_going_without_a_requeue(slurm, tmp_path, monkeypatch):
     """`sbatch --no-kill`: an elastic ddp run on two nodes (a worker of 2 threads on each, down to 1 worker) whose
     node n2 Slurm sets DOWN mid-run, as a failed node: Slurm keeps the job and ends its step on n2 (that node's
@@ -217,8 +223,10 @@ def test_a_node_lost_from_a_no_kill_job_leaves_an_elastic_run_going_without_a_re
         subprocess.run(["scontrol", "update", "NodeName=n2", "State=DOWN", "Reason=test-lost-node"], env=slurm,
                        check=True)
         info = wait_job(slurm, job, 900)
-    finally:
-        subprocess.run(["scontrol", "update", "NodeName=n2", "State=RESUME"], env=slurm, check=True)
+    finally:  # n2 back in service for the next tests: RESUME, refused once Slurm returned it by itself (its
+        # slurmd answering again, ReturnToService=2)
+        subprocess.run(["scontrol", "update", "NodeName=n2", "State=RESUME"], env=slurm, capture_output=True)
+        wait_until(lambda: node_state(slurm, "n2") in ("IDLE", "MIXED", "ALLOCATED"), 300, "n2 back in service")
     log = job_output(out, job)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "0", log
     client = local_store(out)
@@ -228,6 +236,8 @@ def test_a_node_lost_from_a_no_kill_job_leaves_an_elastic_run_going_without_a_re
     assert sizes[0] == "2 from the start" and re.fullmatch(r"1 from epoch \d step \d+ \(shrunk from 2: workers "
                                                             r"lost\)", sizes[1]), sizes
     assert_each_epoch_once(client, run_id, 3)
+    # n2's step was killed outright: its Ray temp dir stays on the node (removed when the job next starts there)
+    shutil.rmtree(f"/tmp/ray-slurm-{job}-n2", ignore_errors=True)
     wait_gone(job)
 
 
