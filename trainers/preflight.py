@@ -34,7 +34,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Iterable, NoReturn, Optional
 
-from trainers.worker import worker_place
+from trainers.worker import WorkerPlace, worker_place
 
 PREFLIGHT_FILE = "preflight.json"  # in the run's folder: {"metrics": {...}, "slow": "<line>" or null}
 UNROUTABLE = "192.0.2.1"  # TEST-NET-1 (RFC 5737), routed nowhere: `fault.inject_unreachable_rank` advertises it
@@ -73,13 +73,14 @@ def preflight_config(cfg: Any, run_id: str) -> PreflightConfig | None:
                            cfg.fault.inject_unreachable_rank, cfg.fault.inject_unreachable_node)
 
 
-def check_workers_reachable(worker_group: Any, config: PreflightConfig) -> None:
+def check_workers_reachable(worker_group: Any, config: PreflightConfig) -> list[WorkerPlace]:
     """Step 1 (in a backend's `on_start`, before its process group, its servers or its rendezvous): raises
-    (`fail`) naming the unreachable. Nothing to check for a single worker."""
+    (`fail`) naming the unreachable. Returns where the workers run (for step 2); nothing to check, and [], for a
+    single worker."""
     import ray
 
     if len(worker_group) < 2:
-        return
+        return []
     places = worker_group.execute(worker_place)
     probes = worker_group.execute(open_probe, 2 * config.timeout_s + 30)
     addresses = list(probes)
@@ -93,6 +94,7 @@ def check_workers_reachable(worker_group: Any, config: PreflightConfig) -> None:
     if line:
         missed = {target for failed in failures for target, _ in failed}
         fail(line, {places[rank].node_id: places[rank].node_ip for rank in sorted(missed)}, config, worker_group)
+    return places
 
 
 def fail(line: str, at_fault: dict[str, str], config: PreflightConfig, worker_group: Any = None) -> NoReturn:
@@ -120,11 +122,9 @@ def fail(line: str, at_fault: dict[str, str], config: PreflightConfig, worker_gr
 
 def record_left_out(run_folder: Path, ips: Iterable[str], why: str) -> None:
     """Add the nodes `ips` to the run's LEFT_OUT_FILE, with the verdict that left them out."""
-    path = run_folder / LEFT_OUT_FILE
-    recorded = json.loads(path.read_text()) if path.is_file() else []
-    recorded += [{"node": ip, "why": why} for ip in sorted(set(ips))]
+    recorded = read_left_out(run_folder) + [{"node": ip, "why": why} for ip in sorted(set(ips))]
     run_folder.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(recorded, indent=1))
+    (run_folder / LEFT_OUT_FILE).write_text(json.dumps(recorded, indent=1))
 
 
 def read_left_out(run_folder: Path) -> list[dict[str, str]]:

@@ -19,7 +19,7 @@ from ray.train.constants import DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, 
 from ray.train.v2._internal.util import TrainingFramework
 
 from trainers.preflight import PreflightConfig, check_workers_reachable, fail
-from trainers.worker import on_worker, set_env, worker_place
+from trainers.worker import on_worker, set_env
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +74,9 @@ class TorchGroupBackend(Backend):
 
     def on_start(self, worker_group: Any, backend_config: TorchGroupConfig) -> None:
         preflight = backend_config.preflight
-        if preflight is not None:
-            check_workers_reachable(worker_group, preflight)
+        places = check_workers_reachable(worker_group, preflight) if preflight is not None else []
         self.make_group(worker_group, backend_config)
-        if preflight is not None and len(worker_group) > 1:
-            places = worker_group.execute(worker_place)
+        if places:
             slow, nodes = ray.get([worker_group.execute_single_async(
                 rank, on_worker, "trainers.torch.preflight", "measure_links", world_rank=rank,
                 node_ids=[p.node_id for p in places], node_ips=[p.node_ip for p in places],
