@@ -45,15 +45,18 @@ class ModelSpec:
     The parallel plans are optional: `tensor_parallel(model, mesh, impl) -> model` shards the model over the
     mesh's "tp" dimension (trainer=tp, fsdp with tp > 1; `trainers.torch.parallel.plans.styles_plan` makes one from
     torch `ParallelStyle`s by module name); `pipeline_split(model, stage, n_stages) -> model` keeps one pipeline
-    stage's parts (fsdp with pp > 1); `fsdp_blocks() -> classes`: the module classes FSDP shards one by one
-    (default: each entry of the model's `nn.ModuleList`s). `check(cfg, inputs, trainer)` raises
+    stage's parts (fsdp with pp > 1); `fsdp_blocks(model) -> classes`: the module classes FSDP shards one by
+    one (default: each entry of the model's `nn.ModuleList`s). `check(cfg, inputs, trainer)` raises
     ValueError("model.<key>: why") for a config it cannot build, or a layout of `trainer` it does not split into
     (`inputs` is None when no data is known yet). `flops_per_sample(cfg, inputs)`: the training FLOPs of one
     sample (contract/mfu.py), where the `torch` model cannot be counted on the meta device (trainers/model_flops.py).
     `mutable`: keys of its config that change only how training continues from a checkpoint, never what the
     checkpoint holds (a `lightning` module's own learning rate), which a PBT sweep may mutate (`model.<key>`).
     `augment(columns, keys, schema) -> columns`: a transform of each training batch (numpy; random shifts, crops,
-    flips), seeded per sample (contract/augment.py), applied with `data.augment=true`."""
+    flips), seeded per sample (contract/augment.py), applied with `data.augment=true`.
+    `export(model, out, tokenizer_json) -> None`: writes the trained `torch` model (dense, on the CPU) into the
+    folder `out` in its framework's own format, with the tokenizer its token data was made with (JSON text, or
+    None): `rtp export`, and a folder logged with the run's model."""
     name: str
     config: type
     description: str = ""
@@ -71,6 +74,7 @@ class ModelSpec:
     flops_per_sample: Ref | None = None
     mutable: tuple[str, ...] = ()
     augment: Ref | None = None
+    export: Ref | None = None
 
 
 @dataclass(frozen=True)

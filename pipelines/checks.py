@@ -288,7 +288,7 @@ def _check_refs(spec: ModelSpec) -> None:
     module is loaded already (a user's plugin module naming its own builders); found, not imported, so that
     validation stays framework-free. A misspelt one would otherwise fail only on the workers."""
     for field in ("torch", "keras", "dtensor", "lightning", "keras_twin", "tensor_parallel", "pipeline_split",
-                  "fsdp_blocks", "check", "flops_per_sample"):
+                  "fsdp_blocks", "check", "flops_per_sample", "augment", "export"):
         ref = getattr(spec, field)
         if not isinstance(ref, str):
             continue

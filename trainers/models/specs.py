@@ -3,7 +3,10 @@ keys (`model.*`), the features and tasks it takes, its builders per framework, i
 checks. Framework-free: builders are named by "module:attribute", imported only when a model is built."""
 from __future__ import annotations
 
+import importlib.util
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from contract.data import DataSchema
@@ -35,6 +38,14 @@ class BertModelConfig:
     hidden: Optional[int] = None    # hidden width, overriding the flavour's
     layers: Optional[int] = None    # encoder blocks, overriding the flavour's
     heads: Optional[int] = None     # attention heads, overriding the flavour's
+
+
+@dataclass
+class HFModelConfig:
+    name: str = "hf"                # a Hugging Face Transformers model from a local folder (docs/hugging-face.md)
+    path: str = ""                  # the folder `save_pretrained` wrote: config.json, model.safetensors (never a download)
+    task: str = "sequence_classification"  # the head on the model: a logit per class (one value for regression)
+    from_scratch: bool = False      # the folder's config only, weights drawn anew (not its model.safetensors)
 
 
 @dataclass
@@ -136,7 +147,60 @@ def check_tfidf(cfg: Any, inputs: DataSchema | None, trainer: Any = None) -> Non
         _dtensor_split([0, cfg.hidden, inputs.target.outputs], trainer)
 
 
-def bert_blocks() -> tuple[type, ...]:
+HF_TASKS = ("sequence_classification",)
+HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def check_hf(cfg: Any, inputs: DataSchema | None, trainer: Any = None) -> None:
+    """The folder is a saved Transformers model (its weights there unless `from_scratch`), the task one the loop
+    trains, the data within its vocabulary and positions, and a tp > 1 run's architecture has a tensor-parallel plan
+    whose heads tp divides. Reads config.json; Transformers is imported only for tp > 1."""
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError("model.name: model 'hf' needs Hugging Face Transformers: pip install -e '.[hf]'")
+    if cfg.task not in HF_TASKS:
+        raise ValueError(f"model.task: '{cfg.task}' is not trained here (choices: {', '.join(HF_TASKS)})")
+    if not cfg.path:
+        raise ValueError("model.path: name the folder a Transformers model was saved in (save_pretrained): "
+                         "model.path=<folder>")
+    folder = Path(cfg.path).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"model.path: {folder} has no config.json (a folder written by save_pretrained; models are "
+                         f"never downloaded)")
+    if not cfg.from_scratch and not any((folder / name).is_file() for name in HF_WEIGHTS):
+        raise ValueError(f"model.path: {folder} has no weights (model.safetensors); model.from_scratch=true trains "
+                         f"from its config.json alone")
+    config = json.loads((folder / "config.json").read_text())
+    if inputs is not None:
+        _hf_fits_data(config, inputs)
+    if trainer is not None and trainer.get("tp", 1) > 1:
+        _hf_tp(folder, config, trainer.tp)
+
+
+def _hf_fits_data(config: dict, inputs: DataSchema) -> None:
+    vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    if vocab and inputs.vocab_size > vocab:
+        raise ValueError(f"model.path: the data's token ids go up to {inputs.vocab_size - 1}; the model's vocabulary "
+                         f"has {vocab} (prepare the data with the model's tokenizer: --tokenizer <folder>)")
+    positions = config.get("max_position_embeddings") or config.get("n_positions")
+    if positions and inputs.max_len > positions:
+        raise ValueError(f"model.path: the data's rows are {inputs.max_len} tokens; the model takes at most "
+                         f"{positions} (prepare it with --max-len {positions})")
+
+
+def _hf_tp(folder: Path, config: dict, tp: int) -> None:
+    """The architecture's own plan (`base_model_tp_plan`) and heads that tp divides."""
+    from trainers.models.hf_config import tp_plan_of
+
+    architecture = (config.get("architectures") or [config.get("model_type", "?")])[0]
+    if not tp_plan_of(folder):
+        raise ValueError(f"trainer.tp: {architecture} has no tensor-parallel plan in Transformers "
+                         f"(base_model_tp_plan); train it with tp=1 (ddp, fsdp, deepspeed)")
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        if config.get(key) and config[key] % tp:
+            raise ValueError(f"trainer.tp: tp={tp} does not divide the model's {key}={config[key]}")
+
+
+def bert_blocks(model: Any = None) -> tuple[type, ...]:
     from trainers.models.bert import Block
 
     return (Block,)
@@ -156,6 +220,10 @@ for _spec in (
               torch="trainers.models.bert:build_bert",
               tensor_parallel="trainers.models.bert_parallel:parallelize_bert",
               pipeline_split="trainers.models.bert_parallel:split_stage", fsdp_blocks=bert_blocks, check=check_bert),
+    ModelSpec("hf", HFModelConfig, "a Hugging Face Transformers model from a local folder (save_pretrained), "
+              "classifying token ids; exported as one (rtp export)", ("tokens",),
+              torch="trainers.models.hf:build_hf", tensor_parallel="trainers.models.hf:parallelize_hf",
+              fsdp_blocks="trainers.models.hf:fsdp_blocks", export="trainers.models.hf:export_hf", check=check_hf),
     ModelSpec("embed_pool", EmbedPoolConfig, "text baseline: the mean of the token embeddings, then an MLP (PyTorch "
               "and Keras)", ("tokens",),
               torch="trainers.models.text:build_embed_pool",

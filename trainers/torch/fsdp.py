@@ -246,7 +246,7 @@ class FSDP(TorchBackend):
         mesh = build_nd_mesh(dims, device.type)
         torch.manual_seed(cfg.run.seed)  # the same dense weights on every rank before each keeps its part
         model = build_model(cfg.model, data.inputs, seed=cfg.run.seed).to(device)
-        plans = ModelPlans.of(MODELS.get(cfg.model.name))
+        plans = ModelPlans.of(MODELS.get(cfg.model.name), model)
         split = parallelize(model, dims, mesh, plans, trainer.pp_schedule, trainer.activation_checkpointing,
                             trainer.reshard_after_forward, AUTOCAST_DTYPES[trainer.precision])
         train, evaluation = data.shards(cfg.run.seed + 1000 * dims.data_rank(rank))

@@ -20,8 +20,8 @@ from trainers.torch.parallel.data_parallel import local_grad
 from trainers.torch.parallel.layers import TPLayer
 
 
-def is_sharded(model: nn.Module, name: str, param: nn.Parameter) -> bool:
-    """Whether each TP rank holds a different piece of `param`."""
+def is_sharded(model: nn.Module, name: str, param: nn.Parameter | torch.Tensor) -> bool:
+    """Whether each TP rank holds a different piece of `param` (or of a gradient)."""
     if isinstance(param, DTensor):
         return any(placement.is_shard() for placement in param.placements)
     owner_name, _, leaf = name.rpartition(".")
@@ -39,7 +39,9 @@ def global_grad_norm(model: nn.Module, tp_group: ProcessGroup) -> torch.Tensor:
         if grad is None:
             continue
         squares = grad.detach().double().pow(2).sum().cpu()
-        if is_sharded(model, name, param):
+        # A DTensor gradient's own layout: torch's vocab-parallel embedding (RowwiseParallel on nn.Embedding) gives
+        # its row-sharded weight a replicated gradient.
+        if is_sharded(model, name, param.grad if isinstance(param.grad, DTensor) else param):
             sharded += squares
         else:
             replicated += squares

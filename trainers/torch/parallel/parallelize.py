@@ -25,11 +25,12 @@ class ModelPlans:
     fsdp_blocks: tuple[type, ...] = ()
 
     @classmethod
-    def of(cls, spec: ModelSpec) -> "ModelPlans":
+    def of(cls, spec: ModelSpec, model: nn.Module) -> "ModelPlans":
+        """The plans of `spec` for `model` (its FSDP blocks may depend on the model built)."""
         def optional(ref: object) -> Callable | None:
             return resolve(ref) if ref is not None else None
 
-        blocks = resolve(spec.fsdp_blocks)() if spec.fsdp_blocks is not None else ()
+        blocks = resolve(spec.fsdp_blocks)(model) if spec.fsdp_blocks is not None else ()
         return cls(optional(spec.tensor_parallel), optional(spec.pipeline_split), tuple(blocks))
 
 

@@ -1,0 +1,112 @@
+"""Hugging Face Transformers models (`model=hf`) on the shared loop, on 2 gloo ranks (no Ray), in float64: a tiny
+BERT and a tiny Llama, read from folders `save_pretrained` wrote, trained through ddp and fsdp (and the Llama
+through tp=2, by its own `base_model_tp_plan`) take the step losses of the single-process Transformers model on the
+same batches; each backend's checkpoint, gathered to its dense form, is the trained model, and exported as a
+Transformers folder it loads with `from_pretrained` alone and gives that model's logits."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipelines.data.imdb import imdb_schema
+from tests.support.dist_utils import RankPools
+from tests.support.hf_models import save_tiny
+from tests.support.loop_harness import config, imdb_columns, run_attempt, shard
+from tests.support.parallel_checks import dense_training
+
+pytestmark = pytest.mark.slow  # trains on several gloo processes
+
+SCHEMA = imdb_schema(64, 16)
+ROWS, BATCH = 160, 8  # 80 rows per data-parallel rank: 10 steps
+RECIPE = ["data=imdb", "model=hf", "trainer.num_workers=2", f"trainer.batch_size={BATCH}", "trainer.lr=0.003",
+          "trainer.epochs=1", "trainer.optimizer=adamw", "trainer.weight_decay=0.01", "trainer.lr_schedule=cosine",
+          "trainer.warmup_steps=2", "trainer.grad_clip=0.5"]
+
+
+def _data(rank: int, ranks: int):
+    from trainers.torch.data import ShardBatches
+
+    train = {k: torch.from_numpy(v) for k, v in shard(imdb_columns(ROWS, 64, 16), rank, ranks).items()}
+    evaluation = {k: torch.from_numpy(v) for k, v in shard(imdb_columns(32, 64, 16, seed=1), rank, ranks).items()}
+    return lambda seed: (ShardBatches.from_columns(train, SCHEMA, BATCH, seed),
+                         ShardBatches.from_columns(evaluation, SCHEMA, 16, seed))
+
+
+def _train(rank: int, world_size: int, tmp: str, folder: str, backend: str) -> None:
+    """One epoch of `backend` (ddp | fsdp | tp) on the model in `folder`; on rank 0 the loss curve and the dense
+    checkpoint against the single-process model, and the export of that checkpoint."""
+    from trainers import get_backend
+    from trainers.adapter import WorkerData
+
+    torch.set_default_dtype(torch.float64)  # the reorderings of sharded sums vanish below float64's rounding
+    tmp_path = Path(tmp) / backend
+    tp = 2 if backend == "tp" else 1
+    cfg = config(tmp_path / f"cfg{rank}", [f"trainer={backend}", *RECIPE, f"model.path={folder}",
+                                           *(["trainer.tp=2"] if tp > 1 else [])])
+    ranks = world_size // tp  # data-parallel ranks: a TP group reads one shard
+    trained = run_attempt(lambda ctx: get_backend(cfg.trainer).run_worker(
+        cfg, ctx, WorkerData(SCHEMA, _data(rank // tp, ranks))), rank, world_size, 1, tmp_path / "run")
+    if rank == 0:
+        shards = [_data(r, ranks)(cfg.run.seed + 1000 * r)[0] for r in range(ranks)]
+        losses, reference = dense_training(cfg, SCHEMA, shards)
+        np.testing.assert_allclose(trained.recorder.curve(), losses, rtol=1e-9, atol=1e-12)
+        dense = get_backend(cfg.trainer).dense_state(str(trained.checkpoint))
+        assert dense.keys() == reference.state_dict().keys()
+        for name, value in reference.state_dict().items():
+            torch.testing.assert_close(dense[name], value, rtol=1e-9, atol=1e-12, msg=name)
+        _check_export(cfg, dense, tmp_path / "export")
+    dist.barrier()
+
+
+def _check_export(cfg, dense: dict[str, torch.Tensor], out: Path) -> None:
+    """The checkpoint's model written as a Transformers folder: `from_pretrained` (no code of this project) gives
+    its logits within 1e-5 in float32, its classes named."""
+    from transformers import AutoModelForSequenceClassification
+
+    from trainers.models import build_model
+    from trainers.models.hf import export_hf
+
+    with torch.device("cpu"):
+        torch.set_default_dtype(torch.float32)
+        model = build_model(cfg.model, SCHEMA)
+        model.load_state_dict(dense)
+        export_hf(model.eval(), out, None)
+        loaded = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    columns = imdb_columns(8, 64, 16, seed=2)
+    ids = torch.from_numpy(columns["input_ids"]).long()
+    mask = torch.arange(16) < torch.from_numpy(columns["length"])[:, None]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask).logits, model(ids, mask),
+                                   rtol=1e-5, atol=1e-5)
+    assert loaded.config.id2label == dict(enumerate(SCHEMA.target.classes))
+
+
+@pytest.mark.parametrize("architecture, backends", [("bert", ("ddp", "fsdp")), ("llama", ("ddp", "fsdp", "tp"))])
+def test_a_transformers_model_trains_as_the_single_process_one_and_exports(run_ranks: RankPools, tmp_path: Path,
+                                                                           architecture: str,
+                                                                           backends: tuple[str, ...]) -> None:
+    folder = save_tiny(architecture, tmp_path / architecture)
+    for backend in backends:
+        run_ranks(_train, 2, str(tmp_path), str(folder), backend)
+
+
+def _tp_halves(rank: int, world_size: int, folder: str) -> None:
+    from omegaconf import OmegaConf
+
+    from trainers.models.hf import build_hf, parallelize_hf
+    from trainers.torch.parallel.mesh import ParallelDims, build_mesh
+
+    cfg = OmegaConf.create({"path": folder, "from_scratch": False, "task": "sequence_classification"})
+    dense = sum(p.numel() for p in build_hf(cfg, SCHEMA).parameters())
+    sharded = parallelize_hf(build_hf(cfg, SCHEMA), build_mesh(ParallelDims(1, 2)))
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in sharded.parameters())
+    # Everything but the norms and the 2-class head is split: about half of the model on each rank.
+    assert 0.45 * dense < local < 0.55 * dense, (local, dense)
+
+
+def test_tp_holds_about_half_of_a_transformers_model_on_each_rank(run_ranks: RankPools, tmp_path: Path) -> None:
+    run_ranks(_tp_halves, 2, str(save_tiny("llama", tmp_path / "llama")))

@@ -1,0 +1,159 @@
+"""Hugging Face Transformers models (`model=hf`): a model from a local folder written by `save_pretrained`, as a
+plain classifier of the shared loop (token ids and a mask in, logits out), with the parallel plans the model itself
+carries (its `base_model_tp_plan`, its `_no_split_modules`), and written back out as a Transformers folder.
+
+Never a download: the folder is read with `local_files_only`, and the hub is offline in every process that imports
+this module (`HF_HUB_OFFLINE`, read by huggingface_hub when it is first imported)."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
+from torch.distributed.tensor import Replicate  # noqa: E402
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel  # noqa: E402
+
+from contract.data import PAD_ID, DataSchema  # noqa: E402
+from trainers.torch.parallel.plans import styles_plan  # noqa: E402
+
+transformers.utils.logging.disable_progress_bar()  # one "Loading weights" bar per rank says nothing
+
+# Transformers' tensor-parallel style names (a model's `base_model_tp_plan`) as torch `ParallelStyle`s.
+TP_STYLES = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),  # vocab-parallel embedding
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
+                   "tokenizer.model", "merges.txt", "vocab.json")
+EXPORT_ARTIFACT = "transformers_model"  # where a run logs its model as a Transformers folder
+
+
+class HFClassifier(nn.Module):
+    """A Transformers `...ForSequenceClassification` model as the loop calls a model: (ids [B, T], mask [B, T]) ->
+    logits [B, classes] (or [B, 1] for regression). `source`: the folder it was built from."""
+
+    def __init__(self, hf: nn.Module, source: str):
+        super().__init__()
+        self.hf = hf
+        self.source = source
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if attention_mask is None:
+            attention_mask = trailing_padding_mask(input_ids)
+        return self.hf(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def trailing_padding_mask(input_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) ids -> (B, T) bool, True up to each row's last id that is not [PAD] (id 0): the padding is at a row's
+    end, and an id 0 inside the row (a real token in tokenizers that number one there) stays unmasked."""
+    positions = torch.arange(1, input_ids.shape[1] + 1, device=input_ids.device)  # (T,)
+    lengths = ((input_ids != PAD_ID) * positions).amax(dim=1, keepdim=True)  # (B, 1)
+    return positions <= lengths
+
+
+def build_hf(cfg: Any, inputs: DataSchema, seed: int | None = None) -> HFClassifier:
+    """The folder's model with a classification head sized from the data (its own weights unless
+    `model.from_scratch`; the head, when new or of another size, from torch's global generator, seeded by the
+    caller), in torch's default dtype whatever the folder holds (float32: the loop's precision is autocast's), its
+    classes named in `id2label`. Rows are padded with
+    id 0, so id 0 is the model's `pad_token_id` (a decoder pools the last token that is not one)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    classes = list(inputs.target.classes) if inputs.target.task == "classification" else ["value"]
+    labels = {"num_labels": len(classes), "id2label": dict(enumerate(classes)),
+              "label2id": {name: i for i, name in enumerate(classes)}, "pad_token_id": PAD_ID,
+              "problem_type": "single_label_classification" if len(classes) > 1 else "regression"}
+    if cfg.from_scratch:
+        config = AutoConfig.from_pretrained(cfg.path, local_files_only=True, **labels)
+        hf = AutoModelForSequenceClassification.from_config(config, dtype=torch.get_default_dtype())
+    else:
+        hf = AutoModelForSequenceClassification.from_pretrained(cfg.path, local_files_only=True,
+                                                                dtype=torch.get_default_dtype(),
+                                                                ignore_mismatched_sizes=True, **labels)
+    return HFClassifier(hf, str(Path(cfg.path).resolve()))
+
+
+def tp_plan(model: HFClassifier) -> dict[str, str]:
+    """The model's tensor-parallel plan by module-name pattern (the architecture's `base_model_tp_plan` under its
+    base model's prefix, and its own additions), named from our wrapper."""
+    hf = model.hf
+    plan = dict(getattr(hf, "tp_plan", None) or getattr(hf, "_tp_plan", None) or {})
+    if not plan and hf.config.base_model_tp_plan:
+        plan = {f"{hf.base_model_prefix}.{key}": style for key, style in hf.config.base_model_tp_plan.items()}
+    return {f"hf.{key}": style for key, style in plan.items()}
+
+
+def parallelize_hf(model: HFClassifier, mesh: DeviceMesh, impl: str = "dtensor") -> HFClassifier:
+    """Shard `model` over mesh["tp"] by its own plan (torch's `parallelize_module`: the "dtensor" implementation);
+    the classification head stays replicated."""
+    plan = tp_plan(model)
+    if not plan:
+        raise ValueError(f"{type(model.hf).__name__} has no tensor-parallel plan (base_model_tp_plan)")
+    styles: dict[str, ParallelStyle] = {}
+    for pattern, style in plan.items():
+        if style not in TP_STYLES:
+            raise ValueError(f"{type(model.hf).__name__}: tensor-parallel style '{style}' of '{pattern}' is not "
+                             f"supported (supported: {', '.join(TP_STYLES)})")
+        styles[pattern] = TP_STYLES[style]()
+    return styles_plan(styles)(model, mesh, impl)
+
+
+def fsdp_blocks(model: HFClassifier) -> tuple[type, ...]:
+    """The module classes the model names as never to be split (`_no_split_modules`: its layers, its embeddings):
+    FSDP shards each of them as one unit."""
+    names = set(model.hf._no_split_modules or ())
+    return tuple({type(module) for module in model.modules() if type(module).__name__ in names})
+
+
+def export_hf(model: HFClassifier, out: Path, tokenizer_json: str | None) -> None:
+    """Write `model` (trained, dense, on the CPU) into `out` as a Transformers folder: `config.json` (the classes
+    in `id2label`), `model.safetensors`, and the tokenizer the training data was made with (`tokenizer_json`; the
+    source folder's tokenizer files when they are that tokenizer), loadable with `from_pretrained` alone."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.hf.save_pretrained(out)
+    source = Path(model.source)
+    if tokenizer_json is None or _same_tokenizer(source / "tokenizer.json", tokenizer_json):
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, out / name)
+        if tokenizer_json is None or (out / "tokenizer_config.json").is_file():
+            return
+    _fast_tokenizer(tokenizer_json, source).save_pretrained(out)
+
+
+def _same_tokenizer(path: Path, tokenizer_json: str) -> bool:
+    from tokenizers import Tokenizer
+
+    return path.is_file() and Tokenizer.from_file(str(path)).to_str() == Tokenizer.from_str(tokenizer_json).to_str()
+
+
+def _fast_tokenizer(tokenizer_json: str, source: Path) -> Any:
+    """The training data's tokenizer as Transformers loads it: its padding token is id 0's (the rows' padding), its
+    other special tokens the source folder's (`tokenizer_config.json`) or BERT's names where the vocabulary has
+    them."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    config_path = source / "tokenizer_config.json"
+    named = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    special = {key: value for key, value in named.items() if key.endswith("_token") and isinstance(value, str)}
+    for key, token in (("unk_token", "[UNK]"), ("cls_token", "[CLS]"), ("sep_token", "[SEP]"),
+                       ("mask_token", "[MASK]")):
+        if key not in special and tokenizer.token_to_id(token) is not None:
+            special[key] = token
+    special["pad_token"] = tokenizer.id_to_token(PAD_ID)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special)
