@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("pipelines.sweep.run", "many training runs on Ray Tune (grid, ASHA, PBT) and their scaling report"),
     "evaluate": ("pipelines.evaluate", "score a logged model on a prepared split"),
     "predict": ("pipelines.predict", "score a logged model on raw inputs (images, texts, tables)"),
+    "export": ("pipelines.export", "write a logged model in its framework's own format (a Transformers folder)"),
     "replay": ("pipelines.replay", "finish a run or sweep whose MLflow server was away"),
     "report": ("pipelines.sweep.report", "rebuild the scaling report of a sweep from its MLflow runs"),
     "screenshots": ("pipelines.sweep.screenshots", "a sweep in the MLflow UI, as PNG files (headless Chromium)"),

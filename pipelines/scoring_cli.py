@@ -46,7 +46,7 @@ def parse_args(schema: type, argv: list[str]) -> Any:
         raise ConfigError(f"{key}: Missing mandatory value")
     if not cfg.model:
         raise ConfigError("model: give a run id, runs:/<run id>/model or models:/<name>/<version>")
-    if cfg.batch_size < 1 or cfg.concurrency < 1:
+    if min(cfg.get("batch_size", 1), cfg.get("concurrency", 1)) < 1:
         raise ConfigError(f"batch_size and concurrency must be >= 1, got {cfg.batch_size} and {cfg.concurrency}")
     return cfg
 

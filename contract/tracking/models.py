@@ -26,9 +26,10 @@ def mlflow_pytorch() -> ModuleType:
     return mlflow.pytorch
 
 
-def log_torch_model(uri: str, run_id: str, model, input_example, epoch: int) -> None:
+def log_torch_model(uri: str, run_id: str, model, input_example, epoch: int, requirements: tuple[str, ...] = ()) -> None:
     """The model as the run's MLflow model (PyTorch flavour), linked to the metrics of `epoch`, the one whose
-    checkpoint it holds (the logged model's page in the UI shows them)."""
+    checkpoint it holds (the logged model's page in the UI shows them). `requirements`: pip requirements of the
+    model's own classes beyond torch's (`transformers==...` for a Transformers model)."""
     import mlflow
     import torch
 
@@ -41,10 +42,18 @@ def log_torch_model(uri: str, run_id: str, model, input_example, epoch: int) -> 
     try:
         # Explicit requirements: MLflow's inference imports and scans modules, seconds for nothing here.
         torch_req = f"torch=={torch.__version__.split('+')[0]}"
-        mlflow_pytorch().log_model(model, name="model", input_example=input_example, pip_requirements=[torch_req],
+        mlflow_pytorch().log_model(model, name="model", input_example=input_example, pip_requirements=[torch_req, *requirements],
                                    step=epoch)
     finally:
         mlflow.end_run()
+
+
+EXPORTED_MODEL = "exported_model"  # a run's model in its framework's own format (model spec `export`), artifacts
+
+
+def log_folder(uri: str, run_id: str, folder: str, artifact_path: str) -> None:
+    """Every file of `folder` as the run's artifacts under `artifact_path`."""
+    mlflow_client(uri).log_artifacts(run_id, folder, artifact_path)
 
 
 def logged_models(uri: str, run_id: str) -> list:

@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image-shape", type=image_shape, metavar="H,W[,C]", help="every image's shape")
     parser.add_argument("--vocab-size", type=int, default=8000, help="of the tokenizer trained on the train split")
     parser.add_argument("--max-len", type=int, default=256, help="token ids per row (head and tail of longer texts)")
-    parser.add_argument("--tokenizer", type=Path, help="reuse this tokenizer.json instead of training one")
+    parser.add_argument("--tokenizer", type=Path, help="reuse this tokenizer.json instead of training one (or a "
+                        "model's folder holding one: a Transformers model's own tokenizer, for model=hf)")
     parser.add_argument("--label", required=True, metavar="COL", help="the target column")
     parser.add_argument("--task", choices=("classification", "regression"), default="classification")
     parser.add_argument("--split-column", metavar="COL",
@@ -138,6 +139,8 @@ def check_options(args: argparse.Namespace) -> None:
         problems.append("--image and --image-shape H,W[,C] go together")
     if args.text and (args.vocab_size < 16 or args.max_len < 4):
         problems.append("--vocab-size must be >= 16 and --max-len >= 4")
+    if args.tokenizer is not None and args.tokenizer.is_dir():  # a model's folder: its tokenizer.json
+        args.tokenizer = args.tokenizer / TOKENIZER
     if args.tokenizer is not None and not args.tokenizer.is_file():
         problems.append(f"{args.tokenizer}: tokenizer file not found")
     if args.label in feature_columns(args):

@@ -24,6 +24,7 @@ from torch.distributed.tensor import Replicate  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel  # noqa: E402
 
 from contract.data import PAD_ID, DataSchema  # noqa: E402
+from trainers.models.text import trailing_padding_mask  # noqa: E402
 from trainers.torch.parallel.plans import styles_plan  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()  # one "Loading weights" bar per rank says nothing
@@ -38,7 +39,6 @@ TP_STYLES = {
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
                    "tokenizer.model", "merges.txt", "vocab.json")
-EXPORT_ARTIFACT = "transformers_model"  # where a run logs its model as a Transformers folder
 
 
 class HFClassifier(nn.Module):
@@ -54,14 +54,6 @@ class HFClassifier(nn.Module):
         if attention_mask is None:
             attention_mask = trailing_padding_mask(input_ids)
         return self.hf(input_ids=input_ids, attention_mask=attention_mask).logits
-
-
-def trailing_padding_mask(input_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) ids -> (B, T) bool, True up to each row's last id that is not [PAD] (id 0): the padding is at a row's
-    end, and an id 0 inside the row (a real token in tokenizers that number one there) stays unmasked."""
-    positions = torch.arange(1, input_ids.shape[1] + 1, device=input_ids.device)  # (T,)
-    lengths = ((input_ids != PAD_ID) * positions).amax(dim=1, keepdim=True)  # (B, 1)
-    return positions <= lengths
 
 
 def build_hf(cfg: Any, inputs: DataSchema, seed: int | None = None) -> HFClassifier:

@@ -3,12 +3,12 @@ keys (`model.*`), the features and tasks it takes, its builders per framework, i
 checks. Framework-free: builders are named by "module:attribute", imported only when a model is built."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from contract.checks import installed
 from contract.data import DataSchema
 from contract.registry import ModelSpec, register_model
 from trainers.models.flavours import BERT_FLAVOURS
@@ -155,8 +155,9 @@ def check_hf(cfg: Any, inputs: DataSchema | None, trainer: Any = None) -> None:
     """The folder is a saved Transformers model (its weights there unless `from_scratch`), the task one the loop
     trains, the data within its vocabulary and positions, and a tp > 1 run's architecture has a tensor-parallel plan
     whose heads tp divides. Reads config.json; Transformers is imported only for tp > 1."""
-    if importlib.util.find_spec("transformers") is None:
-        raise ValueError("model.name: model 'hf' needs Hugging Face Transformers: pip install -e '.[hf]'")
+    if not installed("transformers"):
+        raise ValueError("model.name: model 'hf' needs Hugging Face Transformers, not installed in this environment: "
+                         "pip install 'ray-train-pipelines[hf]'")
     if cfg.task not in HF_TASKS:
         raise ValueError(f"model.task: '{cfg.task}' is not trained here (choices: {', '.join(HF_TASKS)})")
     if not cfg.path:

@@ -11,6 +11,14 @@ from torch import nn
 from contract.data import PAD_ID, DataSchema
 
 
+def trailing_padding_mask(input_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) ids -> (B, T) bool, True up to each row's last id that is not [PAD] (id 0): the padding is at a row's
+    end, and an id 0 inside the row (a real token in tokenizers that number one there) stays unmasked."""
+    positions = torch.arange(1, input_ids.shape[1] + 1, device=input_ids.device)  # (T,)
+    lengths = ((input_ids != PAD_ID) * positions).amax(dim=1, keepdim=True)  # (B, 1)
+    return positions <= lengths
+
+
 class EmbedPool(nn.Module):
     def __init__(self, vocab_size: int, embed_dim: int, hidden: int, dropout: float, num_classes: int = 2):
         super().__init__()

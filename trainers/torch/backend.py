@@ -6,6 +6,7 @@ checkpoint's dense model is logged to MLflow in the PyTorch flavour, taking the 
 it."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +16,13 @@ from omegaconf import DictConfig
 from torch import nn
 
 from contract.checkpoint import TrainState
-from contract.data import PAD_ID, DataSchema
+from contract.data import DataSchema
 from contract.mfu import peak_flops
 from trainers.adapter import Adapter
 from trainers.backend import Backend
 from trainers.context import WorkerContext
 from trainers.models import build_model
+from trainers.models.text import trailing_padding_mask
 from trainers.torch.adapter import TorchAdapter, load_state_file
 from trainers.torch.data import Batches, ray_batches
 
@@ -78,6 +80,7 @@ class TorchBackend(Backend):
         with checkpoint.as_directory() as directory:
             model.load_state_dict(self.dense_state(directory))
         log_torch_model(tracking_uri, run_id, model, inputs, checkpoint)
+        log_exported_model(tracking_uri, run_id, cfg, model)
 
 
 def log_torch_model(tracking_uri: str, run_id: str, model: nn.Module, inputs: DataSchema, checkpoint: Any) -> None:
@@ -87,7 +90,39 @@ def log_torch_model(tracking_uri: str, run_id: str, model: nn.Module, inputs: Da
 
     with checkpoint.as_directory() as directory:
         epoch = TrainState.read(directory).epoch
-    log_model(tracking_uri, run_id, logged_form(model, inputs), example_input(inputs), epoch)
+    log_model(tracking_uri, run_id, logged_form(model, inputs), example_input(inputs), epoch,
+              model_requirements(model))
+
+
+def model_requirements(model: nn.Module) -> tuple[str, ...]:
+    """The pinned packages beyond torch that the classes of `model` come from (what loading it back imports)."""
+    import importlib.metadata
+
+    packages = {type(module).__module__.split(".")[0] for module in model.modules()}
+    return tuple(f"{name}=={importlib.metadata.version(name)}" for name in sorted(packages & {"transformers"}))
+
+
+def log_exported_model(tracking_uri: str, run_id: str, cfg: DictConfig, model: nn.Module) -> None:
+    """Where the model's spec can `export` it (a Transformers folder for `model=hf`), that folder too, as the run's
+    `exported_model/` artifacts, with the tokenizer the training data was made with: what `rtp export` writes."""
+    import tempfile
+
+    from contract.registry import MODELS, resolve
+    from contract.tracking.models import EXPORTED_MODEL, log_folder
+
+    spec = MODELS.get(cfg.model.name)
+    if spec.export is None:
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        resolve(spec.export)(model.eval(), Path(folder), data_tokenizer(cfg.data.path))
+        log_folder(tracking_uri, run_id, folder, EXPORTED_MODEL)
+
+
+def data_tokenizer(data_dir: str) -> str | None:
+    """The tokenizer (JSON text) the data prepared in `data_dir` was tokenised with (its manifest's `tokenizer`
+    file), or None for data without one."""
+    name = json.loads((Path(data_dir) / "manifest.json").read_text()).get("tokenizer")
+    return (Path(data_dir) / name).read_text() if name else None
 
 
 def dump_flight_recorder(hang_folder: Path, rank: int) -> None:
@@ -108,14 +143,15 @@ def example_input(inputs: DataSchema) -> Any:
 
 class TokenIdsModel(nn.Module):
     """A token model as it is logged: called with the ids alone (what `rtp evaluate`, `rtp predict` and a user of
-    the logged model pass), it gives the model the mask of the non-[PAD] ids beside them, as training does."""
+    the logged model pass), it gives the model the mask of each row's ids before its [PAD] ids, as training
+    does."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, input_ids != PAD_ID)
+        return self.model(input_ids, trailing_padding_mask(input_ids))
 
 
 def logged_form(model: nn.Module, inputs: DataSchema) -> nn.Module:

@@ -1,0 +1,109 @@
+"""`model=hf` before anything starts: a folder that is not a saved Transformers model, a layout its architecture
+cannot take, data outside its vocabulary or positions, each one line naming the key; the logged model's padding
+mask; and the exported tokenizer, read back by Transformers, giving the training data's ids."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipelines.config import ConfigError
+from pipelines.data.imdb import imdb_schema
+from tests.support.hf_models import save_tiny
+from tests.support.loop_harness import config
+from tests.unit.test_cli import rtp
+
+
+def load_config(overrides: list[str]):
+    """The validated config of `overrides` on token data not known yet (as `rtp config` checks before any data)."""
+    import tempfile
+
+    return config(Path(tempfile.mkdtemp()), ["data=imdb", *overrides])
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory) -> Path:
+    return save_tiny("bert", tmp_path_factory.mktemp("hf") / "bert", tokenizer_words=["good", "bad", "movie"])
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    return save_tiny("llama", tmp_path_factory.mktemp("hf") / "llama")
+
+
+def test_a_folder_that_is_no_saved_model_is_one_line(tmp_path: Path, bert: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^model\.path: name the folder"):
+        load_config(["model=hf"])
+    with pytest.raises(ConfigError, match=rf"^model\.path: {tmp_path / 'absent'} has no config\.json \(a folder "
+                                          r"written by save_pretrained; models are never downloaded\)$"):
+        load_config(["model=hf", f"model.path={tmp_path / 'absent'}"])
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text((bert / "config.json").read_text())
+    with pytest.raises(ConfigError, match=r"^model\.path: \S+ has no weights \(model\.safetensors\); "
+                                          r"model\.from_scratch=true"):
+        load_config(["model=hf", f"model.path={config_only}"])
+    load_config(["model=hf", f"model.path={config_only}", "model.from_scratch=true"])
+    with pytest.raises(ConfigError, match=r"^model\.task: 'causal_lm' is not trained here"):
+        load_config(["model=hf", f"model.path={bert}", "model.task=causal_lm"])
+
+
+def test_tp_takes_an_architecture_with_a_plan_whose_heads_it_divides(bert: Path, llama: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^trainer\.tp: BertModel has no tensor-parallel plan in Transformers "
+                                          r"\(base_model_tp_plan\); train it with tp=1"):
+        load_config(["model=hf", f"model.path={bert}", "trainer=tp", "trainer.tp=2"])
+    load_config(["model=hf", f"model.path={llama}", "trainer=tp", "trainer.tp=2"])
+    with pytest.raises(ConfigError, match=r"^trainer\.tp: tp=4 does not divide the model's num_attention_heads=2"):
+        load_config(["model=hf", f"model.path={llama}", "trainer=tp", "trainer.tp=4", "trainer.num_workers=4"])
+
+
+def test_the_data_must_fit_the_models_vocabulary_and_positions(bert: Path) -> None:
+    from trainers.models.specs import check_hf
+
+    cfg = load_config(["model=hf", f"model.path={bert}"])
+    check_hf(cfg.model, imdb_schema(64, 32), cfg.trainer)
+    with pytest.raises(ValueError, match=r"^model\.path: the data's token ids go up to 99; the model's vocabulary "
+                                         r"has 64 \(prepare the data with the model's tokenizer"):
+        check_hf(cfg.model, imdb_schema(100, 32), cfg.trainer)
+    with pytest.raises(ValueError, match=r"^model\.path: the data's rows are 48 tokens; the model takes at most "
+                                         r"32 \(prepare it with --max-len 32\)"):
+        check_hf(cfg.model, imdb_schema(64, 48), cfg.trainer)
+
+
+def test_without_transformers_model_hf_is_one_line_naming_the_extra(tmp_path: Path, bert: Path) -> None:
+    out = rtp(["config", "data=imdb", "model=hf", f"model.path={bert}"], tmp_path, blocked="transformers")
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == ["error: model.name: model 'hf' needs Hugging Face Transformers, not installed "
+                                       "in this environment: pip install 'ray-train-pipelines[hf]'"]
+
+
+def test_the_logged_model_masks_the_padding_at_a_rows_end_only() -> None:
+    from trainers.models.text import trailing_padding_mask
+
+    ids = torch.tensor([[7, 0, 9, 0, 0], [3, 4, 5, 6, 0], [0, 0, 0, 0, 0]])
+    assert trailing_padding_mask(ids).tolist() == [[True, True, True, False, False],
+                                                   [True, True, True, True, False],
+                                                   [False] * 5]
+
+
+def test_the_exported_tokenizer_gives_the_training_datas_ids_and_pads_with_id_0(tmp_path: Path, bert: Path) -> None:
+    """A folder whose tokenizer is not the one the data was made with: the export carries the data's (its padding
+    token id 0, BERT's special tokens by name)."""
+    from transformers import AutoTokenizer
+
+    from pipelines.data.imdb import imdb_schema as schema
+    from pipelines.data.tokenize import wordpiece_tokenizer
+    from trainers.models import build_model
+    from trainers.models.hf import export_hf
+
+    data_tokenizer = wordpiece_tokenizer(["great", "awful", "film", "plot"])
+    cfg = load_config(["model=hf", f"model.path={bert}"])
+    export_hf(build_model(cfg.model, schema(64, 16)).eval(), tmp_path / "out", data_tokenizer.to_str())
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "out")
+    text = "great film, awful plot"
+    assert loaded(text)["input_ids"] == data_tokenizer.encode(text).ids
+    assert loaded.pad_token_id == 0 and loaded.cls_token == "[CLS]"
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["id2label"] == {"0": "neg", "1": "pos"} and config["pad_token_id"] == 0
