@@ -5,6 +5,7 @@ same batches; each backend's checkpoint, gathered to its dense form, is the trai
 Transformers folder it loads with `from_pretrained` alone and gives that model's logits."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,18 @@ RECIPE = ["data=imdb", "model=hf", "trainer.num_workers=2", f"trainer.batch_size
           "trainer.warmup_steps=2", "trainer.grad_clip=0.5"]
 
 
+FLOAT32 = ("deepspeed", "lightning")  # their engines keep float32 parameters
+
+
+def _keys(backend: str, deepspeed_json: Path) -> list[str]:
+    """The backend's own keys: ZeRO-3 partitioning every parameter (by default it keeps those under 1e5 elements
+    whole: all of this model's); Lightning's DDP strategy."""
+    if backend == "deepspeed":
+        deepspeed_json.write_text('{"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}')
+        return ["trainer.zero_stage=3", f"trainer.deepspeed_config={deepspeed_json}"]
+    return ["trainer.strategy=ddp"] if backend == "lightning" else []
+
+
 def _data(rank: int, ranks: int):
     from trainers.torch.data import ShardBatches
 
@@ -41,23 +54,30 @@ def _train(rank: int, world_size: int, tmp: str, folder: str, backend: str) -> N
     checkpoint against the single-process model, and the export of that checkpoint."""
     from trainers import get_backend
     from trainers.adapter import WorkerData
+    from trainers.torch import lightning_fit
 
-    torch.set_default_dtype(torch.float64)  # the reorderings of sharded sums vanish below float64's rounding
     tmp_path = Path(tmp) / backend
+    tmp_path.mkdir(parents=True, exist_ok=True)
     tp = 2 if backend == "tp" else 1
     cfg = config(tmp_path / f"cfg{rank}", [f"trainer={backend}", *RECIPE, f"model.path={folder}",
-                                           *(["trainer.tp=2"] if tp > 1 else [])])
+                                           *(["trainer.tp=2"] if tp > 1 else []), *_keys(backend, tmp_path / f"ds{rank}.json")])
+    # float64 where the backend computes in it: the reorderings of sharded sums vanish below its rounding
+    torch.set_default_dtype(torch.float32 if backend in FLOAT32 else torch.float64)
+    rtol, atol = (1e-4, 1e-5) if backend in FLOAT32 else (1e-9, 1e-12)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_WORLD_SIZE": str(world_size)})  # what Ray Train sets, DeepSpeed and Lightning read
+    run_worker = lightning_fit.run_worker if backend == "lightning" else get_backend(cfg.trainer).run_worker
     ranks = world_size // tp  # data-parallel ranks: a TP group reads one shard
-    trained = run_attempt(lambda ctx: get_backend(cfg.trainer).run_worker(
-        cfg, ctx, WorkerData(SCHEMA, _data(rank // tp, ranks))), rank, world_size, 1, tmp_path / "run")
+    trained = run_attempt(lambda ctx: run_worker(cfg, ctx, WorkerData(SCHEMA, _data(rank // tp, ranks))), rank,
+                          world_size, 1, tmp_path / "run")
     if rank == 0:
         shards = [_data(r, ranks)(cfg.run.seed + 1000 * r)[0] for r in range(ranks)]
         losses, reference = dense_training(cfg, SCHEMA, shards)
-        np.testing.assert_allclose(trained.recorder.curve(), losses, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(trained.recorder.curve(), losses, rtol=rtol, atol=atol)
         dense = get_backend(cfg.trainer).dense_state(str(trained.checkpoint))
         assert dense.keys() == reference.state_dict().keys()
         for name, value in reference.state_dict().items():
-            torch.testing.assert_close(dense[name], value, rtol=1e-9, atol=1e-12, msg=name)
+            torch.testing.assert_close(dense[name], value, rtol=rtol, atol=atol, msg=name)
         _check_export(cfg, dense, tmp_path / "export")
     dist.barrier()
 
@@ -85,7 +105,8 @@ def _check_export(cfg, dense: dict[str, torch.Tensor], out: Path) -> None:
     assert loaded.config.id2label == dict(enumerate(SCHEMA.target.classes))
 
 
-@pytest.mark.parametrize("architecture, backends", [("bert", ("ddp", "fsdp")), ("llama", ("ddp", "fsdp", "tp"))])
+@pytest.mark.parametrize("architecture, backends", [("bert", ("ddp", "fsdp", "deepspeed", "lightning")),
+                                                    ("llama", ("ddp", "fsdp", "tp"))])
 def test_a_transformers_model_trains_as_the_single_process_one_and_exports(run_ranks: RankPools, tmp_path: Path,
                                                                            architecture: str,
                                                                            backends: tuple[str, ...]) -> None:
