@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 DOC_GLOBS = ("README.md", "docs/**/*.md", "examples/*/README.md", "benchmarks/README.md")
 MODULES = {"pipelines.train": "train", "pipelines.sweep.run": "sweep", "pipelines.evaluate": "evaluate",
-           "pipelines.predict": "predict", "pipelines.prepare": "prepare"}
+           "pipelines.predict": "predict", "pipelines.prepare": "prepare", "pipelines.export": "export"}
 MODULE_FILE = re.compile(r"#\s*(\w+)\.py\b")
 SHELL_VARIABLE = re.compile(r"\$\(\([^)]*\)\)|\$\([^)]*\)|\$\{\w+[^}]*\}|\$\w+")
 
@@ -102,7 +102,7 @@ def check_call(command: str, args: list[str]) -> bool:
         name, sweep_overrides, train_overrides = split_argv(args)
         spec = load_sweep(name, sweep_overrides)
         checked_values([*spec.overrides, *train_overrides])
-    elif command in ("evaluate", "predict"):
+    elif command in ("evaluate", "predict", "export"):
         import importlib
 
         importlib.import_module(f"pipelines.{command}").parse(args)

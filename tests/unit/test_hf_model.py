@@ -33,43 +33,48 @@ def llama(tmp_path_factory) -> Path:
     return save_tiny("llama", tmp_path_factory.mktemp("hf") / "llama")
 
 
+def _check(folder: Path, *overrides: str, inputs=imdb_schema(64, 32)) -> None:
+    """The model spec's check of `model=hf` at `folder` once the data (`inputs`) is known, as a run does it."""
+    from trainers.models.specs import check_hf
+
+    cfg = load_config(["model=hf", f"model.path={folder}", *overrides])
+    check_hf(cfg.model, inputs, cfg.trainer)
+
+
 def test_a_folder_that_is_no_saved_model_is_one_line(tmp_path: Path, bert: Path) -> None:
     with pytest.raises(ConfigError, match=r"^model\.path: name the folder"):
         load_config(["model=hf"])
-    with pytest.raises(ConfigError, match=rf"^model\.path: {tmp_path / 'absent'} has no config\.json \(a folder "
-                                          r"written by save_pretrained; models are never downloaded\)$"):
-        load_config(["model=hf", f"model.path={tmp_path / 'absent'}"])
+    with pytest.raises(ValueError, match=rf"^model\.path: {tmp_path / 'absent'} has no config\.json \(a folder "
+                                         r"written by save_pretrained; models are never downloaded\)$"):
+        _check(tmp_path / "absent")
     config_only = tmp_path / "config_only"
     config_only.mkdir()
     (config_only / "config.json").write_text((bert / "config.json").read_text())
-    with pytest.raises(ConfigError, match=r"^model\.path: \S+ has no weights \(model\.safetensors\); "
-                                          r"model\.from_scratch=true"):
-        load_config(["model=hf", f"model.path={config_only}"])
-    load_config(["model=hf", f"model.path={config_only}", "model.from_scratch=true"])
+    with pytest.raises(ValueError, match=r"^model\.path: \S+ has no weights \(model\.safetensors\); "
+                                         r"model\.from_scratch=true"):
+        _check(config_only)
+    _check(config_only, "model.from_scratch=true")
     with pytest.raises(ConfigError, match=r"^model\.task: 'causal_lm' is not trained here"):
         load_config(["model=hf", f"model.path={bert}", "model.task=causal_lm"])
 
 
 def test_tp_takes_an_architecture_with_a_plan_whose_heads_it_divides(bert: Path, llama: Path) -> None:
-    with pytest.raises(ConfigError, match=r"^trainer\.tp: BertModel has no tensor-parallel plan in Transformers "
-                                          r"\(base_model_tp_plan\); train it with tp=1"):
-        load_config(["model=hf", f"model.path={bert}", "trainer=tp", "trainer.tp=2"])
-    load_config(["model=hf", f"model.path={llama}", "trainer=tp", "trainer.tp=2"])
-    with pytest.raises(ConfigError, match=r"^trainer\.tp: tp=4 does not divide the model's num_attention_heads=2"):
-        load_config(["model=hf", f"model.path={llama}", "trainer=tp", "trainer.tp=4", "trainer.num_workers=4"])
+    with pytest.raises(ValueError, match=r"^trainer\.tp: BertModel has no tensor-parallel plan in Transformers "
+                                         r"\(base_model_tp_plan\); train it with tp=1"):
+        _check(bert, "trainer=tp", "trainer.tp=2")
+    _check(llama, "trainer=tp", "trainer.tp=2")
+    with pytest.raises(ValueError, match=r"^trainer\.tp: tp=4 does not divide the model's num_attention_heads=2"):
+        _check(llama, "trainer=tp", "trainer.tp=4", "trainer.num_workers=4")
 
 
 def test_the_data_must_fit_the_models_vocabulary_and_positions(bert: Path) -> None:
-    from trainers.models.specs import check_hf
-
-    cfg = load_config(["model=hf", f"model.path={bert}"])
-    check_hf(cfg.model, imdb_schema(64, 32), cfg.trainer)
+    _check(bert, inputs=imdb_schema(64, 32))
     with pytest.raises(ValueError, match=r"^model\.path: the data's token ids go up to 99; the model's vocabulary "
                                          r"has 64 \(prepare the data with the model's tokenizer"):
-        check_hf(cfg.model, imdb_schema(100, 32), cfg.trainer)
+        _check(bert, inputs=imdb_schema(100, 32))
     with pytest.raises(ValueError, match=r"^model\.path: the data's rows are 48 tokens; the model takes at most "
                                          r"32 \(prepare it with --max-len 32\)"):
-        check_hf(cfg.model, imdb_schema(64, 48), cfg.trainer)
+        _check(bert, inputs=imdb_schema(64, 48))
 
 
 def test_without_transformers_model_hf_is_one_line_naming_the_extra(tmp_path: Path, bert: Path) -> None:

@@ -95,7 +95,7 @@ def test_an_unknown_model_lists_the_registered_ones(user_folder):
     with pytest.raises(ConfigError, match=r"^model: unknown choice 'nope' \(choices: .*cnn.*mlp"):
         load_config(["model=nope", f"data.path={data}"])
     with pytest.raises(ConfigError, match=r"^model\.name: unknown model 'nope' \(registered: bert, cnn, embed_pool, "
-                                          r"mlp, tfidf.*; a model of your own: plugins=\[your\.module\]\)$"):
+                                          r"hf, mlp, tfidf.*; a model of your own: plugins=\[your\.module\]\)$"):
         load_config(["model.name=nope", f"data.path={data}"])
 
 

@@ -12,7 +12,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import json  # noqa: E402
-import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -113,17 +112,25 @@ def fsdp_blocks(model: HFClassifier) -> tuple[type, ...]:
 def export_hf(model: HFClassifier, out: Path, tokenizer_json: str | None) -> None:
     """Write `model` (trained, dense, on the CPU) into `out` as a Transformers folder: `config.json` (the classes
     in `id2label`), `model.safetensors`, and the tokenizer the training data was made with (`tokenizer_json`; the
-    source folder's tokenizer files when they are that tokenizer), loadable with `from_pretrained` alone."""
+    source folder's own tokenizer when it is that one), padding with id 0's token as the data does; loadable with
+    `from_pretrained` alone."""
     out.mkdir(parents=True, exist_ok=True)
     model.hf.save_pretrained(out)
-    source = Path(model.source)
+    tokenizer = _data_tokenizer(Path(model.source), tokenizer_json)
+    if tokenizer is not None:
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(PAD_ID)
+        tokenizer.save_pretrained(out)
+
+
+def _data_tokenizer(source: Path, tokenizer_json: str | None) -> Any:
+    """The Transformers tokenizer of the training data: the source folder's (its class and settings kept) when its
+    tokenizer.json is the data's, or with none given; else the data's JSON (`_fast_tokenizer`); None if neither."""
+    from transformers import AutoTokenizer
+
     if tokenizer_json is None or _same_tokenizer(source / "tokenizer.json", tokenizer_json):
-        for name in TOKENIZER_FILES:
-            if (source / name).is_file():
-                shutil.copyfile(source / name, out / name)
-        if tokenizer_json is None or (out / "tokenizer_config.json").is_file():
-            return
-    _fast_tokenizer(tokenizer_json, source).save_pretrained(out)
+        has_own = any((source / name).is_file() for name in TOKENIZER_FILES)
+        return AutoTokenizer.from_pretrained(source, local_files_only=True) if has_own else None
+    return _fast_tokenizer(tokenizer_json, source)
 
 
 def _same_tokenizer(path: Path, tokenizer_json: str) -> bool:
@@ -133,9 +140,8 @@ def _same_tokenizer(path: Path, tokenizer_json: str) -> bool:
 
 
 def _fast_tokenizer(tokenizer_json: str, source: Path) -> Any:
-    """The training data's tokenizer as Transformers loads it: its padding token is id 0's (the rows' padding), its
-    other special tokens the source folder's (`tokenizer_config.json`) or BERT's names where the vocabulary has
-    them."""
+    """The training data's tokenizer as Transformers loads it: its special tokens the source folder's
+    (`tokenizer_config.json`), or BERT's names where the vocabulary has them."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -147,5 +153,4 @@ def _fast_tokenizer(tokenizer_json: str, source: Path) -> Any:
                        ("mask_token", "[MASK]")):
         if key not in special and tokenizer.token_to_id(token) is not None:
             special[key] = token
-    special["pad_token"] = tokenizer.id_to_token(PAD_ID)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special)

@@ -152,9 +152,10 @@ HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_mode
 
 
 def check_hf(cfg: Any, inputs: DataSchema | None, trainer: Any = None) -> None:
-    """The folder is a saved Transformers model (its weights there unless `from_scratch`), the task one the loop
-    trains, the data within its vocabulary and positions, and a tp > 1 run's architecture has a tensor-parallel plan
-    whose heads tp divides. Reads config.json; Transformers is imported only for tp > 1."""
+    """Transformers installed, the task one the loop trains, a folder named; once the data is known, the folder is a
+    saved Transformers model (its weights there unless `from_scratch`), the data within its vocabulary and
+    positions, and a tp > 1 run's architecture has a tensor-parallel plan whose heads tp divides. Reads
+    config.json; Transformers is imported only for tp > 1."""
     if not installed("transformers"):
         raise ValueError("model.name: model 'hf' needs Hugging Face Transformers, not installed in this environment: "
                          "pip install 'ray-train-pipelines[hf]'")
@@ -163,6 +164,8 @@ def check_hf(cfg: Any, inputs: DataSchema | None, trainer: Any = None) -> None:
     if not cfg.path:
         raise ValueError("model.path: name the folder a Transformers model was saved in (save_pretrained): "
                          "model.path=<folder>")
+    if inputs is None:  # the folder is read with the data, before anything starts (the docs' commands have neither)
+        return
     folder = Path(cfg.path).expanduser()
     if not (folder / "config.json").is_file():
         raise ValueError(f"model.path: {folder} has no config.json (a folder written by save_pretrained; models are "
@@ -171,8 +174,7 @@ def check_hf(cfg: Any, inputs: DataSchema | None, trainer: Any = None) -> None:
         raise ValueError(f"model.path: {folder} has no weights (model.safetensors); model.from_scratch=true trains "
                          f"from its config.json alone")
     config = json.loads((folder / "config.json").read_text())
-    if inputs is not None:
-        _hf_fits_data(config, inputs)
+    _hf_fits_data(config, inputs)
     if trainer is not None and trainer.get("tp", 1) > 1:
         _hf_tp(folder, config, trainer.tp)
 
