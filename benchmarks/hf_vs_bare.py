@@ -8,9 +8,11 @@ The model: a `transformers.BertModel` of `--layers` blocks of width `--hidden` (
 `save_pretrained` into a temporary folder, fine-tuned with a new 2-class head; the data: `rtp prepare synthetic
 --tokens T` (rows of T/4 to T ids). Bare: one process, one thread, the folder loaded with
 `AutoModelForSequenceClassification.from_pretrained`, AdamW (torch's multi-tensor kernel, as ours), each batch cut
-to its longest row (dynamic padding), as ours does. Ours: `rtp train model=hf` on 1 Ray Train worker of one thread,
-trainer=ddp and trainer=fsdp, held data. Throughput: training samples/s, the mean of epochs 2..N; each round runs
-bare, ddp, fsdp in turn. Last line: `min_ratio=<the lower of the ddp and fsdp medians of ours / bare>`.
+to its longest row (dynamic padding), as ours does; `bare_fsdp`: that loop with the model sharded by torch's
+`fully_shard` over a one-process gloo group (its `_no_split_modules` blocks, then the root), as our fsdp shards it.
+Ours: `rtp train model=hf` on 1 Ray Train worker of one thread, trainer=ddp and trainer=fsdp, held data.
+Throughput: training samples/s, the mean of epochs 2..N; each round runs bare, ddp, bare_fsdp, fsdp in turn.
+Last line: `min_ratio=<the lower of the medians of ddp / bare and fsdp / bare_fsdp>`.
 """
 from __future__ import annotations
 
@@ -26,9 +28,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from benchmarks.common import QUIET_ENV, ROOT, pipeline_run, steady_rate
+from benchmarks.common import QUIET_ENV, ROOT, free_ports, pipeline_run, steady_rate
 
 LR = 1e-4
+# (ours, its bare counterpart): ddp against the plain loop; fsdp against the plain loop sharded by fully_shard (what
+# our code costs), and fsdp's sharding against none (what FSDP costs on one rank)
+PAIRS = (("ddp", "bare"), ("fsdp", "bare_fsdp"), ("bare_fsdp", "bare"))
 
 
 def parse() -> argparse.Namespace:
@@ -70,8 +75,10 @@ def train_split(data: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return ids.astype(np.int64), lengths, labels
 
 
-def bare(folder: Path, data: Path, args: argparse.Namespace) -> list[float]:
-    """The plain loop: samples/s of each epoch."""
+def bare(folder: Path, data: Path, args: argparse.Namespace, fsdp: bool = False) -> list[float]:
+    """The plain loop: samples/s of each epoch. `fsdp`: the model sharded by torch's `fully_shard` over a gloo
+    group of this one process, each block the model names in `_no_split_modules` a unit, then the root (what FSDP
+    itself costs a rank)."""
     import torch
     from transformers import AutoModelForSequenceClassification
 
@@ -79,6 +86,8 @@ def bare(folder: Path, data: Path, args: argparse.Namespace) -> list[float]:
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=2, local_files_only=True,
                                                                dtype=torch.float32).train()
+    if fsdp:
+        model = fully_sharded(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, foreach=True)
     ids, lengths, labels = (torch.from_numpy(a) for a in train_split(data))
     rates = []
@@ -96,7 +105,23 @@ def bare(folder: Path, data: Path, args: argparse.Namespace) -> list[float]:
             loss.backward()
             optimizer.step()
         rates.append(len(labels) / (time.perf_counter() - start))
+    if fsdp:
+        torch.distributed.destroy_process_group()
     return rates
+
+
+def fully_sharded(model):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    [port] = free_ports(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    for module in model.modules():
+        if type(module).__name__ in model._no_split_modules:
+            fully_shard(module, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def ours(backend: str, folder: Path, data: Path, args: argparse.Namespace) -> list[float]:
@@ -111,23 +136,25 @@ def ours(backend: str, folder: Path, data: Path, args: argparse.Namespace) -> li
 def main() -> int:
     args = parse()
     vocab = 8000
-    rounds: dict[str, list[float]] = {"bare": [], "ddp": [], "fsdp": []}
+    rounds: dict[str, list[float]] = {"bare": [], "ddp": [], "bare_fsdp": [], "fsdp": []}
     with tempfile.TemporaryDirectory() as tmp:
         folder, data = Path(tmp) / "bert", Path(tmp) / "data"
         save_bert(folder, args, vocab)
         prepare(data, args, vocab)
         for i in range(1, args.repeats + 1):
             for row in rounds:
-                rates = bare(folder, data, args) if row == "bare" else ours(row, folder, data, args)
+                rates = (bare(folder, data, args, fsdp=row == "bare_fsdp") if row.startswith("bare")
+                         else ours(row, folder, data, args))
                 rounds[row].append(steady_rate(rates))
             print(f"round {i}: " + ", ".join(f"{row} {values[-1]:.1f}" for row, values in rounds.items()) +
-                  f" samples/s; ddp/bare {rounds['ddp'][-1] / rounds['bare'][-1]:.3f}, fsdp/bare "
-                  f"{rounds['fsdp'][-1] / rounds['bare'][-1]:.3f}", flush=True)
-    ratios = {row: float(np.median(np.array(rounds[row]) / np.array(rounds["bare"]))) for row in ("ddp", "fsdp")}
+                  " samples/s; " + ", ".join(f"{row}/{base} {rounds[row][-1] / rounds[base][-1]:.3f}"
+                                             for row, base in PAIRS), flush=True)
+    ratios = {f"{row}/{base}": float(np.median(np.array(rounds[row]) / np.array(rounds[base])))
+              for row, base in PAIRS}
     print(f"BERT {args.layers} x {args.hidden}, {args.tokens} tokens at most, batch {args.batch}, {args.epochs} "
           f"epochs (mean of epochs 2..{args.epochs}), medians of {args.repeats} rounds: "
-          + ", ".join(f"{row}/bare {ratio:.3f}" for row, ratio in ratios.items()))
-    print(f"min_ratio={min(ratios.values()):.3f}")
+          + ", ".join(f"{pair} {ratio:.3f}" for pair, ratio in ratios.items()))
+    print(f"min_ratio={min(ratios['ddp/bare'], ratios['fsdp/bare_fsdp']):.3f}")
     return 0
 
 

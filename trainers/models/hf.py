@@ -2,31 +2,24 @@
 plain classifier of the shared loop (token ids and a mask in, logits out), with the parallel plans the model itself
 carries (its `base_model_tp_plan`, its `_no_split_modules`), and written back out as a Transformers folder.
 
-Never a download: the folder is read with `local_files_only`, and the hub is offline in every process that imports
-this module (`HF_HUB_OFFLINE`, read by huggingface_hub when it is first imported)."""
+Never a download: the folder is read with `local_files_only`, and the hub is offline wherever Transformers is used
+here (`offline_transformers`)."""
 from __future__ import annotations
 
-import os
+import json
+from pathlib import Path
+from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
-from torch.distributed.tensor import Replicate  # noqa: E402
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel  # noqa: E402
-
-from contract.data import PAD_ID, DataSchema  # noqa: E402
-from trainers.models.text import trailing_padding_mask  # noqa: E402
-from trainers.torch.parallel.plans import styles_plan  # noqa: E402
-
-transformers.utils.logging.disable_progress_bar()  # one "Loading weights" bar per rank says nothing
+from contract.data import PAD_ID, DataSchema
+from trainers.models.hf_config import offline_transformers
+from trainers.models.text import trailing_padding_mask
+from trainers.torch.parallel.plans import styles_plan
 
 # Transformers' tensor-parallel style names (a model's `base_model_tp_plan`) as torch `ParallelStyle`s.
 TP_STYLES = {
@@ -59,21 +52,20 @@ def build_hf(cfg: Any, inputs: DataSchema, seed: int | None = None) -> HFClassif
     """The folder's model with a classification head sized from the data (its own weights unless
     `model.from_scratch`; the head, when new or of another size, from torch's global generator, seeded by the
     caller), in torch's default dtype whatever the folder holds (float32: the loop's precision is autocast's), its
-    classes named in `id2label`. Rows are padded with
-    id 0, so id 0 is the model's `pad_token_id` (a decoder pools the last token that is not one)."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    classes named in `id2label`. Rows are padded with id 0, so id 0 is the model's `pad_token_id` (a decoder pools
+    the last token that is not one)."""
+    transformers = offline_transformers()
 
     classes = list(inputs.target.classes) if inputs.target.task == "classification" else ["value"]
     labels = {"num_labels": len(classes), "id2label": dict(enumerate(classes)),
               "label2id": {name: i for i, name in enumerate(classes)}, "pad_token_id": PAD_ID,
               "problem_type": "single_label_classification" if len(classes) > 1 else "regression"}
     if cfg.from_scratch:
-        config = AutoConfig.from_pretrained(cfg.path, local_files_only=True, **labels)
-        hf = AutoModelForSequenceClassification.from_config(config, dtype=torch.get_default_dtype())
+        config = transformers.AutoConfig.from_pretrained(cfg.path, local_files_only=True, **labels)
+        hf = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.get_default_dtype())
     else:
-        hf = AutoModelForSequenceClassification.from_pretrained(cfg.path, local_files_only=True,
-                                                                dtype=torch.get_default_dtype(),
-                                                                ignore_mismatched_sizes=True, **labels)
+        hf = transformers.AutoModelForSequenceClassification.from_pretrained(
+            cfg.path, local_files_only=True, dtype=torch.get_default_dtype(), ignore_mismatched_sizes=True, **labels)
     return HFClassifier(hf, str(Path(cfg.path).resolve()))
 
 
@@ -125,11 +117,9 @@ def export_hf(model: HFClassifier, out: Path, tokenizer_json: str | None) -> Non
 def _data_tokenizer(source: Path, tokenizer_json: str | None) -> Any:
     """The Transformers tokenizer of the training data: the source folder's (its class and settings kept) when its
     tokenizer.json is the data's, or with none given; else the data's JSON (`_fast_tokenizer`); None if neither."""
-    from transformers import AutoTokenizer
-
     if tokenizer_json is None or _same_tokenizer(source / "tokenizer.json", tokenizer_json):
         has_own = any((source / name).is_file() for name in TOKENIZER_FILES)
-        return AutoTokenizer.from_pretrained(source, local_files_only=True) if has_own else None
+        return offline_transformers().AutoTokenizer.from_pretrained(source, local_files_only=True) if has_own else None
     return _fast_tokenizer(tokenizer_json, source)
 
 
@@ -143,7 +133,6 @@ def _fast_tokenizer(tokenizer_json: str, source: Path) -> Any:
     """The training data's tokenizer as Transformers loads it: its special tokens the source folder's
     (`tokenizer_config.json`), or BERT's names where the vocabulary has them."""
     from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer.from_str(tokenizer_json)
     config_path = source / "tokenizer_config.json"
@@ -153,4 +142,4 @@ def _fast_tokenizer(tokenizer_json: str, source: Path) -> Any:
                        ("mask_token", "[MASK]")):
         if key not in special and tokenizer.token_to_id(token) is not None:
             special[key] = token
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special)
+    return offline_transformers().PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special)
