@@ -1,7 +1,7 @@
 """A Hugging Face Transformers model end to end, as a user fine-tunes a local checkpoint: a tiny BERT folder (written
 by `save_pretrained`, its tokenizer beside it) and a CSV of reviews, prepared with that tokenizer by `rtp prepare
 table`, trained by `rtp train model=hf` through ddp on 2 Ray workers into the MLflow server (the run's artifacts
-holding the Transformers folder too), used by `rtp predict` on raw texts, and written out by `rtp export`: the
+holding the Transformers folder too), scored by `rtp evaluate` and used by `rtp predict` on raw texts, and written out by `rtp export`: the
 folder loads with `from_pretrained` alone, its tokenizer gives the training data's ids, and its logits give the
 predictions `rtp predict` made."""
 from __future__ import annotations
@@ -51,9 +51,14 @@ def test_a_transformers_checkpoint_is_fine_tuned_predicts_and_exports(tmp_path: 
     check_finished_run(client, run_id, "ddp", 6)
     metrics = client.get_run(run_id).data.metrics
     assert metrics["test_accuracy"] > 0.8, metrics  # the sentiment words decide
+    assert metrics["tflops_per_rank"] > 0  # its FLOPs counted
     logged = {artifact.path for artifact in client.list_artifacts(run_id, "exported_model")}
     assert {"exported_model/config.json", "exported_model/model.safetensors",
             "exported_model/tokenizer.json"} <= logged
+
+    evaluation = client.get_run(run_id_from(rtp(["evaluate", f"model={run_id}", "data.split=test"], tmp_path,
+                                                env).stdout))
+    assert evaluation.data.metrics["test_accuracy"] == pytest.approx(metrics["final_test_accuracy"])
 
     texts = ["a wonderful superb film", "the worst and most boring movie", "it was dull", "loved it really"]
     (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")

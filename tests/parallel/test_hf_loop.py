@@ -1,8 +1,9 @@
-"""Hugging Face Transformers models (`model=hf`) on the shared loop, on 2 gloo ranks (no Ray), in float64: a tiny
-BERT and a tiny Llama, read from folders `save_pretrained` wrote, trained through ddp and fsdp (and the Llama
-through tp=2, by its own `base_model_tp_plan`) take the step losses of the single-process Transformers model on the
-same batches; each backend's checkpoint, gathered to its dense form, is the trained model, and exported as a
-Transformers folder it loads with `from_pretrained` alone and gives that model's logits."""
+"""Hugging Face Transformers models (`model=hf`) on the shared loop, on gloo ranks (no Ray): a tiny BERT and a tiny
+Llama, read from folders `save_pretrained` wrote, take the step losses and final weights of the single-process
+Transformers model on the same batches: the BERT through ddp, fsdp (float64), deepspeed ZeRO-3 and lightning
+(float32), the Llama through ddp, fsdp, tp=2 by its own `base_model_tp_plan`, and fsdp x tp on 2 x 2 ranks (float64).
+Each backend's checkpoint, gathered to its dense form, exported as a Transformers folder, loads with
+`from_pretrained` alone and gives the trained model's logits; tp=2 holds about half of the Llama on each rank."""
 from __future__ import annotations
 
 import os
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.slow  # trains on several gloo processes
 
 SCHEMA = imdb_schema(64, 16)
 ROWS, BATCH = 160, 8  # 80 rows per data-parallel rank: 10 steps
-RECIPE = ["data=imdb", "model=hf", "trainer.num_workers=2", f"trainer.batch_size={BATCH}", "trainer.lr=0.003",
+RECIPE = ["data=imdb", "model=hf", f"trainer.batch_size={BATCH}", "trainer.lr=0.003",
           "trainer.epochs=1", "trainer.optimizer=adamw", "trainer.weight_decay=0.01", "trainer.lr_schedule=cosine",
           "trainer.warmup_steps=2", "trainer.grad_clip=0.5"]
 
@@ -50,17 +51,19 @@ def _data(rank: int, ranks: int):
 
 
 def _train(rank: int, world_size: int, tmp: str, folder: str, backend: str) -> None:
-    """One epoch of `backend` (ddp | fsdp | tp) on the model in `folder`; on rank 0 the loss curve and the dense
-    checkpoint against the single-process model, and the export of that checkpoint."""
+    """One epoch of `backend` (ddp | fsdp | tp | fsdp_tp: fsdp with tp=2 | deepspeed | lightning) on the model in
+    `folder`; on rank 0 the loss curve and the dense checkpoint against the single-process model, and the export of
+    that checkpoint."""
     from trainers import get_backend
     from trainers.adapter import WorkerData
     from trainers.torch import lightning_fit
 
     tmp_path = Path(tmp) / backend
     tmp_path.mkdir(parents=True, exist_ok=True)
-    tp = 2 if backend == "tp" else 1
-    cfg = config(tmp_path / f"cfg{rank}", [f"trainer={backend}", *RECIPE, f"model.path={folder}",
-                                           *(["trainer.tp=2"] if tp > 1 else []), *_keys(backend, tmp_path / f"ds{rank}.json")])
+    tp = 2 if backend in ("tp", "fsdp_tp") else 1
+    cfg = config(tmp_path / f"cfg{rank}", [f"trainer={backend.removesuffix('_tp')}", *RECIPE, f"model.path={folder}",
+                                           f"trainer.num_workers={world_size}", *(["trainer.tp=2"] if tp > 1 else []),
+                                           *_keys(backend, tmp_path / f"ds{rank}.json")])
     # float64 where the backend computes in it: the reorderings of sharded sums vanish below its rounding
     torch.set_default_dtype(torch.float32 if backend in FLOAT32 else torch.float64)
     rtol, atol = (1e-4, 1e-5) if backend in FLOAT32 else (1e-9, 1e-12)
@@ -106,13 +109,13 @@ def _check_export(cfg, dense: dict[str, torch.Tensor], out: Path) -> None:
 
 
 @pytest.mark.parametrize("architecture, backends", [("bert", ("ddp", "fsdp", "deepspeed", "lightning")),
-                                                    ("llama", ("ddp", "fsdp", "tp"))])
+                                                    ("llama", ("ddp", "fsdp", "tp", "fsdp_tp"))])
 def test_a_transformers_model_trains_as_the_single_process_one_and_exports(run_ranks: RankPools, tmp_path: Path,
                                                                            architecture: str,
                                                                            backends: tuple[str, ...]) -> None:
     folder = save_tiny(architecture, tmp_path / architecture)
     for backend in backends:
-        run_ranks(_train, 2, str(tmp_path), str(folder), backend)
+        run_ranks(_train, 4 if backend == "fsdp_tp" else 2, str(tmp_path), str(folder), backend)
 
 
 def _tp_halves(rank: int, world_size: int, folder: str) -> None:

@@ -112,3 +112,15 @@ def test_the_exported_tokenizer_gives_the_training_datas_ids_and_pads_with_id_0(
     assert loaded.pad_token_id == 0 and loaded.cls_token == "[CLS]"
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["id2label"] == {"0": "neg", "1": "pos"} and config["pad_token_id"] == 0
+
+
+def test_a_transformers_models_flops_are_counted(bert: Path, llama: Path) -> None:
+    """MFU needs them: about 6 FLOPs per non-embedding parameter per token, plus attention's products."""
+    from trainers.model_flops import flops_per_sample
+    from trainers.models import build_model
+
+    for folder in (bert, llama):
+        cfg = load_config(["model=hf", f"model.path={folder}"])
+        weights = sum(p.numel() for name, p in build_model(cfg.model, imdb_schema(64, 16)).named_parameters()
+                      if "embed" not in name)
+        assert 6 * weights * 16 < flops_per_sample(cfg.model, imdb_schema(64, 16)) < 1.3 * 6 * weights * 16

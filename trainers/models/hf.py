@@ -60,13 +60,32 @@ def build_hf(cfg: Any, inputs: DataSchema, seed: int | None = None) -> HFClassif
     labels = {"num_labels": len(classes), "id2label": dict(enumerate(classes)),
               "label2id": {name: i for i, name in enumerate(classes)}, "pad_token_id": PAD_ID,
               "problem_type": "single_label_classification" if len(classes) > 1 else "regression"}
-    if cfg.from_scratch:
+    if cfg.from_scratch or torch.get_default_device().type == "meta":  # meta: counting FLOPs, no weights to read
         config = transformers.AutoConfig.from_pretrained(cfg.path, local_files_only=True, **labels)
         hf = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.get_default_dtype())
     else:
         hf = transformers.AutoModelForSequenceClassification.from_pretrained(
             cfg.path, local_files_only=True, dtype=torch.get_default_dtype(), ignore_mismatched_sizes=True, **labels)
     return HFClassifier(hf, str(Path(cfg.path).resolve()))
+
+
+class _Unmasked(nn.Module):
+    """The model called without a mask: every position a real token, as the FLOP count assumes."""
+
+    def __init__(self, model: HFClassifier):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model.hf(input_ids=input_ids).logits
+
+
+def flops_per_sample(cfg: Any, inputs: DataSchema) -> float:
+    """Training FLOPs of one sample, counted on the meta device as for any model (trainers/torch/flop_counter.py),
+    without a mask: Transformers reads a mask's values to build its attention mask, which meta tensors lack."""
+    from trainers.torch.flop_counter import training_flops_per_sample
+
+    return training_flops_per_sample(lambda: _Unmasked(build_hf(cfg, inputs)), inputs)
 
 
 def tp_plan(model: HFClassifier) -> dict[str, str]:

@@ -226,7 +226,8 @@ for _spec in (
     ModelSpec("hf", HFModelConfig, "a Hugging Face Transformers model from a local folder (save_pretrained), "
               "classifying token ids; exported as one (rtp export)", ("tokens",),
               torch="trainers.models.hf:build_hf", tensor_parallel="trainers.models.hf:parallelize_hf",
-              fsdp_blocks="trainers.models.hf:fsdp_blocks", export="trainers.models.hf:export_hf", check=check_hf),
+              fsdp_blocks="trainers.models.hf:fsdp_blocks", export="trainers.models.hf:export_hf", check=check_hf,
+              flops_per_sample="trainers.models.hf:flops_per_sample"),
     ModelSpec("embed_pool", EmbedPoolConfig, "text baseline: the mean of the token embeddings, then an MLP (PyTorch "
               "and Keras)", ("tokens",),
               torch="trainers.models.text:build_embed_pool",
