@@ -26,7 +26,8 @@ def mlflow_pytorch() -> ModuleType:
     return mlflow.pytorch
 
 
-def log_torch_model(uri: str, run_id: str, model, input_example, epoch: int, requirements: tuple[str, ...] = ()) -> None:
+def log_torch_model(uri: str, run_id: str, model, input_example, epoch: int,
+                    requirements: tuple[str, ...] = ()) -> None:
     """The model as the run's MLflow model (PyTorch flavour), linked to the metrics of `epoch`, the one whose
     checkpoint it holds (the logged model's page in the UI shows them). `requirements`: pip requirements of the
     model's own classes beyond torch's (`transformers==...` for a Transformers model)."""
@@ -42,8 +43,8 @@ def log_torch_model(uri: str, run_id: str, model, input_example, epoch: int, req
     try:
         # Explicit requirements: MLflow's inference imports and scans modules, seconds for nothing here.
         torch_req = f"torch=={torch.__version__.split('+')[0]}"
-        mlflow_pytorch().log_model(model, name="model", input_example=input_example, pip_requirements=[torch_req, *requirements],
-                                   step=epoch)
+        mlflow_pytorch().log_model(model, name="model", input_example=input_example,
+                                   pip_requirements=[torch_req, *requirements], step=epoch)
     finally:
         mlflow.end_run()
 

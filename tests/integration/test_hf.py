@@ -1,9 +1,9 @@
 """A Hugging Face Transformers model end to end, as a user fine-tunes a local checkpoint: a tiny BERT folder (written
 by `save_pretrained`, its tokenizer beside it) and a CSV of reviews, prepared with that tokenizer by `rtp prepare
 table`, trained by `rtp train model=hf` through ddp on 2 Ray workers into the MLflow server (the run's artifacts
-holding the Transformers folder too), scored by `rtp evaluate` and used by `rtp predict` on raw texts, and written out by `rtp export`: the
-folder loads with `from_pretrained` alone, its tokenizer gives the training data's ids, and its logits give the
-predictions `rtp predict` made."""
+holding the Transformers folder too), scored by `rtp evaluate`, used by `rtp predict` on raw texts, and written out
+by `rtp export`: the folder loads with `from_pretrained` alone, its tokenizer gives the training data's ids, and its
+logits give the predictions `rtp predict` made. A folder that is not there: one line, exit 2."""
 from __future__ import annotations
 
 from pathlib import Path

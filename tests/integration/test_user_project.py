@@ -27,8 +27,8 @@ def rtp(args: list[str], cwd, env: dict[str, str], check: bool = True) -> subpro
     """`rtp ARGS` in `cwd`; with `check`, it must exit 0."""
     proc = subprocess.run([str(VENV_BIN / "rtp"), *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=600)
-    assert not check or proc.returncode == 0, error_lines(proc.stdout + proc.stderr) + "\n---\n" + proc.stdout[-3000:] + \
-        proc.stderr[-3000:]
+    assert not check or proc.returncode == 0, error_lines(proc.stdout + proc.stderr) + "\n---\n" + \
+        proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 

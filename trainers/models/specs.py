@@ -43,7 +43,7 @@ class BertModelConfig:
 @dataclass
 class HFModelConfig:
     name: str = "hf"                # a Hugging Face Transformers model from a local folder (docs/hugging-face.md)
-    path: str = ""                  # the folder `save_pretrained` wrote: config.json, model.safetensors (never a download)
+    path: str = ""                  # the folder save_pretrained wrote: config.json, weights (never downloaded)
     task: str = "sequence_classification"  # the head on the model: a logit per class (one value for regression)
     from_scratch: bool = False      # the folder's config only, weights drawn anew (not its model.safetensors)
 
