@@ -49,7 +49,7 @@ def exported_run(model: str, uri: str) -> str:
     """The run that logged `model` with its exported folder; ConfigError when it has none."""
     from contract.tracking.server import mlflow_client
 
-    model_uri, info, run = find_model(model, uri)
+    model_uri, _, run = find_model(model, uri)
     if run is None:
         raise ConfigError(f"model: {model_uri} was logged outside a training run, with no exported folder")
     if not mlflow_client(uri).list_artifacts(run.info.run_id, EXPORTED_MODEL):
