@@ -125,18 +125,6 @@ def _load_at_one_rank(rank: int, world_size: int, tmp: str) -> None:
         torch.testing.assert_close(value, model.state_dict()[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-@pytest.fixture
-def own_ranks():
-    """Rank processes of this module's own, ended after it: DeepSpeed's ZeRO-3 replaces
-    `torch.nn.functional.linear` (with its `zero3_linear_wrap`) in the processes it runs in, which changed a later
-    test's bf16 steps in the shared ranks."""
-    pools = RankPools()
-    try:
-        yield pools
-    finally:
-        pools.close()
-
-
 def test_zero3_trains_the_dense_model_and_its_checkpoint_loads_at_another_world_size(own_ranks: RankPools, tmp_path):
     own_ranks(_train_two_ranks, 2, str(tmp_path))
     own_ranks(_load_at_one_rank, 1, str(tmp_path))

@@ -124,3 +124,12 @@ def test_a_transformers_models_flops_are_counted(bert: Path, llama: Path) -> Non
         weights = sum(p.numel() for name, p in build_model(cfg.model, imdb_schema(64, 16)).named_parameters()
                       if "embed" not in name)
         assert 6 * weights * 16 < flops_per_sample(cfg.model, imdb_schema(64, 16)) < 1.3 * 6 * weights * 16
+
+
+def test_loading_a_folder_says_in_one_line_what_is_drawn_anew(bert: Path, capsys) -> None:
+    """The base model's folder has no classification head: the head is new, and that is all the load says."""
+    from trainers.models import build_model
+
+    build_model(load_config(["model=hf", f"model.path={bert}"]).model, imdb_schema(64, 16))
+    assert capsys.readouterr().err.splitlines() == [f"model.path={bert}: drawn anew: classifier.bias, "
+                                                    f"classifier.weight"]

@@ -7,6 +7,7 @@ here (`offline_transformers`)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +65,22 @@ def build_hf(cfg: Any, inputs: DataSchema, seed: int | None = None) -> HFClassif
         config = transformers.AutoConfig.from_pretrained(cfg.path, local_files_only=True, **labels)
         hf = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.get_default_dtype())
     else:
-        hf = transformers.AutoModelForSequenceClassification.from_pretrained(
-            cfg.path, local_files_only=True, dtype=torch.get_default_dtype(), ignore_mismatched_sizes=True, **labels)
+        hf, loading = transformers.AutoModelForSequenceClassification.from_pretrained(
+            cfg.path, local_files_only=True, dtype=torch.get_default_dtype(), ignore_mismatched_sizes=True,
+            output_loading_info=True, **labels)
+        report_loading(cfg.path, loading)
     return HFClassifier(hf, str(Path(cfg.path).resolve()))
+
+
+def report_loading(folder: str, loading: dict[str, Any]) -> None:
+    """One line on stderr naming the weights drawn anew (absent from the folder, or of another shape there: the new
+    head) and how many of the folder's were left out (another head's)."""
+    new = sorted(set(loading["missing_keys"]) | {str(key[0] if isinstance(key, tuple) else key)
+                                                  for key in loading["mismatched_keys"]})
+    unused = len(loading["unexpected_keys"])
+    if new or unused:
+        print(f"model.path={folder}: drawn anew: {', '.join(new) or 'nothing'}"
+              + (f"; {unused} of its weights unused" if unused else ""), file=sys.stderr)
 
 
 class _Unmasked(nn.Module):

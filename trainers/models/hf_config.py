@@ -9,11 +9,13 @@ from types import ModuleType
 
 def offline_transformers() -> ModuleType:
     """The `transformers` module with the hub offline: `HF_HUB_OFFLINE=1` (unless set), which huggingface_hub reads
-    when first imported, so that nothing is ever downloaded; and without its per-process progress bars."""
+    when first imported, so that nothing is ever downloaded; and quiet: no progress bars, no loading report (a table
+    per process; `build_hf` says in one line what it drew anew)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
     return transformers
 
 
