@@ -25,9 +25,22 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def parsed(source: str, tries: int = 3) -> ast.Module:
+    """`ast.parse(source)`, tried again where CPython 3.11 (before 3.11.8) raises its spurious "AST constructor
+    recursion depth mismatch" SystemError (python/cpython#106905: a depth count it shares with the interpreter's
+    other parses), seen here once after a test had loaded Transformers in this process."""
+    for attempt in range(tries):
+        try:
+            return ast.parse(source)
+        except SystemError:
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def imports(path: Path, module_level_only: bool = False) -> set[str]:
     """Modules `path` imports (skipping `if TYPE_CHECKING:` blocks; only top-level statements if asked)."""
-    tree = ast.parse(path.read_text())
+    tree = parsed(path.read_text())
     found: set[str] = set()
 
     def visit(node: ast.AST, top: bool) -> None:
