@@ -18,6 +18,9 @@ from contract.recipe import Monitor
 
 STATE_FILE = "train_state.json"
 ORIGIN_KEY = "origin"  # in STATE_FILE: the backend and model that wrote the checkpoint, and its files' sizes
+# Beside Ray Train's checkpoint folders in a run's storage folder: a copy of the best epoch's checkpoint, which
+# outlives Ray Train's retention of the last `run.keep_checkpoints` (trainers/keep_best.py).
+BEST_CHECKPOINT = "best_checkpoint"
 
 
 @dataclass

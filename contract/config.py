@@ -86,7 +86,7 @@ class RunSection:
     checkpoint_every_n_steps: int = 0  # a checkpoint inside the epoch every this many steps, which a restarted or
                                        # continued run resumes at that step; 0: at epoch ends only
     checkpoint_every_s: float = 0.0   # or every this many seconds of training (the ranks agree within 10 steps)
-    keep_checkpoints: int = 2         # Ray Train keeps this many checkpoints, the best by `monitor`, and the latest
+    keep_checkpoints: int = 2         # keep the last this many checkpoints, and the best epoch's (`monitor`) too
     nan_patience: int = 3             # fail the run once this many step losses in a row (those logged every
                                       # trainer.log_every_n_steps), or an epoch's train_loss, are not finite; no
                                       # model is logged, the last finite checkpoint stays

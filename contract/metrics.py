@@ -35,6 +35,7 @@ STEP_CHECKPOINT_METRICS = ("checkpoint_at_epoch", "checkpoint_at_step")  # a che
 DIVERGED_METRICS = ("diverged_at_epoch", "diverged_at_step")
 DIVERGED_FILE = "diverged.json"
 REPORTED_EPOCH = "epoch"  # beside an epoch's metrics in its report to Ray Train (and Tune): the epoch's number
+REPORTED_BEST_EPOCH = "best_epoch"  # ...and the best epoch so far by `run.monitor` (this one: keep its checkpoint)
 
 # (values, "sum" | "max") -> each value reduced over all ranks. Every backend supplies one over its own
 # collectives (torch.distributed, Horovod, a TF strategy); the loop uses it for metrics and the stop agreement.

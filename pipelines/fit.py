@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 from omegaconf import DictConfig, OmegaConf
 
 from contract import tracking
-from contract.checkpoint import TrainState
+from contract.checkpoint import BEST_CHECKPOINT, STATE_FILE, TrainState
 from contract.config import typed_config, worker_resources
 from contract.console import quiet_ray_env, quiet_ray_logs, ray_init_logging, say
 from contract.data import DataSchema
@@ -196,15 +196,16 @@ def checkpoint_state(checkpoint: Any) -> TrainState:
 
 def final_checkpoint(result: Any, final_model: str) -> tuple[Any, int]:
     """The checkpoint whose model the run logs, and its epoch: the last epoch's, or (`run.final_model=best`) the
-    best epoch's by `run.monitor`, which the loop records and Ray Train keeps (trainers/worker.py: run_config)."""
+    best epoch's by `run.monitor`, which the loop records and trainers/keep_best.py keeps beside Ray Train's."""
+    from ray.train import Checkpoint
+
     last = checkpoint_state(result.checkpoint)
     if final_model == "last" or last.best_epoch in (0, last.epoch):
         return result.checkpoint, last.epoch
-    for checkpoint, _ in result.best_checkpoints or []:
-        state = checkpoint_state(checkpoint)
-        if state.epoch == last.best_epoch and state.partial is None:
-            return checkpoint, state.epoch
-    raise RuntimeError(f"the checkpoint of the best epoch ({last.best_epoch}) was not kept; "
+    best = Path(result.checkpoint.path).parent / BEST_CHECKPOINT
+    if (best / STATE_FILE).is_file() and TrainState.read(best).epoch == last.best_epoch:
+        return Checkpoint(str(best)), last.best_epoch
+    raise RuntimeError(f"the checkpoint of the best epoch ({last.best_epoch}) is not in {best}; "
                        f"set run.final_model=last to log the last epoch's model")
 
 

@@ -22,8 +22,8 @@ from dataclasses import replace
 
 from contract.checkpoint import EpochTotals, TrainState, checkpoint_world_size, partial_over_ranks
 from contract.console import say
-from contract.metrics import (DIVERGED_METRICS, EPOCH_END, REPORTED_EPOCH, STEP_CHECKPOINTS, STEP_CHECKPOINTS_S,
-                              epoch_line, epoch_metrics, step_checkpoint_metrics, stop_metrics)
+from contract.metrics import (DIVERGED_METRICS, EPOCH_END, REPORTED_BEST_EPOCH, REPORTED_EPOCH, STEP_CHECKPOINTS,
+                              STEP_CHECKPOINTS_S, epoch_line, epoch_metrics, step_checkpoint_metrics, stop_metrics)
 from contract.resume import StepChecks
 from contract.stragglers import StepClock
 from trainers.adapter import Adapter
@@ -190,7 +190,8 @@ class TrainLoop:
         extras = {**adapter.epoch_extras(), **callbacks.epoch_extras(epoch, metrics)}
         self.state = self.state.after_epoch(epoch, metrics, self.ctx.monitor)
         callbacks.on_phase(epoch, totals.steps, "checkpoint")
-        self._checkpoint_and_report({**metrics, REPORTED_EPOCH: epoch}, self.state)
+        self._checkpoint_and_report({**metrics, REPORTED_EPOCH: epoch, REPORTED_BEST_EPOCH: self.state.best_epoch},
+                                    self.state)
         self.checks.checkpointed(self.global_step(epoch + 1, 0))
         extras[EPOCH_END] = time.perf_counter() - began  # evaluation, metrics, checkpoint: the run's goodput counts it
         if self.step_checkpoints:  # inside the epoch's time: the run's goodput counts them apart
@@ -205,7 +206,7 @@ class TrainLoop:
 
     def report_stop(self, epoch: int, totals: EpochTotals) -> None:
         """Checkpoint the half-done epoch; the driver sees STOP_METRICS and marks the run as stopped. The report
-        scores the monitored metric worst, so Ray Train never keeps this checkpoint as a best one."""
+        scores the monitored metric worst: a sweep's scheduler, which sees it, never takes it for a good epoch."""
         self.callbacks.on_phase(epoch, totals.steps, "checkpoint")
         state = replace(self.state, partial=partial_over_ranks(totals, self.adapter.reduce))
         monitor = self.ctx.monitor
@@ -214,18 +215,15 @@ class TrainLoop:
 
     def report_step(self, epoch: int, totals: EpochTotals) -> None:
         """A checkpoint of the half-done epoch, training going on (`run.checkpoint_every_n_steps`, `_every_s`): a run
-        restarted from it trains the rest of the epoch. Saved here, written to storage in the background; its
-        report scores the monitored metric worst, so Ray Train never keeps it as a best one. The step losses up to
-        here are sent first: a restart from it logs only the steps after it."""
+        restarted from it trains the rest of the epoch. Saved here, written to storage in the background. The step
+        losses up to here are sent first: a restart from it logs only the steps after it."""
         self.callbacks.on_phase(epoch, totals.steps, "checkpoint")
         self.step_losses.settle()
         if self.diverged_at is not None:  # no checkpoint of a diverged state: the loop ends the run at the next step
             return
         self.ctx.logger.flush()
         state = replace(self.state, partial=partial_over_ranks(totals, self.adapter.reduce))
-        monitor = self.ctx.monitor
-        self._checkpoint_and_report({**step_checkpoint_metrics(epoch, totals.steps), monitor.metric: monitor.worst()},
-                                    state, background=True)
+        self._checkpoint_and_report(step_checkpoint_metrics(epoch, totals.steps), state, background=True)
         self.checks.checkpointed(self.global_step(epoch, totals.steps))
 
     def report_diverged(self, epoch: int) -> None:

@@ -251,18 +251,17 @@ def run_config(cfg: DictConfig, run_id: str, callbacks: list | None, env: dict[s
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig
 
     from contract.tracking import ray_run_name
+    from trainers.keep_best import KeepBest
 
     _, controller_retries = placement_patience(cfg)
-    # Ray Train keeps the `run.keep_checkpoints` best checkpoints by `run.monitor` and always the latest (to resume
-    # from): the best epoch's model survives for `run.final_model=best`. A checkpoint inside an epoch reports the
-    # monitored metric as its worst: it is kept only while it is the latest.
-    monitor = monitor_of(cfg.run)
-    checkpoints = CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints, checkpoint_score_attribute=monitor.metric,
-                                   checkpoint_score_order=monitor.mode)
+    # Ray Train keeps the last `run.keep_checkpoints` checkpoints (the latest to resume from), KeepBest the best
+    # epoch's for `run.final_model=best`.
+    checkpoints = CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints)
+    callbacks = [KeepBest(), *(callbacks or [])]
     return RunConfig(name=ray_run_name(run_id, cfg.run.resume_from), storage_path=cfg.run.storage_path,
                      failure_config=FailureConfig(max_failures=cfg.fault.max_failures,
                                                   controller_failure_limit=controller_retries),
-                     checkpoint_config=checkpoints, callbacks=list(callbacks or []),
+                     checkpoint_config=checkpoints, callbacks=callbacks,
                      logging_config=LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING"),
                      worker_runtime_env={"env_vars": env} if env else None)
 

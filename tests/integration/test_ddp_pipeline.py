@@ -15,6 +15,7 @@ import mlflow.pytorch
 import torch.nn.functional as F
 from mlflow.tracking import MlflowClient
 
+from contract.checkpoint import BEST_CHECKPOINT
 from contract.metrics import EPOCH_METRICS
 from contract.tracking import FINAL_FILE, spooled
 from pipelines.data.readers import Materializing, ResourceWait, parquet_datasets, within
@@ -127,13 +128,14 @@ def test_job_submit_trains_logs_syncs_and_resumes_after_a_failure(tmp_path, tiny
     assert rank0.keys() == rank1.keys()
     for key in rank0:
         torch.testing.assert_close(rank0[key], rank1[key], rtol=0, atol=0)  # DDP keeps replicas identical
-    # The logged model is the best epoch's by test_accuracy (ties: the later epoch), from the checkpoint Ray Train
-    # kept for it; the last checkpoint holds the final weights.
+    # The logged model is the best epoch's by test_accuracy (ties: the later epoch), from the checkpoint kept for it
+    # beside Ray Train's last ones; the last checkpoint holds the final weights.
     accuracy = {m.step: m.value for m in client.get_metric_history(run_id, "test_accuracy")}
     best = max((value, epoch) for epoch, value in accuracy.items())[1]
     assert run.data.tags["final_model_epoch"] == str(best)
     assert {m.key: m.value for m in models[0].metrics}["test_accuracy"] == accuracy[best]  # linked to its epoch
     folders = [p for p in (tmp_path / "ray").glob("run-*/checkpoint_*") if p.is_dir()]
+    folders += list((tmp_path / "ray").glob(f"run-*/{BEST_CHECKPOINT}"))
     kept = {json.loads((p / "train_state.json").read_text())["epoch"]:
             torch.load(p / "state.pt", weights_only=False)["model"] for p in folders}
     for key, value in model.state_dict().items():

@@ -14,7 +14,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from contract.checkpoint import TrainState
+from contract.checkpoint import BEST_CHECKPOINT, TrainState
 from tests.conftest import metric_steps, pipeline_env, run_id_from, run_pipeline
 
 pytestmark = pytest.mark.slow
@@ -78,7 +78,7 @@ def test_a_failure_inside_an_epoch_restarts_from_its_last_step_checkpoint(tmp_pa
     done = run_pipeline([f"data.path={tiny_mnist}", "trainer.epochs=1", "trainer.batch_size=16",
                          "trainer.optimizer=sgd", "trainer.lr=0.01", "trainer.log_every_n_steps=1",
                          "model.hidden=[64]", "model.dropout=0", "run.checkpoint_every_n_steps=10",
-                         "run.keep_checkpoints=1", "fault.max_failures=1", "fault.inject_at_step=15",
+                         "run.keep_checkpoints=2", "fault.max_failures=1", "fault.inject_at_step=15",
                          "fault.inject_kill=true", f"fault.inject_marker={marker}",
                          f"run.storage_path={tmp_path / 'ray'}"], env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -97,9 +97,9 @@ def test_a_failure_inside_an_epoch_restarts_from_its_last_step_checkpoint(tmp_pa
     assert set(again) <= set(range(11, 15)), sorted(again)  # only the steps trained after the checkpoint, once more
     for step, values in again.items():  # the same model, batches and order: the same losses
         torch.testing.assert_close(values[0], values[1], rtol=1e-6, atol=0, msg=f"step {step}")
-    # run.keep_checkpoints=1: the best and the latest, here both the epoch's end; the step checkpoints are gone
+    # run.keep_checkpoints=2: the last two (step 30's and the epoch's end), and the best epoch's linked beside them
     folders = sorted(p for p in (tmp_path / "ray" / f"run-{run_id}").glob("checkpoint_*") if p.is_dir())
-    assert len(folders) == 1, [(f.name, sorted(p.name for p in f.iterdir())) for f in folders]
-    (kept,) = folders
-    state = TrainState.read(kept)
-    assert (state.epoch, state.partial) == (1, None)
+    states = [TrainState.read(folder) for folder in folders]
+    assert [(s.epoch, s.partial and s.partial.steps) for s in states] == [(0, 30), (1, None)], folders
+    best = TrainState.read(tmp_path / "ray" / f"run-{run_id}" / BEST_CHECKPOINT)
+    assert (best.epoch, best.partial) == (1, None)

@@ -149,25 +149,47 @@ def test_bf16_autocast_stays_close_to_fp32(tmp_path):
     assert bf16[-5:].mean() < bf16[:5].mean()  # and it learns
 
 
-def test_final_model_is_the_best_epochs_checkpoint_that_ray_kept(tmp_path):
-    """`pipelines.fit.final_checkpoint` over a real Ray Train Result: the best epoch (recorded by the loop in the
-    last checkpoint) unless `run.final_model=last`, and a clear error if its checkpoint is gone."""
+def test_the_best_epochs_checkpoint_is_kept_beside_rays_last_ones_and_logged(tmp_path):
+    """`trainers.keep_best.KeepBest` (Ray Train's controller calls it after each report) links an epoch's checkpoint
+    that is the best so far into the run's `best_checkpoint/`, in place of the one before; a worse epoch's, a
+    step's or a stop's leaves it, and it outlives Ray Train deleting the folder it came from.
+    `pipelines.fit.final_checkpoint` logs the model from there (`run.final_model=best`) unless the best epoch is
+    the last, and fails in one line when it is gone."""
+    import shutil
+
     from ray.train import Checkpoint, Result
 
-    from contract.checkpoint import TrainState
+    from contract.checkpoint import BEST_CHECKPOINT, TrainState
+    from contract.metrics import step_checkpoint_metrics, stop_metrics
     from pipelines.fit import final_checkpoint
+    from trainers.keep_best import KeepBest
 
-    def checkpoint(epoch: int) -> Checkpoint:
-        folder = tmp_path / f"checkpoint_{epoch}"
-        folder.mkdir()
-        TrainState(epoch=epoch, metrics={}, best_epoch=2, best_value=0.9).write(folder)
-        return Checkpoint.from_directory(str(folder))
+    run_folder = tmp_path / "run-x"
 
-    second, third = checkpoint(2), checkpoint(3)
-    result = Result(metrics={}, checkpoint=third, error=None, path=str(tmp_path),
-                    best_checkpoints=[(third, {}), (second, {})])
-    assert final_checkpoint(result, "best") == (second, 2)
+    def report(name: str, epoch: int, best_epoch: int, metrics: dict) -> Checkpoint:
+        folder = run_folder / name
+        folder.mkdir(parents=True)
+        TrainState(epoch=epoch, metrics={}, best_epoch=best_epoch, best_value=0.9).write(folder)
+        (folder / "state.pt").write_bytes(bytes([epoch]))
+        checkpoint = Checkpoint.from_directory(str(folder))
+        KeepBest().after_report(None, [metrics], checkpoint)
+        return checkpoint
+
+    first = report("checkpoint_1", 1, 1, {"epoch": 1, "best_epoch": 1})
+    second = report("checkpoint_2", 2, 2, {"epoch": 2, "best_epoch": 2})
+    report("checkpoint_3_step", 2, 2, step_checkpoint_metrics(3, 5))
+    report("checkpoint_3_stop", 2, 2, stop_metrics(3, 6))
+    third = report("checkpoint_3", 3, 2, {"epoch": 3, "best_epoch": 2})
+    for gone in (first, second):  # Ray Train's retention of the last checkpoints
+        shutil.rmtree(gone.path)
+    best = run_folder / BEST_CHECKPOINT
+    assert TrainState.read(best).epoch == 2 and (best / "state.pt").read_bytes() == bytes([2])
+    assert sorted(p.name for p in run_folder.iterdir()) == [BEST_CHECKPOINT, "checkpoint_3", "checkpoint_3_step",
+                                                            "checkpoint_3_stop"]
+    result = Result(metrics={}, checkpoint=third, error=None, path=str(run_folder))
+    chosen, epoch = final_checkpoint(result, "best")
+    assert (chosen.path, epoch) == (str(best), 2)
     assert final_checkpoint(result, "last") == (third, 3)
-    result.best_checkpoints = [(third, {})]
-    with pytest.raises(RuntimeError, match=r"the checkpoint of the best epoch \(2\) was not kept"):
+    shutil.rmtree(best)
+    with pytest.raises(RuntimeError, match=r"the checkpoint of the best epoch \(2\) is not in .*best_checkpoint"):
         final_checkpoint(result, "best")
