@@ -1,7 +1,8 @@
 """Hugging Face Transformers models (`model=hf`) on the shared loop, on gloo ranks (no Ray): a tiny BERT and a tiny
 Llama, read from folders `save_pretrained` wrote, take the step losses and final weights of the single-process
 Transformers model on the same batches: the BERT through ddp, fsdp (float64), deepspeed ZeRO-3 and lightning
-(float32), the Llama through ddp, fsdp, tp=2 by its own `base_model_tp_plan`, and fsdp x tp on 2 x 2 ranks (float64).
+(float32), the Llama through ddp, fsdp, tp=2 by its own `base_model_tp_plan`, fsdp x tp on 2 x 2 ranks, and two
+pipeline stages split by its `base_model_pp_plan`, alone and with tp=2 (float64).
 Each backend's checkpoint, gathered to its dense form, exported as a Transformers folder, loads with
 `from_pretrained` alone and gives the trained model's logits; tp=2 holds about half of the Llama on each rank."""
 from __future__ import annotations
@@ -58,18 +59,20 @@ def _train(rank: int, world_size: int, tmp: str, folder: str, backend: str) -> N
 
 
 def _train_and_compare(rank: int, world_size: int, tmp: str, folder: str, backend: str) -> None:
-    """One epoch of `backend` (ddp | fsdp | tp | fsdp_tp: fsdp with tp=2 | deepspeed | lightning) on the model in
-    `folder`; on rank 0 the loss curve and the dense checkpoint against the single-process model, and the export of
-    that checkpoint."""
+    """One epoch of `backend` (ddp | fsdp | tp | fsdp_tp: fsdp with tp=2 | fsdp_pp: fsdp with pp=2 | fsdp_pp_tp:
+    both | deepspeed | lightning) on the model in `folder`; on rank 0 the loss curve and the dense checkpoint
+    against the single-process model, and the export of that checkpoint."""
     from trainers import get_backend
     from trainers.adapter import WorkerData
     from trainers.torch import lightning_fit
 
     tmp_path = Path(tmp) / backend
     tmp_path.mkdir(parents=True, exist_ok=True)
-    tp = 2 if backend in ("tp", "fsdp_tp") else 1
-    cfg = config(tmp_path / f"cfg{rank}", [f"trainer={backend.removesuffix('_tp')}", *RECIPE, f"model.path={folder}",
-                                           f"trainer.num_workers={world_size}", *(["trainer.tp=2"] if tp > 1 else []),
+    tp, pp = (2 if backend.endswith("tp") else 1), (2 if "_pp" in backend else 1)
+    cfg = config(tmp_path / f"cfg{rank}", [f"trainer={backend.split('_')[0]}", *RECIPE, f"model.path={folder}",
+                                           f"trainer.num_workers={world_size}",
+                                           *([f"trainer.tp={tp}"] if tp > 1 else []),
+                                           *([f"trainer.pp={pp}"] if pp > 1 else []),
                                            *_keys(backend, tmp_path / f"ds{rank}.json")])
     # float64 where the backend computes in it: the reorderings of sharded sums vanish below its rounding
     torch.set_default_dtype(torch.float32 if backend in FLOAT32 else torch.float64)
@@ -77,8 +80,8 @@ def _train_and_compare(rank: int, world_size: int, tmp: str, folder: str, backen
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_WORLD_SIZE": str(world_size)})  # what Ray Train sets, DeepSpeed and Lightning read
     run_worker = lightning_fit.run_worker if backend == "lightning" else get_backend(cfg.trainer).run_worker
-    ranks = world_size // tp  # data-parallel ranks: a TP group reads one shard
-    trained = run_attempt(lambda ctx: run_worker(cfg, ctx, WorkerData(SCHEMA, _data(rank // tp, ranks))), rank,
+    ranks = world_size // (tp * pp)  # data-parallel ranks: a TP group, a pipeline, reads one shard
+    trained = run_attempt(lambda ctx: run_worker(cfg, ctx, WorkerData(SCHEMA, _data(rank // (tp * pp), ranks))), rank,
                           world_size, 1, tmp_path / "run")
     if rank == 0:
         shards = [_data(r, ranks)(cfg.run.seed + 1000 * r)[0] for r in range(ranks)]
@@ -115,13 +118,13 @@ def _check_export(cfg, dense: dict[str, torch.Tensor], out: Path) -> None:
 
 
 @pytest.mark.parametrize("architecture, backends", [("bert", ("ddp", "fsdp", "lightning")),
-                                                    ("llama", ("ddp", "fsdp", "tp", "fsdp_tp"))])
+                                                    ("llama", ("ddp", "fsdp", "tp", "fsdp_tp", "fsdp_pp", "fsdp_pp_tp"))])
 def test_a_transformers_model_trains_as_the_single_process_one_and_exports(run_ranks: RankPools, tmp_path: Path,
                                                                            architecture: str,
                                                                            backends: tuple[str, ...]) -> None:
     folder = save_tiny(architecture, tmp_path / architecture)
     for backend in backends:
-        run_ranks(_train, 4 if backend == "fsdp_tp" else 2, str(tmp_path), str(folder), backend)
+        run_ranks(_train, 4 if backend in ("fsdp_tp", "fsdp_pp_tp") else 2, str(tmp_path), str(folder), backend)
 
 
 def test_deepspeed_zero3_trains_a_transformers_model_as_the_single_process_one(own_ranks: RankPools,

@@ -67,6 +67,34 @@ def test_tp_takes_an_architecture_with_a_plan_whose_heads_it_divides(bert: Path,
         _check(llama, "trainer=tp", "trainer.tp=4", "trainer.num_workers=4")
 
 
+def test_pipeline_stages_take_a_decoder_whose_layers_split_evenly(bert: Path, llama: Path) -> None:
+    pipeline = ["trainer=fsdp", "trainer.num_workers=2", "trainer.pp=2", "trainer.batch_size=8"]
+    _check(llama, *pipeline)
+    with pytest.raises(ValueError, match=r"^trainer\.pp: BertForSequenceClassification does not split into pipeline "
+                                         r"stages here \(decoders whose base_model_pp_plan names"):
+        _check(bert, *pipeline)
+    with pytest.raises(ValueError, match=r"^trainer\.pp: 2 layers do not split into 4 equal pipeline stages "
+                                         r"\(pp=2, schedule interleaved_1f1b\)$"):
+        _check(llama, *pipeline, "trainer.pp_schedule=interleaved_1f1b")
+
+
+def test_a_decoders_pipeline_stages_in_a_row_give_its_logits(llama: Path) -> None:
+    """Stage 0 (the embedding, layer 0) then stage 1 (layer 1, the norm, the head, pooling by the mask): the
+    whole model's logits (Transformers pools by the ids), each weight held by one stage under its dense name."""
+    from trainers.models import build_model
+    from trainers.models.hf_pipeline import split_stage
+
+    model = build_model(load_config(["model=hf", f"model.path={llama}"]).model, imdb_schema(64, 16)).eval()
+    first, last = (split_stage(model, stage, 2) for stage in (0, 1))
+    names = [set(dict(part.named_parameters())) for part in (first, last)]
+    assert not names[0] & names[1] and names[0] | names[1] == set(dict(model.named_parameters()))
+    ids = torch.randint(1, 64, (4, 16))
+    mask = torch.arange(16) < torch.tensor([[16], [9], [3], [12]])
+    ids[~mask] = 0
+    with torch.no_grad():
+        torch.testing.assert_close(last(first(ids, mask), mask), model(ids, mask), rtol=1e-6, atol=1e-6)
+
+
 def test_the_data_must_fit_the_models_vocabulary_and_positions(bert: Path) -> None:
     _check(bert, inputs=imdb_schema(64, 32))
     with pytest.raises(ValueError, match=r"^model\.path: the data's token ids go up to 99; the model's vocabulary "

@@ -6,6 +6,7 @@ Never a download: the folder is read with `local_files_only`, and the hub is off
 here (`offline_transformers`)."""
 from __future__ import annotations
 
+import fnmatch
 import json
 import sys
 from pathlib import Path
@@ -114,8 +115,10 @@ def tp_plan(model: HFClassifier) -> dict[str, str]:
 
 def parallelize_hf(model: HFClassifier, mesh: DeviceMesh, impl: str = "dtensor") -> HFClassifier:
     """Shard `model` over mesh["tp"] by its own plan (torch's `parallelize_module`: the "dtensor" implementation);
-    the classification head stays replicated."""
-    plan = tp_plan(model)
+    the classification head stays replicated. A pipeline stage (trainers/models/hf_pipeline.py) takes the plan's
+    entries for the modules it holds."""
+    names = [name for name, _ in model.named_modules()]
+    plan = {pattern: style for pattern, style in tp_plan(model).items() if fnmatch.filter(names, pattern)}
     if not plan:
         raise ValueError(f"{type(model.hf).__name__} has no tensor-parallel plan (base_model_tp_plan)")
     styles: dict[str, ParallelStyle] = {}

@@ -154,8 +154,8 @@ HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_mode
 def check_hf(cfg: Any, inputs: DataSchema | None, trainer: Any = None) -> None:
     """Transformers installed, the task one the loop trains, a folder named; once the data is known, the folder is a
     saved Transformers model (its weights there unless `from_scratch`), the data within its vocabulary and
-    positions, and a tp > 1 run's architecture has a tensor-parallel plan whose heads tp divides. Reads
-    config.json; Transformers is imported only for tp > 1."""
+    positions, a tp > 1 run's architecture has a tensor-parallel plan whose heads tp divides, and a pp > 1 run's
+    splits into its stages. Reads config.json; Transformers is imported only for tp > 1 or pp > 1."""
     if not installed("transformers"):
         raise ValueError("model.name: model 'hf' needs Hugging Face Transformers, not installed in this environment: "
                          "pip install 'ray-train-pipelines[hf]'")
@@ -177,6 +177,8 @@ def check_hf(cfg: Any, inputs: DataSchema | None, trainer: Any = None) -> None:
     _hf_fits_data(config, inputs)
     if trainer is not None and trainer.get("tp", 1) > 1:
         _hf_tp(folder, config, trainer.tp)
+    if trainer is not None and trainer.get("pp", 1) > 1:
+        _hf_pp(cfg, inputs, trainer)
 
 
 def _hf_fits_data(config: dict, inputs: DataSchema) -> None:
@@ -203,6 +205,24 @@ def _hf_tp(folder: Path, config: dict, tp: int) -> None:
             raise ValueError(f"trainer.tp: tp={tp} does not divide the model's {key}={config[key]}")
 
 
+def _hf_pp(cfg: Any, inputs: DataSchema, trainer: Any) -> None:
+    """An architecture the pipeline splits (trainers/models/hf_pipeline.py), its layers in equal stages: the model
+    built on the meta device (its config alone, no weights) to see its modules."""
+    import torch
+
+    from trainers.models.hf import build_hf
+    from trainers.models.hf_pipeline import pipeline_parts
+    from trainers.torch.parallel.schedules import stages_per_rank
+
+    with torch.device("meta"):
+        hf = build_hf(cfg, inputs).hf
+    _, layers, _ = pipeline_parts(hf)
+    blocks, stages = len(getattr(hf.base_model, layers)), trainer.pp * stages_per_rank(trainer.pp_schedule)
+    if blocks % stages:
+        raise ValueError(f"trainer.pp: {blocks} layers do not split into {stages} equal pipeline stages "
+                         f"(pp={trainer.pp}, schedule {trainer.pp_schedule})")
+
+
 def bert_blocks(model: Any = None) -> tuple[type, ...]:
     from trainers.models.bert import Block
 
@@ -226,7 +246,8 @@ for _spec in (
     ModelSpec("hf", HFModelConfig, "a Hugging Face Transformers model from a local folder (save_pretrained), "
               "classifying token ids; exported as one (rtp export)", ("tokens",),
               torch="trainers.models.hf:build_hf", tensor_parallel="trainers.models.hf:parallelize_hf",
-              fsdp_blocks="trainers.models.hf:fsdp_blocks", export="trainers.models.hf:export_hf", check=check_hf,
+              pipeline_split="trainers.models.hf_pipeline:split_stage", fsdp_blocks="trainers.models.hf:fsdp_blocks",
+              export="trainers.models.hf:export_hf", check=check_hf,
               flops_per_sample="trainers.models.hf:flops_per_sample"),
     ModelSpec("embed_pool", EmbedPoolConfig, "text baseline: the mean of the token embeddings, then an MLP (PyTorch "
               "and Keras)", ("tokens",),
