@@ -1,11 +1,11 @@
 """Hugging Face Transformers models (`model=hf`) on the shared loop, on gloo ranks (no Ray): a tiny BERT and a tiny
 Llama, read from folders `save_pretrained` wrote, take the step losses and final weights of the single-process
-Transformers model on the same batches: the BERT through ddp, fsdp (float64), deepspeed ZeRO-3 and lightning
-(float32), the Llama through ddp, fsdp, tp=2 by its own `base_model_tp_plan`, fsdp x tp on 2 x 2 ranks, and two
-pipeline stages split by its `base_model_pp_plan`, alone and with tp=2 (float64).
-Each backend's checkpoint, gathered to its dense form, exported as a Transformers folder, loads with
-`from_pretrained` alone and gives the trained model's logits; tp=2 holds about half of the Llama on each rank;
-bf16 (autocast, FSDP's mixed precision) trains it close to float32."""
+Transformers model on the same batches: the BERT through ddp, fsdp (with activation checkpointing too; float64),
+deepspeed ZeRO-3 and lightning (float32), the Llama through ddp, fsdp, tp=2 by its own `base_model_tp_plan`, fsdp x
+tp on 2 x 2 ranks, and two pipeline stages split by its `base_model_pp_plan`, alone and with tp=2 (float64). Each
+backend's checkpoint, gathered to its dense form, exported as a Transformers folder, loads with `from_pretrained`
+alone and gives the trained model's logits; tp=2 holds about half of the Llama on each rank; bf16 (autocast, FSDP's
+mixed precision) trains it close to float32."""
 from __future__ import annotations
 
 import os
@@ -36,10 +36,12 @@ FLOAT32 = ("deepspeed", "lightning")  # their engines keep float32 parameters
 
 def _keys(backend: str, deepspeed_json: Path) -> list[str]:
     """The backend's own keys: ZeRO-3 partitioning every parameter (by default it keeps those under 1e5 elements
-    whole: all of this model's); Lightning's DDP strategy."""
+    whole: all of this model's); Lightning's DDP strategy; FSDP recomputing each `_no_split_modules` block."""
     if backend == "deepspeed":
         deepspeed_json.write_text('{"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}')
         return ["trainer.zero_stage=3", f"trainer.deepspeed_config={deepspeed_json}"]
+    if backend == "fsdp_ac":
+        return ["trainer.activation_checkpointing=true"]
     return ["trainer.strategy=ddp"] if backend == "lightning" else []
 
 
@@ -60,8 +62,8 @@ def _train(rank: int, world_size: int, tmp: str, folder: str, backend: str) -> N
 
 
 def _train_and_compare(rank: int, world_size: int, tmp: str, folder: str, backend: str) -> None:
-    """One epoch of `backend` (ddp | fsdp | tp | fsdp_tp: fsdp with tp=2 | fsdp_pp: fsdp with pp=2 | fsdp_pp_tp:
-    both | deepspeed | lightning) on the model in `folder`; on rank 0 the loss curve and the dense checkpoint
+    """One epoch of `backend` (ddp | fsdp | fsdp_ac: with activation checkpointing | tp | fsdp_tp: fsdp with tp=2 |
+    fsdp_pp: fsdp with pp=2 | fsdp_pp_tp: both | deepspeed | lightning) on the model in `folder`; on rank 0 the loss curve and the dense checkpoint
     against the single-process model, and the export of that checkpoint."""
     from trainers import get_backend
     from trainers.adapter import WorkerData
@@ -119,7 +121,7 @@ def _check_export(cfg, dense: dict[str, torch.Tensor], out: Path) -> None:
 
 
 @pytest.mark.parametrize("architecture, backends", [
-    ("bert", ("ddp", "fsdp", "lightning")),
+    ("bert", ("ddp", "fsdp", "fsdp_ac", "lightning")),
     ("llama", ("ddp", "fsdp", "tp", "fsdp_tp", "fsdp_pp", "fsdp_pp_tp")),
 ])
 def test_a_transformers_model_trains_as_the_single_process_one_and_exports(run_ranks: RankPools, tmp_path: Path,
