@@ -2,7 +2,8 @@
 Llama, read from folders `save_pretrained` wrote, take the step losses and final weights of the single-process
 Transformers model on the same batches: the BERT through ddp, fsdp (with activation checkpointing too; float64),
 deepspeed ZeRO-3 and lightning (float32), the Llama through ddp, fsdp, tp=2 by its own `base_model_tp_plan`, fsdp x
-tp on 2 x 2 ranks, and two pipeline stages split by its `base_model_pp_plan`, alone and with tp=2 (float64). Each
+tp on 2 x 2 ranks, two pipeline stages split by its `base_model_pp_plan`, alone and with tp=2, and Horovod on one
+process (float64). Each
 backend's checkpoint, gathered to its dense form, exported as a Transformers folder, loads with `from_pretrained`
 alone and gives the trained model's logits; tp=2 holds about half of the Llama on each rank; bf16 (autocast, FSDP's
 mixed precision) trains it close to float32."""
@@ -63,8 +64,9 @@ def _train(rank: int, world_size: int, tmp: str, folder: str, backend: str) -> N
 
 def _train_and_compare(rank: int, world_size: int, tmp: str, folder: str, backend: str) -> None:
     """One epoch of `backend` (ddp | fsdp | fsdp_ac: with activation checkpointing | tp | fsdp_tp: fsdp with tp=2 |
-    fsdp_pp: fsdp with pp=2 | fsdp_pp_tp: both | deepspeed | lightning) on the model in `folder`; on rank 0 the loss curve and the dense checkpoint
-    against the single-process model, and the export of that checkpoint."""
+    fsdp_pp: fsdp with pp=2 | fsdp_pp_tp: both | deepspeed | lightning | horovod) on the model in `folder`; on
+    rank 0 the loss curve and the dense checkpoint against the single-process model, and the export of that
+    checkpoint."""
     from trainers import get_backend
     from trainers.adapter import WorkerData
     from trainers.torch import lightning_fit
@@ -135,6 +137,11 @@ def test_a_transformers_model_trains_as_the_single_process_one_and_exports(run_r
 def test_deepspeed_zero3_trains_a_transformers_model_as_the_single_process_one(own_ranks: RankPools,
                                                                              tmp_path: Path) -> None:
     own_ranks(_train, 2, str(tmp_path), str(save_tiny("bert", tmp_path / "bert")), "deepspeed")
+
+
+def test_horovod_trains_a_transformers_model_as_the_single_process_one(own_ranks: RankPools, tmp_path: Path) -> None:
+    """Horovod (PyTorch) as a lone process (size 1: no rendezvous), in processes of its own (Horovod's state)."""
+    own_ranks(_train, 1, str(tmp_path), str(save_tiny("llama", tmp_path / "llama")), "horovod")
 
 
 def _tp_halves(rank: int, world_size: int, folder: str) -> None:
