@@ -95,6 +95,20 @@ def test_a_decoders_pipeline_stages_in_a_row_give_its_logits(llama: Path) -> Non
         torch.testing.assert_close(last(first(ids, mask), mask), model(ids, mask), rtol=1e-6, atol=1e-6)
 
 
+def test_a_regression_table_gets_a_head_of_one_value(llama: Path) -> None:
+    """A table prepared with `--task regression`: one output per row, Transformers' regression problem type."""
+    from dataclasses import replace
+
+    from contract.data import Target
+    from trainers.models import build_model
+
+    schema = replace(imdb_schema(64, 16), target=Target("label", "regression", ()))
+    model = build_model(load_config(["model=hf", f"model.path={llama}"]).model, schema)
+    ids = torch.randint(1, 64, (3, 16))
+    assert model(ids, torch.ones(3, 16, dtype=torch.bool)).shape == (3, 1)
+    assert model.hf.config.problem_type == "regression" and model.hf.config.id2label == {0: "value"}
+
+
 def test_the_data_must_fit_the_models_vocabulary_and_positions(bert: Path) -> None:
     _check(bert, inputs=imdb_schema(64, 32))
     with pytest.raises(ValueError, match=r"^model\.path: the data's token ids go up to 99; the model's vocabulary "
