@@ -1,11 +1,12 @@
 """A worker's rows of a split streamed from its Parquet files (`data.cache_in_worker=false`), in the epoch's order of
-contract/stream_order.py: Ray Data's tasks (anywhere in the cluster, a few blocks ahead) read each file, keep the
-rows this rank trains (`RankPart`: every task computes them from the epoch's order, as the worker does), make them
-the dtypes workers hold and augment training rows (`RowPrep`); the worker puts one window's rows in their order and
-hands out its part of each global batch. Its memory is its part of a window and Ray Data's prefetched blocks,
-whatever the dataset's size; what a rank receives, holds and augments shrinks with the data-parallel ranks, though
-each rank's tasks still read every file. Length bucketing orders a window by its rows' lengths, known only once
-read: a bucketed rank receives the whole window and augments its rows itself.
+contract/stream_order.py: Ray Data's tasks (anywhere in the cluster, a few blocks ahead) take each file, work out
+the rows this rank trains of it (`RankPart`: every task computes them from the epoch's order, as the worker does),
+read the file only when there are some, make them the dtypes workers hold and augment training rows (`RowPrep`);
+the worker puts one window's rows in their order and hands out its part of each global batch. Its memory is its
+part of a window and Ray Data's prefetched blocks, whatever the dataset's size; what a rank reads, receives, holds
+and augments shrinks with the data-parallel ranks (a rank's part of a batch comes from its slice of the window's
+files). Length bucketing orders a window by its rows' lengths, known only once read: a bucketed rank reads and
+receives the whole window and augments its rows itself.
 
 Framework-free: batches are {column: numpy array}; trainers/torch/data.py and trainers/tf/data.py make them
 tensors."""
@@ -90,7 +91,7 @@ class RankPart:
         spans = [rank_rows(step, batch, self.order.total_rows, self.dp, self.dp_rank)
                  for step in range(low // batch, (high - 1) // batch + 1)] if low < high else []
         positions = np.concatenate([np.arange(max(a, low), min(b, high)) for a, b in spans] or [np.zeros(0, int)])
-        read_at = self.order.window_order(epoch, window, index)[positions - window.start]
+        read_at = self.order.window_order(epoch, window, index, batch)[positions - window.start]
         by_read = np.argsort(read_at, kind="stable")
         return read_at[by_read], positions[by_read]
 
@@ -184,17 +185,37 @@ def _read_files(batch: Any, columns: list[str], part: RankPart | None, prep: Row
     import pyarrow.parquet as pq
     from ray.data.block import BlockAccessor
 
-    def numpy_rows(table: pa.Table, rows: np.ndarray | None) -> Columns:  # selected before Arrow's conversion
-        return BlockAccessor.for_block(table if rows is None else table.take(rows)).to_numpy()
+    def numpy_rows(path: str, rows: np.ndarray | None) -> Columns:  # selected before Arrow's conversion
+        table = pq.read_table(path, columns=columns) if rows is None else read_rows(path, rows, columns)
+        return BlockAccessor.for_block(table).to_numpy()
 
     blocks = []
-    for item in batch.to_pylist():
-        table = pq.read_table(item["path"], columns=columns)
-        block = file_rows(functools.partial(numpy_rows, table), FileRead(**item), part, prep)
+    for item in batch.to_pylist():  # a file this rank takes no row of is not read
+        block = file_rows(functools.partial(numpy_rows, item["path"]), FileRead(**item), part, prep)
         blocks += [block] if block else []
     if not blocks:
         return pa.table({})  # an empty block, which the worker passes over
     return {c: np.concatenate([block[c] for block in blocks]) for c in blocks[0]}
+
+
+def read_rows(path: str, rows: np.ndarray, columns: list[str]) -> Any:
+    """The Parquet file's `rows` (ascending indices) of `columns`, as a pyarrow Table: only the row groups that hold
+    them are read (a rank's rows of a file lie in one slice of it: contract/stream_order.py)."""
+    import pyarrow.parquet as pq
+
+    file = pq.ParquetFile(path)
+    sizes = [file.metadata.row_group(g).num_rows for g in range(file.num_row_groups)]
+    groups, at = row_groups_of(sizes, rows)
+    return file.read_row_groups(groups, columns=columns).take(at)
+
+
+def row_groups_of(sizes: list[int], rows: np.ndarray) -> tuple[list[int], np.ndarray]:
+    """(The row groups of `sizes` rows each that hold `rows`, ascending; each row's index among those groups' rows.)"""
+    starts = np.cumsum([0, *sizes])
+    group = np.searchsorted(starts, rows, side="right") - 1
+    groups = np.unique(group)
+    read_starts = np.cumsum([0, *(sizes[g] for g in groups)])[:-1]  # each read group's first row among those read
+    return groups.tolist(), rows - starts[group] + read_starts[np.searchsorted(groups, group)]
 
 
 class StreamedRows:
@@ -286,7 +307,7 @@ class StreamedRows:
         `part`, its own rows; else (length bucketing) the whole window, ordered here by its rows' lengths."""
         if part is None:
             rows = filled.take(window.rows)
-            order = self.order.window_order(epoch, window, index, rows[self.bucket_column], self.global_batch)
+            order = self.order.window_order(epoch, window, index, self.global_batch, rows[self.bucket_column])
             return np.arange(window.start, window.start + window.rows), {c: v[order] for c, v in rows.items()}
         _, positions = part.of_window(epoch, index, window)
         if not len(positions):

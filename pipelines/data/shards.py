@@ -35,8 +35,18 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+ROW_GROUP_BYTES = 8 << 20  # about this much of a table in each Parquet row group
+
+
+def row_group_rows(table: pa.Table) -> int:
+    """Rows of a row group of about ROW_GROUP_BYTES: a streaming rank reads only the row groups it trains rows of
+    (trainers/streamed.py), so a file of many groups is read in part."""
+    return max(1, min(table.num_rows, ROW_GROUP_BYTES * table.num_rows // max(1, table.nbytes)))
+
+
 def write_split_shards(table: pa.Table, out_dir: Path, split: str, num_shards: int) -> list[dict]:
-    """Write `table` as `num_shards` near-equal Parquet files; return their manifest entries."""
+    """Write `table` as `num_shards` near-equal Parquet files (row groups of about ROW_GROUP_BYTES); return their
+    manifest entries."""
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     bounds = np.linspace(0, table.num_rows, num_shards + 1).astype(int)
@@ -44,7 +54,7 @@ def write_split_shards(table: pa.Table, out_dir: Path, split: str, num_shards: i
     for i in range(num_shards):
         name = f"{split}-{i:05d}-of-{num_shards:05d}.parquet"
         piece = table.slice(bounds[i], bounds[i + 1] - bounds[i])
-        pq.write_table(piece, out_dir / name)
+        pq.write_table(piece, out_dir / name, row_group_size=row_group_rows(piece))
         entries.append({"file": name, "rows": piece.num_rows})
     return entries
 

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from contract.data import PAD_ID, DataSchema, Features, Target
 from pipelines.data.idx import DataError
-from pipelines.data.shards import staged_output, write_manifest
+from pipelines.data.shards import row_group_rows, staged_output, write_manifest
 
 SPLITS = ("train", "validation", "test")
 
@@ -64,7 +64,7 @@ def prepare(args: argparse.Namespace) -> dict[str, Any]:
                 rng = np.random.default_rng([args.seed, 1 + index, number])
                 table = token_rows(rng, start, count, args) if tokens else numeric_rows(rng, start, count, rule)
                 name = f"{split}-{number:05d}-of-{-(-rows // args.rows_per_shard):05d}.parquet"
-                pq.write_table(table, stage / name)
+                pq.write_table(table, stage / name, row_group_size=row_group_rows(table))
                 shards.append({"file": name, "rows": count})
             splits[split] = {"rows": rows, "shards": shards}
         target = Target("label", "classification", tuple(str(c) for c in range(classes)))

@@ -50,8 +50,8 @@ def test_ray_data_hands_each_rank_its_part_of_the_same_global_batches(tmp_path, 
     one = global_batches(1)
     assert len(one) == 38 and sorted(np.concatenate(one).tolist()) == list(range(2400))  # 2400 = 37 x 64 + 32
     # What the order says, from the files read here: window by window, each in its permutation.
-    expected = np.concatenate([np.concatenate([on_disk[files.paths[f]] for f in w.files])[order.window_order(2, w, i)]
-                               for i, w in enumerate(order.windows(2))])
+    expected = np.concatenate([np.concatenate([on_disk[files.paths[f]] for f in w.files])
+                               [order.window_order(2, w, i, 64)] for i, w in enumerate(order.windows(2))])
     np.testing.assert_array_equal(np.concatenate(one), expected)
     for mine, theirs in zip(global_batches(2), one):
         np.testing.assert_array_equal(mine, theirs)

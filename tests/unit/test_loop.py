@@ -439,15 +439,14 @@ def test_stragglers_are_ranks_whose_own_time_exceeds_the_others_median():
 
 def test_checkpoints_inside_epochs_resume_at_their_step(tmp_path):
     """`run.checkpoint_every_n_steps=7`: a checkpoint of the half-done epoch every 7 steps since the last one (an
-    epoch's end counting as one), its report never a best one; a run restarted from one trains the rest of the
+    epoch's end counting as one), its report without an epoch's metrics; a run restarted from one trains the rest of the
     epoch, and its loss curve and epoch metrics are the uninterrupted run's."""
     run = lambda ctx: TrainLoop(LineAdapter(), replace(ctx, checkpoint_every_n_steps=7)).run()  # noqa: E731
     straight = run_attempt(run, 0, 1, 2, tmp_path / "straight")
     inside = {(int(report["checkpoint_at_epoch"]), int(report["checkpoint_at_step"])): number
               for number, report in enumerate(straight.reports, 1) if "checkpoint_at_step" in report}
     assert list(inside) == [(1, 7), (1, 14), (1, 21), (2, 7), (2, 14), (2, 21)]  # 25 steps an epoch
-    worst = Monitor("test_accuracy").worst()
-    assert {straight.reports[number - 1]["test_accuracy"] for number in inside.values()} == {worst}
+    assert not any("test_accuracy" in straight.reports[number - 1] for number in inside.values())  # no epoch's
     for epoch in (1, 2):  # what they held training up, apart from the epoch end's checkpoint
         assert straight.recorder.extras[epoch]["step_checkpoints"] == 3
         taken_s = straight.recorder.extras[epoch]["step_checkpoints_s"]

@@ -84,7 +84,7 @@ def test_windows_are_whole_files_of_at_least_the_buffer_and_the_order_without_sh
     assert all(w.rows >= 100 for w in windows[:-1]) and sum(w.rows for w in windows) == 365
     assert [w.start for w in windows] == np.cumsum([0] + [w.rows for w in windows[:-1]]).tolist()
     plain = StreamOrder(FILE_ROWS, 100, seed=5, shuffle=False)
-    rows = np.concatenate([np.arange(w.start, w.start + w.rows)[plain.window_order(1, w, i)]
+    rows = np.concatenate([np.arange(w.start, w.start + w.rows)[plain.window_order(1, w, i, 24)]
                            for i, w in enumerate(plain.windows(1))])
     np.testing.assert_array_equal(rows, np.arange(365))
 
@@ -120,3 +120,39 @@ def test_a_streamed_epoch_has_the_steps_of_the_same_data_held_in_memory():
         for dp in (1, 2, 3, 4):
             for batch in (1, 5, 8, 32):
                 assert epoch_steps(rows, batch * dp, dp) == -(-(rows // dp) // batch), (rows, dp, batch)
+
+
+def test_a_rank_reads_about_its_share_of_each_window_in_row_groups(tmp_path):
+    """Each global batch's part of a window is drawn one row per slice of the window and put in read order, so rank
+    r's part comes from the r-th slice; its read tasks read only the Parquet row groups holding its rows
+    (`read_rows`). 4 files of 600 rows in row groups of 50, windows of 2 files, a global batch of 64: every row
+    trained once an epoch, at 1 rank the data read once, at 4 ranks under 1.6 times (each rank reading every file
+    would be 4 times; the excess is row groups shared by two ranks' slices and the parts of batches that run from
+    one window into the next)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from trainers.streamed import file_rows, read_rows, row_groups_of
+
+    paths = [str(tmp_path / f"f{i}.parquet") for i in range(4)]
+    for i, path in enumerate(paths):
+        pq.write_table(pa.table({"row": np.arange(600 * i, 600 * (i + 1))}), path, row_group_size=50)
+
+    def counted(tally: list[int]):
+        def read(reads, columns, part, prep):
+            for file in reads:
+                def take(rows, path=file.path):
+                    groups, _ = row_groups_of([50] * 12, rows)
+                    tally.append(50 * len(groups))
+                    return {"row": read_rows(path, rows, columns).column("row").to_numpy()}
+                yield file_rows(take, file, part, prep)
+        return read
+
+    for dp, bound in ((1, 1.0), (4, 1.6)):
+        tally, trained = [], []
+        for rank in range(dp):
+            rows = StreamedRows(SplitFiles(paths, [600] * 4), ["row"], StreamOrder([600] * 4, 1200, seed=1), 64 // dp,
+                                dp, rank, read=counted(tally))
+            trained += [batch["row"] for batch in rows.epoch(1)]
+        assert sorted(np.concatenate(trained).tolist()) == list(range(2400))
+        assert sum(tally) <= bound * 2400, (dp, sum(tally))
