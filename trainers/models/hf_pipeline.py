@@ -7,8 +7,8 @@ A stage is the whole model with what other stages hold removed, as for any model
 through, the norm an identity and the head gone before the last stage; every weight keeps its dense name. Each
 stage runs the base model's own forward (rotary positions and the causal mask built from the padding mask every
 stage receives; later stages are given `inputs_embeds`). The last stage pools each row's last real token itself:
-Transformers finds it from the token ids, which only the first stage has; the mask names the same token (the last
-one before the row's trailing padding).
+Transformers finds it from the token ids (the last one that is not id 0), which only the first stage has; the mask
+names the same token unless a row's last real token is itself id 0.
 
 Architectures split here: decoders whose plan is (embedding, layers, norm), whose base model holds no other weights
 (GPT-2's position embeddings, added to `inputs_embeds` on every call, rule it out), with Transformers' `score`
