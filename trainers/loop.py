@@ -154,11 +154,12 @@ class TrainLoop:
 
     def steps_in_call(self, epoch: int, done: int) -> int:
         """How many steps the adapter's next call trains: its `steps_per_call`, ending where the ranks may stop or
-        checkpoint."""
+        checkpoint, or before a step a callback acts at (a fault injected at that step)."""
         per_call = self.adapter.steps_per_call
         if per_call == 1:
             return 1
-        return min(per_call, self.checks.steps_to_next(done, self.global_step(epoch, done)))
+        boundary = self.callbacks.steps_to_boundary(self.global_step(epoch, done + 1)) or per_call
+        return min(per_call, self.checks.steps_to_next(done, self.global_step(epoch, done)), boundary)
 
     def after_steps(self, epoch: int, totals: EpochTotals, started: float) -> bool:
         """At an update boundary: checkpoint the half-done epoch where one is due (its training time counted from

@@ -153,6 +153,32 @@ def test_rank0_shows_each_epochs_steps_on_a_bar_a_resumed_epoch_from_its_stop(tm
                                                                  ("train epoch 2/2", 25, True)]
 
 
+def test_a_call_of_several_steps_ends_before_a_step_a_callback_acts_at(tmp_path):
+    """An adapter training 4 steps a call (a compiled TF loop's) begins a call at the step a fault is injected at
+    (`FaultInjection.steps_to_boundary`), so it fires at that very step; the other calls stay 4 steps long."""
+    from omegaconf import OmegaConf
+
+    from trainers.callbacks.base import LoopCallback
+    from trainers.callbacks.faults import FaultInjection
+
+    class CallStarts(LoopCallback):
+        def __init__(self):
+            self.starts: list[int] = []
+
+        def on_step_start(self, epoch: int, step: int) -> None:
+            self.starts.append(step)
+
+    fault = OmegaConf.create({"inject_at_step": 7, "inject_hang_at_step": None, "inject_at_epoch": None,
+                              "inject_marker": str(tmp_path / "marker")})
+    injection = FaultInjection(fault, 0, 2)  # rank 0 of 2: the fault is the last rank's, so it never fires here
+    assert (injection.steps_to_boundary(5), injection.steps_to_boundary(7)) == (2, None)
+    adapter, starts = LineAdapter(steps=13), CallStarts()
+    adapter.steps_per_call = 4
+    run = lambda ctx: TrainLoop(adapter, with_callbacks(ctx, injection, starts)).run()  # noqa: E731
+    assert run_attempt(run, 0, 1, 1, tmp_path / "a").finished
+    assert starts.starts == [1, 5, 7, 11]
+
+
 def test_rank0_logs_where_the_startup_went_once_after_its_first_step(tmp_path):
     """`startup.*` (contract/startup.py): the driver's and the workers' parts from the marks, the data part from
     the adapter's load time, the model part up to the loop, the first step; logged once, at epoch 1, summing to

@@ -23,6 +23,11 @@ class LoopCallback:
     def on_step_start(self, epoch: int, step: int) -> None:
         """The run's global step `step` (1-based, over epochs) is about to be trained."""
 
+    def steps_to_boundary(self, step: int) -> int | None:
+        """Steps from the run's global step `step` (about to be trained) to a later step that must begin an
+        adapter's call of several steps, because this callback acts before it is trained; None: none."""
+        return None
+
     def on_steps_end(self, epoch: int, done: int, count: int) -> None:
         """`count` more steps were trained (one call of the adapter, or of Keras' compiled steps); `done` of the
         epoch's so far."""
@@ -61,6 +66,10 @@ class Callbacks(LoopCallback):
     on_steps_end = _on_each("on_steps_end")
     on_epoch_trained = _on_each("on_epoch_trained")
     on_diverged = _on_each("on_diverged")
+
+    def steps_to_boundary(self, step: int) -> int | None:
+        ahead = [steps for callback in self.callbacks if (steps := callback.steps_to_boundary(step)) is not None]
+        return min(ahead, default=None)
 
     def epoch_extras(self, epoch: int, metrics: dict[str, float]) -> dict[str, float]:
         extras: dict[str, float] = {}

@@ -22,6 +22,12 @@ class FaultInjection(LoopCallback):
     def on_epoch_start(self, epoch: int, done: int) -> None:
         maybe_inject_failure(self.fault, epoch, self.rank, self.world_size)
 
+    def steps_to_boundary(self, step: int) -> int | None:
+        """A call of several steps ends before a step a fault is injected at, so that it fires at that step."""
+        ahead = [at - step for at in (self.fault.inject_at_step, self.fault.inject_hang_at_step)
+                 if at is not None and at > step]
+        return min(ahead, default=None)
+
     def on_step_start(self, epoch: int, step: int) -> None:
         if self.fault.inject_at_step == step:
             maybe_inject_failure_at_step(self.fault, step, self.rank, self.world_size)
