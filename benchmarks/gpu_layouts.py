@@ -41,18 +41,15 @@ def layout_config(folder: Path, overrides: list[str], device: torch.device) -> D
                            "trainer.optimizer=adamw", f"trainer.use_gpu={device.type == 'cuda'}", *overrides])
 
 
-def build(cfg: DictConfig, data: Callable, device: torch.device) -> Any:
+def build(cfg: DictConfig, data: Callable, device: torch.device, inputs: Any = MODEL_INPUTS) -> Any:
     """The backend's adapter on this one rank, as its worker builds it (ddp's model in DDP, as on a worker of
-    several)."""
+    several), on data of schema `inputs`."""
+    from trainers import get_backend
     from trainers.adapter import WorkerData
     from trainers.context import WorkerContext
-    from trainers.torch import ddp as torch_ddp
-    from trainers.torch import fsdp as torch_fsdp
-    from trainers.torch import tp as torch_tp
 
     ctx = WorkerContext(rank=0, world_size=1, report=lambda metrics, folder: None, epochs=1, device=device)
-    backend = {"ddp": torch_ddp, "fsdp": torch_fsdp, "tp": torch_tp}[cfg.trainer.backend]
-    adapter = backend.build_adapter(cfg, ctx, WorkerData(MODEL_INPUTS, data))
+    adapter = get_backend(cfg.trainer).build_adapter(cfg, ctx, WorkerData(inputs, data))
     if cfg.trainer.backend == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
