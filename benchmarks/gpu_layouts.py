@@ -82,6 +82,17 @@ def step_times(cfg: DictConfig, steps: int, device: torch.device) -> tuple[float
     return (time.perf_counter() - wall) * 1e3 / steps, (time.process_time() - cpu) * 1e3 / steps
 
 
+def one_rank_group(device: torch.device, folder: str) -> None:
+    """This process as the one rank of a process group: NCCL on a GPU (as Ray Train makes for one GPU worker), gloo
+    on the CPU; `folder` holds the rendezvous file."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", init_method=f"file://{folder}/rendezvous", rank=0, world_size=1,
+                                device_id=device)
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=0, world_size=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
@@ -89,12 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     with tempfile.TemporaryDirectory() as tmp:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-            dist.init_process_group("nccl", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1,
-                                    device_id=device)
-        else:
-            dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
+        one_rank_group(device, tmp)
         walls = {}
         for model, model_keys in MODELS.items():
             for layout, keys in LAYOUTS.items():

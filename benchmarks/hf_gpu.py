@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from benchmarks.gpu_layouts import build
+from benchmarks.gpu_layouts import build, one_rank_group
 from contract.mfu import peak_flops
 from pipelines.data.imdb import imdb_schema
 from tests.support.loop_harness import config
@@ -110,12 +110,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "llama"
         save_llama(folder, sizes)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-            dist.init_process_group("nccl", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1,
-                                    device_id=device)
-        else:
-            dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
+        one_rank_group(device, tmp)
         from trainers.model_flops import flops_per_sample
 
         base = ["data=imdb", "model=hf", f"model.path={folder}", "trainer.num_workers=1", f"trainer.batch_size={BATCH}",

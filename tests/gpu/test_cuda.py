@@ -175,27 +175,35 @@ def test_fsdp_over_nccl_on_the_gpu_trains_the_dense_model(nccl, tmp_path):
     step 20 on an H200) and fall; the sharded checkpoint exports dense float32 weights. The text shard is cached on
     the GPU and batched by length, as a GPU worker's Ray Data shard is (a `use_gpu` IMDb run failed there once: its
     attention mask and length buckets were built on the CPU)."""
+    keys = ["model=bert_tiny", "model.hidden=32", "model.heads=2", "model.dropout=0", "trainer.lr=0.002"]
+    curves, dense = fsdp_in_both_precisions(keys, tmp_path)
+    np.testing.assert_allclose(curves["fp32"], dense, rtol=1e-4, atol=1e-4)
+    assert not np.array_equal(curves["bf16"], curves["fp32"])
+    np.testing.assert_allclose(curves["bf16"][:15], curves["fp32"][:15], rtol=0, atol=0.01)
+    assert curves["bf16"][-5:].mean() < curves["bf16"][:5].mean()
+
+
+def fsdp_in_both_precisions(keys: list[str], tmp_path) -> tuple[dict[str, np.ndarray], list[float]]:
+    """FSDP's worker on the GPU for one epoch of an IMDb-shaped text shard cached there (64 ids, 16 tokens, batch 16,
+    AdamW with clipping; `keys`: the model and its learning rate), in fp32 and in bf16, each checkpoint exporting
+    dense float32 weights; and the step losses of the dense model trained on the CPU on the same batches."""
     from trainers.adapter import WorkerData
     from trainers.torch.fsdp import FSDP
 
     model_inputs = imdb_schema(64, 16)
     data, cpu_data = (batches(imdb_columns(320, 64, 16), imdb_columns(64, 64, 16, seed=1), "imdb", 16, device)
                       for device in (CUDA, torch.device("cpu")))
-    keys = ["trainer=fsdp", "data=imdb", "model=bert_tiny", "model.hidden=32", "model.heads=2", "model.dropout=0",
-            "trainer.batch_size=16", "trainer.lr=0.002", "trainer.epochs=1", "trainer.num_workers=1",
+    keys = ["trainer=fsdp", "data=imdb", *keys, "trainer.batch_size=16", "trainer.epochs=1", "trainer.num_workers=1",
             "trainer.optimizer=adamw", "trainer.weight_decay=0.01", "trainer.grad_clip=0.5", "trainer.use_gpu=true"]
     curves = {}
     for precision in ("fp32", "bf16"):
         cfg = config(tmp_path / precision, [*keys, f"trainer.precision={precision}"])
         run = lambda ctx: FSDP().run_worker(cfg, replace(ctx, device=CUDA), WorkerData(model_inputs, data))  # noqa: E731
         attempt = run_attempt(run, 0, 1, 1, tmp_path / precision / "run")
-        curves[precision] = attempt.recorder.curve()
+        curves[precision] = np.asarray(attempt.recorder.curve())
         assert {v.dtype for v in FSDP().dense_state(str(attempt.checkpoint)).values()} == {torch.float32}
     dense, _ = dense_training(config(tmp_path / "dense", keys), model_inputs, [cpu_data(cfg.run.seed)[0]])
-    np.testing.assert_allclose(curves["fp32"], dense, rtol=1e-4, atol=1e-4)
-    assert not np.array_equal(curves["bf16"], curves["fp32"])
-    np.testing.assert_allclose(curves["bf16"][:15], curves["fp32"][:15], rtol=0, atol=0.01)
-    assert curves["bf16"][-5:].mean() < curves["bf16"][:5].mean()
+    return curves, dense
 
 
 @pytest.mark.parametrize("impl", ["megatron", "dtensor"])
@@ -285,24 +293,9 @@ def test_a_transformers_model_trains_on_the_gpu_in_float32_and_bf16(nccl, tmp_pa
     dense CPU model's step losses within float tolerance; bf16 (FSDP's mixed precision) differs from float32 and
     follows it within 0.01 for 10 steps, and the sharded checkpoint exports dense float32 weights."""
     from tests.support.hf_models import save_tiny
-    from trainers.adapter import WorkerData
-    from trainers.torch.fsdp import FSDP
 
     folder = save_tiny("llama", tmp_path / "llama")
-    model_inputs = imdb_schema(64, 16)
-    data, cpu_data = (batches(imdb_columns(320, 64, 16), imdb_columns(64, 64, 16, seed=1), "imdb", 16, device)
-                      for device in (CUDA, torch.device("cpu")))
-    keys = ["trainer=fsdp", "data=imdb", "model=hf", f"model.path={folder}", "trainer.batch_size=16",
-            "trainer.lr=0.003", "trainer.epochs=1", "trainer.num_workers=1", "trainer.optimizer=adamw",
-            "trainer.weight_decay=0.01", "trainer.grad_clip=0.5", "trainer.use_gpu=true"]
-    curves = {}
-    for precision in ("fp32", "bf16"):
-        cfg = config(tmp_path / precision, [*keys, f"trainer.precision={precision}"])
-        run = lambda ctx: FSDP().run_worker(cfg, replace(ctx, device=CUDA), WorkerData(model_inputs, data))  # noqa: E731
-        attempt = run_attempt(run, 0, 1, 1, tmp_path / precision / "run")
-        curves[precision] = attempt.recorder.curve()
-        assert {v.dtype for v in FSDP().dense_state(str(attempt.checkpoint)).values()} == {torch.float32}
-    dense, _ = dense_training(config(tmp_path / "dense", keys), model_inputs, [cpu_data(cfg.run.seed)[0]])
+    curves, dense = fsdp_in_both_precisions(["model=hf", f"model.path={folder}", "trainer.lr=0.003"], tmp_path)
     np.testing.assert_allclose(curves["fp32"], dense, rtol=1e-4, atol=1e-4)
     assert not np.array_equal(curves["bf16"], curves["fp32"])
     np.testing.assert_allclose(curves["bf16"][:10], curves["fp32"][:10], rtol=0, atol=0.01)
