@@ -1,7 +1,9 @@
 """Facts about the prepared datasets that training code needs (the preparation itself is pipelines/data/)."""
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -146,3 +148,16 @@ def bucketed_order(order: np.ndarray, lengths: np.ndarray, batch_size: int, seed
     batches = rows[:full * batch_size].reshape(full, batch_size)
     shuffled = batches[np.random.default_rng([seed, 1]).permutation(full)]  # not the generator of `order`
     return np.concatenate([shuffled.ravel(), rows[full * batch_size:]])
+
+
+MANIFEST = "manifest.json"  # in a prepared dataset's folder: its splits' files and row counts, schema, tokenizer
+
+
+def manifest_json(data_dir: str | Path) -> dict[str, Any]:
+    """The manifest of the dataset prepared in `data_dir`, as JSON; {} where there is none or it is no JSON object
+    (the checks before training say what is wrong with it: pipelines/data/shards.py `read_manifest`)."""
+    try:
+        loaded = json.loads((Path(data_dir) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}

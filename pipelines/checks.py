@@ -19,7 +19,7 @@ from contract import recipe
 from contract.checkpoint import STATE_FILE, checkpoint_mismatch
 from contract.checks import ConfigError, choice, installed
 from contract.config import layout_of
-from contract.data import DataSchema
+from contract.data import MANIFEST, DataSchema, manifest_json
 from contract.metrics import metric_names
 from contract.progress import PROGRESS_SETTINGS
 from contract.registry import DATASETS, MODELS, ModelSpec, resolve
@@ -151,12 +151,12 @@ def unwritable_folder(path: Path) -> str | None:
 
 def read_data_schema(data: DictConfig) -> DataSchema:
     """The prepared dataset's features and target, from its manifest (read, not its shards: `fit` checks those)."""
-    manifest = Path(data.path) / "manifest.json"
+    manifest = Path(data.path) / MANIFEST
     if not manifest.is_file():
-        raise ConfigError(f"data.path: no prepared dataset at '{data.path}' (missing manifest.json); "
+        raise ConfigError(f"data.path: no prepared dataset at '{data.path}' (missing {MANIFEST}); "
                           f"{prepare_hint(data)}")
     try:  # a manifest from before manifests named their layout: the dataset's the config names (mnist, imdb)
-        return data_schema({"dataset": data.name, **_manifest_json(manifest)})
+        return data_schema({"dataset": data.name, **manifest_json(data.path)})
     except (KeyError, TypeError, ValueError) as err:
         raise ConfigError(f"data.path: {manifest} does not describe its features and target ({err}); prepare it "
                           f"again with `rtp prepare`") from err
@@ -198,18 +198,7 @@ def check_data(cfg: DictConfig, inputs: DataSchema) -> None:
         raise ConfigError(f"data.augment: model '{spec.name}' has no augmentation (a model spec's `augment`; "
                           f"models with one: {', '.join(having) or 'none'})")
     choice("run", "monitor", cfg.run.monitor, metric_names(task, text=features == "tokens"))
-    _check_steps_fit(cfg, _manifest_json(Path(cfg.data.path) / "manifest.json"))
-
-
-def _manifest_json(path: Path) -> dict:
-    """The manifest as JSON, or {} when it is not (the data checks before training name what is wrong)."""
-    import json
-
-    try:
-        loaded = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return loaded if isinstance(loaded, dict) else {}
+    _check_steps_fit(cfg, manifest_json(cfg.data.path))
 
 
 def _check_data_reading(data: DictConfig) -> None:

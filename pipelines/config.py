@@ -8,7 +8,6 @@ exit with code 2.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -18,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from contract.config import layout_of, schema, worker_resources
-from contract.data import DataSchema
+from contract.data import DataSchema, manifest_json
 from contract.metrics import eval_metric
 from contract.registry import BACKENDS, DATASETS, MODELS, RegistryError, entry_point_plugins, load_plugins, resolve
 import pipelines.data  # noqa: F401  (registers the built-in datasets)
@@ -230,18 +229,14 @@ def checked_values(overrides: list[str]) -> DictConfig:
 def default_eval_split(data: DictConfig) -> str:
     """The split a run evaluates each epoch on unless told: `validation` where the prepared data has one (the test
     split stays unseen by model selection), else `test`."""
-    try:
-        splits = json.loads((Path(data.path) / "manifest.json").read_text()).get("splits", {})
-    except (OSError, ValueError, AttributeError):
-        splits = {}
-    return "validation" if "validation" in splits else "test"
+    return "validation" if "validation" in manifest_json(data.path).get("splits", {}) else "test"
 
 
 def shard_bytes(cfg: DictConfig, inputs: DataSchema) -> int:
     """The bytes of a worker's part of the train split held in memory: what `data.cache_in_worker=auto` weighs
     against `data.cache_max_bytes`."""
-    splits = json.loads((Path(cfg.data.path) / "manifest.json").read_text()).get("splits", {})
-    rows = splits.get("train", {}).get("rows", 0)  # (a manifest without row counts: checked when the run reads it)
+    # (a manifest without row counts: checked when the run reads it)
+    rows = manifest_json(cfg.data.path).get("splits", {}).get("train", {}).get("rows", 0)
     return rows * inputs.row_bytes() // layout_of(cfg.trainer).epoch_ranks
 
 

@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
 from contract.augment import sample_keys
-from contract.data import DataSchema
+from contract.data import DataSchema, manifest_json
 from contract.registry import Ref, load_plugins, plugin_roots, ref_name, resolve
 from contract.stream_order import StreamOrder, Window, epoch_steps, rank_rows
 from trainers.models import augment_ref
@@ -47,7 +45,7 @@ class SplitFiles:
     @classmethod
     def of_split(cls, data_dir: str, split: str) -> "SplitFiles":
         """The split's files of the dataset prepared in `data_dir`, from its manifest."""
-        return cls.from_manifest(data_dir, json.loads((Path(data_dir) / "manifest.json").read_text()), split)
+        return cls.from_manifest(data_dir, manifest_json(data_dir), split)
 
 
 def ray_data_parallel(group: int = 1) -> tuple[int, int]:

@@ -20,11 +20,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from contract.data import MANIFEST
 from contract.tracking import DatasetRef
 from pipelines.data import data_schema
 from pipelines.data.idx import DataError
 
-MANIFEST = "manifest.json"
 
 
 def sha256_of(path: Path) -> str:

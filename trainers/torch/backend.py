@@ -6,7 +6,6 @@ checkpoint's dense model is logged to MLflow in the PyTorch flavour, taking the 
 it."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from contract.checkpoint import TrainState
-from contract.data import DataSchema
+from contract.data import DataSchema, manifest_json
 from contract.mfu import peak_flops
 from trainers.adapter import Adapter
 from trainers.backend import Backend
@@ -121,7 +120,7 @@ def log_exported_model(tracking_uri: str, run_id: str, cfg: DictConfig, model: n
 def data_tokenizer(data_dir: str) -> str | None:
     """The tokenizer (JSON text) the data prepared in `data_dir` was tokenised with (its manifest's `tokenizer`
     file), or None for data without one."""
-    name = json.loads((Path(data_dir) / "manifest.json").read_text()).get("tokenizer")
+    name = manifest_json(data_dir).get("tokenizer")
     return (Path(data_dir) / name).read_text() if name else None
 
 
