@@ -126,7 +126,7 @@ def fit_backend(cfg: DictConfig, run_id: str, uri: str, callbacks: list | None =
         raise RuntimeError("training ended without a checkpoint")
     stopped = stopped_at(result.metrics)
     if stopped is None:
-        checkpoint, epoch = final_checkpoint(result, cfg.run.final_model)
+        checkpoint, epoch = final_checkpoint(result, cfg.run.final_model, cfg.run.resume_from)
         log_final_model(backend, cfg, run_id, uri, checkpoint, inputs, {"final_model_epoch": str(epoch)})
     return stopped
 
@@ -194,18 +194,25 @@ def checkpoint_state(checkpoint: Any) -> TrainState:
         return TrainState.read(directory)
 
 
-def final_checkpoint(result: Any, final_model: str) -> tuple[Any, int]:
+def final_checkpoint(result: Any, final_model: str, resumed_from: str | None = None) -> tuple[Any, int]:
     """The checkpoint whose model the run logs, and its epoch: the last epoch's, or (`run.final_model=best`) the
-    best epoch's by `run.monitor`, which the loop records and trainers/keep_best.py keeps beside Ray Train's."""
+    best epoch's by `run.monitor`, which the loop records and trainers/keep_best.py keeps beside Ray Train's. A run
+    started from another run's checkpoint (`resumed_from`) that never did better has its best epoch there: that
+    checkpoint itself, or the best one kept beside it."""
     from ray.train import Checkpoint
 
     last = checkpoint_state(result.checkpoint)
     if final_model == "last" or last.best_epoch in (0, last.epoch):
         return result.checkpoint, last.epoch
-    best = Path(result.checkpoint.path).parent / BEST_CHECKPOINT
-    if (best / STATE_FILE).is_file() and TrainState.read(best).epoch == last.best_epoch:
-        return Checkpoint(str(best)), last.best_epoch
-    raise RuntimeError(f"the checkpoint of the best epoch ({last.best_epoch}) is not in {best}; "
+    places = [Path(result.checkpoint.path).parent / BEST_CHECKPOINT]
+    if resumed_from:
+        places += [Path(resumed_from), Path(resumed_from).parent / BEST_CHECKPOINT]
+    for place in places:
+        if (place / STATE_FILE).is_file():
+            state = TrainState.read(place)
+            if state.epoch == last.best_epoch and state.partial is None:
+                return Checkpoint(str(place)), last.best_epoch
+    raise RuntimeError(f"the checkpoint of the best epoch ({last.best_epoch}) is not in {places[0]}; "
                        f"set run.final_model=last to log the last epoch's model")
 
 

@@ -154,7 +154,8 @@ def test_the_best_epochs_checkpoint_is_kept_beside_rays_last_ones_and_logged(tmp
     that is the best so far into the run's `best_checkpoint/`, in place of the one before; a worse epoch's, a
     step's or a stop's leaves it, and it outlives Ray Train deleting the folder it came from.
     `pipelines.fit.final_checkpoint` logs the model from there (`run.final_model=best`) unless the best epoch is
-    the last, and fails in one line when it is gone."""
+    the last, or from the checkpoint a run was started from when its best epoch is that one; it fails in one line
+    when the best epoch's checkpoint is gone."""
     import shutil
 
     from ray.train import Checkpoint, Result
@@ -193,3 +194,9 @@ def test_the_best_epochs_checkpoint_is_kept_beside_rays_last_ones_and_logged(tmp
     shutil.rmtree(best)
     with pytest.raises(RuntimeError, match=r"the checkpoint of the best epoch \(2\) is not in .*best_checkpoint"):
         final_checkpoint(result, "best")
+    # A run started from another run's epoch 2 (`run.resume_from`), never better since: its best epoch is there.
+    source = tmp_path / "run-y" / "checkpoint_2"
+    source.mkdir(parents=True)
+    TrainState(epoch=2, metrics={}, best_epoch=2, best_value=0.9).write(source)
+    chosen, epoch = final_checkpoint(result, "best", resumed_from=str(source))
+    assert (chosen.path, epoch) == (str(source), 2)
