@@ -179,7 +179,10 @@ def test_a_node_the_preflight_finds_at_fault_is_left_out_of_the_run_and_of_the_r
     wait_until(lambda: live.get_metric_history(run_id, "train_loss"), 600, "the first epoch to be logged")
     subprocess.run(["scancel", "--batch", "--signal=TERM", job], env=slurm, check=True)
     try:
-        wait_until(lambda: job_info(slurm, job).get("ExcNodeList") == "n2", 600, "the job requeued without n2")
+        def requeued() -> bool:  # excluding n2, its old allocation released (COMPLETING until then)
+            info = job_info(slurm, job)
+            return info.get("ExcNodeList") == "n2" and info.get("JobState") != "COMPLETING"
+        wait_until(requeued, 600, "the job requeued without n2")
         info = job_info(slurm, job)
     finally:
         subprocess.run(["scancel", job], env=slurm)
