@@ -27,7 +27,7 @@ import torch.distributed as dist
 from benchmarks.gpu_layouts import build, one_rank_group
 from contract.mfu import peak_flops
 from pipelines.data.imdb import imdb_schema
-from tests.support.loop_harness import config
+from tests.support.loop_harness import config, imdb_columns
 
 LARGE = {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
          "num_attention_heads": 12, "num_key_value_heads": 12, "max_position_embeddings": 512}
@@ -42,16 +42,6 @@ def save_llama(folder: Path, sizes: dict[str, int]) -> None:
 
     torch.manual_seed(0)
     LlamaModel(LlamaConfig(**sizes)).save_pretrained(folder)
-
-
-def full_rows(count: int, vocab: int, tokens: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """Token rows with every position a real token (what the FLOP count assumes)."""
-    rng = np.random.default_rng(seed)
-    labels = rng.integers(0, 2, size=count)
-    ids = rng.integers(5, vocab, size=(count, tokens))
-    ids[:, 0] = 5 + labels
-    return {"input_ids": ids.astype(np.int32), "length": np.full(count, tokens, np.int32),
-            "label": labels.astype(np.int64), "id": np.arange(count, dtype=np.int64)}
 
 
 def timed(step: Callable[[Any], float], batches: list[Any], device: torch.device) -> float:
@@ -106,7 +96,7 @@ def main() -> None:
     sizes = SMALL if args.small else LARGE
     tokens = sizes["max_position_embeddings"]
     schema = imdb_schema(sizes["vocab_size"], tokens)
-    columns = full_rows(BATCH * (args.steps + WARMUP), sizes["vocab_size"], tokens)
+    columns = imdb_columns(BATCH * (args.steps + WARMUP), sizes["vocab_size"], tokens, min_len=tokens)  # all real
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "llama"
         save_llama(folder, sizes)

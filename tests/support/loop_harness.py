@@ -207,11 +207,13 @@ def mnist_columns(rows: int, seed: int = 0) -> dict[str, np.ndarray]:
     return {"image": images, "label": labels.astype(np.int64)}
 
 
-def imdb_columns(rows: int, vocab: int, max_len: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """Token shards (input_ids [N, T] padded with 0, length, label, id) whose label shows in the tokens."""
+def imdb_columns(rows: int, vocab: int, max_len: int, seed: int = 0,
+                 min_len: int | None = None) -> dict[str, np.ndarray]:
+    """Token shards (input_ids [N, T] padded with 0, length, label, id) whose label shows in the tokens; rows of
+    `min_len` (default max_len / 4) to `max_len` tokens."""
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, 2, size=rows)
-    lengths = rng.integers(max_len // 4, max_len + 1, size=rows)
+    lengths = rng.integers(max_len // 4 if min_len is None else min_len, max_len + 1, size=rows)
     ids = rng.integers(5, vocab, size=(rows, max_len))
     ids[:, 0] = 5 + labels  # a sentiment token
     ids[np.arange(max_len)[None, :] >= lengths[:, None]] = 0
